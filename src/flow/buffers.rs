@@ -1,0 +1,68 @@
+//! The named intermediate tensors of the flow (f32, `[tokens, width]`),
+//! sized for the most tokens one submission carries.
+
+use crate::error::Result;
+use crate::gpu::Gpu;
+use crate::kernels::Step;
+use crate::model::ModelConfig;
+
+#[derive(Debug)]
+pub struct Activations {
+    pub max_tokens: usize,
+    /// Token ids in flight, u32.
+    pub tokens: wgpu::Buffer,
+    /// The uniform [`Step`]: first position and token count.
+    pub step: wgpu::Buffer,
+    /// cos/sin of every position's rotary angles.
+    pub cos_sin: wgpu::Buffer,
+    /// The residual stream.
+    pub x: wgpu::Buffer,
+    /// A normalised copy of `x`, input of the projections and the head.
+    pub h: wgpu::Buffer,
+    pub qkv: wgpu::Buffer,
+    pub attn: wgpu::Buffer,
+    pub attn_out: wgpu::Buffer,
+    pub gate_up: wgpu::Buffer,
+    pub ffn_act: wgpu::Buffer,
+    pub ffn_out: wgpu::Buffer,
+    pub logits: wgpu::Buffer,
+}
+
+impl Activations {
+    pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize, context_len: usize) -> Result<Self> {
+        let t = max_tokens;
+        let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
+        Ok(Activations {
+            max_tokens,
+            tokens: gpu.storage_buffer("tokens", t)?,
+            step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("step"),
+                size: std::mem::size_of::<Step>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            cos_sin: gpu.storage_buffer_init("cos_sin", &c.rope.cos_sin_table(context_len)),
+            x: buf("x", c.hidden)?,
+            h: buf("h", c.hidden)?,
+            qkv: buf("qkv", c.heads.qkv_width())?,
+            attn: buf("attn", c.heads.q * c.heads.dim)?,
+            attn_out: buf("attn_out", c.hidden)?,
+            gate_up: buf("gate_up", 2 * c.intermediate)?,
+            ffn_act: buf("ffn_act", c.intermediate)?,
+            ffn_out: buf("ffn_out", c.hidden)?,
+            logits: gpu.storage_buffer("logits", c.vocab)?,
+        })
+    }
+
+    /// Sets the token ids and first position of the next submission.
+    pub fn write_step(&self, gpu: &Gpu, tokens: &[u32], pos0: usize) {
+        debug_assert!(tokens.len() <= self.max_tokens);
+        gpu.queue.write_buffer(&self.tokens, 0, bytemuck::cast_slice(tokens));
+        let step = Step {
+            pos0: pos0 as u32,
+            n_tokens: tokens.len() as u32,
+            _pad: [0; 2],
+        };
+        gpu.queue.write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
+    }
+}

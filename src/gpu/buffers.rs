@@ -1,0 +1,136 @@
+//! Buffer creation and the recorded-dispatch type every kernel wrapper returns.
+
+use wgpu::util::DeviceExt;
+
+use super::Gpu;
+use crate::error::{Error, Result};
+
+/// A kernel invocation with its pipeline, bindings and grid fixed at load
+/// time, so that encoding a token only replays these.
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    pub label: &'static str,
+    pub pipeline: wgpu::ComputePipeline,
+    pub bind_group: wgpu::BindGroup,
+    /// Workgroups for one token; `y` is multiplied by the number of tokens
+    /// in flight when `per_token` is set (kernels index tokens by `wid.y`).
+    pub workgroups: [u32; 3],
+    pub per_token: bool,
+}
+
+impl Dispatch {
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
+        let [x, y, z] = self.workgroups;
+        let y = if self.per_token { y * n_tokens } else { y };
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind_group, &[]);
+        pass.dispatch_workgroups(x, y, z);
+    }
+}
+
+pub fn encode_all(dispatches: &[Dispatch], pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
+    for d in dispatches {
+        d.encode(pass, n_tokens);
+    }
+}
+
+/// A small uniform buffer of kernel parameters, written once at creation.
+#[derive(Debug, Clone)]
+pub struct ParamsBuffer(pub wgpu::Buffer);
+
+impl ParamsBuffer {
+    pub fn new<T: bytemuck::Pod>(gpu: &Gpu, label: &str, params: &T) -> Self {
+        ParamsBuffer(
+            gpu.device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents: bytemuck::bytes_of(params),
+                    usage: wgpu::BufferUsages::UNIFORM,
+                }),
+        )
+    }
+}
+
+impl Gpu {
+    /// A zero-filled f32/u32 storage buffer of `len` 4-byte elements.
+    pub fn storage_buffer(&self, label: &str, len: usize) -> Result<wgpu::Buffer> {
+        self.storage_buffer_bytes(label, (len.max(1) * 4) as u64)
+    }
+
+    pub fn storage_buffer_bytes(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer> {
+        let size = bytes.max(4).next_multiple_of(4);
+        if size > self.caps.max_buffer_size {
+            return Err(Error::OutOfDeviceMemory {
+                what: label.to_string(),
+                needed_bytes: size,
+                message: format!(
+                    "one buffer may hold at most {} bytes on this adapter",
+                    self.caps.max_buffer_size
+                ),
+            });
+        }
+        Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        }))
+    }
+
+    /// A storage buffer holding `data`.
+    pub fn storage_buffer_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let mut padded;
+        let contents = if bytes.len() % 4 == 0 && !bytes.is_empty() {
+            bytes
+        } else {
+            padded = bytes.to_vec();
+            padded.resize(bytes.len().max(4).next_multiple_of(4), 0);
+            &padded
+        };
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::COPY_SRC,
+            })
+    }
+
+    /// Splits `n` workgroups into an `(x, z)` grid within the per-dimension
+    /// limit; kernels recover the linear index as `wid.x + wid.z * nwg.x`.
+    pub fn fold_grid(&self, n: u32) -> [u32; 3] {
+        let max = self.caps.max_workgroups_per_dim.max(1);
+        if n <= max {
+            [n.max(1), 1, 1]
+        } else {
+            let z = n.div_ceil(max);
+            [n.div_ceil(z), 1, z]
+        }
+    }
+
+    /// Binds `buffers` (as bindings 0..) in a bind group for `pipeline`.
+    pub fn bind(
+        &self,
+        label: &str,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[&wgpu::Buffer],
+    ) -> wgpu::BindGroup {
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(label),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        })
+    }
+}

@@ -1,0 +1,270 @@
+//! The GPU context: adapter and device selection, the features and limits
+//! the kernels specialise on, buffer helpers and readback.
+
+mod buffers;
+mod tensor;
+mod readback;
+
+pub use buffers::{Dispatch, ParamsBuffer, encode_all};
+pub use readback::Readback;
+pub use tensor::{GpuTensor, TensorPart};
+
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+
+/// A graphics API wgpu can drive. `Auto` takes the best adapter of any
+/// native API (discrete GPU first), falling back to GL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Auto,
+    Vulkan,
+    Metal,
+    Dx12,
+    Gl,
+}
+
+impl Backend {
+    /// The backend named by `WGSPARK_BACKEND`, or `Auto` when it is unset.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("WGSPARK_BACKEND") {
+            Ok(name) if !name.is_empty() => name.parse(),
+            _ => Ok(Backend::Auto),
+        }
+    }
+
+    fn wgpu_backends(self) -> wgpu::Backends {
+        match self {
+            Backend::Auto => wgpu::Backends::PRIMARY,
+            Backend::Vulkan => wgpu::Backends::VULKAN,
+            Backend::Metal => wgpu::Backends::METAL,
+            Backend::Dx12 => wgpu::Backends::DX12,
+            Backend::Gl => wgpu::Backends::GL,
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    fn from_str(name: &str) -> Result<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Backend::Auto),
+            "vulkan" | "vk" => Ok(Backend::Vulkan),
+            "metal" | "mtl" => Ok(Backend::Metal),
+            "dx12" | "d3d12" => Ok(Backend::Dx12),
+            "gl" | "gles" | "opengl" => Ok(Backend::Gl),
+            _ => Err(Error::UnknownBackend(name.to_string())),
+        }
+    }
+}
+
+/// How to open a [`Gpu`].
+#[derive(Debug, Clone)]
+pub struct GpuOptions {
+    pub backend: Backend,
+    /// Lowers the largest storage binding the engine will use below the
+    /// adapter's limit; tensors larger than this are split into row ranges.
+    /// Exists to exercise the split path on adapters with a large limit.
+    pub max_storage_binding: Option<u64>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            backend: Backend::Auto,
+            max_storage_binding: None,
+        }
+    }
+}
+
+/// What the kernels may use on this adapter, decided once at device
+/// creation. Pipelines pick their variant from this.
+#[derive(Debug, Clone)]
+pub struct Caps {
+    pub shader_f16: bool,
+    pub subgroups: bool,
+    pub timestamps: bool,
+    /// A CPU rasteriser (lavapipe, llvmpipe, WARP): favours one row per
+    /// invocation over workgroup reductions.
+    pub is_cpu: bool,
+    pub max_storage_binding: u64,
+    pub max_buffer_size: u64,
+    pub max_workgroups_per_dim: u32,
+    pub subgroup_min_size: u32,
+    pub subgroup_max_size: u32,
+}
+
+/// An open device: the adapter that was chosen, its queue, and what it can do.
+#[derive(Clone)]
+pub struct Gpu {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub features: wgpu::Features,
+    pub limits: wgpu::Limits,
+    pub caps: Caps,
+    errors: Arc<Mutex<Vec<wgpu::Error>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("adapter", &self.info.name)
+            .field("backend", &self.info.backend)
+            .field("caps", &self.caps)
+            .finish()
+    }
+}
+
+/// Optional features the kernels use where present.
+const WANTED_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
+    .union(wgpu::Features::SUBGROUP)
+    .union(wgpu::Features::TIMESTAMP_QUERY);
+
+fn device_type_rank(t: wgpu::DeviceType) -> u8 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+impl Gpu {
+    /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter).
+    pub fn from_env() -> Result<Self> {
+        Self::new(&GpuOptions {
+            backend: Backend::from_env()?,
+            ..GpuOptions::default()
+        })
+    }
+
+    pub fn new(options: &GpuOptions) -> Result<Self> {
+        pollster::block_on(Self::open(options))
+    }
+
+    async fn open(options: &GpuOptions) -> Result<Self> {
+        let mut tried = vec![options.backend.wgpu_backends()];
+        let mut adapter = Self::best_adapter(options.backend.wgpu_backends()).await;
+        if adapter.is_none() && options.backend == Backend::Auto {
+            tried.push(wgpu::Backends::GL);
+            adapter = Self::best_adapter(wgpu::Backends::GL).await;
+        }
+        let adapter = adapter.ok_or_else(|| Error::NoAdapter {
+            tried: tried
+                .iter()
+                .map(|b| format!("{b:?}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+
+        let info = adapter.get_info();
+        let features = adapter.features() & WANTED_FEATURES;
+        let limits = adapter.limits();
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("wgspark"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                memory_hints: wgpu::MemoryHints::Performance,
+                trace: wgpu::Trace::Off,
+            })
+            .await
+            .map_err(|e| Error::RequestDevice {
+                adapter: info.name.clone(),
+                message: e.to_string(),
+            })?;
+
+        // Validation and out-of-memory errors are collected instead of
+        // panicking, and turned into `Error`s at the next checkpoint.
+        let errors: Arc<Mutex<Vec<wgpu::Error>>> = Arc::default();
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e| sink.lock().unwrap().push(e)));
+
+        let mut max_storage_binding = limits.max_storage_buffer_binding_size;
+        if let Some(cap) = options.max_storage_binding {
+            max_storage_binding = max_storage_binding.min(cap);
+        }
+        let caps = Caps {
+            shader_f16: features.contains(wgpu::Features::SHADER_F16),
+            subgroups: features.contains(wgpu::Features::SUBGROUP),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            is_cpu: info.device_type == wgpu::DeviceType::Cpu
+                || is_software_renderer(&info.name),
+            max_storage_binding,
+            max_buffer_size: limits.max_buffer_size,
+            max_workgroups_per_dim: limits.max_compute_workgroups_per_dimension,
+            subgroup_min_size: info.subgroup_min_size,
+            subgroup_max_size: info.subgroup_max_size,
+        };
+        Ok(Gpu {
+            device,
+            queue,
+            info,
+            features,
+            limits,
+            caps,
+            errors,
+        })
+    }
+
+    async fn best_adapter(backends: wgpu::Backends) -> Option<wgpu::Adapter> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        let adapters = instance.enumerate_adapters(backends).await;
+        adapters
+            .into_iter()
+            .filter(|a| {
+                // Compute shaders are all this engine needs.
+                a.get_downlevel_capabilities()
+                    .flags
+                    .contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
+            })
+            .min_by_key(|a| device_type_rank(a.get_info().device_type))
+    }
+
+    /// One line naming the adapter and backend, for logs.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({:?}, {:?})",
+            self.info.name, self.info.backend, self.info.device_type
+        )
+    }
+
+    /// Turns the first GPU error recorded since the last call into an `Error`.
+    pub fn check(&self, what: &str) -> Result<()> {
+        let mut errors = self.errors.lock().unwrap();
+        if errors.is_empty() {
+            return Ok(());
+        }
+        let first = errors.remove(0);
+        errors.clear();
+        Err(match first {
+            wgpu::Error::OutOfMemory { .. } => Error::OutOfDeviceMemory {
+                what: what.to_string(),
+                needed_bytes: 0,
+                message: "the device ran out of memory".to_string(),
+            },
+            other => Error::Gpu(format!("{what}: {other}")),
+        })
+    }
+
+    /// Blocks until all submitted work is done.
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Gpu(e.to_string()))?;
+        Ok(())
+    }
+}
+
+fn is_software_renderer(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
+        .iter()
+        .any(|s| name.contains(s))
+}

@@ -1,0 +1,88 @@
+//! A bf16 weight matrix on the GPU, split into row ranges when it is larger
+//! than one storage binding may be.
+
+use super::Gpu;
+use crate::error::Result;
+
+/// One row range of a [`GpuTensor`], in its own buffer.
+#[derive(Debug, Clone)]
+pub struct TensorPart {
+    pub buffer: wgpu::Buffer,
+    pub first_row: usize,
+    pub rows: usize,
+}
+
+/// A bf16 `[rows, cols]` matrix (a vector is one row), stored as packed
+/// pairs in one or more buffers of whole rows.
+#[derive(Debug, Clone)]
+pub struct GpuTensor {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub parts: Vec<TensorPart>,
+}
+
+impl GpuTensor {
+    /// Allocates an uninitialised tensor, split so that every part fits the
+    /// adapter's (or the caller's lowered) storage binding limit.
+    pub fn alloc(gpu: &Gpu, name: &str, rows: usize, cols: usize) -> Result<Self> {
+        let row_bytes = (cols * 2) as u64;
+        let limit = gpu.caps.max_storage_binding.min(gpu.caps.max_buffer_size);
+        let rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
+        let mut parts = Vec::new();
+        let mut first_row = 0;
+        while first_row < rows.max(1) {
+            let n = rows_per_part.min(rows.max(1) - first_row);
+            let buffer = gpu.storage_buffer_bytes(
+                &format!("{name}[{first_row}..{}]", first_row + n),
+                (n * cols * 2) as u64,
+            )?;
+            parts.push(TensorPart {
+                buffer,
+                first_row,
+                rows: n,
+            });
+            first_row += n;
+        }
+        Ok(GpuTensor {
+            name: name.to_string(),
+            rows,
+            cols,
+            parts,
+        })
+    }
+
+    /// Writes bf16 rows (raw little-endian bytes) starting at `first_row`,
+    /// spreading them over the parts they fall in.
+    pub fn write_rows(&self, gpu: &Gpu, first_row: usize, bf16_bytes: &[u8]) {
+        let row_bytes = self.cols * 2;
+        let n_rows = bf16_bytes.len() / row_bytes.max(1);
+        for part in &self.parts {
+            let lo = first_row.max(part.first_row);
+            let hi = (first_row + n_rows).min(part.first_row + part.rows);
+            if lo >= hi {
+                continue;
+            }
+            let src = &bf16_bytes[(lo - first_row) * row_bytes..(hi - first_row) * row_bytes];
+            let offset = ((lo - part.first_row) * row_bytes) as u64;
+            write_padded(gpu, &part.buffer, offset, src);
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        (self.rows * self.cols * 2) as u64
+    }
+}
+
+/// `queue.write_buffer` needs 4-byte multiples. Rows start on a word
+/// boundary (matrices have an even number of columns, checked at load), so
+/// only the end of an odd-length vector needs a zero half of padding.
+fn write_padded(gpu: &Gpu, buffer: &wgpu::Buffer, offset: u64, bytes: &[u8]) {
+    if bytes.len() % 4 == 0 {
+        gpu.queue.write_buffer(buffer, offset, bytes);
+    } else {
+        let mut padded = bytes.to_vec();
+        padded.resize(bytes.len().next_multiple_of(4), 0);
+        gpu.queue.write_buffer(buffer, offset, &padded);
+    }
+}

@@ -1,0 +1,63 @@
+//! `wgsl/embed.wgsl`: embedding rows for the tokens in flight.
+
+use crate::error::Result;
+use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    hidden: u32,
+    first_row: u32,
+    rows: u32,
+    _pad: u32,
+}
+
+#[derive(Debug)]
+pub struct Embed {
+    pipeline: wgpu::ComputePipeline,
+}
+
+impl Embed {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Embed {
+            pipeline: super::pipeline(gpu, "embed", &[])?,
+        })
+    }
+
+    /// `x[t] = table[tokens[t]]`, one dispatch per part of the table.
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        table: &GpuTensor,
+        tokens: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+    ) -> Vec<Dispatch> {
+        table
+            .parts
+            .iter()
+            .map(|part| {
+                let params = ParamsBuffer::new(
+                    gpu,
+                    "embed.params",
+                    &Params {
+                        hidden: table.cols as u32,
+                        first_row: part.first_row as u32,
+                        rows: part.rows as u32,
+                        _pad: 0,
+                    },
+                );
+                Dispatch {
+                    label: "embed",
+                    bind_group: gpu.bind(
+                        "embed",
+                        &self.pipeline,
+                        &[&params.0, &part.buffer, tokens, x],
+                    ),
+                    pipeline: self.pipeline.clone(),
+                    workgroups: [(table.cols as u32).div_ceil(64), 1, 1],
+                    per_token: true,
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,129 @@
+//! One Rust wrapper per `wgsl/*.wgsl` kernel family: typed parameters and
+//! the construction of [`Dispatch`]es with their bindings fixed at load.
+
+pub mod attention;
+pub mod embed;
+pub mod gemv;
+pub mod residual;
+pub mod rms_norm;
+pub mod rope;
+pub mod swiglu;
+
+pub use attention::Attention;
+pub use embed::Embed;
+pub use gemv::Gemv;
+pub use residual::Residual;
+pub use rms_norm::RmsNorm;
+pub use rope::Rope;
+pub use swiglu::Swiglu;
+
+use crate::error::Result;
+use crate::gpu::Gpu;
+
+/// Every kernel family's WGSL, by file name (without `.wgsl`).
+pub const SHADERS: &[(&str, &str)] = &[
+    ("attention", include_str!("../../wgsl/attention.wgsl")),
+    ("embed", include_str!("../../wgsl/embed.wgsl")),
+    ("gemv", include_str!("../../wgsl/gemv.wgsl")),
+    ("residual", include_str!("../../wgsl/residual.wgsl")),
+    ("rms_norm", include_str!("../../wgsl/rms_norm.wgsl")),
+    ("rope", include_str!("../../wgsl/rope.wgsl")),
+    ("swiglu", include_str!("../../wgsl/swiglu.wgsl")),
+];
+
+const COMMON: &str = include_str!("../../wgsl/common.wgsl");
+
+/// The complete source of a kernel family as it is compiled: the shared
+/// helpers of `common.wgsl` followed by the family's file.
+pub fn shader_source(name: &str) -> Option<String> {
+    SHADERS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, src)| format!("{COMMON}\n{src}"))
+}
+
+/// The per-submission values every position-dependent kernel reads: the
+/// position of the first token in flight and how many tokens there are.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Step {
+    pub pos0: u32,
+    pub n_tokens: u32,
+    pub _pad: [u32; 2],
+}
+
+/// Compiles a kernel family's entry point `main` with pipeline constants.
+pub(crate) fn pipeline(
+    gpu: &Gpu,
+    name: &str,
+    constants: &[(&str, f64)],
+) -> Result<wgpu::ComputePipeline> {
+    let source = shader_source(name).expect("kernel name is one of SHADERS");
+    let module = gpu
+        .device
+        .create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(name),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+    let pipeline = gpu
+        .device
+        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(name),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+    gpu.check(&format!("compiling kernel {name}"))?;
+    Ok(pipeline)
+}
+
+/// All pipelines of the layer flow, created once per model.
+#[derive(Debug)]
+pub struct Kernels {
+    pub embed: Embed,
+    pub rms_norm: RmsNorm,
+    pub gemv: Gemv,
+    pub rope: Rope,
+    pub attention: Attention,
+    pub swiglu: Swiglu,
+    pub residual: Residual,
+}
+
+impl Kernels {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Kernels {
+            embed: Embed::new(gpu)?,
+            rms_norm: RmsNorm::new(gpu)?,
+            gemv: Gemv::new(gpu)?,
+            rope: Rope::new(gpu)?,
+            attention: Attention::new(gpu)?,
+            swiglu: Swiglu::new(gpu)?,
+            residual: Residual::new(gpu)?,
+        })
+    }
+}
+
+/// The attention geometry: query heads, key/value heads and head width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    pub q: usize,
+    pub kv: usize,
+    pub dim: usize,
+}
+
+impl Heads {
+    /// Width of one token's fused q, k, v projection.
+    pub fn qkv_width(&self) -> usize {
+        (self.q + 2 * self.kv) * self.dim
+    }
+
+    /// Width of one position's row in the K (or V) cache.
+    pub fn kv_width(&self) -> usize {
+        self.kv * self.dim
+    }
+}

@@ -1,0 +1,91 @@
+//! `wgsl/rms_norm.wgsl`: RMSNorm over rows of the hidden state or of q/k heads.
+
+use crate::error::Result;
+use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n: u32,
+    head_stride: u32,
+    token_stride: u32,
+    offset: u32,
+    eps: f32,
+    _pad: [u32; 3],
+}
+
+/// Where the rows to normalise are: `heads` rows of `n` elements per token,
+/// `head_stride` apart, starting at `offset` in a buffer of `token_stride`
+/// elements per token.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows {
+    pub n: usize,
+    pub heads: usize,
+    pub head_stride: usize,
+    pub token_stride: usize,
+    pub offset: usize,
+}
+
+impl Rows {
+    /// One row of `n` per token, tokens packed.
+    pub fn vector(n: usize) -> Self {
+        Rows {
+            n,
+            heads: 1,
+            head_stride: 0,
+            token_stride: n,
+            offset: 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct RmsNorm {
+    pipeline: wgpu::ComputePipeline,
+}
+
+impl RmsNorm {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        let wg = if gpu.caps.is_cpu { 64.0 } else { 256.0 };
+        Ok(RmsNorm {
+            pipeline: super::pipeline(gpu, "rms_norm", &[("WG", wg)])?,
+        })
+    }
+
+    /// `out = w * x * rsqrt(mean(x^2) + eps)` per row; `x` and `out` may be
+    /// the same buffer (the rows are then normalised in place, at the same
+    /// offsets).
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        eps: f32,
+        x: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        rows: Rows,
+    ) -> Dispatch {
+        let params = ParamsBuffer::new(
+            gpu,
+            "rms_norm.params",
+            &Params {
+                n: rows.n as u32,
+                head_stride: rows.head_stride as u32,
+                token_stride: rows.token_stride as u32,
+                offset: rows.offset as u32,
+                eps,
+                _pad: [0; 3],
+            },
+        );
+        Dispatch {
+            label: "rms_norm",
+            bind_group: gpu.bind(
+                "rms_norm",
+                &self.pipeline,
+                &[&params.0, &weight.parts[0].buffer, x, out],
+            ),
+            pipeline: self.pipeline.clone(),
+            workgroups: [rows.heads as u32, 1, 1],
+            per_token: true,
+        }
+    }
+}

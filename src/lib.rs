@@ -1,0 +1,39 @@
+//! wgspark: decoder-only LLM inference whose whole layer flow runs as WGSL
+//! compute shaders through wgpu (Vulkan, Metal, DX12, GL).
+//!
+//! ```no_run
+//! use wgspark::{Gpu, Model, Sampler, SessionOptions};
+//!
+//! let gpu = Gpu::from_env()?;
+//! let model = Model::load("path/to/hf-checkpoint", &gpu)?;
+//! let mut session = model.session(&SessionOptions::default())?;
+//! let mut logits = session.prefill(&[1, 2, 3])?;
+//! let mut sampler = Sampler::greedy();
+//! for _ in 0..8 {
+//!     let next = sampler.sample(&logits);
+//!     logits = session.step(next, session.position())?;
+//! }
+//! # Ok::<(), wgspark::Error>(())
+//! ```
+
+pub mod error;
+pub mod flow;
+pub mod gpu;
+pub mod kernels;
+pub mod kv_cache;
+pub mod model;
+pub mod sampling;
+pub mod session;
+
+pub use error::{Error, Result};
+pub use gpu::{Backend, Gpu, GpuOptions};
+pub use model::{Model, ModelConfig};
+pub use sampling::{Sampler, Sampling};
+pub use session::{Session, SessionOptions};
+
+impl Model {
+    /// Opens a decoding session with its own KV cache.
+    pub fn session(&self, options: &SessionOptions) -> Result<Session<'_>> {
+        Session::new(self, options)
+    }
+}

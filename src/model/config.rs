@@ -1,0 +1,300 @@
+//! `config.json`, in both layouts it ships in: the hub's (`rope_theta`,
+//! `rope_scaling`, `torch_dtype`) and transformers 5's (`rope_parameters`,
+//! `dtype`). Unknown keys are ignored.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::family::{self, Family};
+use crate::error::{Error, Result};
+use crate::kernels::Heads;
+
+/// The fields of `config.json` this engine reads, as written.
+#[derive(Debug, Clone, Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    #[serde(default)]
+    architectures: Vec<String>,
+    hidden_size: usize,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    vocab_size: usize,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
+    partial_rotary_factor: Option<f64>,
+    rotary_dim: Option<usize>,
+    sliding_window: Option<usize>,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+}
+
+/// `rope_scaling` (hub) or `rope_parameters` (transformers 5, which also
+/// carries `rope_theta`).
+#[derive(Debug, Clone, Deserialize)]
+struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
+    rope_theta: Option<f64>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+    partial_rotary_factor: Option<f64>,
+}
+
+/// How rotary frequencies are rescaled for long contexts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1: scaling by wavelength band.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    /// Leading dims of each head that rotate; the rest pass through.
+    pub rotary_dim: usize,
+    pub scaling: RopeScaling,
+}
+
+impl RopeConfig {
+    /// `inv_freq[i]` for `i < rotary_dim / 2`, computed in f32 the way
+    /// transformers does, so angles agree to the last bit where they can.
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let dim = self.rotary_dim;
+        let base = self.theta as f32;
+        let plain: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        match self.scaling {
+            RopeScaling::None => plain,
+            RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let factor = factor as f32;
+                let (low, high) = (low_freq_factor as f32, high_freq_factor as f32);
+                let old_len = original_max_position_embeddings as f32;
+                let low_freq_wavelen = old_len / low;
+                let high_freq_wavelen = old_len / high;
+                plain
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
+                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        if medium {
+                            let smooth = (old_len / wavelen - low) / (high - low);
+                            (1.0 - smooth) * scaled / factor + smooth * scaled
+                        } else {
+                            scaled
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// cos and sin of `pos * inv_freq` for positions `0..positions`, laid
+    /// out `[pos][cos(half) | sin(half)]` as `wgsl/rope.wgsl` reads them.
+    pub fn cos_sin_table(&self, positions: usize) -> Vec<f32> {
+        let inv_freq = self.inv_freq();
+        let mut table = Vec::with_capacity(positions * inv_freq.len() * 2);
+        for pos in 0..positions {
+            // The angle is rounded to f32 first, as transformers computes it.
+            let angles: Vec<f64> = inv_freq.iter().map(|&f| (f * pos as f32) as f64).collect();
+            table.extend(angles.iter().map(|a| a.cos() as f32));
+            table.extend(angles.iter().map(|a| a.sin() as f32));
+        }
+        table
+    }
+}
+
+/// A validated model configuration: everything the layer flow needs.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub family: &'static Family,
+    pub model_type: String,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: Heads,
+    pub rms_eps: f32,
+    pub rope: RopeConfig,
+    pub vocab: usize,
+    pub max_positions: usize,
+    pub tie_embeddings: bool,
+    /// Keys older than this many positions are not attended (Mistral).
+    pub sliding_window: Option<usize>,
+    /// The checkpoint's declared dtype, for information.
+    pub dtype: Option<String>,
+}
+
+impl ModelConfig {
+    /// Reads and validates `dir/config.json`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        Self::parse(&text, &path)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| {
+            if e.is_data() {
+                Error::InvalidConfig {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                }
+            } else {
+                Error::Json {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                }
+            }
+        })?;
+        let invalid = |message: String| Error::InvalidConfig {
+            path: path.to_path_buf(),
+            message,
+        };
+
+        let model_type = raw
+            .model_type
+            .clone()
+            .or_else(|| raw.architectures.first().cloned())
+            .ok_or_else(|| invalid("neither model_type nor architectures is given".into()))?;
+        let family = family::for_model_type(&model_type)?;
+
+        let heads_q = raw.num_attention_heads;
+        let heads_kv = raw.num_key_value_heads.unwrap_or(heads_q);
+        if heads_q == 0 || heads_kv == 0 || heads_q % heads_kv != 0 {
+            return Err(invalid(format!(
+                "num_attention_heads ({heads_q}) must be a positive multiple of num_key_value_heads ({heads_kv})"
+            )));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.hidden_size % heads_q == 0 => raw.hidden_size / heads_q,
+            None => {
+                return Err(invalid(format!(
+                    "hidden_size {} is not divisible by num_attention_heads {heads_q} and no head_dim is given",
+                    raw.hidden_size
+                )));
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM {
+            return Err(invalid(format!(
+                "head_dim {head_dim} must be even and at most {}",
+                crate::kernels::attention::MAX_HEAD_DIM
+            )));
+        }
+        let intermediate = raw
+            .intermediate_size
+            .ok_or_else(|| invalid("missing field `intermediate_size`".into()))?;
+        for (name, v) in [("hidden_size", raw.hidden_size), ("intermediate_size", intermediate)] {
+            if v == 0 || v % 2 != 0 {
+                return Err(invalid(format!("{name} {v} must be even and positive")));
+            }
+        }
+        if raw.num_hidden_layers == 0 || raw.vocab_size == 0 {
+            return Err(invalid("num_hidden_layers and vocab_size must be positive".into()));
+        }
+
+        let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
+        Ok(ModelConfig {
+            family,
+            model_type,
+            hidden: raw.hidden_size,
+            intermediate,
+            layers: raw.num_hidden_layers,
+            heads: Heads {
+                q: heads_q,
+                kv: heads_kv,
+                dim: head_dim,
+            },
+            rms_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope,
+            vocab: raw.vocab_size,
+            max_positions: raw.max_position_embeddings.unwrap_or(2048),
+            tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            sliding_window: raw.sliding_window.filter(|&w| w > 0),
+            dtype: raw.dtype.or(raw.torch_dtype),
+        })
+    }
+}
+
+fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfig, String> {
+    // transformers 5 folds everything into rope_parameters; the hub layout
+    // keeps theta at the top level and scaling (if any) in rope_scaling.
+    let params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+    let theta = params
+        .and_then(|p| p.rope_theta)
+        .or(raw.rope_theta)
+        .unwrap_or(10_000.0);
+    if !(theta > 0.0) {
+        return Err(format!("rope_theta {theta} must be positive"));
+    }
+    let partial = params
+        .and_then(|p| p.partial_rotary_factor)
+        .or(raw.partial_rotary_factor);
+    let rotary_dim = match (raw.rotary_dim, partial) {
+        (Some(d), _) => d,
+        (None, Some(f)) => (head_dim as f64 * f) as usize,
+        (None, None) => head_dim,
+    };
+    if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        return Err(format!(
+            "rotary width {rotary_dim} must be even and at most head_dim {head_dim}"
+        ));
+    }
+
+    let kind = params
+        .and_then(|p| p.rope_type.clone().or(p.legacy_type.clone()))
+        .unwrap_or_else(|| "default".to_string());
+    let factor = || {
+        params
+            .and_then(|p| p.factor)
+            .ok_or_else(|| format!("rope type {kind:?} needs `factor`"))
+    };
+    let scaling = match kind.as_str() {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => {
+            let p = params.expect("a rope type implies rope parameters");
+            let field = |v: Option<f64>, name: &str| v.ok_or_else(|| format!("llama3 rope scaling needs `{name}`"));
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: field(p.low_freq_factor, "low_freq_factor")?,
+                high_freq_factor: field(p.high_freq_factor, "high_freq_factor")?,
+                original_max_position_embeddings: p
+                    .original_max_position_embeddings
+                    .ok_or("llama3 rope scaling needs `original_max_position_embeddings`")?,
+            }
+        }
+        other => return Err(format!("unsupported rope type {other:?} (supported: default, linear, llama3)")),
+    };
+    Ok(RopeConfig {
+        theta,
+        rotary_dim,
+        scaling,
+    })
+}

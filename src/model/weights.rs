@@ -1,0 +1,245 @@
+//! Checkpoint tensors: safetensors files (single or sharded), memory-mapped,
+//! looked up by canonical name, checked for dtype and shape, and streamed to
+//! the GPU as bf16 one tensor at a time.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{Error, Result};
+use crate::gpu::{Gpu, GpuTensor};
+
+/// Maps a checkpoint's tensor name to the text-model name the flow uses:
+/// multimodal checkpoints nest the language model under a prefix.
+pub fn canonical_name(name: &str) -> Cow<'_, str> {
+    const PREFIXES: &[(&str, &str)] = &[
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ];
+    for (from, to) in PREFIXES {
+        if let Some(rest) = name.strip_prefix(from) {
+            return Cow::Owned(format!("{to}{rest}"));
+        }
+    }
+    Cow::Borrowed(name)
+}
+
+#[derive(Debug)]
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Range<usize>,
+}
+
+/// The tensors of a checkpoint directory, memory-mapped.
+#[derive(Debug)]
+pub struct Checkpoint {
+    files: Vec<(PathBuf, Mmap)>,
+    tensors: HashMap<String, Entry>,
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors`, or the shards listed in
+    /// `model.safetensors.index.json` when that exists.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        let shard_names = if index.exists() {
+            shard_list(&index)?
+        } else {
+            vec!["model.safetensors".to_string()]
+        };
+        let mut checkpoint = Checkpoint {
+            files: Vec::new(),
+            tensors: HashMap::new(),
+        };
+        for shard in shard_names {
+            checkpoint.add_file(dir.join(shard))?;
+        }
+        Ok(checkpoint)
+    }
+
+    fn add_file(&mut self, path: PathBuf) -> Result<()> {
+        let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        // SAFETY: the file is opened read-only and the map lives as long as
+        // the checkpoint; a checkpoint rewritten while loading is outside
+        // what any loader can defend against.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&map).map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let data_start = 8 + header_len;
+        let file_index = self.files.len();
+        for (name, info) in metadata.tensors() {
+            let (lo, hi) = info.data_offsets;
+            self.tensors.insert(
+                canonical_name(&name).into_owned(),
+                Entry {
+                    file: file_index,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    bytes: data_start + lo..data_start + hi,
+                },
+            );
+        }
+        self.files.push((path, map));
+        Ok(())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+        })
+    }
+
+    pub fn shape(&self, name: &str) -> Result<&[usize]> {
+        Ok(&self.entry(name)?.shape)
+    }
+
+    /// Fails with `WrongShape` unless the tensor has `expected` shape (a
+    /// vector stored as `[n]` or `[1, n]` is the same data).
+    pub fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
+        let found = &self.entry(name)?.shape;
+        let squeeze = |s: &[usize]| -> Vec<usize> { s.iter().copied().filter(|&d| d != 1).collect() };
+        if squeeze(found) != squeeze(expected) {
+            return Err(Error::WrongShape {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found: found.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The tensor as little-endian bf16 bytes, after checking its shape.
+    /// bf16 is borrowed from the map; f16 and f32 are converted (rounding to
+    /// nearest even), one tensor at a time.
+    pub fn bf16_bytes(&self, name: &str, expected_shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+        self.check_shape(name, expected_shape)?;
+        let entry = self.entry(name)?;
+        let data = &self.files[entry.file].1[entry.bytes.clone()];
+        Ok(match entry.dtype {
+            Dtype::BF16 => Cow::Borrowed(data),
+            Dtype::F16 => Cow::Owned(
+                data.chunks_exact(2)
+                    .flat_map(|b| {
+                        let v = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                        half::bf16::from_f32(v).to_le_bytes()
+                    })
+                    .collect(),
+            ),
+            Dtype::F32 => Cow::Owned(
+                data.chunks_exact(4)
+                    .flat_map(|b| {
+                        let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        half::bf16::from_f32(v).to_le_bytes()
+                    })
+                    .collect(),
+            ),
+            other => {
+                return Err(Error::WrongDtype {
+                    name: name.to_string(),
+                    expected: "BF16, F16 or F32".to_string(),
+                    found: format!("{other:?}"),
+                });
+            }
+        })
+    }
+}
+
+fn shard_list(index: &Path) -> Result<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: HashMap<String, String>,
+    }
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let parsed: Index = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: index.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let mut shards: Vec<String> = parsed.weight_map.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
+}
+
+/// Streams checkpoint tensors to the GPU, flushing the queue's staging
+/// memory regularly so host memory never holds a second copy of the model.
+pub struct Uploader<'a> {
+    gpu: &'a Gpu,
+    checkpoint: &'a Checkpoint,
+    pending_bytes: u64,
+    pub uploaded_bytes: u64,
+}
+
+const FLUSH_BYTES: u64 = 256 << 20;
+
+impl<'a> Uploader<'a> {
+    pub fn new(gpu: &'a Gpu, checkpoint: &'a Checkpoint) -> Self {
+        Uploader {
+            gpu,
+            checkpoint,
+            pending_bytes: 0,
+            uploaded_bytes: 0,
+        }
+    }
+
+    /// One `[rows, cols]` tensor (a vector when `rows` is 1).
+    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<GpuTensor> {
+        let shape: &[usize] = if rows == 1 { &[cols] } else { &[rows, cols] };
+        self.stacked(name, &[(name, rows)], cols, Some(shape))
+    }
+
+    /// Several `[rows_i, cols]` tensors stacked by rows into one GPU tensor
+    /// (fused projections: q|k|v, gate|up).
+    pub fn stack(&mut self, label: &str, sources: &[(&str, usize)], cols: usize) -> Result<GpuTensor> {
+        self.stacked(label, sources, cols, None)
+    }
+
+    fn stacked(
+        &mut self,
+        label: &str,
+        sources: &[(&str, usize)],
+        cols: usize,
+        exact_shape: Option<&[usize]>,
+    ) -> Result<GpuTensor> {
+        let shape_of = |rows: usize| exact_shape.map(<[usize]>::to_vec).unwrap_or_else(|| vec![rows, cols]);
+        // Check every source before allocating anything.
+        for (name, rows) in sources {
+            self.checkpoint.check_shape(name, &shape_of(*rows))?;
+        }
+        let total_rows = sources.iter().map(|(_, r)| r).sum();
+        let tensor = GpuTensor::alloc(self.gpu, label, total_rows, cols)?;
+        let mut row = 0;
+        for (name, rows) in sources {
+            let bytes = self.checkpoint.bf16_bytes(name, &shape_of(*rows))?;
+            tensor.write_rows(self.gpu, row, &bytes);
+            row += rows;
+            self.pending_bytes += bytes.len() as u64;
+            self.uploaded_bytes += bytes.len() as u64;
+            if self.pending_bytes >= FLUSH_BYTES {
+                self.flush()?;
+            }
+        }
+        Ok(tensor)
+    }
+
+    pub fn flush(&mut self) -> Result<()> {
+        self.gpu.queue.submit([]);
+        self.gpu.wait()?;
+        self.gpu.check("uploading weights")?;
+        self.pending_bytes = 0;
+        Ok(())
+    }
+}

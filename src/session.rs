@@ -1,0 +1,155 @@
+//! A decoding session: one sequence's KV cache and the flow's bindings,
+//! advanced one position at a time.
+
+use crate::error::{Error, Result};
+use crate::flow::{Activations, Plan};
+use crate::gpu::Readback;
+use crate::kv_cache::KvCache;
+use crate::model::Model;
+
+/// Default context when the caller gives none: the config's
+/// `max_position_embeddings`, capped so that a 128k-context model does not
+/// reserve gigabytes of KV cache it may never use.
+pub const DEFAULT_CONTEXT_CAP: usize = 8192;
+
+#[derive(Debug, Clone, Default)]
+pub struct SessionOptions {
+    /// Positions the KV cache holds. `None`: the config's
+    /// `max_position_embeddings`, at most [`DEFAULT_CONTEXT_CAP`].
+    pub context_len: Option<usize>,
+}
+
+pub struct Session<'m> {
+    model: &'m Model,
+    activations: Activations,
+    kv: KvCache,
+    plan: Plan,
+    logits_readback: Readback,
+    len: usize,
+}
+
+impl<'m> Session<'m> {
+    pub fn new(model: &'m Model, options: &SessionOptions) -> Result<Self> {
+        let c = &model.config;
+        let context_len = options
+            .context_len
+            .unwrap_or_else(|| c.max_positions.min(DEFAULT_CONTEXT_CAP));
+        if context_len == 0 {
+            return Err(Error::ContextOverflow {
+                position: 0,
+                context_len,
+            });
+        }
+        let gpu = &model.gpu;
+        let kv = KvCache::new(gpu, c.layers, c.heads, context_len)?;
+        let activations = Activations::new(gpu, c, 1, context_len)?;
+        let plan = Plan::new(model, &activations, &kv);
+        let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
+        gpu.check("creating the session")?;
+        Ok(Session {
+            model,
+            activations,
+            kv,
+            plan,
+            logits_readback,
+            len: 0,
+        })
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Positions filled so far: the position the next token takes.
+    pub fn position(&self) -> usize {
+        self.len
+    }
+
+    pub fn context_len(&self) -> usize {
+        self.kv.context_len
+    }
+
+    /// Forgets every position from `len` on, so the sequence can continue
+    /// from there (the cache rows are overwritten as it does).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Runs `token` at `position` (which must be [`Self::position`]) and
+    /// returns the raw next-token logits, `vocab` f32 values.
+    pub fn step(&mut self, token: u32, position: usize) -> Result<Vec<f32>> {
+        self.check_next(token, position)?;
+        self.submit(token, true)?;
+        let bytes = (self.model.config.vocab * 4) as u64;
+        let logits = self.logits_readback.read(&self.model.gpu, bytes)?;
+        self.len += 1;
+        Ok(logits)
+    }
+
+    /// Runs a prompt from the current position and returns the logits of
+    /// its last token. Positions before the last skip the head.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (&last, rest) = tokens.split_last().ok_or(Error::EmptyPrompt)?;
+        let end = self.len + tokens.len();
+        if end > self.kv.context_len {
+            return Err(Error::ContextOverflow {
+                position: end - 1,
+                context_len: self.kv.context_len,
+            });
+        }
+        let vocab = self.model.config.vocab;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { token: bad, vocab });
+        }
+        for &token in rest {
+            // Queue writes land between submissions in order, so these need
+            // no wait: the GPU runs them back to back.
+            self.submit(token, false)?;
+            self.len += 1;
+        }
+        let position = self.len;
+        self.step(last, position)
+    }
+
+    fn check_next(&self, token: u32, position: usize) -> Result<()> {
+        let vocab = self.model.config.vocab;
+        if token as usize >= vocab {
+            return Err(Error::TokenOutOfRange { token, vocab });
+        }
+        if position != self.len {
+            return Err(Error::NonSequentialPosition {
+                expected: self.len,
+                got: position,
+            });
+        }
+        if position >= self.kv.context_len {
+            return Err(Error::ContextOverflow {
+                position,
+                context_len: self.kv.context_len,
+            });
+        }
+        Ok(())
+    }
+
+    fn submit(&mut self, token: u32, with_head: bool) -> Result<()> {
+        let gpu = &self.model.gpu;
+        self.activations.write_step(gpu, &[token], self.len);
+        let mut encoder = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("token") });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("layers"),
+                timestamp_writes: None,
+            });
+            self.plan.encode(&mut pass, 1, with_head);
+        }
+        if with_head {
+            let bytes = (self.model.config.vocab * 4) as u64;
+            self.logits_readback
+                .record(&mut encoder, &self.activations.logits, 0, bytes);
+        }
+        gpu.queue.submit([encoder.finish()]);
+        gpu.check("running the layer flow")
+    }
+}

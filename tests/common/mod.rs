@@ -1,0 +1,101 @@
+//! Shared test support: the backends under test, one device per backend
+//! per test binary, seeded random data and CPU references.
+#![allow(dead_code)]
+
+pub mod reference;
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use wgspark::{Backend, Gpu, GpuOptions};
+
+/// Backends every GPU test runs on: `WGSPARK_TEST_BACKENDS` (comma list),
+/// by default Vulkan and GL. A listed backend without an adapter fails the
+/// test instead of being skipped.
+pub fn backends() -> Vec<Backend> {
+    let list = std::env::var("WGSPARK_TEST_BACKENDS").unwrap_or_else(|_| "vulkan,gl".into());
+    list.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse().expect("WGSPARK_TEST_BACKENDS names a backend"))
+        .collect()
+}
+
+/// The shared device of `backend` in this test binary.
+pub fn gpu(backend: Backend) -> Gpu {
+    static DEVICES: OnceLock<Mutex<HashMap<String, Gpu>>> = OnceLock::new();
+    let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap();
+    devices
+        .entry(format!("{backend:?}"))
+        .or_insert_with(|| {
+            Gpu::new(&GpuOptions {
+                backend,
+                ..GpuOptions::default()
+            })
+            .unwrap_or_else(|e| panic!("backend {backend:?} is under test but unavailable: {e}"))
+        })
+        .clone()
+}
+
+/// Runs `f` once per backend under test, naming the backend on failure.
+pub fn on_each_backend(mut f: impl FnMut(&Gpu)) {
+    for backend in backends() {
+        let gpu = gpu(backend);
+        eprintln!("-- on {}", gpu.describe());
+        f(&gpu);
+    }
+}
+
+/// A small deterministic generator for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub fn next_u32(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 32) as u32
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        self.next_u32() as f32 / 2_147_483_648.0 - 1.0
+    }
+
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+
+    pub fn below(&mut self, n: u32) -> u32 {
+        self.next_u32() % n
+    }
+}
+
+/// Rounds to bf16 and back, as the GPU sees weights.
+pub fn bf16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+}
+
+pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Asserts `|got - want| <= tol * (1 + |want|)` elementwise.
+pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length mismatch");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}: element {i}: got {g}, want {w} (max abs diff {})",
+            max_abs_diff(got, want)
+        );
+    }
+}

@@ -1,0 +1,47 @@
+//! CPU f32 references of the kernels, written for clarity, not speed.
+
+/// `w` is `[rows, cols]` row-major.
+pub fn gemv(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+    (0..rows)
+        .map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum())
+        .collect()
+}
+
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mean = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    x.iter().zip(w).map(|(v, w)| w * (v * scale)).collect()
+}
+
+pub fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
+}
+
+/// Rotate-half RoPE of one head at `pos` over its first `rot` dims.
+pub fn rope(head: &[f32], pos: usize, rot: usize, inv_freq: &[f32]) -> Vec<f32> {
+    let half = rot / 2;
+    let mut out = head.to_vec();
+    for i in 0..half {
+        let angle = (inv_freq[i] * pos as f32) as f64;
+        let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+        out[i] = head[i] * c - head[i + half] * s;
+        out[i + half] = head[i + half] * c + head[i] * s;
+    }
+    out
+}
+
+/// One query head against keys/values `[len, kv_width]` (already limited
+/// to the attended range), head `kv_head`.
+pub fn attention(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], kv_head: usize, scale: f32) -> Vec<f32> {
+    let hd = q.len();
+    let scores: Vec<f32> = k
+        .iter()
+        .map(|row| q.iter().zip(&row[kv_head * hd..]).map(|(a, b)| a * b).sum::<f32>() * scale)
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    (0..hd)
+        .map(|d| e.iter().zip(v).map(|(p, row)| p * row[kv_head * hd + d]).sum::<f32>() / sum)
+        .collect()
+}
