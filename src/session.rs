@@ -41,6 +41,11 @@ impl<'m> Session<'m> {
             });
         }
         let gpu = &model.gpu;
+        let kv_bytes = (2 * c.layers * context_len * c.heads.kv_width() * 4) as u64;
+        gpu.check_budget(
+            &format!("model weights and a KV cache of {context_len} positions"),
+            c.weight_bytes() + kv_bytes,
+        )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len)?;
         let activations = Activations::new(gpu, c, 1, context_len)?;
         let plan = Plan::new(model, &activations, &kv);

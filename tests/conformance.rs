@@ -4,36 +4,27 @@
 
 mod common;
 
-use common::fixtures::{Case, cases};
+use common::fixtures::{Case, cases, replay};
 use common::{max_abs_diff, on_each_backend};
 use wgspark::sampling::argmax;
-use wgspark::{Gpu, Model, SessionOptions};
+use wgspark::{Gpu, Model};
 
 const TOLERANCE: f32 = 1e-3;
 
-/// Runs the case as the fixture was made (prompt, then each generated id
-/// fed back) and returns the worst row error, or what went wrong.
+/// Compares every row of the case; returns the worst row error, or what
+/// went wrong first.
 fn run_case(gpu: &Gpu, case: &Case) -> Result<f32, String> {
     let e = &case.expected;
     let model = Model::load(&case.dir, gpu).map_err(|e| e.to_string())?;
-    let mut session = model
-        .session(&SessionOptions::default())
-        .map_err(|e| e.to_string())?;
+    let rows = replay(&model, e).map_err(|e| e.to_string())?;
     let mut worst = 0.0f32;
-    let mut logits = session.prefill(&e.prompt_ids).map_err(|e| e.to_string())?;
-    for (row, want) in e.logits.iter().enumerate() {
-        if row > 0 {
-            let pos = session.position();
-            logits = session
-                .step(e.generated_ids[row - 1], pos)
-                .map_err(|e| e.to_string())?;
-        }
-        let err = max_abs_diff(&logits, want);
+    for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
+        let err = max_abs_diff(got, want);
         worst = worst.max(err);
         if err > TOLERANCE {
             return Err(format!("row {row}: max |logit error| {err:.3e} > {TOLERANCE:e}"));
         }
-        let id = argmax(&logits);
+        let id = argmax(got);
         if id != e.generated_ids[row] {
             return Err(format!("row {row}: greedy id {id}, transformers {}", e.generated_ids[row]));
         }

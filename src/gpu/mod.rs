@@ -66,6 +66,11 @@ pub struct GpuOptions {
     /// adapter's limit; tensors larger than this are split into row ranges.
     /// Exists to exercise the split path on adapters with a large limit.
     pub max_storage_binding: Option<u64>,
+    /// Most bytes of device memory the engine may use for one model and
+    /// its session (weights, KV cache, activations). Loading beyond it
+    /// fails with `OutOfDeviceMemory` before anything is allocated; the
+    /// driver's own out-of-memory errors are reported the same way.
+    pub memory_budget: Option<u64>,
 }
 
 impl Default for GpuOptions {
@@ -73,6 +78,7 @@ impl Default for GpuOptions {
         GpuOptions {
             backend: Backend::Auto,
             max_storage_binding: None,
+            memory_budget: None,
         }
     }
 }
@@ -92,6 +98,7 @@ pub struct Caps {
     pub max_workgroups_per_dim: u32,
     pub subgroup_min_size: u32,
     pub subgroup_max_size: u32,
+    pub memory_budget: Option<u64>,
 }
 
 /// An open device: the adapter that was chosen, its queue, and what it can do.
@@ -198,6 +205,7 @@ impl Gpu {
             max_workgroups_per_dim: limits.max_compute_workgroups_per_dimension,
             subgroup_min_size: info.subgroup_min_size,
             subgroup_max_size: info.subgroup_max_size,
+            memory_budget: options.memory_budget,
         };
         Ok(Gpu {
             device,
@@ -251,6 +259,18 @@ impl Gpu {
             },
             other => Error::Gpu(format!("{what}: {other}")),
         })
+    }
+
+    /// Fails with `OutOfDeviceMemory` when `bytes` exceed the memory budget.
+    pub fn check_budget(&self, what: &str, bytes: u64) -> Result<()> {
+        match self.caps.memory_budget {
+            Some(budget) if bytes > budget => Err(Error::OutOfDeviceMemory {
+                what: what.to_string(),
+                needed_bytes: bytes,
+                message: format!("the device memory budget is {budget} bytes"),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Blocks until all submitted work is done.

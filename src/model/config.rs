@@ -151,6 +151,20 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Bytes the weights take on the GPU (bf16), known before loading.
+    pub fn weight_bytes(&self) -> u64 {
+        let (h, i, heads) = (self.hidden, self.intermediate, self.heads);
+        let attn = h * heads.qkv_width() + heads.q * heads.dim * h;
+        let qk_norm = match self.family.qk_norm {
+            super::QkNorm::None => 0,
+            super::QkNorm::PerHead => 2 * heads.dim,
+            super::QkNorm::WholeProjection => (heads.q + heads.kv) * heads.dim,
+        };
+        let layer = attn + qk_norm + 3 * h * i + 2 * h;
+        let heads_and_embed = if self.tie_embeddings { 1 } else { 2 } * self.vocab * h;
+        2 * (self.layers * layer + heads_and_embed + h) as u64
+    }
+
     /// Reads and validates `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
@@ -159,18 +173,15 @@ impl ModelConfig {
     }
 
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| {
-            if e.is_data() {
-                Error::InvalidConfig {
-                    path: path.to_path_buf(),
-                    message: e.to_string(),
-                }
-            } else {
-                Error::Json {
-                    path: path.to_path_buf(),
-                    message: e.to_string(),
-                }
-            }
+        // Syntax errors are malformed JSON; a well-formed file with a missing
+        // or mistyped field is an invalid config, named by its path.
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Json {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| Error::InvalidConfig {
+            path: path.to_path_buf(),
+            message: format!("{}: {}", e.path(), e.inner()),
         })?;
         let invalid = |message: String| Error::InvalidConfig {
             path: path.to_path_buf(),

@@ -60,6 +60,7 @@ impl Model {
     pub fn load(dir: impl AsRef<Path>, gpu: &Gpu) -> Result<Model> {
         let dir = dir.as_ref();
         let config = ModelConfig::load(dir)?;
+        gpu.check_budget("model weights", config.weight_bytes())?;
         let checkpoint = Checkpoint::open(dir)?;
         let kernels = Kernels::new(gpu)?;
         let weights = upload(gpu, &config, &checkpoint)?;
@@ -69,24 +70,6 @@ impl Model {
             weights,
             kernels,
         })
-    }
-
-    /// Bytes of weights on the GPU.
-    pub fn weight_bytes(&self) -> u64 {
-        let w = &self.weights;
-        let layers: u64 = w
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.attn_norm, &l.qkv, &l.o_proj, &l.ffn_norm, &l.gate_up, &l.down]
-                    .iter()
-                    .map(|t| t.bytes())
-                    .sum::<u64>()
-                    + l.q_norm.as_ref().map_or(0, GpuTensor::bytes)
-                    + l.k_norm.as_ref().map_or(0, GpuTensor::bytes)
-            })
-            .sum();
-        layers + w.embed.bytes() + w.final_norm.bytes() + w.lm_head.as_ref().map_or(0, GpuTensor::bytes)
     }
 }
 

@@ -54,3 +54,19 @@ pub fn cases() -> Vec<Case> {
     }
     cases
 }
+
+/// Runs a case as the fixture was made: the prompt, then each generated id
+/// fed back. Returns one logits row per expected row.
+pub fn replay(model: &wgspark::Model, e: &Expected) -> wgspark::Result<Vec<Vec<f32>>> {
+    let mut session = model.session(&wgspark::SessionOptions::default())?;
+    let mut rows = vec![session.prefill(&e.prompt_ids)?];
+    for &id in &e.generated_ids[..e.generated_ids.len() - 1] {
+        let pos = session.position();
+        rows.push(session.step(id, pos)?);
+    }
+    Ok(rows)
+}
+
+pub fn expected(dir: &Path) -> Expected {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap()
+}

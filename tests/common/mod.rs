@@ -2,6 +2,7 @@
 //! per test binary, seeded random data and CPU references.
 #![allow(dead_code)]
 
+pub mod checkpoint;
 pub mod fixtures;
 pub mod reference;
 
