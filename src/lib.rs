@@ -17,6 +17,8 @@
 //! ```
 
 pub mod error;
+#[cfg(feature = "fetch")]
+pub mod fetch;
 pub mod flow;
 pub mod gpu;
 pub mod kernels;

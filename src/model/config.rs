@@ -34,6 +34,8 @@ struct RawConfig {
     sliding_window: Option<usize>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
+    /// An id or a list of ids.
+    eos_token_id: Option<serde_json::Value>,
 }
 
 /// `rope_scaling` (hub) or `rope_parameters` (transformers 5, which also
@@ -148,6 +150,8 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// The checkpoint's declared dtype, for information.
     pub dtype: Option<String>,
+    /// Tokens that end generation.
+    pub eos_token_ids: Vec<u32>,
 }
 
 impl ModelConfig {
@@ -249,6 +253,11 @@ impl ModelConfig {
             tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             sliding_window: raw.sliding_window.filter(|&w| w > 0),
             dtype: raw.dtype.or(raw.torch_dtype),
+            eos_token_ids: match raw.eos_token_id {
+                Some(serde_json::Value::Number(n)) => n.as_u64().map(|id| id as u32).into_iter().collect(),
+                Some(serde_json::Value::Array(ids)) => ids.iter().filter_map(|v| v.as_u64()).map(|id| id as u32).collect(),
+                _ => Vec::new(),
+            },
         })
     }
 }

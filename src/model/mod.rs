@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod family;
+pub mod gguf;
 pub mod weights;
 
 use std::path::Path;

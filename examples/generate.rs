@@ -1,0 +1,170 @@
+//! Text in, tokens streamed out, then prompt and decode speed.
+//!
+//! ```text
+//! cargo run --release --example generate -- --prompt "The capital of France is"
+//! cargo run --release --example generate -- --model DIR --prompt-ids 1,2,3 --json
+//! ```
+//! Without `--model` it runs the default model (SmolLM2-135M-Instruct),
+//! downloading and converting it on first use.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use wgspark::{Backend, Gpu, GpuOptions, Model, Sampler, Sampling, SessionOptions};
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with wgspark")]
+struct Args {
+    /// Hugging Face model folder (config.json, safetensors, tokenizer.json).
+    /// Default: SmolLM2-135M-Instruct, obtained and cached on first use.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "The capital of France is")]
+    prompt: String,
+    /// Comma-separated token ids, used instead of --prompt.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Wrap the prompt in the model's chat turn (ChatML).
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Always take the most likely token (overrides --temperature).
+    #[arg(long)]
+    greedy: bool,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// vulkan, metal, dx12 or gl (default: WGSPARK_BACKEND, else the best adapter).
+    #[arg(long)]
+    backend: Option<String>,
+    /// KV cache positions (default: the model's, at most 8192).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Print one JSON object {prompt_ids, generated_ids, logits} on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let backend = match &args.backend {
+        Some(name) => name.parse()?,
+        None => Backend::from_env()?,
+    };
+    let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
+    eprintln!("adapter: {}", gpu.describe());
+
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => wgspark::fetch::default_model(|msg| eprintln!("{msg}"))?,
+    };
+    let tokenizer = match tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")) {
+        Ok(t) => Some(t),
+        Err(_) if args.prompt_ids.is_some() => None,
+        Err(e) => return Err(format!("{}: {e}", dir.join("tokenizer.json").display()).into()),
+    };
+    let prompt_ids = match (&args.prompt_ids, &tokenizer) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(tok)) => {
+            let text = if args.chat {
+                format!("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", args.prompt)
+            } else {
+                args.prompt.clone()
+            };
+            tok.encode(text, false)?.get_ids().to_vec()
+        }
+        (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
+    };
+
+    let load_start = Instant::now();
+    let model = Model::load(&dir, &gpu)?;
+    eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
+    let mut session = model.session(&SessionOptions { context_len: args.context })?;
+    let mut sampler = if args.greedy || args.temperature == 0.0 {
+        Sampler::greedy()
+    } else {
+        Sampler::new(
+            Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p },
+            args.seed,
+        )?
+    };
+
+    if !args.json {
+        if let Some(tok) = &tokenizer {
+            print!("{}", tok.decode(&prompt_ids, false)?);
+            std::io::stdout().flush()?;
+        }
+    }
+    let prefill_start = Instant::now();
+    let mut logits = session.prefill(&prompt_ids)?;
+    let prefill_secs = prefill_start.elapsed().as_secs_f64();
+
+    let eos = &model.config.eos_token_ids;
+    let mut generated: Vec<u32> = Vec::new();
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let mut printed = String::new();
+    let decode_start = Instant::now();
+    while generated.len() < args.max_new_tokens {
+        let next = sampler.sample(&logits);
+        generated.push(next);
+        if args.json {
+            rows.push(std::mem::take(&mut logits));
+        } else if let Some(tok) = &tokenizer {
+            // Decode the whole continuation so multi-token characters come out whole.
+            let text = tok.decode(&generated, false)?;
+            if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
+                print!("{}", &text[printed.len()..]);
+                std::io::stdout().flush()?;
+                printed = text;
+            }
+        }
+        let stop = !args.ignore_eos && eos.contains(&next);
+        if stop || generated.len() == args.max_new_tokens {
+            break;
+        }
+        logits = session.step(next, session.position())?;
+    }
+    let decode_secs = decode_start.elapsed().as_secs_f64();
+    if !args.json {
+        println!();
+    }
+
+    let decode_steps = generated.len().saturating_sub(1);
+    eprintln!(
+        "prompt: {} tokens in {:.3} s ({:.1} tok/s); decode: {} tokens in {:.3} s ({:.1} tok/s); adapter: {}",
+        prompt_ids.len(),
+        prefill_secs,
+        prompt_ids.len() as f64 / prefill_secs,
+        decode_steps,
+        decode_secs,
+        decode_steps as f64 / decode_secs.max(1e-9),
+        gpu.describe()
+    );
+    if args.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "generated_ids": generated,
+            "logits": rows,
+        });
+        println!("{out}");
+    }
+    Ok(())
+}

