@@ -84,6 +84,7 @@ fn gemv_and_embed_work_on_tensors_split_across_bindings() {
         let gpu = Gpu::new(&GpuOptions {
             backend,
             max_storage_binding: Some(600),
+            ..Default::default()
         })
         .unwrap();
         let mut rng = Rng::new(2);
