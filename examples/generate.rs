@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use wgspark::{Backend, Gpu, GpuOptions, Model, Sampler, Sampling, SessionOptions};
+use wgspark::{Backend, Gpu, GpuOptions, Model, RoutingMode, Sampler, Sampling, SessionOptions, Stats};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with wgspark")]
@@ -55,6 +55,12 @@ struct Args {
     /// Print one JSON object {prompt_ids, generated_ids, logits} on stdout.
     #[arg(long)]
     json: bool,
+    /// Print per-phase time and each MoE layer's router histogram.
+    #[arg(long)]
+    stats: bool,
+    /// MoE layers keep the router's choice on the GPU (no readback).
+    #[arg(long)]
+    device_routing: bool,
 }
 
 fn main() {
@@ -97,7 +103,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let load_start = Instant::now();
     let model = Model::load(&dir, &gpu)?;
     eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
-    let mut session = model.session(&SessionOptions { context_len: args.context })?;
+    let mut session = model.session(&SessionOptions {
+        context_len: args.context,
+        routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
+        timing: args.stats,
+    })?;
     let mut sampler = if args.greedy || args.temperature == 0.0 {
         Sampler::greedy()
     } else {
@@ -158,6 +168,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         decode_steps as f64 / decode_secs.max(1e-9),
         gpu.describe()
     );
+    if args.stats {
+        print_stats(&session.stats());
+    }
     if args.json {
         let out = serde_json::json!({
             "prompt_ids": prompt_ids,
@@ -167,4 +180,30 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         println!("{out}");
     }
     Ok(())
+}
+
+fn print_stats(stats: &Stats) {
+    eprintln!("forward passes: {}", stats.forward_passes);
+    if let (Some(p), Some(source)) = (&stats.phases, stats.timing_source) {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        eprintln!(
+            "phase time ({source:?}): attention {:.3} ms, routed experts {:.3} ms, head {:.3} ms",
+            ms(p.attention),
+            ms(p.routed),
+            ms(p.head)
+        );
+    }
+    if stats.routing_readbacks > 0 {
+        eprintln!(
+            "routing readbacks: {} ({:.3} ms each, GPU work of the submission included)",
+            stats.routing_readbacks,
+            stats.routing_wait.as_secs_f64() * 1e3 / stats.routing_readbacks as f64
+        );
+        for (layer, counts) in stats.router_histogram.iter().enumerate() {
+            if !counts.is_empty() {
+                let row: Vec<String> = counts.iter().map(u64::to_string).collect();
+                eprintln!("layer {layer:>3} experts chosen: [{}]", row.join(" "));
+            }
+        }
+    }
 }

@@ -63,6 +63,82 @@ def mistral_window():
     )
 
 
+def qwen3_dense():
+    # Per-head q/k norm, tied embeddings, head_dim 24 != 64 / 4.
+    return "v5", dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        rms_norm_eps=1e-6, vocab_size=211, max_position_embeddings=128,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        tie_word_embeddings=True, use_sliding_window=False, sliding_window=4,
+    )
+
+
+def mixtral_8x2():
+    return "hub", dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral",
+        hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=2,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, vocab_size=190,
+        max_position_embeddings=128, tie_word_embeddings=False, sliding_window=None,
+    )
+
+
+def mixtral_kv1_top3():
+    # One KV head, top-3 of 6 experts, fused expert tensors.
+    return "v5-fused", dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral",
+        hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=3, num_key_value_heads=1,
+        num_local_experts=6, num_experts_per_tok=3,
+        rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        vocab_size=150, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+
+
+def qwen3_moe(norm_topk_prob):
+    return dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=230,
+        max_position_embeddings=128, tie_word_embeddings=False, use_sliding_window=False,
+    )
+
+
+def qwen3_moe_norm():
+    return "v5-fused", qwen3_moe(True)
+
+
+def qwen3_moe_no_norm():
+    return "hub", qwen3_moe(False)
+
+
+def qwen3_moe_dense_layers():
+    # Layers 1 and 3 are sparse by decoder_sparse_step = 2; mlp_only_layers
+    # makes layer 3 dense again: MoE only in layer 1.
+    cfg = qwen3_moe(True)
+    cfg.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], num_experts_per_tok=3)
+    return "hub", cfg
+
+
+def minimax_m2():
+    # Partial rotary (16 of 32 dims), whole-projection q/k norm, sigmoid
+    # routing with a correction bias that changes many selections.
+    return "hub", dict(
+        architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2",
+        hidden_size=64, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, scoring_func="sigmoid", use_routing_bias=True,
+        rms_norm_eps=1e-6, rope_theta=5000000.0, vocab_size=180, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )
+
+
 # name -> (config builder, options). `must_matter` lists config changes that
 # must change the logits: proof that the feature under test is exercised and
 # that transformers read the field from the layout as written.
@@ -77,10 +153,31 @@ CASES = {
         dict(sliding_window=None),
         dict(rope_theta=10000.0),
     ])),
+    "qwen3_dense": (qwen3_dense, dict(prompt_len=12, steps=8, must_matter=[
+        dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ])),
+    "mixtral_8x2": (mixtral_8x2, dict(prompt_len=12, steps=8, must_matter=[
+        dict(num_experts_per_tok=1),
+    ])),
+    "mixtral_kv1_top3": (mixtral_kv1_top3, dict(prompt_len=12, steps=8, must_matter=[
+        dict(num_experts_per_tok=2),
+    ])),
+    "qwen3_moe_norm": (qwen3_moe_norm, dict(prompt_len=12, steps=8, must_matter=[
+        dict(norm_topk_prob=False),
+    ])),
+    "qwen3_moe_no_norm": (qwen3_moe_no_norm, dict(prompt_len=12, steps=8, must_matter=[
+        dict(norm_topk_prob=True),
+    ])),
+    "qwen3_moe_dense_layers": (qwen3_moe_dense_layers, dict(prompt_len=12, steps=8, must_matter=[])),
+    "minimax_m2": (minimax_m2, dict(prompt_len=12, steps=8, must_matter=[
+        dict(rotary_dim=32),
+    ], bias_scale=0.15)),
 }
 
+MIN_ROUTER_GAP = 2e-3  # between the k-th and (k+1)-th selection score
 
-def randomize(model, seed):
+
+def randomize(model, seed, bias_scale=0.0):
     """Weights wide enough that logits are well separated; norm weights away from 1."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -90,6 +187,11 @@ def randomize(model, seed):
             else:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in ** 0.5))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # Same order of magnitude as the sigmoid scores' spread, so
+                # the bias decides many selections.
+                b.copy_(torch.randn(b.shape, generator=g) * bias_scale)
         # bf16-round everything: the GPU sees bf16 weights.
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
@@ -135,12 +237,59 @@ def check_features_matter(name, cfg_dict, changes, weights, ids):
             sys.exit(f"{name}: changing {change} moves logits by only {diff}: the case does not test it")
 
 
+class RouterProbe:
+    """Records every router's selection scores during a forward pass."""
+
+    def __init__(self, model, cfg_dict):
+        self.scores, self.unbiased = [], []
+        self.k = cfg_dict.get("num_experts_per_tok", 0)
+        sigmoid = cfg_dict.get("scoring_func") == "sigmoid"
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.register_forward_hook(self.hook(sigmoid), with_kwargs=True)
+
+    def hook(self, sigmoid):
+        def record(module, args, kwargs, output):
+            logits = output[0].float()
+            if sigmoid:
+                bias = args[1] if len(args) > 1 else kwargs["e_score_correction_bias"]
+                s = torch.sigmoid(logits)
+                self.scores.append(s + bias.float())
+                self.unbiased.append(s)
+            else:
+                self.scores.append(torch.softmax(logits, dim=-1))
+        return record
+
+    def min_gap(self):
+        gaps = [torch.sort(s, dim=-1, descending=True).values for s in self.scores]
+        return min(float((v[:, self.k - 1] - v[:, self.k]).min()) for v in gaps)
+
+    def bias_changed_share(self):
+        changed = total = 0
+        for s, u in zip(self.scores, self.unbiased):
+            biased = torch.topk(s, self.k, dim=-1).indices.sort(dim=-1).values
+            plain = torch.topk(u, self.k, dim=-1).indices.sort(dim=-1).values
+            changed += int((biased != plain).any(dim=-1).sum())
+            total += s.shape[0]
+        return changed / max(total, 1)
+
+
 def top2_gap(rows):
     return min(float(torch.topk(r, 2).values[0] - torch.topk(r, 2).values[1]) for r in rows)
 
 
+def write_fused(path, model):
+    """The fused 3-D expert layout transformers 5 holds in memory
+    (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I])."""
+    from safetensors.torch import save_file
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 def write_config(path, layout, cfg_dict, saved_config):
-    if layout == "v5":
+    if layout.startswith("v5"):
         # Keep transformers' own serialisation (rope_parameters, dtype).
         return
     hub = dict(cfg_dict)
@@ -157,7 +306,7 @@ def make_case(name, out_root):
         config = build(cfg_dict)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        randomize(model, seed)
+        randomize(model, seed, opts.get("bias_scale", 0.0))
 
         g = torch.Generator().manual_seed(10_000 + seed)
         prompt = torch.randint(0, config.vocab_size, (opts["prompt_len"],), generator=g).tolist()
@@ -174,8 +323,25 @@ def make_case(name, out_root):
         gap = top2_gap(rows)
         if gap < MIN_TOP2_GAP:
             continue
+        router_gap = bias_share = None
+        if "num_experts_per_tok" in cfg_dict:
+            probe = RouterProbe(reloaded, cfg_dict)
+            teacher_forced(reloaded, prompt + generated[:-1])
+            router_gap = probe.min_gap()
+            if router_gap < MIN_ROUTER_GAP:
+                continue
+            if cfg_dict.get("scoring_func") == "sigmoid":
+                bias_share = probe.bias_changed_share()
+                if not 0.3 <= bias_share <= 0.8:
+                    continue
         check_features_matter(name, cfg_dict, opts["must_matter"], reloaded.state_dict(),
                               prompt + generated[:-1])
+        if layout == "v5-fused":
+            write_fused(out / "model.safetensors", reloaded)
+            refused = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+            again, again_rows = greedy_rows(refused, prompt, opts["steps"])
+            assert again == generated and all(torch.equal(a, b) for a, b in zip(again_rows, rows)), \
+                f"{name}: the fused layout does not reload to the same model"
         for extra in out.iterdir():
             if extra.name not in ("config.json", "model.safetensors"):
                 extra.unlink()
@@ -186,11 +352,15 @@ def make_case(name, out_root):
             seed=seed,
             min_top2_gap=gap,
             config_layout=layout,
+            min_router_gap=router_gap,
+            bias_changed_share=bias_share,
             transformers_version=transformers.__version__,
             torch_version=torch.__version__,
         )
         (out / "expected.json").write_text(json.dumps(expected) + "\n")
-        print(f"{name}: seed {seed}, {len(rows)} rows, min top-2 gap {gap:.4f}, layout {layout}")
+        extra = "" if router_gap is None else f", min router gap {router_gap:.4f}"
+        extra += "" if bias_share is None else f", bias changes {bias_share:.0%} of selections"
+        print(f"{name}: seed {seed}, {len(rows)} rows, min top-2 gap {gap:.4f}{extra}, layout {layout}")
         return
     sys.exit(f"{name}: no seed gave a top-2 gap of {MIN_TOP2_GAP}")
 

@@ -26,12 +26,15 @@ pub mod kv_cache;
 pub mod model;
 pub mod sampling;
 pub mod session;
+pub mod stats;
 
 pub use error::{Error, Result};
 pub use gpu::{Backend, Gpu, GpuOptions};
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};
+pub use flow::RoutingMode;
 pub use session::{Session, SessionOptions};
+pub use stats::Stats;
 
 impl Model {
     /// Opens a decoding session with its own KV cache.

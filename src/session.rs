@@ -2,8 +2,9 @@
 //! advanced one position at a time.
 
 use crate::error::{Error, Result};
-use crate::flow::{Activations, Plan};
+use crate::flow::{Activations, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::Readback;
+use crate::stats::Stats;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 
@@ -17,6 +18,11 @@ pub struct SessionOptions {
     /// Positions the KV cache holds. `None`: the config's
     /// `max_position_embeddings`, at most [`DEFAULT_CONTEXT_CAP`].
     pub context_len: Option<usize>,
+    /// How MoE layers hand the router's choice to the expert kernels.
+    pub routing: RoutingMode,
+    /// Measure per-phase time (GPU timestamps where the adapter has them,
+    /// else wall clock with a submission at every phase boundary).
+    pub timing: bool,
 }
 
 pub struct Session<'m> {
@@ -25,6 +31,10 @@ pub struct Session<'m> {
     kv: KvCache,
     plan: Plan,
     logits_readback: Readback,
+    routing_readback: Readback,
+    routing: RoutingMode,
+    timer: Option<PhaseTimer>,
+    stats: Stats,
     len: usize,
 }
 
@@ -50,13 +60,27 @@ impl<'m> Session<'m> {
         let activations = Activations::new(gpu, c, 1, context_len)?;
         let plan = Plan::new(model, &activations, &kv);
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
+        let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
+        let routing_readback = Readback::new(gpu, "routing.readback", (top_k * 4) as u64);
+        let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
+        // Passes per forward: attention and routed per MoE layer, the rest, the head.
+        let timer = options.timing.then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
         gpu.check("creating the session")?;
+        let stats = Stats {
+            router_histogram: vec![Vec::new(); c.layers],
+            timing_source: timer.as_ref().map(|t| t.source),
+            ..Stats::default()
+        };
         Ok(Session {
             model,
             activations,
             kv,
             plan,
             logits_readback,
+            routing_readback,
+            routing: options.routing,
+            timer,
+            stats,
             len: 0,
         })
     }
@@ -72,6 +96,13 @@ impl<'m> Session<'m> {
 
     pub fn context_len(&self) -> usize {
         self.kv.context_len
+    }
+
+    /// Router histogram, routing readbacks and phase times so far.
+    pub fn stats(&self) -> Stats {
+        let mut stats = self.stats.clone();
+        stats.phases = self.timer.as_ref().map(|t| t.totals.clone());
+        stats
     }
 
     /// Forgets every position from `len` on, so the sequence can continue
@@ -139,22 +170,18 @@ impl<'m> Session<'m> {
     fn submit(&mut self, token: u32, with_head: bool) -> Result<()> {
         let gpu = &self.model.gpu;
         self.activations.write_step(gpu, &[token], self.len);
-        let mut encoder = gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("token") });
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("layers"),
-                timestamp_writes: None,
-            });
-            self.plan.encode(&mut pass, 1, with_head);
-        }
+        let mut rec = Recorder::new(gpu, self.timer.as_mut());
+        let mut routing = crate::flow::moe::RoutingContext {
+            mode: self.routing,
+            readback: &self.routing_readback,
+            moe: self.activations.moe.as_ref(),
+        };
+        self.plan.forward(&mut rec, 1, with_head, &mut routing, &mut self.stats)?;
         if with_head {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback
-                .record(&mut encoder, &self.activations.logits, 0, bytes);
+                .record(rec.encoder(), &self.activations.logits, 0, bytes);
         }
-        gpu.queue.submit([encoder.finish()]);
-        gpu.check("running the layer flow")
+        rec.finish()
     }
 }

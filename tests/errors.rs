@@ -47,7 +47,7 @@ fn non_sequential_position() {
 #[test]
 fn context_overflow() {
     let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
-    let mut session = model.session(&SessionOptions { context_len: Some(4) }).unwrap();
+    let mut session = model.session(&SessionOptions { context_len: Some(4), ..Default::default() }).unwrap();
     let err = session.prefill(&[1, 2, 3, 4, 5]).unwrap_err();
     assert!(matches!(err, Error::ContextOverflow { position: 4, context_len: 4 }), "{err}");
     session.prefill(&[1, 2, 3, 4]).unwrap();

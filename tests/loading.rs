@@ -107,7 +107,10 @@ fn tensors_split_across_bindings_give_the_same_logits() {
         .unwrap();
         let model = Model::load(fixture_dir(CASE), &gpu).unwrap();
         assert_eq!(model.weights.embed.parts.len(), 2);
-        assert_eq!(model.weights.layers[0].gate_up.parts.len(), 2);
+        let wgspark::model::FfnWeights::Dense { gate_up, .. } = &model.weights.layers[0].ffn else {
+            panic!("llama layers are dense");
+        };
+        assert_eq!(gate_up.parts.len(), 2);
         let rows = replay(&model, &e).unwrap();
         for (got, want) in rows.iter().zip(&e.logits) {
             let err = max_abs_diff(got, want);

@@ -1,6 +1,11 @@
-// Matrix-vector product with bf16 weights: y[t, r] = sum_c W[r, c] * x[t, c],
-// x: f32 [tokens, cols], y: f32 [tokens, y_stride].
-// W: bf16 [rows, cols] (one row range of a possibly split tensor), cols even.
+// Matrix-vector product with bf16 weights, for every token t in flight:
+//   y[t * y_stride + y_offset + r] = sum_c W[row(r), c] * x[t * x_stride + x_offset + c]
+// W: bf16 [rows, cols], one row range (a "part", starting at global row
+// first_row) of a tensor that may be split across bindings; cols even.
+// Plain mode (expert_rows = 0): r covers the part's rows, row(r) = r.
+// Expert mode: W stacks experts of expert_rows rows each, and the expert is
+// read from the GPU, e = ids[t * top_k + slot]; r covers one expert's rows,
+// global row e * expert_rows + r, computed only where this part holds it.
 // ROWS_PER_WG rows per workgroup, THREADS_PER_ROW invocations per row: one
 // row per invocation (THREADS_PER_ROW = 1) suits CPU rasterisers, a
 // workgroup reduction per row suits GPUs. Both are pipeline constants.
@@ -10,19 +15,26 @@ override ROWS_PER_WG: u32 = 64u;
 override THREADS_PER_ROW: u32 = 1u;
 override WG: u32 = 64u; // = ROWS_PER_WG * THREADS_PER_ROW, set by the host
 
-// rows: this part's rows, written at y[t, first_row + r] of a y with
-// y_stride (the whole tensor's rows) per token.
 struct Params {
     rows: u32,
     cols: u32,
     first_row: u32,
+    expert_rows: u32,
+    top_k: u32,
+    slot: u32,
+    x_offset: u32,
+    x_stride: u32,
+    y_offset: u32,
     y_stride: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> weight: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> ids: array<u32>;
 
 var<workgroup> partial: array<f32, WG>;
 
@@ -34,13 +46,21 @@ fn main(
 ) {
     let block = wid.x + wid.z * nwg.x;
     let lane = lid.x % THREADS_PER_ROW;
-    let row = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
+    let r = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
     let t = wid.y;
+    var n_rows = p.rows;
+    var local_row = r;
+    if (p.expert_rows > 0u) {
+        n_rows = p.expert_rows;
+        // Wraps to a huge value (skipped) when the row is before this part.
+        local_row = ids[t * p.top_k + p.slot] * p.expert_rows + r - p.first_row;
+    }
+    let in_part = r < n_rows && local_row < p.rows;
     let words = p.cols / 2u;
     var acc = 0.0;
-    if (row < p.rows) {
-        let wb = row * words;
-        let xb = t * p.cols;
+    if (in_part) {
+        let wb = local_row * words;
+        let xb = t * p.x_stride + p.x_offset;
         for (var k = lane; k < words; k += THREADS_PER_ROW) {
             let wv = weight[wb + k];
             acc += bf16_lo(wv) * x[xb + 2u * k] + bf16_hi(wv) * x[xb + 2u * k + 1u];
@@ -57,7 +77,7 @@ fn main(
         }
         acc = partial[lid.x - lane];
     }
-    if (row < p.rows && lane == 0u) {
-        y[t * p.y_stride + p.first_row + row] = acc;
+    if (in_part && lane == 0u) {
+        y[t * p.y_stride + p.y_offset + r] = acc;
     }
 }

@@ -1,16 +1,20 @@
-// Residual add: x[t, i] += scale * y[t, i] for i < n.
+// Residual add of k weighted rows per token, for i < n:
+//   x[t, i] += sum_{j < k} s_j * y[(t * k + j) * n + i]
+// s_j = weights[t * k + j] when weighted (the routed experts' weights,
+// read on the GPU), else the constant scale (k = 1: plain residual add).
 // Grid: x covers n in workgroups of 64, y = token.
 
 struct Params {
     n: u32,
+    k: u32,
+    weighted: u32,
     scale: f32,
-    _pad0: u32,
-    _pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> y: array<f32>;
 @group(0) @binding(2) var<storage, read_write> x: array<f32>;
+@group(0) @binding(3) var<storage, read> weights: array<f32>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -19,5 +23,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (i >= p.n) {
         return;
     }
-    x[t * p.n + i] += p.scale * y[t * p.n + i];
+    var sum = 0.0;
+    for (var j = 0u; j < p.k; j++) {
+        var s = p.scale;
+        if (p.weighted != 0u) {
+            s = weights[t * p.k + j];
+        }
+        sum += s * y[(t * p.k + j) * p.n + i];
+    }
+    x[t * p.n + i] += sum;
 }

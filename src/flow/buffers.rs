@@ -26,12 +26,36 @@ pub struct Activations {
     pub ffn_act: wgpu::Buffer,
     pub ffn_out: wgpu::Buffer,
     pub logits: wgpu::Buffer,
+    pub moe: Option<MoeActivations>,
+}
+
+/// The routed half of a MoE layer: `[tokens, experts]` router logits, the
+/// selection `[tokens, k]`, and per-slot expert activations `[tokens, k, w]`.
+#[derive(Debug)]
+pub struct MoeActivations {
+    pub router_logits: wgpu::Buffer,
+    pub route_ids: wgpu::Buffer,
+    pub route_weights: wgpu::Buffer,
+    pub expert_gate_up: wgpu::Buffer,
+    pub expert_act: wgpu::Buffer,
+    pub expert_out: wgpu::Buffer,
 }
 
 impl Activations {
     pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize, context_len: usize) -> Result<Self> {
         let t = max_tokens;
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
+        let moe = match &c.moe {
+            Some(m) => Some(MoeActivations {
+                router_logits: buf("router_logits", m.experts)?,
+                route_ids: buf("route_ids", m.top_k)?,
+                route_weights: buf("route_weights", m.top_k)?,
+                expert_gate_up: buf("expert_gate_up", m.top_k * 2 * m.intermediate)?,
+                expert_act: buf("expert_act", m.top_k * m.intermediate)?,
+                expert_out: buf("expert_out", m.top_k * c.hidden)?,
+            }),
+            None => None,
+        };
         Ok(Activations {
             max_tokens,
             tokens: gpu.storage_buffer("tokens", t)?,
@@ -51,6 +75,7 @@ impl Activations {
             ffn_act: buf("ffn_act", c.intermediate)?,
             ffn_out: buf("ffn_out", c.hidden)?,
             logits: gpu.storage_buffer("logits", c.vocab)?,
+            moe,
         })
     }
 

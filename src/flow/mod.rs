@@ -10,24 +10,33 @@
 //! attn   = attention(q, K[..=pos], V[..=pos])
 //! x      = x + attn @ o_proj
 //! h      = rms_norm(x, post_attention_layernorm)
-//! x      = x + down(silu(gate h) * up h)
+//! dense: x = x + down(silu(gate h) * up h)
+//! moe:   ids, w = family_topk(h @ router)           // read back: ends the submission
+//!        x = x + sum_j w_j * down_e(silu(gate_e h) * up_e h),  e = ids_j
 //! ```
 //! then `logits = rms_norm(x, norm) @ lm_head`, raw.
 
 mod buffers;
+pub(crate) mod moe;
+mod recorder;
 
-pub use buffers::Activations;
+pub use buffers::{Activations, MoeActivations};
+pub use moe::RoutingMode;
+pub use recorder::{PhaseTimer, Recorder};
 
+use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, encode_all};
 use crate::kernels::attention::AttentionBindings;
 use crate::kernels::rms_norm::Rows;
 use crate::kernels::rope::RopeBindings;
 use crate::kv_cache::KvCache;
-use crate::model::{Model, QkNorm};
+use crate::model::{FfnWeights, Model, QkNorm};
+use crate::stats::{Phase, Stats};
+use moe::MoePlan;
 
-/// One layer's dispatches, in flow order.
+/// The attention half of a layer and the FFN norm, in flow order.
 #[derive(Debug)]
-struct LayerPlan {
+struct AttentionPlan {
     attn_norm: Dispatch,
     qkv_proj: Vec<Dispatch>,
     qk_norm: Vec<Dispatch>,
@@ -36,10 +45,26 @@ struct LayerPlan {
     o_proj: Vec<Dispatch>,
     attn_residual: Dispatch,
     ffn_norm: Dispatch,
+}
+
+#[derive(Debug)]
+struct DensePlan {
     gate_up_proj: Vec<Dispatch>,
     swiglu: Dispatch,
     down_proj: Vec<Dispatch>,
     ffn_residual: Dispatch,
+}
+
+#[derive(Debug)]
+enum FfnPlan {
+    Dense(DensePlan),
+    Moe(MoePlan),
+}
+
+#[derive(Debug)]
+struct LayerPlan {
+    attention: AttentionPlan,
+    ffn: FfnPlan,
 }
 
 /// The whole forward pass for up to `Activations::max_tokens` tokens.
@@ -57,65 +82,23 @@ impl Plan {
         let c = &model.config;
         let k = &model.kernels;
         let w = &model.weights;
-        let heads = c.heads;
         let hidden = Rows::vector(c.hidden);
-        let scale = (heads.dim as f32).powf(-0.5);
-        let window = c.sliding_window.unwrap_or(0);
 
         let layers = w
             .layers
             .iter()
             .enumerate()
-            .map(|(i, lw)| {
-                let qk_norm = match (c.family.qk_norm, &lw.q_norm, &lw.k_norm) {
-                    (QkNorm::None, _, _) => Vec::new(),
-                    (norm, Some(qn), Some(kn)) => {
-                        // Rows of q heads, then of k heads, in the qkv buffer.
-                        let (q_rows, k_rows) = qk_norm_rows(norm, heads);
-                        vec![
-                            k.rms_norm.plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
-                            k.rms_norm.plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
-                        ]
-                    }
-                    _ => unreachable!("q/k norm weights are loaded whenever the family has them"),
-                };
-                LayerPlan {
-                    attn_norm: k.rms_norm.plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
-                    qkv_proj: k.gemv.plan(gpu, &lw.qkv, &act.h, &act.qkv),
-                    qk_norm,
-                    rope_and_store: k.rope.plan(
-                        gpu,
-                        heads,
-                        c.rope.rotary_dim,
-                        RopeBindings {
-                            step: &act.step,
-                            qkv: &act.qkv,
-                            cos_sin: &act.cos_sin,
-                            k_cache: &kv.k[i],
-                            v_cache: &kv.v[i],
-                        },
-                    ),
-                    attention: k.attention.plan(
-                        gpu,
-                        heads,
-                        scale,
-                        window,
-                        AttentionBindings {
-                            step: &act.step,
-                            qkv: &act.qkv,
-                            k_cache: &kv.k[i],
-                            v_cache: &kv.v[i],
-                            out: &act.attn,
-                        },
-                    ),
-                    o_proj: k.gemv.plan(gpu, &lw.o_proj, &act.attn, &act.attn_out),
-                    attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
-                    ffn_norm: k.rms_norm.plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
-                    gate_up_proj: k.gemv.plan(gpu, &lw.gate_up, &act.h, &act.gate_up),
-                    swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
-                    down_proj: k.gemv.plan(gpu, &lw.down, &act.ffn_act, &act.ffn_out),
-                    ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
-                }
+            .map(|(i, lw)| LayerPlan {
+                attention: AttentionPlan::new(model, act, kv, i),
+                ffn: match &lw.ffn {
+                    FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
+                        gate_up_proj: k.gemv.plan(gpu, gate_up, &act.h, &act.gate_up),
+                        swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
+                        down_proj: k.gemv.plan(gpu, down, &act.ffn_act, &act.ffn_out),
+                        ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
+                    }),
+                    FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw, i)),
+                },
             })
             .collect();
 
@@ -127,30 +110,111 @@ impl Plan {
         }
     }
 
-    /// Records the forward pass of `n_tokens` tokens (their ids and first
-    /// position already written to the activations' `tokens` and `step`).
-    /// The head runs only when `with_head`; it reads the hidden state of
-    /// token 0, so a caller that wants logits passes one token.
-    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32, with_head: bool) {
-        encode_all(&self.embed, pass, n_tokens);
-        for layer in &self.layers {
-            layer.attn_norm.encode(pass, n_tokens);
-            encode_all(&layer.qkv_proj, pass, n_tokens);
-            encode_all(&layer.qk_norm, pass, n_tokens);
-            layer.rope_and_store.encode(pass, n_tokens);
-            layer.attention.encode(pass, n_tokens);
-            encode_all(&layer.o_proj, pass, n_tokens);
-            layer.attn_residual.encode(pass, n_tokens);
-            layer.ffn_norm.encode(pass, n_tokens);
-            encode_all(&layer.gate_up_proj, pass, n_tokens);
-            layer.swiglu.encode(pass, n_tokens);
-            encode_all(&layer.down_proj, pass, n_tokens);
-            layer.ffn_residual.encode(pass, n_tokens);
+    /// Records (and, at routing readbacks, submits) the forward pass of
+    /// `n_tokens` tokens whose ids and first position are already written
+    /// to the activations. The head runs only when `with_head`, on the
+    /// hidden state of token 0, so a caller that wants logits passes one
+    /// token. The caller records its readbacks and finishes `rec`.
+    pub fn forward(
+        &self,
+        rec: &mut Recorder<'_>,
+        n_tokens: u32,
+        with_head: bool,
+        routing: &mut moe::RoutingContext<'_>,
+        stats: &mut Stats,
+    ) -> Result<()> {
+        debug_assert!(!with_head || n_tokens == 1);
+        encode_all(&self.embed, rec.pass(Phase::Attention), n_tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.attention.encode(rec.pass(Phase::Attention), n_tokens);
+            match &layer.ffn {
+                FfnPlan::Dense(dense) => dense.encode(rec.pass(Phase::Attention), n_tokens),
+                FfnPlan::Moe(moe) => moe.run(rec, n_tokens, i, routing, stats)?,
+            }
         }
         if with_head {
+            let pass = rec.pass(Phase::Head);
             self.final_norm.encode(pass, 1);
             encode_all(&self.lm_head, pass, 1);
         }
+        stats.forward_passes += 1;
+        Ok(())
+    }
+}
+
+impl AttentionPlan {
+    fn new(model: &Model, act: &Activations, kv: &KvCache, i: usize) -> Self {
+        let gpu: &Gpu = &model.gpu;
+        let c = &model.config;
+        let k = &model.kernels;
+        let lw = &model.weights.layers[i];
+        let heads = c.heads;
+        let hidden = Rows::vector(c.hidden);
+        let qk_norm = match (c.family.qk_norm, &lw.q_norm, &lw.k_norm) {
+            (QkNorm::None, _, _) => Vec::new(),
+            (norm, Some(qn), Some(kn)) => {
+                // Rows of q heads, then of k heads, in place in the qkv buffer.
+                let (q_rows, k_rows) = qk_norm_rows(norm, heads);
+                vec![
+                    k.rms_norm.plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
+                    k.rms_norm.plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
+                ]
+            }
+            _ => unreachable!("q/k norm weights are loaded whenever the family has them"),
+        };
+        AttentionPlan {
+            attn_norm: k.rms_norm.plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
+            qkv_proj: k.gemv.plan(gpu, &lw.qkv, &act.h, &act.qkv),
+            qk_norm,
+            rope_and_store: k.rope.plan(
+                gpu,
+                heads,
+                c.rope.rotary_dim,
+                RopeBindings {
+                    step: &act.step,
+                    qkv: &act.qkv,
+                    cos_sin: &act.cos_sin,
+                    k_cache: &kv.k[i],
+                    v_cache: &kv.v[i],
+                },
+            ),
+            attention: k.attention.plan(
+                gpu,
+                heads,
+                (heads.dim as f32).powf(-0.5),
+                c.sliding_window.unwrap_or(0),
+                AttentionBindings {
+                    step: &act.step,
+                    qkv: &act.qkv,
+                    k_cache: &kv.k[i],
+                    v_cache: &kv.v[i],
+                    out: &act.attn,
+                },
+            ),
+            o_proj: k.gemv.plan(gpu, &lw.o_proj, &act.attn, &act.attn_out),
+            attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
+            ffn_norm: k.rms_norm.plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
+        }
+    }
+
+    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
+        self.attn_norm.encode(pass, n_tokens);
+        encode_all(&self.qkv_proj, pass, n_tokens);
+        encode_all(&self.qk_norm, pass, n_tokens);
+        self.rope_and_store.encode(pass, n_tokens);
+        self.attention.encode(pass, n_tokens);
+        encode_all(&self.o_proj, pass, n_tokens);
+        self.attn_residual.encode(pass, n_tokens);
+        self.ffn_norm.encode(pass, n_tokens);
+    }
+}
+
+impl DensePlan {
+    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
+        encode_all(&self.gate_up_proj, pass, n_tokens);
+        self.swiglu.encode(pass, n_tokens);
+        encode_all(&self.down_proj, pass, n_tokens);
+        self.ffn_residual.encode(pass, n_tokens);
     }
 }
 
@@ -158,39 +222,17 @@ impl Plan {
 fn qk_norm_rows(norm: QkNorm, heads: crate::kernels::Heads) -> (Rows, Rows) {
     let stride = heads.qkv_width();
     let q_width = heads.q * heads.dim;
-    match norm {
-        QkNorm::PerHead => (
-            Rows {
-                n: heads.dim,
-                heads: heads.q,
-                head_stride: heads.dim,
-                token_stride: stride,
-                offset: 0,
-            },
-            Rows {
-                n: heads.dim,
-                heads: heads.kv,
-                head_stride: heads.dim,
-                token_stride: stride,
-                offset: q_width,
-            },
-        ),
-        QkNorm::WholeProjection => (
-            Rows {
-                n: q_width,
-                heads: 1,
-                head_stride: 0,
-                token_stride: stride,
-                offset: 0,
-            },
-            Rows {
-                n: heads.kv_width(),
-                heads: 1,
-                head_stride: 0,
-                token_stride: stride,
-                offset: q_width,
-            },
-        ),
+    let (n_q, n_k, heads_q, heads_k, head_stride) = match norm {
+        QkNorm::PerHead => (heads.dim, heads.dim, heads.q, heads.kv, heads.dim),
+        QkNorm::WholeProjection => (q_width, heads.kv_width(), 1, 1, 0),
         QkNorm::None => unreachable!("no rows to normalise"),
-    }
+    };
+    let rows = |n, heads, offset| Rows {
+        n,
+        heads,
+        head_stride,
+        token_stride: stride,
+        offset,
+    };
+    (rows(n_q, heads_q, 0), rows(n_k, heads_k, q_width))
 }

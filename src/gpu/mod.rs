@@ -257,7 +257,16 @@ impl Gpu {
                 needed_bytes: 0,
                 message: "the device ran out of memory".to_string(),
             },
-            other => Error::Gpu(format!("{what}: {other}")),
+            other => {
+                // The description is often in the source chain.
+                let mut message = other.to_string();
+                let mut source = std::error::Error::source(&other);
+                while let Some(s) = source {
+                    message.push_str(&format!(": {s}"));
+                    source = s.source();
+                }
+                Error::Gpu(format!("{what}: {message}"))
+            }
         })
     }
 

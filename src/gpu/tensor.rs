@@ -26,9 +26,19 @@ impl GpuTensor {
     /// Allocates an uninitialised tensor, split so that every part fits the
     /// adapter's (or the caller's lowered) storage binding limit.
     pub fn alloc(gpu: &Gpu, name: &str, rows: usize, cols: usize) -> Result<Self> {
+        Self::alloc_grouped(gpu, name, rows, cols, 1)
+    }
+
+    /// As [`Self::alloc`], for a stack of groups of `group_rows` rows (the
+    /// experts of a MoE layer): parts hold whole groups whenever one group
+    /// fits a binding, so an expert is usually one dispatch.
+    pub fn alloc_grouped(gpu: &Gpu, name: &str, rows: usize, cols: usize, group_rows: usize) -> Result<Self> {
         let row_bytes = (cols * 2) as u64;
         let limit = gpu.caps.max_storage_binding.min(gpu.caps.max_buffer_size);
-        let rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
+        let mut rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
+        if rows_per_part >= group_rows && group_rows > 1 {
+            rows_per_part -= rows_per_part % group_rows;
+        }
         let mut parts = Vec::new();
         let mut first_row = 0;
         while first_row < rows.max(1) {
@@ -67,6 +77,15 @@ impl GpuTensor {
             let offset = ((lo - part.first_row) * row_bytes) as u64;
             write_padded(gpu, &part.buffer, offset, src);
         }
+    }
+
+    /// Indices of the parts holding any of `rows`.
+    pub fn parts_overlapping(&self, rows: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
+        self.parts
+            .iter()
+            .enumerate()
+            .filter(move |(_, p)| p.first_row < rows.end && rows.start < p.first_row + p.rows)
+            .map(|(i, _)| i)
     }
 
     pub fn bytes(&self) -> u64 {

@@ -1,7 +1,9 @@
-//! `wgsl/gemv.wgsl`: bf16 weight x f32 vector, one dispatch per weight part.
+//! `wgsl/gemv.wgsl`: bf16 weight x f32 vector, one dispatch per weight part;
+//! in expert mode the rows are those of the expert the GPU-side routing
+//! chose for a slot.
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -9,7 +11,14 @@ struct Params {
     rows: u32,
     cols: u32,
     first_row: u32,
+    expert_rows: u32,
+    top_k: u32,
+    slot: u32,
+    x_offset: u32,
+    x_stride: u32,
+    y_offset: u32,
     y_stride: u32,
+    _pad: [u32; 2],
 }
 
 /// How rows are spread over a workgroup.
@@ -38,10 +47,25 @@ impl GemvShape {
     }
 }
 
+/// Where an expert GEMV reads its input and writes its output, per token:
+/// slot `j` reads `x[t * x_stride + j * x_slot_stride ..]` and writes
+/// `y[t * y_stride + j * expert_rows ..]` with `y_stride = top_k * expert_rows`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertLayout {
+    pub top_k: usize,
+    /// Rows of one expert in the stacked weight.
+    pub expert_rows: usize,
+    pub x_stride: usize,
+    /// 0 when every slot reads the same input row.
+    pub x_slot_stride: usize,
+}
+
 #[derive(Debug)]
 pub struct Gemv {
     pipeline: wgpu::ComputePipeline,
     shape: GemvShape,
+    /// Bound as `ids` by plain GEMVs, which never read it.
+    no_ids: wgpu::Buffer,
 }
 
 impl Gemv {
@@ -61,7 +85,31 @@ impl Gemv {
                 ("WG", wg as f64),
             ],
         )?;
-        Ok(Gemv { pipeline, shape })
+        Ok(Gemv {
+            pipeline,
+            shape,
+            no_ids: gpu.storage_buffer("gemv.no_ids", 1)?,
+        })
+    }
+
+    fn dispatch(
+        &self,
+        gpu: &Gpu,
+        part: &TensorPart,
+        params: Params,
+        rows: usize,
+        buffers: [&wgpu::Buffer; 3],
+    ) -> Dispatch {
+        let params = ParamsBuffer::new(gpu, "gemv.params", &params);
+        let [x, y, ids] = buffers;
+        let blocks = (rows as u32).div_ceil(self.shape.rows_per_workgroup);
+        Dispatch {
+            label: "gemv",
+            bind_group: gpu.bind("gemv", &self.pipeline, &[&params.0, &part.buffer, x, y, ids]),
+            pipeline: self.pipeline.clone(),
+            workgroups: gpu.fold_grid(blocks),
+            per_token: true,
+        }
     }
 
     /// `y[t] = W x[t]` with x packed `[tokens, W.cols]` and y packed
@@ -71,25 +119,63 @@ impl Gemv {
             .parts
             .iter()
             .map(|part| {
-                let params = ParamsBuffer::new(
-                    gpu,
-                    "gemv.params",
-                    &Params {
-                        rows: part.rows as u32,
-                        cols: weight.cols as u32,
-                        first_row: part.first_row as u32,
-                        y_stride: weight.rows as u32,
-                    },
-                );
-                let blocks = (part.rows as u32).div_ceil(self.shape.rows_per_workgroup);
-                Dispatch {
-                    label: "gemv",
-                    bind_group: gpu.bind("gemv", &self.pipeline, &[&params.0, &part.buffer, x, y]),
-                    pipeline: self.pipeline.clone(),
-                    workgroups: gpu.fold_grid(blocks),
-                    per_token: true,
-                }
+                let params = Params {
+                    rows: part.rows as u32,
+                    cols: weight.cols as u32,
+                    first_row: part.first_row as u32,
+                    expert_rows: 0,
+                    top_k: 1,
+                    slot: 0,
+                    x_offset: 0,
+                    x_stride: weight.cols as u32,
+                    y_offset: part.first_row as u32,
+                    y_stride: weight.rows as u32,
+                    _pad: [0; 2],
+                };
+                self.dispatch(gpu, part, params, part.rows, [x, y, &self.no_ids])
             })
             .collect()
     }
+
+    /// For routing slot `slot`: `y[t, slot] = W_e x[t, slot]` where `e` is
+    /// read from `ids[t * top_k + slot]` on the GPU and `W_e` is rows
+    /// `[e * expert_rows, (e + 1) * expert_rows)` of the stacked `weight`.
+    /// One dispatch per part, in part order; each computes the rows its
+    /// part holds, so dispatching only the parts that overlap the chosen
+    /// expert (see [`GpuTensor::parts_overlapping`]) is enough.
+    pub fn plan_expert(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        layout: ExpertLayout,
+        slot: usize,
+        buffers: ExpertBuffers<'_>,
+    ) -> Vec<Dispatch> {
+        weight
+            .parts
+            .iter()
+            .map(|part| {
+                let params = Params {
+                    rows: part.rows as u32,
+                    cols: weight.cols as u32,
+                    first_row: part.first_row as u32,
+                    expert_rows: layout.expert_rows as u32,
+                    top_k: layout.top_k as u32,
+                    slot: slot as u32,
+                    x_offset: (slot * layout.x_slot_stride) as u32,
+                    x_stride: layout.x_stride as u32,
+                    y_offset: (slot * layout.expert_rows) as u32,
+                    y_stride: (layout.top_k * layout.expert_rows) as u32,
+                    _pad: [0; 2],
+                };
+                self.dispatch(gpu, part, params, layout.expert_rows, [buffers.x, buffers.y, buffers.ids])
+            })
+            .collect()
+    }
+}
+
+pub struct ExpertBuffers<'a> {
+    pub x: &'a wgpu::Buffer,
+    pub y: &'a wgpu::Buffer,
+    pub ids: &'a wgpu::Buffer,
 }

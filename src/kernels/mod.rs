@@ -7,6 +7,7 @@ pub mod gemv;
 pub mod residual;
 pub mod rms_norm;
 pub mod rope;
+pub mod router;
 pub mod swiglu;
 
 pub use attention::Attention;
@@ -15,6 +16,7 @@ pub use gemv::Gemv;
 pub use residual::Residual;
 pub use rms_norm::RmsNorm;
 pub use rope::Rope;
+pub use router::Router;
 pub use swiglu::Swiglu;
 
 use crate::error::Result;
@@ -28,6 +30,7 @@ pub const SHADERS: &[(&str, &str)] = &[
     ("residual", include_str!("../../wgsl/residual.wgsl")),
     ("rms_norm", include_str!("../../wgsl/rms_norm.wgsl")),
     ("rope", include_str!("../../wgsl/rope.wgsl")),
+    ("router", include_str!("../../wgsl/router.wgsl")),
     ("swiglu", include_str!("../../wgsl/swiglu.wgsl")),
 ];
 
@@ -92,6 +95,7 @@ pub struct Kernels {
     pub attention: Attention,
     pub swiglu: Swiglu,
     pub residual: Residual,
+    pub router: Router,
 }
 
 impl Kernels {
@@ -104,6 +108,7 @@ impl Kernels {
             attention: Attention::new(gpu)?,
             swiglu: Swiglu::new(gpu)?,
             residual: Residual::new(gpu)?,
+            router: Router::new(gpu)?,
         })
     }
 }

@@ -1,5 +1,5 @@
-//! `wgsl/residual.wgsl`: the residual add (scaled, for steering and
-//! weighted expert sums).
+//! `wgsl/residual.wgsl`: the residual add, plain (scaled) or as the
+//! weighted sum of the routed experts' outputs.
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
@@ -8,39 +8,65 @@ use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
     n: u32,
+    k: u32,
+    weighted: u32,
     scale: f32,
-    _pad: [u32; 2],
 }
 
 #[derive(Debug)]
 pub struct Residual {
     pipeline: wgpu::ComputePipeline,
+    /// Bound as `weights` by plain adds, which never read it.
+    no_weights: wgpu::Buffer,
 }
 
 impl Residual {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         Ok(Residual {
             pipeline: super::pipeline(gpu, "residual", &[])?,
+            no_weights: gpu.storage_buffer("residual.no_weights", 1)?,
         })
+    }
+
+    fn dispatch(&self, gpu: &Gpu, params: Params, y: &wgpu::Buffer, x: &wgpu::Buffer, weights: &wgpu::Buffer) -> Dispatch {
+        let n = params.n;
+        let params = ParamsBuffer::new(gpu, "residual.params", &params);
+        Dispatch {
+            label: "residual",
+            bind_group: gpu.bind("residual", &self.pipeline, &[&params.0, y, x, weights]),
+            pipeline: self.pipeline.clone(),
+            workgroups: [n.div_ceil(64), 1, 1],
+            per_token: true,
+        }
     }
 
     /// `x[t] += scale * y[t]`, both packed `[tokens, n]`.
     pub fn plan(&self, gpu: &Gpu, n: usize, scale: f32, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Dispatch {
-        let params = ParamsBuffer::new(
-            gpu,
-            "residual.params",
-            &Params {
-                n: n as u32,
-                scale,
-                _pad: [0; 2],
-            },
-        );
-        Dispatch {
-            label: "residual",
-            bind_group: gpu.bind("residual", &self.pipeline, &[&params.0, y, x]),
-            pipeline: self.pipeline.clone(),
-            workgroups: [(n as u32).div_ceil(64), 1, 1],
-            per_token: true,
-        }
+        let params = Params {
+            n: n as u32,
+            k: 1,
+            weighted: 0,
+            scale,
+        };
+        self.dispatch(gpu, params, y, x, &self.no_weights)
+    }
+
+    /// `x[t] += sum_j weights[t, j] * y[t, j]`, y packed `[tokens, k, n]`.
+    pub fn plan_weighted(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        k: usize,
+        weights: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+    ) -> Dispatch {
+        let params = Params {
+            n: n as u32,
+            k: k as u32,
+            weighted: 1,
+            scale: 0.0,
+        };
+        self.dispatch(gpu, params, y, x, weights)
     }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::family::{self, Family};
+use super::family::{self, Family, Renormalize, RouterScoring};
 use crate::error::{Error, Result};
 use crate::kernels::Heads;
 
@@ -36,6 +36,17 @@ struct RawConfig {
     dtype: Option<String>,
     /// An id or a list of ids.
     eos_token_id: Option<serde_json::Value>,
+    use_sliding_window: Option<bool>,
+    // Mixture of experts: hub configs say `num_local_experts` (Mixtral,
+    // MiniMax) or `num_experts` (Qwen3-MoE); transformers 5 writes the former.
+    num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    scoring_func: Option<String>,
 }
 
 /// `rope_scaling` (hub) or `rope_parameters` (transformers 5, which also
@@ -132,6 +143,28 @@ impl RopeConfig {
     }
 }
 
+/// How a MoE layer turns router logits into experts and weights, resolved
+/// from the family row and the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// softmax, top-k of the probabilities, renormalised when `renormalize`.
+    Softmax { renormalize: bool },
+    /// sigmoid, top-k of `s + e_score_correction_bias`, unbiased `s`
+    /// renormalised as weights.
+    SigmoidWithBias,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Width of one expert's gate/up projection.
+    pub intermediate: usize,
+    pub routing: Routing,
+    /// `sparse_layers[i]`: layer `i` routes to experts (else dense FFN).
+    pub sparse_layers: Vec<bool>,
+}
+
 /// A validated model configuration: everything the layer flow needs.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -152,6 +185,8 @@ pub struct ModelConfig {
     pub dtype: Option<String>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
+    /// `None` for dense models.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -164,9 +199,17 @@ impl ModelConfig {
             super::QkNorm::PerHead => 2 * heads.dim,
             super::QkNorm::WholeProjection => (heads.q + heads.kv) * heads.dim,
         };
-        let layer = attn + qk_norm + 3 * h * i + 2 * h;
+        let layers: usize = (0..self.layers)
+            .map(|l| {
+                let ffn = match &self.moe {
+                    Some(m) if m.sparse_layers[l] => m.experts * (h + 3 * h * m.intermediate),
+                    _ => 3 * h * i,
+                };
+                attn + qk_norm + ffn + 2 * h
+            })
+            .sum();
         let heads_and_embed = if self.tie_embeddings { 1 } else { 2 } * self.vocab * h;
-        2 * (self.layers * layer + heads_and_embed + h) as u64
+        2 * (layers + heads_and_embed + h) as u64
     }
 
     /// Reads and validates `dir/config.json`.
@@ -235,6 +278,19 @@ impl ModelConfig {
         }
 
         let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
+        let moe = parse_moe(&raw, family, intermediate, &invalid)?;
+        // Qwen's `use_sliding_window` switches windows on for some layers
+        // (`max_window_layers`); off, its `sliding_window` value is unused.
+        let sliding_window = match raw.use_sliding_window {
+            Some(true) => {
+                return Err(Error::Unsupported {
+                    what: "use_sliding_window",
+                    value: "per-layer sliding windows (use_sliding_window = true)".into(),
+                });
+            }
+            Some(false) => None,
+            None => raw.sliding_window.filter(|&w| w > 0),
+        };
         Ok(ModelConfig {
             family,
             model_type,
@@ -251,15 +307,85 @@ impl ModelConfig {
             vocab: raw.vocab_size,
             max_positions: raw.max_position_embeddings.unwrap_or(2048),
             tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            sliding_window: raw.sliding_window.filter(|&w| w > 0),
+            sliding_window,
             dtype: raw.dtype.or(raw.torch_dtype),
             eos_token_ids: match raw.eos_token_id {
                 Some(serde_json::Value::Number(n)) => n.as_u64().map(|id| id as u32).into_iter().collect(),
                 Some(serde_json::Value::Array(ids)) => ids.iter().filter_map(|v| v.as_u64()).map(|id| id as u32).collect(),
                 _ => Vec::new(),
             },
+            moe,
         })
     }
+}
+
+fn parse_moe(
+    raw: &RawConfig,
+    family: &Family,
+    dense_intermediate: usize,
+    invalid: &dyn Fn(String) -> Error,
+) -> Result<Option<MoeConfig>> {
+    let Some(moe) = family.moe else {
+        return Ok(None);
+    };
+    let experts = raw
+        .num_local_experts
+        .or(raw.num_experts)
+        .ok_or_else(|| invalid("missing field `num_local_experts` (or `num_experts`)".into()))?;
+    let top_k = raw
+        .num_experts_per_tok
+        .ok_or_else(|| invalid("missing field `num_experts_per_tok`".into()))?;
+    if experts == 0 || top_k == 0 || top_k > experts {
+        return Err(invalid(format!(
+            "num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})"
+        )));
+    }
+    if top_k > crate::kernels::router::MAX_TOP_K || experts > crate::kernels::router::MAX_EXPERTS {
+        return Err(Error::Unsupported {
+            what: "expert count",
+            value: format!(
+                "{experts} experts, top {top_k} (at most {} experts and top {})",
+                crate::kernels::router::MAX_EXPERTS,
+                crate::kernels::router::MAX_TOP_K
+            ),
+        });
+    }
+    if let Some(func) = &raw.scoring_func {
+        if !moe.scoring_funcs.contains(&func.as_str()) {
+            return Err(Error::Unsupported {
+                what: "router scoring_func",
+                value: format!("{func:?} for {} (supported: {})", family.name, moe.scoring_funcs.join(", ")),
+            });
+        }
+    }
+    let routing = match moe.scoring {
+        RouterScoring::Softmax { renormalize } => Routing::Softmax {
+            renormalize: match renormalize {
+                Renormalize::Always => true,
+                Renormalize::IfNormTopkProb => raw.norm_topk_prob.unwrap_or(false),
+            },
+        },
+        RouterScoring::SigmoidWithBias => Routing::SigmoidWithBias,
+    };
+    let intermediate = raw.moe_intermediate_size.unwrap_or(dense_intermediate);
+    if intermediate == 0 || intermediate % 2 != 0 {
+        return Err(invalid(format!("expert intermediate size {intermediate} must be even and positive")));
+    }
+    let step = raw.decoder_sparse_step.unwrap_or(1);
+    if step == 0 {
+        return Err(invalid("decoder_sparse_step must be positive".into()));
+    }
+    let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
+    let sparse_layers = (0..raw.num_hidden_layers)
+        .map(|i| !dense_only.contains(&i) && (i + 1) % step == 0)
+        .collect();
+    Ok(Some(MoeConfig {
+        experts,
+        top_k,
+        intermediate,
+        routing,
+        sparse_layers,
+    }))
 }
 
 fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfig, String> {

@@ -13,6 +13,62 @@ pub enum QkNorm {
     WholeProjection,
 }
 
+/// How router logits become the k experts and their weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterScoring {
+    /// `p = softmax(logits)`; the k largest `p`, renormalised to sum 1
+    /// always, or only when the config's `norm_topk_prob` says so.
+    Softmax { renormalize: Renormalize },
+    /// `s = sigmoid(logits)`; select the k largest `s + e_score_correction_bias`,
+    /// weight them by the unbiased `s`, renormalised.
+    SigmoidWithBias,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renormalize {
+    Always,
+    /// As `norm_topk_prob` (default false).
+    IfNormTopkProb,
+}
+
+/// Per-expert tensor names of hub checkpoints:
+/// `model.layers.{i}.{block}.experts.{e}.{gate|up|down}.weight`, the router
+/// at `{block}.{router}.weight`, the bias at `{block}.e_score_correction_bias`.
+/// (The fused layout transformers 5 writes always uses `mlp`.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertNames {
+    pub block: &'static str,
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+    pub router: &'static str,
+}
+
+const MIXTRAL_NAMES: ExpertNames = ExpertNames {
+    block: "block_sparse_moe",
+    gate: "w1",
+    up: "w3",
+    down: "w2",
+    router: "gate",
+};
+
+const QWEN3_MOE_NAMES: ExpertNames = ExpertNames {
+    block: "mlp",
+    gate: "gate_proj",
+    up: "up_proj",
+    down: "down_proj",
+    router: "gate",
+};
+
+/// The mixture-of-experts half of a family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeFamily {
+    pub scoring: RouterScoring,
+    pub names: ExpertNames,
+    /// `scoring_func` values a config may state for this family.
+    pub scoring_funcs: &'static [&'static str],
+}
+
 #[derive(Debug, PartialEq, Eq)]
 pub struct Family {
     pub name: &'static str,
@@ -20,6 +76,9 @@ pub struct Family {
     pub model_types: &'static [&'static str],
     pub architectures: &'static [&'static str],
     pub qk_norm: QkNorm,
+    /// `None`: every layer has a dense SwiGLU FFN. `Some`: layers are MoE
+    /// as the config's `mlp_only_layers` / `decoder_sparse_step` say.
+    pub moe: Option<MoeFamily>,
 }
 
 pub static FAMILIES: &[Family] = &[
@@ -28,12 +87,58 @@ pub static FAMILIES: &[Family] = &[
         model_types: &["llama"],
         architectures: &["LlamaForCausalLM"],
         qk_norm: QkNorm::None,
+        moe: None,
     },
     Family {
         name: "mistral",
         model_types: &["mistral"],
         architectures: &["MistralForCausalLM"],
         qk_norm: QkNorm::None,
+        moe: None,
+    },
+    Family {
+        name: "mixtral",
+        model_types: &["mixtral"],
+        architectures: &["MixtralForCausalLM"],
+        qk_norm: QkNorm::None,
+        moe: Some(MoeFamily {
+            scoring: RouterScoring::Softmax {
+                renormalize: Renormalize::Always,
+            },
+            names: MIXTRAL_NAMES,
+            scoring_funcs: &["softmax"],
+        }),
+    },
+    Family {
+        name: "qwen3",
+        model_types: &["qwen3"],
+        architectures: &["Qwen3ForCausalLM"],
+        qk_norm: QkNorm::PerHead,
+        moe: None,
+    },
+    Family {
+        name: "qwen3_moe",
+        model_types: &["qwen3_moe"],
+        architectures: &["Qwen3MoeForCausalLM"],
+        qk_norm: QkNorm::PerHead,
+        moe: Some(MoeFamily {
+            scoring: RouterScoring::Softmax {
+                renormalize: Renormalize::IfNormTopkProb,
+            },
+            names: QWEN3_MOE_NAMES,
+            scoring_funcs: &["softmax"],
+        }),
+    },
+    Family {
+        name: "minimax_m2",
+        model_types: &["minimax_m2"],
+        architectures: &["MiniMaxM2ForCausalLM"],
+        qk_norm: QkNorm::WholeProjection,
+        moe: Some(MoeFamily {
+            scoring: RouterScoring::SigmoidWithBias,
+            names: MIXTRAL_NAMES,
+            scoring_funcs: &["sigmoid"],
+        }),
     },
 ];
 

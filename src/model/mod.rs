@@ -8,7 +8,7 @@ pub mod weights;
 
 use std::path::Path;
 
-pub use config::{ModelConfig, RopeConfig, RopeScaling};
+pub use config::{ModelConfig, MoeConfig, RopeConfig, RopeScaling, Routing};
 pub use family::{Family, QkNorm};
 use weights::{Checkpoint, Uploader};
 
@@ -27,7 +27,29 @@ pub struct LayerWeights {
     pub k_norm: Option<GpuTensor>,
     pub o_proj: GpuTensor,
     pub ffn_norm: GpuTensor,
-    /// gate and up projections stacked: `[2 * intermediate, hidden]`.
+    pub ffn: FfnWeights,
+}
+
+#[derive(Debug)]
+pub enum FfnWeights {
+    Dense {
+        /// gate and up projections stacked: `[2 * intermediate, hidden]`.
+        gate_up: GpuTensor,
+        down: GpuTensor,
+    },
+    Moe(MoeWeights),
+}
+
+/// A MoE layer's router and experts. Expert `e` owns rows
+/// `[e * 2I, (e + 1) * 2I)` of `gate_up` (its gate rows, then its up rows)
+/// and rows `[e * H, (e + 1) * H)` of `down`: the layout transformers 5's
+/// fused tensors already have, and the one per-expert tensors are stacked into.
+#[derive(Debug)]
+pub struct MoeWeights {
+    /// `[experts, hidden]`.
+    pub router: GpuTensor,
+    /// f32 `[experts]`, for sigmoid-with-bias scoring.
+    pub score_bias: Option<wgpu::Buffer>,
     pub gate_up: GpuTensor,
     pub down: GpuTensor,
 }
@@ -89,7 +111,6 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &Checkpoint) -> Result<Weights
             name("self_attn.k_proj.weight"),
             name("self_attn.v_proj.weight"),
         );
-        let (gate, up_proj) = (name("mlp.gate_proj.weight"), name("mlp.up_proj.weight"));
         let (q_norm, k_norm) = match c.family.qk_norm {
             QkNorm::None => (None, None),
             QkNorm::PerHead => (
@@ -107,17 +128,24 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &Checkpoint) -> Result<Weights
                 &name("self_attn.qkv"),
                 &[(&q, q_rows), (&k, kv_rows), (&v, kv_rows)],
                 hidden,
+                1,
             )?,
             q_norm,
             k_norm,
             o_proj: up.matrix(&name("self_attn.o_proj.weight"), hidden, q_rows)?,
             ffn_norm: up.matrix(&name("post_attention_layernorm.weight"), 1, hidden)?,
-            gate_up: up.stack(
-                &name("mlp.gate_up"),
-                &[(&gate, c.intermediate), (&up_proj, c.intermediate)],
-                hidden,
-            )?,
-            down: up.matrix(&name("mlp.down_proj.weight"), hidden, c.intermediate)?,
+            ffn: match &c.moe {
+                Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
+                _ => FfnWeights::Dense {
+                    gate_up: up.stack(
+                        &name("mlp.gate_up"),
+                        &[(&name("mlp.gate_proj.weight"), c.intermediate), (&name("mlp.up_proj.weight"), c.intermediate)],
+                        hidden,
+                        1,
+                    )?,
+                    down: up.matrix(&name("mlp.down_proj.weight"), hidden, c.intermediate)?,
+                },
+            },
         });
     }
     let final_norm = up.matrix("model.norm.weight", 1, hidden)?;
@@ -132,5 +160,44 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &Checkpoint) -> Result<Weights
         layers,
         final_norm,
         lm_head,
+    })
+}
+
+/// A MoE layer, from the fused 3-D layout (`mlp.experts.gate_up_proj`) when
+/// the checkpoint has it, else from the family's per-expert tensors.
+fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: usize) -> Result<MoeWeights> {
+    let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
+    let (h, i, e) = (c.hidden, moe.intermediate, moe.experts);
+    let fused = name("mlp.experts.gate_up_proj");
+    let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
+    let block = if up.contains(&fused) { "mlp" } else { names.block };
+    let (gate_up, down) = if up.contains(&fused) {
+        (
+            up.experts(&fused, e, 2 * i, h)?,
+            up.experts(&name("mlp.experts.down_proj"), e, h, i)?,
+        )
+    } else {
+        let expert = |x: usize, which: &str| name(&format!("{block}.experts.{x}.{which}.weight"));
+        let gate_up_names: Vec<(String, String)> = (0..e).map(|x| (expert(x, names.gate), expert(x, names.up))).collect();
+        let gate_up_sources: Vec<(&str, usize)> = gate_up_names
+            .iter()
+            .flat_map(|(g, u)| [(g.as_str(), i), (u.as_str(), i)])
+            .collect();
+        let down_names: Vec<String> = (0..e).map(|x| expert(x, names.down)).collect();
+        let down_sources: Vec<(&str, usize)> = down_names.iter().map(|d| (d.as_str(), h)).collect();
+        (
+            up.stack(&name(&format!("{block}.experts.gate_up")), &gate_up_sources, h, 2 * i)?,
+            up.stack(&name(&format!("{block}.experts.down")), &down_sources, i, h)?,
+        )
+    };
+    let score_bias = match moe.routing {
+        Routing::SigmoidWithBias => Some(up.f32_vector(&name(&format!("{block}.e_score_correction_bias")), e)?),
+        Routing::Softmax { .. } => None,
+    };
+    Ok(MoeWeights {
+        router: up.matrix(&name(&format!("{block}.{}.weight", names.router)), e, h)?,
+        score_bias,
+        gate_up,
+        down,
     })
 }

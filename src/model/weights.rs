@@ -158,6 +158,26 @@ impl Checkpoint {
     }
 }
 
+impl Checkpoint {
+    /// A tensor's values as f32 (for small tensors kept in f32).
+    pub fn f32_values(&self, name: &str) -> Result<Vec<f32>> {
+        let entry = self.entry(name)?;
+        let data = &self.files[entry.file].1[entry.bytes.clone()];
+        Ok(match entry.dtype {
+            Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return Err(Error::WrongDtype {
+                    name: name.to_string(),
+                    expected: "F32, BF16 or F16".to_string(),
+                    found: format!("{other:?}"),
+                });
+            }
+        })
+    }
+}
+
 fn shard_list(index: &Path) -> Result<Vec<String>> {
     #[derive(serde::Deserialize)]
     struct Index {
@@ -198,34 +218,51 @@ impl<'a> Uploader<'a> {
     /// One `[rows, cols]` tensor (a vector when `rows` is 1).
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<GpuTensor> {
         let shape: &[usize] = if rows == 1 { &[cols] } else { &[rows, cols] };
-        self.stacked(name, &[(name, rows)], cols, Some(shape))
+        self.upload(name, &[(name, shape)], cols, 1)
+    }
+
+    /// A fused 3-D expert tensor `[experts, rows, cols]`, stored as
+    /// `experts * rows` rows grouped by expert.
+    pub fn experts(&mut self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<GpuTensor> {
+        self.upload(name, &[(name, &[experts, rows, cols])], cols, rows)
     }
 
     /// Several `[rows_i, cols]` tensors stacked by rows into one GPU tensor
-    /// (fused projections: q|k|v, gate|up).
-    pub fn stack(&mut self, label: &str, sources: &[(&str, usize)], cols: usize) -> Result<GpuTensor> {
-        self.stacked(label, sources, cols, None)
+    /// (fused projections: q|k|v, gate|up, and per-expert tensors stacked
+    /// into groups of `group_rows`).
+    pub fn stack(&mut self, label: &str, sources: &[(&str, usize)], cols: usize, group_rows: usize) -> Result<GpuTensor> {
+        let shapes: Vec<[usize; 2]> = sources.iter().map(|(_, rows)| [*rows, cols]).collect();
+        let sources: Vec<(&str, &[usize])> = sources.iter().zip(&shapes).map(|((n, _), s)| (*n, &s[..])).collect();
+        self.upload(label, &sources, cols, group_rows)
     }
 
-    fn stacked(
+    /// A small f32 vector kept in f32 (a router's score-correction bias,
+    /// whose precision decides expert selection).
+    pub fn f32_vector(&mut self, name: &str, len: usize) -> Result<wgpu::Buffer> {
+        self.checkpoint.check_shape(name, &[len])?;
+        let values = self.checkpoint.f32_values(name)?;
+        Ok(self.gpu.storage_buffer_init(name, &values))
+    }
+
+    fn upload(
         &mut self,
         label: &str,
-        sources: &[(&str, usize)],
+        sources: &[(&str, &[usize])],
         cols: usize,
-        exact_shape: Option<&[usize]>,
+        group_rows: usize,
     ) -> Result<GpuTensor> {
-        let shape_of = |rows: usize| exact_shape.map(<[usize]>::to_vec).unwrap_or_else(|| vec![rows, cols]);
         // Check every source before allocating anything.
-        for (name, rows) in sources {
-            self.checkpoint.check_shape(name, &shape_of(*rows))?;
+        for (name, shape) in sources {
+            self.checkpoint.check_shape(name, shape)?;
         }
-        let total_rows = sources.iter().map(|(_, r)| r).sum();
-        let tensor = GpuTensor::alloc(self.gpu, label, total_rows, cols)?;
+        let rows_of = |shape: &[usize]| shape.iter().product::<usize>() / cols;
+        let total_rows = sources.iter().map(|(_, s)| rows_of(s)).sum();
+        let tensor = GpuTensor::alloc_grouped(self.gpu, label, total_rows, cols, group_rows)?;
         let mut row = 0;
-        for (name, rows) in sources {
-            let bytes = self.checkpoint.bf16_bytes(name, &shape_of(*rows))?;
+        for (name, shape) in sources {
+            let bytes = self.checkpoint.bf16_bytes(name, shape)?;
             tensor.write_rows(self.gpu, row, &bytes);
-            row += rows;
+            row += rows_of(shape);
             self.pending_bytes += bytes.len() as u64;
             self.uploaded_bytes += bytes.len() as u64;
             if self.pending_bytes >= FLUSH_BYTES {
@@ -233,6 +270,10 @@ impl<'a> Uploader<'a> {
             }
         }
         Ok(tensor)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.checkpoint.contains(name)
     }
 
     pub fn flush(&mut self) -> Result<()> {

@@ -1,0 +1,235 @@
+//! Recording a forward pass into command encoders: one compute pass per
+//! phase, a new submission wherever the host must read something back, and
+//! the phase timing (GPU timestamps or wall clock) when it is asked for.
+
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::gpu::{Gpu, Readback};
+use crate::stats::{Phase, PhaseTimes, TimingSource};
+
+/// Records into the current encoder, in one compute pass per phase.
+pub struct Recorder<'a> {
+    gpu: &'a Gpu,
+    encoder: Option<wgpu::CommandEncoder>,
+    pass: Option<wgpu::ComputePass<'static>>,
+    /// The phase of the work recorded last.
+    phase: Option<Phase>,
+    timer: Option<&'a mut PhaseTimer>,
+}
+
+impl<'a> Recorder<'a> {
+    pub fn new(gpu: &'a Gpu, timer: Option<&'a mut PhaseTimer>) -> Self {
+        Recorder {
+            gpu,
+            encoder: None,
+            pass: None,
+            phase: None,
+            timer,
+        }
+    }
+
+    pub fn gpu(&self) -> &'a Gpu {
+        self.gpu
+    }
+
+    /// The compute pass of `phase`, ending the current one if it belongs
+    /// to another phase.
+    pub fn pass(&mut self, phase: Phase) -> &mut wgpu::ComputePass<'static> {
+        if self.phase != Some(phase) {
+            self.end_pass();
+            if let (Some(timer), Some(_)) = (self.timer.as_deref_mut(), self.phase) {
+                timer.phase_boundary(self.gpu, &mut self.encoder);
+            }
+            self.phase = Some(phase);
+        }
+        if self.pass.is_none() {
+            let gpu = self.gpu;
+            let encoder = self.encoder.get_or_insert_with(|| {
+                gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") })
+            });
+            let timestamp_writes = self.timer.as_deref_mut().and_then(|t| t.pass_writes(phase));
+            let pass = encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(match phase {
+                        Phase::Attention => "attention",
+                        Phase::Routed => "routed experts",
+                        Phase::Head => "head",
+                    }),
+                    timestamp_writes,
+                })
+                .forget_lifetime();
+            if let Some(timer) = self.timer.as_deref_mut() {
+                timer.phase_started(phase);
+            }
+            self.pass = Some(pass);
+        }
+        self.pass.as_mut().unwrap()
+    }
+
+    fn end_pass(&mut self) {
+        self.pass = None;
+    }
+
+    /// The encoder, outside any pass (for copies).
+    pub fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
+        self.end_pass();
+        let gpu = self.gpu;
+        self.encoder
+            .get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()))
+    }
+
+    /// Submits what was recorded.
+    pub fn submit(&mut self) -> Result<()> {
+        self.end_pass();
+        if let Some(encoder) = self.encoder.take() {
+            self.gpu.queue.submit([encoder.finish()]);
+        }
+        self.gpu.check("running the layer flow")
+    }
+
+    /// Ends the forward pass: resolves GPU timestamps into the timer's
+    /// readback (before the final submission) or closes the last wall-clock
+    /// phase (after it, by waiting).
+    pub fn finish(mut self) -> Result<()> {
+        self.end_pass();
+        let gpu = self.gpu;
+        if let Some(timer) = self.timer.as_deref_mut() {
+            timer.before_final_submit(
+                self.encoder
+                    .get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default())),
+            );
+        }
+        self.submit()?;
+        if let Some(timer) = self.timer.take() {
+            timer.after_final_submit(self.gpu)?;
+        }
+        Ok(())
+    }
+}
+
+/// Accumulates per-phase time over forward passes.
+pub struct PhaseTimer {
+    pub totals: PhaseTimes,
+    pub source: TimingSource,
+    gpu: Option<GpuTimestamps>,
+    /// Wall clock: the phase running since when.
+    current: Option<(Phase, Instant)>,
+}
+
+struct GpuTimestamps {
+    queries: wgpu::QuerySet,
+    resolved: wgpu::Buffer,
+    readback: Readback,
+    capacity: u32,
+    /// The phase of each pass, in query-pair order, this forward pass.
+    passes: Vec<Phase>,
+    period_ns: f32,
+}
+
+impl PhaseTimer {
+    /// GPU timestamps where the adapter has them, else wall clock; room
+    /// for `max_passes` passes per forward pass.
+    pub fn new(gpu: &Gpu, max_passes: usize) -> Self {
+        let gpu_timestamps = gpu.caps.timestamps.then(|| {
+            let capacity = (2 * max_passes) as u32;
+            GpuTimestamps {
+                queries: gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("phase timestamps"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: capacity,
+                }),
+                resolved: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("phase timestamps.resolved"),
+                    size: capacity as u64 * 8,
+                    usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                }),
+                readback: Readback::new(gpu, "phase timestamps.readback", capacity as u64 * 8),
+                capacity,
+                passes: Vec::new(),
+                period_ns: gpu.queue.get_timestamp_period(),
+            }
+        });
+        PhaseTimer {
+            totals: PhaseTimes::default(),
+            source: if gpu_timestamps.is_some() {
+                TimingSource::GpuTimestamps
+            } else {
+                TimingSource::WallClock
+            },
+            gpu: gpu_timestamps,
+            current: None,
+        }
+    }
+
+    fn pass_writes(&mut self, phase: Phase) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        let ts = self.gpu.as_mut()?;
+        let index = 2 * ts.passes.len() as u32;
+        if index + 2 > ts.capacity {
+            return None;
+        }
+        ts.passes.push(phase);
+        Some(wgpu::ComputePassTimestampWrites {
+            query_set: &ts.queries,
+            beginning_of_pass_write_index: Some(index),
+            end_of_pass_write_index: Some(index + 1),
+        })
+    }
+
+    fn phase_started(&mut self, phase: Phase) {
+        if self.gpu.is_none() && self.current.is_none() {
+            self.current = Some((phase, Instant::now()));
+        }
+    }
+
+    /// Wall clock only: the work of the phase that just ended is submitted
+    /// and waited for, so its time is its own.
+    fn phase_boundary(&mut self, gpu: &Gpu, encoder: &mut Option<wgpu::CommandEncoder>) {
+        if self.gpu.is_some() {
+            return;
+        }
+        if let Some(e) = encoder.take() {
+            gpu.queue.submit([e.finish()]);
+        }
+        let _ = gpu.wait();
+        self.close_wall_phase();
+    }
+
+    fn close_wall_phase(&mut self) {
+        if let Some((phase, start)) = self.current.take() {
+            self.totals.add(phase, start.elapsed());
+        }
+    }
+
+    fn before_final_submit(&mut self, encoder: &mut wgpu::CommandEncoder) {
+        if let Some(ts) = &self.gpu {
+            let n = 2 * ts.passes.len() as u32;
+            if n > 0 {
+                encoder.resolve_query_set(&ts.queries, 0..n, &ts.resolved, 0);
+                ts.readback.record(encoder, &ts.resolved, 0, n as u64 * 8);
+            }
+        }
+    }
+
+    fn after_final_submit(&mut self, gpu: &Gpu) -> Result<()> {
+        match &mut self.gpu {
+            Some(ts) => {
+                let n = ts.passes.len();
+                if n > 0 {
+                    let ticks: Vec<u64> = ts.readback.read(gpu, n as u64 * 16)?;
+                    for (i, phase) in ts.passes.drain(..).enumerate() {
+                        let dt = ticks[2 * i + 1].saturating_sub(ticks[2 * i]);
+                        let ns = dt as f64 * ts.period_ns as f64;
+                        self.totals.add(phase, Duration::from_nanos(ns as u64));
+                    }
+                }
+            }
+            None => {
+                gpu.wait()?;
+                self.close_wall_phase();
+            }
+        }
+        Ok(())
+    }
+}

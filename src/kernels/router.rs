@@ -1,0 +1,69 @@
+//! `wgsl/router.wgsl`: router scoring and top-k selection on the GPU.
+
+use crate::error::Result;
+use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
+use crate::model::config::Routing;
+
+/// Limits of the kernel's workgroup arrays.
+pub const MAX_EXPERTS: usize = 512;
+pub const MAX_TOP_K: usize = 16;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n_experts: u32,
+    top_k: u32,
+    scoring: u32,
+    renormalize: u32,
+}
+
+pub struct RouterBindings<'a> {
+    /// Router logits `[tokens, n_experts]`.
+    pub logits: &'a wgpu::Buffer,
+    /// `e_score_correction_bias` (f32 `[n_experts]`) for sigmoid scoring.
+    pub bias: Option<&'a wgpu::Buffer>,
+    pub ids: &'a wgpu::Buffer,
+    pub weights: &'a wgpu::Buffer,
+}
+
+#[derive(Debug)]
+pub struct Router {
+    pipeline: wgpu::ComputePipeline,
+    no_bias: wgpu::Buffer,
+}
+
+impl Router {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Router {
+            pipeline: super::pipeline(gpu, "router", &[])?,
+            no_bias: gpu.storage_buffer("router.no_bias", 1)?,
+        })
+    }
+
+    /// Selects `top_k` of `n_experts` for every token in flight.
+    pub fn plan(&self, gpu: &Gpu, routing: Routing, n_experts: usize, top_k: usize, b: RouterBindings<'_>) -> Dispatch {
+        debug_assert!(n_experts <= MAX_EXPERTS && top_k <= MAX_TOP_K);
+        let (scoring, renormalize) = match routing {
+            Routing::Softmax { renormalize } => (0, renormalize as u32),
+            Routing::SigmoidWithBias => (1, 1),
+        };
+        let params = ParamsBuffer::new(
+            gpu,
+            "router.params",
+            &Params {
+                n_experts: n_experts as u32,
+                top_k: top_k as u32,
+                scoring,
+                renormalize,
+            },
+        );
+        let bias = b.bias.unwrap_or(&self.no_bias);
+        Dispatch {
+            label: "router",
+            bind_group: gpu.bind("router", &self.pipeline, &[&params.0, b.logits, bias, b.ids, b.weights]),
+            pipeline: self.pipeline.clone(),
+            workgroups: [1, 1, 1],
+            per_token: true,
+        }
+    }
+}
