@@ -178,3 +178,54 @@ fn bad_backend_and_sampling_parameters() {
         assert!(matches!(Sampler::new(sampling, 0), Err(Error::InvalidSampling(_))), "{sampling:?}");
     }
 }
+
+#[test]
+fn moe_config_errors() {
+    let dir = edited_fixture("mixtral_8x2", |c, _| c["num_experts_per_tok"] = 9.into());
+    let err = load_err(&dir);
+    assert!(matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("num_experts_per_tok"), "{err}");
+
+    let dir = edited_fixture("minimax_m2", |c, _| c["scoring_func"] = "softmax".into());
+    let err = load_err(&dir);
+    assert!(matches!(&err, Error::Unsupported { what, .. } if *what == "router scoring_func"), "{err}");
+
+    let dir = edited_fixture("mixtral_8x2", |c, _| {
+        c.as_object_mut().unwrap().remove("num_local_experts");
+    });
+    assert!(load_err(&dir).to_string().contains("num_local_experts"));
+}
+
+#[test]
+fn missing_expert_and_bias_tensors_are_named() {
+    for (case, name) in [
+        ("mixtral_8x2", "model.layers.1.block_sparse_moe.experts.5.w3.weight"),
+        ("qwen3_moe_no_norm", "model.layers.0.mlp.experts.7.down_proj.weight"),
+        ("qwen3_moe_norm", "model.layers.1.mlp.experts.down_proj"),
+        ("minimax_m2", "model.layers.0.block_sparse_moe.e_score_correction_bias"),
+        ("minimax_m2", "model.layers.1.block_sparse_moe.gate.weight"),
+        ("qwen3_dense", "model.layers.0.self_attn.k_norm.weight"),
+    ] {
+        let dir = edited_fixture(case, |_, t| {
+            assert!(t.remove(name).is_some(), "{case} has {name}");
+        });
+        let err = load_err(&dir);
+        assert!(matches!(&err, Error::MissingTensor { name: n } if n == name), "{case}: {err}");
+    }
+}
+
+#[test]
+fn wrong_expert_shapes_are_named() {
+    let name = "model.layers.0.block_sparse_moe.experts.2.w1.weight";
+    let dir = edited_fixture("mixtral_8x2", |_, t| {
+        t.get_mut(name).unwrap().1 = vec![64, 48];
+    });
+    assert!(matches!(load_err(&dir), Error::WrongShape { name: n, expected, found }
+        if n == name && expected == vec![48, 64] && found == vec![64, 48]));
+
+    let name = "model.layers.0.mlp.experts.gate_up_proj";
+    let dir = edited_fixture("qwen3_moe_norm", |_, t| {
+        t.get_mut(name).unwrap().1 = vec![4, 128, 64];
+    });
+    assert!(matches!(load_err(&dir), Error::WrongShape { name: n, expected, .. }
+        if n == name && expected == vec![8, 64, 64]));
+}

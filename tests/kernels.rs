@@ -6,10 +6,12 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference};
 use wgspark::gpu::{Dispatch, Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::AttentionBindings;
-use wgspark::kernels::gemv::GemvShape;
+use wgspark::kernels::gemv::{ExpertBuffers, ExpertLayout, GemvShape};
+use wgspark::kernels::router::RouterBindings;
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::rope::RopeBindings;
-use wgspark::kernels::{Attention, Embed, Gemv, Heads, Residual, RmsNorm, Rope, Step, Swiglu};
+use wgspark::kernels::{Attention, Embed, Gemv, Heads, Residual, RmsNorm, Rope, Router, Step, Swiglu};
+use wgspark::model::Routing;
 use wgspark::model::{RopeConfig, RopeScaling};
 
 fn upload(gpu: &Gpu, name: &str, rows: usize, cols: usize, values: &[f32]) -> GpuTensor {
@@ -309,5 +311,116 @@ fn residual_adds_scaled() {
         run(gpu, &[residual.plan(gpu, n, 0.5, &yb, &xb)], tokens as u32);
         let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + 0.5 * b).collect();
         assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, "residual");
+    });
+}
+
+#[test]
+fn router_selects_and_weighs_like_each_family() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(9);
+        let router = Router::new(gpu).unwrap();
+        for (experts, k, routing) in [
+            (8, 2, Routing::Softmax { renormalize: true }),
+            (60, 3, Routing::Softmax { renormalize: false }),
+            (130, 8, Routing::Softmax { renormalize: true }),
+            (8, 2, Routing::SigmoidWithBias),
+            (257, 5, Routing::SigmoidWithBias),
+        ] {
+            let tokens = 3;
+            let mut logits = rng.vec(tokens * experts, 3.0);
+            // An exact tie: the lower id must win.
+            logits[1] = logits[0];
+            let bias = rng.vec(experts, 0.3);
+            let lb = gpu.storage_buffer_init("logits", &logits);
+            let bb = gpu.storage_buffer_init("bias", &bias);
+            let ids = gpu.storage_buffer("ids", tokens * k).unwrap();
+            let weights = gpu.storage_buffer("weights", tokens * k).unwrap();
+            let sigmoid = routing == Routing::SigmoidWithBias;
+            let d = router.plan(
+                gpu,
+                routing,
+                experts,
+                k,
+                RouterBindings { logits: &lb, bias: sigmoid.then_some(&bb), ids: &ids, weights: &weights },
+            );
+            run(gpu, &[d], tokens as u32);
+            let got_ids: Vec<u32> = gpu.read_buffer(&ids, tokens * k).unwrap();
+            let got_w: Vec<f32> = gpu.read_buffer(&weights, tokens * k).unwrap();
+            let renormalize = matches!(routing, Routing::Softmax { renormalize: true });
+            for t in 0..tokens {
+                let (want_ids, want_w) = reference::route(
+                    &logits[t * experts..(t + 1) * experts],
+                    k,
+                    sigmoid.then_some(&bias[..]),
+                    renormalize,
+                );
+                let what = format!("{routing:?} {experts} experts top {k}, token {t}");
+                assert_eq!(&got_ids[t * k..(t + 1) * k], &want_ids[..], "{what}");
+                assert_close(&got_w[t * k..(t + 1) * k], &want_w, 1e-5, &what);
+            }
+        }
+    });
+}
+
+#[test]
+fn expert_gemv_reads_the_expert_from_the_gpu_across_split_parts() {
+    for backend in common::backends() {
+        for limit in [None, Some(1000)] {
+            // 1000-byte bindings: 5 rows of 100 bf16 per part, so experts of
+            // 7 rows straddle part boundaries.
+            let gpu = Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
+            let mut rng = Rng::new(10);
+            let (experts, rows, cols, k, tokens) = (6, 7, 100, 3, 2);
+            let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
+            let weight = GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
+            weight.write_rows(&gpu, 0, &bf16_bytes(&w));
+            // Per-slot inputs, as the down projection reads them.
+            let x = rng.vec(tokens * k * cols, 1.0);
+            let ids: Vec<u32> = vec![5, 0, 3, 2, 2, 4];
+            let xb = gpu.storage_buffer_init("x", &x);
+            let yb = gpu.storage_buffer("y", tokens * k * rows).unwrap();
+            let idb = gpu.storage_buffer_init("ids", &ids);
+            let gemv = Gemv::new(&gpu).unwrap();
+            let layout = ExpertLayout { top_k: k, expert_rows: rows, x_stride: k * cols, x_slot_stride: cols };
+            let mut dispatches = Vec::new();
+            for slot in 0..k {
+                dispatches.extend(gemv.plan_expert(&gpu, &weight, layout, slot, ExpertBuffers { x: &xb, y: &yb, ids: &idb }));
+            }
+            run(&gpu, &dispatches, tokens as u32);
+            let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
+            let mut want = Vec::new();
+            for t in 0..tokens {
+                for slot in 0..k {
+                    let e = ids[t * k + slot] as usize;
+                    let we = &w[e * rows * cols..(e + 1) * rows * cols];
+                    let xs = &x[(t * k + slot) * cols..(t * k + slot + 1) * cols];
+                    want.extend(reference::gemv(we, rows, cols, xs));
+                }
+            }
+            assert_close(&got, &want, 1e-4, &format!("expert gemv, binding limit {limit:?}"));
+        }
+    }
+}
+
+#[test]
+fn weighted_residual_sums_the_routed_outputs() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(11);
+        let (n, k, tokens) = (70, 3, 2);
+        let x = rng.vec(tokens * n, 1.0);
+        let y = rng.vec(tokens * k * n, 1.0);
+        let w = rng.vec(tokens * k, 1.0);
+        let xb = gpu.storage_buffer_init("x", &x);
+        let yb = gpu.storage_buffer_init("y", &y);
+        let wb = gpu.storage_buffer_init("w", &w);
+        let residual = Residual::new(gpu).unwrap();
+        run(gpu, &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb)], tokens as u32);
+        let want: Vec<f32> = (0..tokens * n)
+            .map(|ti| {
+                let (t, i) = (ti / n, ti % n);
+                x[ti] + (0..k).map(|j| w[t * k + j] * y[(t * k + j) * n + i]).sum::<f32>()
+            })
+            .collect();
+        assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-5, "weighted residual");
     });
 }

@@ -45,3 +45,28 @@ pub fn attention(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], kv_head: usize, scal
         .map(|d| e.iter().zip(v).map(|(p, row)| p * row[kv_head * hd + d]).sum::<f32>() / sum)
         .collect()
 }
+
+/// Router selection as the families define it: `(ids, weights)` in
+/// descending order of the selection score, ties to the lower id.
+pub fn route(logits: &[f32], k: usize, sigmoid_bias: Option<&[f32]>, renormalize: bool) -> (Vec<u32>, Vec<f32>) {
+    let (weight, choice): (Vec<f32>, Vec<f32>) = match sigmoid_bias {
+        Some(bias) => {
+            let s: Vec<f32> = logits.iter().map(|z| 1.0 / (1.0 + (-z).exp())).collect();
+            let c = s.iter().zip(bias).map(|(s, b)| s + b).collect();
+            (s, c)
+        }
+        None => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = logits.iter().map(|z| (z - max).exp()).collect();
+            let sum: f32 = e.iter().sum();
+            let p: Vec<f32> = e.iter().map(|v| v / sum).collect();
+            (p.clone(), p)
+        }
+    };
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+    let ids: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
+    let picked: Vec<f32> = ids.iter().map(|&i| weight[i as usize]).collect();
+    let norm = if renormalize || sigmoid_bias.is_some() { picked.iter().sum() } else { 1.0 };
+    (ids, picked.iter().map(|w| w / norm).collect())
+}

@@ -1,0 +1,104 @@
+//! MoE routing: device-resident and readback routing agree bit for bit,
+//! experts split across bindings still match the fixtures, and the router
+//! histogram and phase times are reported.
+
+mod common;
+
+use common::checkpoint::fixture_dir;
+use common::fixtures::{cases, expected};
+use common::max_abs_diff;
+use wgspark::stats::TimingSource;
+use wgspark::{Gpu, GpuOptions, Model, RoutingMode, Session, SessionOptions};
+
+const MOE_CASES: &[&str] = &[
+    "mixtral_8x2",
+    "mixtral_kv1_top3",
+    "qwen3_moe_norm",
+    "qwen3_moe_no_norm",
+    "qwen3_moe_dense_layers",
+    "minimax_m2",
+];
+
+fn replay_with<'m>(model: &'m Model, case: &str, options: &SessionOptions) -> (Vec<Vec<f32>>, Session<'m>) {
+    let e = expected(&fixture_dir(case));
+    let mut session = model.session(options).unwrap();
+    let mut rows = vec![session.prefill(&e.prompt_ids).unwrap()];
+    for &id in &e.generated_ids[..e.generated_ids.len() - 1] {
+        let pos = session.position();
+        rows.push(session.step(id, pos).unwrap());
+    }
+    (rows, session)
+}
+
+#[test]
+fn every_moe_family_has_a_fixture() {
+    let names: Vec<String> = cases().into_iter().map(|c| c.name).collect();
+    for case in MOE_CASES {
+        assert!(names.iter().any(|n| n == case), "fixture {case} is missing");
+    }
+}
+
+#[test]
+fn device_resident_routing_matches_readback_routing_exactly() {
+    common::on_each_backend(|gpu| {
+        for case in MOE_CASES {
+            let model = Model::load(fixture_dir(case), gpu).unwrap();
+            let readback = replay_with(&model, case, &SessionOptions::default()).0;
+            let resident = SessionOptions { routing: RoutingMode::DeviceResident, ..Default::default() };
+            let (rows, session) = replay_with(&model, case, &resident);
+            assert!(rows == readback, "{case}: device-resident logits differ from readback routing");
+            assert_eq!(session.stats().routing_readbacks, 0, "{case}: nothing is read back");
+        }
+    });
+}
+
+#[test]
+fn experts_split_across_bindings_match_the_fixture() {
+    for backend in common::backends() {
+        // 8 KiB bindings: an expert's 96 x 64 gate/up rows (12 KiB) span two
+        // parts, and the 190 x 64 head splits too.
+        let gpu = Gpu::new(&GpuOptions { backend, max_storage_binding: Some(8192), ..Default::default() }).unwrap();
+        let model = Model::load(fixture_dir("mixtral_8x2"), &gpu).unwrap();
+        let e = expected(&fixture_dir("mixtral_8x2"));
+        let options = SessionOptions { context_len: Some(32), ..Default::default() };
+        let (rows, _) = replay_with(&model, "mixtral_8x2", &options);
+        for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
+            let err = max_abs_diff(got, want);
+            assert!(err <= 1e-3, "{backend:?} row {row}: {err}");
+        }
+    }
+}
+
+#[test]
+fn stats_report_router_histograms_and_phase_times() {
+    common::on_each_backend(|gpu| {
+        let case = "qwen3_moe_dense_layers";
+        let model = Model::load(fixture_dir(case), gpu).unwrap();
+        let moe = model.config.moe.clone().unwrap();
+        let options = SessionOptions { timing: true, ..Default::default() };
+        let (rows, session) = replay_with(&model, case, &options);
+        let stats = session.stats();
+        let tokens = (expected(&fixture_dir(case)).prompt_ids.len() + rows.len() - 1) as u64;
+        assert_eq!(stats.forward_passes, tokens);
+        for (layer, counts) in stats.router_histogram.iter().enumerate() {
+            if moe.sparse_layers[layer] {
+                assert_eq!(counts.len(), moe.experts);
+                assert_eq!(counts.iter().sum::<u64>(), tokens * moe.top_k as u64, "layer {layer}");
+            } else {
+                assert!(counts.is_empty(), "dense layer {layer} has no histogram");
+            }
+        }
+        let moe_layers = moe.sparse_layers.iter().filter(|&&s| s).count() as u64;
+        assert_eq!(stats.routing_readbacks, tokens * moe_layers);
+        let phases = stats.phases.expect("timing was asked for");
+        let want_source = if gpu.caps.timestamps { TimingSource::GpuTimestamps } else { TimingSource::WallClock };
+        assert_eq!(stats.timing_source, Some(want_source));
+        assert!(!phases.attention.is_zero() && !phases.routed.is_zero() && !phases.head.is_zero(), "{phases:?}");
+        eprintln!(
+            "{:?}: {:?}; routing readback {:.3} ms each",
+            gpu.info.backend,
+            phases,
+            stats.routing_wait.as_secs_f64() * 1e3 / stats.routing_readbacks as f64
+        );
+    });
+}
