@@ -58,6 +58,9 @@ struct Args {
     /// Print per-phase time and each MoE layer's router histogram.
     #[arg(long)]
     stats: bool,
+    /// Prompt tokens per prefill submission (default 512).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// MoE layers keep the router's choice on the GPU (no readback).
     #[arg(long)]
     device_routing: bool,
@@ -107,6 +110,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         context_len: args.context,
         routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
         timing: args.stats,
+        prefill_chunk: args.prefill_chunk,
     })?;
     let mut sampler = if args.greedy || args.temperature == 0.0 {
         Sampler::greedy()

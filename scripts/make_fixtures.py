@@ -172,6 +172,13 @@ CASES = {
     "minimax_m2": (minimax_m2, dict(prompt_len=12, steps=8, must_matter=[
         dict(rotary_dim=32),
     ], bias_scale=0.15)),
+    # Several prefill chunks long.
+    "llama_long_prompt": (llama_untied, dict(prompt_len=100, steps=6, must_matter=[
+        dict(rope_theta=10000.0),
+    ])),
+    "mixtral_long_prompt": (mixtral_8x2, dict(prompt_len=100, steps=6, must_matter=[
+        dict(num_experts_per_tok=1),
+    ])),
 }
 
 MIN_ROUTER_GAP = 2e-3  # between the k-th and (k+1)-th selection score

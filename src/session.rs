@@ -13,6 +13,10 @@ use crate::model::Model;
 /// reserve gigabytes of KV cache it may never use.
 pub const DEFAULT_CONTEXT_CAP: usize = 8192;
 
+/// Prompt tokens per prefill submission: enough to fill the GEMM's 64-token
+/// tiles many times over and read each weight once per 512 tokens.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
 #[derive(Debug, Clone, Default)]
 pub struct SessionOptions {
     /// Positions the KV cache holds. `None`: the config's
@@ -20,6 +24,10 @@ pub struct SessionOptions {
     pub context_len: Option<usize>,
     /// How MoE layers hand the router's choice to the expert kernels.
     pub routing: RoutingMode,
+    /// Prompt tokens per submission in [`Session::prefill`] (default
+    /// [`DEFAULT_PREFILL_CHUNK`]; lowered if the activations of a chunk
+    /// would not fit one storage binding).
+    pub prefill_chunk: Option<usize>,
     /// Measure per-phase time (GPU timestamps where the adapter has them,
     /// else wall clock with a submission at every phase boundary).
     pub timing: bool,
@@ -57,11 +65,12 @@ impl<'m> Session<'m> {
             c.weight_bytes() + kv_bytes,
         )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len)?;
-        let activations = Activations::new(gpu, c, 1, context_len)?;
+        let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));
+        let activations = Activations::new(gpu, c, chunk, context_len)?;
         let plan = Plan::new(model, &activations, &kv);
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
-        let routing_readback = Readback::new(gpu, "routing.readback", (top_k * 4) as u64);
+        let routing_readback = Readback::new(gpu, "routing.readback", (chunk * top_k * 4) as u64);
         let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
         // Passes per forward: attention and routed per MoE layer, the rest, the head.
         let timer = options.timing.then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
@@ -115,17 +124,18 @@ impl<'m> Session<'m> {
     /// returns the raw next-token logits, `vocab` f32 values.
     pub fn step(&mut self, token: u32, position: usize) -> Result<Vec<f32>> {
         self.check_next(token, position)?;
-        self.submit(token, true)?;
-        let bytes = (self.model.config.vocab * 4) as u64;
-        let logits = self.logits_readback.read(&self.model.gpu, bytes)?;
+        self.submit(&[token], true)?;
         self.len += 1;
-        Ok(logits)
+        self.read_logits()
     }
 
-    /// Runs a prompt from the current position and returns the logits of
-    /// its last token. Positions before the last skip the head.
+    /// Runs a prompt from the current position, in chunks of up to
+    /// [`Self::prefill_chunk`] tokens, and returns the logits of its last
+    /// token (the only position that runs the head).
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let (&last, rest) = tokens.split_last().ok_or(Error::EmptyPrompt)?;
+        if tokens.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
         let end = self.len + tokens.len();
         if end > self.kv.context_len {
             return Err(Error::ContextOverflow {
@@ -137,14 +147,20 @@ impl<'m> Session<'m> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::TokenOutOfRange { token: bad, vocab });
         }
-        for &token in rest {
-            // Queue writes land between submissions in order, so these need
-            // no wait: the GPU runs them back to back.
-            self.submit(token, false)?;
-            self.len += 1;
+        let chunks: Vec<&[u32]> = tokens.chunks(self.activations.max_tokens).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            // Queue writes land between submissions in order, so chunks need
+            // no wait between them: the GPU runs them back to back.
+            let last = i + 1 == chunks.len();
+            self.submit(chunk, last)?;
+            self.len += chunk.len();
         }
-        let position = self.len;
-        self.step(last, position)
+        self.read_logits()
+    }
+
+    /// Most prompt tokens one prefill submission carries.
+    pub fn prefill_chunk(&self) -> usize {
+        self.activations.max_tokens
     }
 
     fn check_next(&self, token: u32, position: usize) -> Result<()> {
@@ -167,16 +183,23 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
-    fn submit(&mut self, token: u32, with_head: bool) -> Result<()> {
+    fn read_logits(&self) -> Result<Vec<f32>> {
+        let bytes = (self.model.config.vocab * 4) as u64;
+        self.logits_readback.read(&self.model.gpu, bytes)
+    }
+
+    fn submit(&mut self, tokens: &[u32], with_head: bool) -> Result<()> {
         let gpu = &self.model.gpu;
-        self.activations.write_step(gpu, &[token], self.len);
+        self.activations.write_step(gpu, tokens, self.len);
         let mut rec = Recorder::new(gpu, self.timer.as_mut());
         let mut routing = crate::flow::moe::RoutingContext {
             mode: self.routing,
             readback: &self.routing_readback,
             moe: self.activations.moe.as_ref(),
         };
-        self.plan.forward(&mut rec, 1, with_head, &mut routing, &mut self.stats)?;
+        let n_tokens = tokens.len() as u32;
+        self.plan
+            .forward(&mut rec, &self.activations, n_tokens, with_head, &mut routing, &mut self.stats)?;
         if with_head {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback

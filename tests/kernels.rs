@@ -6,11 +6,12 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference};
 use wgspark::gpu::{Dispatch, Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::AttentionBindings;
+use wgspark::kernels::gemm::GroupedBuffers;
 use wgspark::kernels::gemv::{ExpertBuffers, ExpertLayout, GemvShape};
 use wgspark::kernels::router::RouterBindings;
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::rope::RopeBindings;
-use wgspark::kernels::{Attention, Embed, Gemv, Heads, Residual, RmsNorm, Rope, Router, Step, Swiglu};
+use wgspark::kernels::{Attention, Embed, Gemm, Gemv, Heads, Residual, RmsNorm, Rope, Router, Step, Swiglu};
 use wgspark::model::Routing;
 use wgspark::model::{RopeConfig, RopeScaling};
 
@@ -423,4 +424,79 @@ fn weighted_residual_sums_the_routed_outputs() {
             .collect();
         assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-5, "weighted residual");
     });
+}
+
+#[test]
+fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
+    for backend in common::backends() {
+        for limit in [None, Some(20_000)] {
+            let gpu = Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
+            let gemm = Gemm::new(&gpu).unwrap();
+            let mut rng = Rng::new(12);
+            // Tokens around the 64-token tile, rows around the 128-row tile,
+            // k not a multiple of the 16-wide k tile.
+            for (tokens, rows, cols) in [(2, 5, 2), (3, 130, 40), (64, 128, 64), (65, 200, 100), (130, 77, 258)] {
+                let w = bf16_round(&rng.vec(rows * cols, 1.0));
+                let x = rng.vec(tokens * cols, 1.0);
+                let weight = upload(&gpu, "w", rows, cols, &w);
+                let xb = gpu.storage_buffer_init("x", &x);
+                let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+                let step = step_buffer(&gpu, 0, tokens);
+                run(&gpu, &gemm.plan(&gpu, &weight, &step, &xb, &yb), tokens as u32);
+                let want: Vec<f32> = (0..tokens)
+                    .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
+                    .collect();
+                let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
+                let what = format!("gemm {tokens} x {rows} x {cols}, binding limit {limit:?}");
+                assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn grouped_gemm_runs_each_expert_over_its_tokens() {
+    for backend in common::backends() {
+        for limit in [None, Some(1000)] {
+            let gpu = Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
+            let gemm = Gemm::new(&gpu).unwrap();
+            let mut rng = Rng::new(13);
+            let (experts, rows, cols, k, tokens) = (5, 7, 100, 2, 70);
+            let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
+            let weight = GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
+            weight.write_rows(&gpu, 0, &bf16_bytes(&w));
+            let x = rng.vec(tokens * cols, 1.0);
+            // Each (token, slot) pair to an expert; expert 3 gets none.
+            let ids: Vec<u32> = (0..tokens * k).map(|_| [0, 1, 2, 4][rng.below(4) as usize]).collect();
+            let mut groups = Vec::new();
+            let mut pairs = Vec::new();
+            for e in 0..experts as u32 {
+                let members: Vec<u32> = (0..ids.len() as u32).filter(|&p| ids[p as usize] == e).collect();
+                groups.extend([pairs.len() as u32, members.len() as u32]);
+                pairs.extend(members);
+            }
+            let xb = gpu.storage_buffer_init("x", &x);
+            let yb = gpu.storage_buffer_init("y", &vec![0.0f32; tokens * k * rows]);
+            let gb = gpu.storage_buffer_init("groups", &groups);
+            let pb = gpu.storage_buffer_init("pairs", &pairs);
+            let step = step_buffer(&gpu, 0, tokens);
+            for e in 0..experts {
+                let count = groups[2 * e + 1];
+                if count == 0 {
+                    continue;
+                }
+                let b = GroupedBuffers { x: &xb, y: &yb, groups: &gb, pairs: &pb };
+                run(&gpu, &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b), count);
+            }
+            let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
+            let want: Vec<f32> = (0..tokens * k)
+                .flat_map(|pair| {
+                    let e = ids[pair] as usize;
+                    let t = pair / k;
+                    reference::gemv(&w[e * rows * cols..(e + 1) * rows * cols], rows, cols, &x[t * cols..(t + 1) * cols])
+                })
+                .collect();
+            assert_close(&got, &want, 1e-4, &format!("grouped gemm, binding limit {limit:?}"));
+        }
+    }
 }

@@ -15,8 +15,11 @@ pub struct Activations {
     pub step: wgpu::Buffer,
     /// cos/sin of every position's rotary angles.
     pub cos_sin: wgpu::Buffer,
+    pub hidden: usize,
     /// The residual stream.
     pub x: wgpu::Buffer,
+    /// The last token's row of `x`, input of the head.
+    pub x_last: wgpu::Buffer,
     /// A normalised copy of `x`, input of the projections and the head.
     pub h: wgpu::Buffer,
     pub qkv: wgpu::Buffer,
@@ -39,9 +42,26 @@ pub struct MoeActivations {
     pub expert_gate_up: wgpu::Buffer,
     pub expert_act: wgpu::Buffer,
     pub expert_out: wgpu::Buffer,
+    /// Prefill grouping by expert, written by the host after the routing
+    /// readback: u32 `[experts, 2]` (offset, count) and the pair indices
+    /// `token * top_k + slot` of each expert, in expert order.
+    pub groups: wgpu::Buffer,
+    pub pairs: wgpu::Buffer,
 }
 
 impl Activations {
+    /// The most tokens per submission (at most `wanted`) for which every
+    /// activation fits one storage binding.
+    pub fn max_chunk(gpu: &Gpu, c: &ModelConfig, wanted: usize) -> usize {
+        let moe_width = c.moe.as_ref().map_or(0, |m| m.top_k * (2 * m.intermediate).max(c.hidden));
+        let widest = [c.hidden, c.heads.qkv_width(), 2 * c.intermediate, moe_width]
+            .into_iter()
+            .max()
+            .unwrap();
+        let fits = (gpu.caps.max_storage_binding / (4 * widest as u64)).max(1) as usize;
+        wanted.clamp(1, fits)
+    }
+
     pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize, context_len: usize) -> Result<Self> {
         let t = max_tokens;
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
@@ -53,6 +73,8 @@ impl Activations {
                 expert_gate_up: buf("expert_gate_up", m.top_k * 2 * m.intermediate)?,
                 expert_act: buf("expert_act", m.top_k * m.intermediate)?,
                 expert_out: buf("expert_out", m.top_k * c.hidden)?,
+                groups: gpu.storage_buffer("moe_groups", 2 * m.experts)?,
+                pairs: buf("moe_pairs", m.top_k)?,
             }),
             None => None,
         };
@@ -66,7 +88,9 @@ impl Activations {
                 mapped_at_creation: false,
             }),
             cos_sin: gpu.storage_buffer_init("cos_sin", &c.rope.cos_sin_table(context_len)),
+            hidden: c.hidden,
             x: buf("x", c.hidden)?,
+            x_last: gpu.storage_buffer("x_last", c.hidden)?,
             h: buf("h", c.hidden)?,
             qkv: buf("qkv", c.heads.qkv_width())?,
             attn: buf("attn", c.heads.q * c.heads.dim)?,

@@ -25,7 +25,7 @@ pub use moe::RoutingMode;
 pub use recorder::{PhaseTimer, Recorder};
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, encode_all};
+use crate::gpu::{Dispatch, Gpu, GpuTensor, encode_all};
 use crate::kernels::attention::AttentionBindings;
 use crate::kernels::rms_norm::Rows;
 use crate::kernels::rope::RopeBindings;
@@ -34,24 +34,47 @@ use crate::model::{FfnWeights, Model, QkNorm};
 use crate::stats::{Phase, Stats};
 use moe::MoePlan;
 
+/// A projection by a weight matrix: a GEMV for one token in flight, a
+/// tiled GEMM for a chunk.
+#[derive(Debug)]
+pub(crate) struct Projection {
+    gemv: Vec<Dispatch>,
+    gemm: Vec<Dispatch>,
+}
+
+impl Projection {
+    fn new(model: &Model, weight: &GpuTensor, step: &wgpu::Buffer, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Self {
+        let (gpu, k) = (&model.gpu, &model.kernels);
+        Projection {
+            gemv: k.gemv.plan(gpu, weight, x, y),
+            gemm: k.gemm.plan(gpu, weight, step, x, y),
+        }
+    }
+
+    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
+        let dispatches = if n_tokens == 1 { &self.gemv } else { &self.gemm };
+        encode_all(dispatches, pass, n_tokens);
+    }
+}
+
 /// The attention half of a layer and the FFN norm, in flow order.
 #[derive(Debug)]
 struct AttentionPlan {
     attn_norm: Dispatch,
-    qkv_proj: Vec<Dispatch>,
+    qkv_proj: Projection,
     qk_norm: Vec<Dispatch>,
     rope_and_store: Dispatch,
     attention: Dispatch,
-    o_proj: Vec<Dispatch>,
+    o_proj: Projection,
     attn_residual: Dispatch,
     ffn_norm: Dispatch,
 }
 
 #[derive(Debug)]
 struct DensePlan {
-    gate_up_proj: Vec<Dispatch>,
+    gate_up_proj: Projection,
     swiglu: Dispatch,
-    down_proj: Vec<Dispatch>,
+    down_proj: Projection,
     ffn_residual: Dispatch,
 }
 
@@ -92,9 +115,9 @@ impl Plan {
                 attention: AttentionPlan::new(model, act, kv, i),
                 ffn: match &lw.ffn {
                     FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
-                        gate_up_proj: k.gemv.plan(gpu, gate_up, &act.h, &act.gate_up),
+                        gate_up_proj: Projection::new(model, gate_up, &act.step, &act.h, &act.gate_up),
                         swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
-                        down_proj: k.gemv.plan(gpu, down, &act.ffn_act, &act.ffn_out),
+                        down_proj: Projection::new(model, down, &act.step, &act.ffn_act, &act.ffn_out),
                         ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
                     }),
                     FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw, i)),
@@ -105,25 +128,24 @@ impl Plan {
         Plan {
             embed: k.embed.plan(gpu, &w.embed, &act.tokens, &act.x),
             layers,
-            final_norm: k.rms_norm.plan(gpu, &w.final_norm, c.rms_eps, &act.x, &act.h, hidden),
+            final_norm: k.rms_norm.plan(gpu, &w.final_norm, c.rms_eps, &act.x_last, &act.h, hidden),
             lm_head: k.gemv.plan(gpu, w.head(), &act.h, &act.logits),
         }
     }
 
     /// Records (and, at routing readbacks, submits) the forward pass of
     /// `n_tokens` tokens whose ids and first position are already written
-    /// to the activations. The head runs only when `with_head`, on the
-    /// hidden state of token 0, so a caller that wants logits passes one
+    /// to the activations. The head runs only when `with_head`, on the last
     /// token. The caller records its readbacks and finishes `rec`.
     pub fn forward(
         &self,
         rec: &mut Recorder<'_>,
+        act: &Activations,
         n_tokens: u32,
         with_head: bool,
         routing: &mut moe::RoutingContext<'_>,
         stats: &mut Stats,
     ) -> Result<()> {
-        debug_assert!(!with_head || n_tokens == 1);
         encode_all(&self.embed, rec.pass(Phase::Attention), n_tokens);
         for (i, layer) in self.layers.iter().enumerate() {
             layer.attention.encode(rec.pass(Phase::Attention), n_tokens);
@@ -133,6 +155,9 @@ impl Plan {
             }
         }
         if with_head {
+            let row = 4 * act.hidden as u64;
+            rec.encoder()
+                .copy_buffer_to_buffer(&act.x, (n_tokens as u64 - 1) * row, &act.x_last, 0, row);
             let pass = rec.pass(Phase::Head);
             self.final_norm.encode(pass, 1);
             encode_all(&self.lm_head, pass, 1);
@@ -164,7 +189,7 @@ impl AttentionPlan {
         };
         AttentionPlan {
             attn_norm: k.rms_norm.plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
-            qkv_proj: k.gemv.plan(gpu, &lw.qkv, &act.h, &act.qkv),
+            qkv_proj: Projection::new(model, &lw.qkv, &act.step, &act.h, &act.qkv),
             qk_norm,
             rope_and_store: k.rope.plan(
                 gpu,
@@ -191,7 +216,7 @@ impl AttentionPlan {
                     out: &act.attn,
                 },
             ),
-            o_proj: k.gemv.plan(gpu, &lw.o_proj, &act.attn, &act.attn_out),
+            o_proj: Projection::new(model, &lw.o_proj, &act.step, &act.attn, &act.attn_out),
             attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
             ffn_norm: k.rms_norm.plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
         }
@@ -199,11 +224,11 @@ impl AttentionPlan {
 
     fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
         self.attn_norm.encode(pass, n_tokens);
-        encode_all(&self.qkv_proj, pass, n_tokens);
+        self.qkv_proj.encode(pass, n_tokens);
         encode_all(&self.qk_norm, pass, n_tokens);
         self.rope_and_store.encode(pass, n_tokens);
         self.attention.encode(pass, n_tokens);
-        encode_all(&self.o_proj, pass, n_tokens);
+        self.o_proj.encode(pass, n_tokens);
         self.attn_residual.encode(pass, n_tokens);
         self.ffn_norm.encode(pass, n_tokens);
     }
@@ -211,9 +236,9 @@ impl AttentionPlan {
 
 impl DensePlan {
     fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
-        encode_all(&self.gate_up_proj, pass, n_tokens);
+        self.gate_up_proj.encode(pass, n_tokens);
         self.swiglu.encode(pass, n_tokens);
-        encode_all(&self.down_proj, pass, n_tokens);
+        self.down_proj.encode(pass, n_tokens);
         self.ffn_residual.encode(pass, n_tokens);
     }
 }

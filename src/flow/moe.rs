@@ -1,9 +1,12 @@
 //! The routed FFN of a MoE layer. The router and its top-k run on the GPU;
-//! in readback mode the k ids and weights are copied to a mapped buffer,
-//! which ends the submission, and the next one encodes only the chosen
-//! experts' parts. In device-resident mode nothing is read back: every
-//! part is encoded and the expert kernels, which read the ids from the GPU
-//! either way, skip the rows of experts that were not chosen.
+//! in readback mode the k ids of every token in flight are copied to a
+//! mapped buffer, which ends the submission, and the next one encodes only
+//! the chosen experts: for one token, a GEMV per slot over the parts that
+//! hold the expert; for a prefill chunk, the tokens grouped by expert and
+//! one GEMM per chosen expert, so each expert's weights are read once per
+//! chunk. In device-resident mode nothing is read back: every part is
+//! encoded and the expert kernels, which read the ids from the GPU either
+//! way, skip the rows of experts that were not chosen.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -11,6 +14,7 @@ use std::time::Instant;
 use super::{Activations, Recorder};
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, Readback};
+use crate::kernels::gemm::GroupedBuffers;
 use crate::kernels::gemv::{ExpertBuffers, ExpertLayout};
 use crate::kernels::router::RouterBindings;
 use crate::model::{Model, MoeWeights};
@@ -46,6 +50,9 @@ pub struct MoePlan {
     /// `[slot][part]`
     down: Vec<Vec<Dispatch>>,
     weighted_residual: Dispatch,
+    /// Prefill, `[expert][part]`: the expert's GEMM over its grouped tokens.
+    grouped_gate_up: Vec<Vec<Dispatch>>,
+    grouped_down: Vec<Vec<Dispatch>>,
     gate_up_parts: Vec<Range<usize>>,
     down_parts: Vec<Range<usize>>,
     k: usize,
@@ -108,6 +115,18 @@ impl MoePlan {
                 })
                 .collect(),
             weighted_residual: k.residual.plan_weighted(gpu, h, top_k, &a.route_weights, &a.expert_out, &act.x),
+            grouped_gate_up: (0..m.experts)
+                .map(|e| {
+                    let b = GroupedBuffers { x: &act.h, y: &a.expert_gate_up, groups: &a.groups, pairs: &a.pairs };
+                    k.gemm.plan_expert(gpu, &w.gate_up, e, 2 * i, top_k, &act.step, b)
+                })
+                .collect(),
+            grouped_down: (0..m.experts)
+                .map(|e| {
+                    let b = GroupedBuffers { x: &a.expert_act, y: &a.expert_out, groups: &a.groups, pairs: &a.pairs };
+                    k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b)
+                })
+                .collect(),
             gate_up_parts: ranges(&w.gate_up),
             down_parts: ranges(&w.down),
             k: top_k,
@@ -117,7 +136,7 @@ impl MoePlan {
         }
     }
 
-    /// Router, selection, and the selected experts of one token.
+    /// Router, selection, and the selected experts of the tokens in flight.
     pub fn run(
         &self,
         rec: &mut Recorder<'_>,
@@ -126,17 +145,16 @@ impl MoePlan {
         routing: &mut RoutingContext<'_>,
         stats: &mut Stats,
     ) -> Result<()> {
-        debug_assert_eq!(n_tokens, 1, "MoE layers run one token per submission");
         {
             let pass = rec.pass(Phase::Attention);
             crate::gpu::encode_all(&self.router_proj, pass, n_tokens);
             self.top_k.encode(pass, n_tokens);
         }
+        let a = routing.moe.expect("MoE activations exist for MoE models");
         let chosen: Option<Vec<u32>> = match routing.mode {
             RoutingMode::DeviceResident => None,
             RoutingMode::Readback => {
-                let a = routing.moe.expect("MoE activations exist for MoE models");
-                let bytes = (self.k * 4) as u64;
+                let bytes = (n_tokens as usize * self.k * 4) as u64;
                 routing.readback.record(rec.encoder(), &a.route_ids, 0, bytes);
                 let start = Instant::now();
                 rec.submit()?;
@@ -152,27 +170,74 @@ impl MoePlan {
             }
         };
 
-        let pass = rec.pass(Phase::Routed);
-        let encode_slots = |plans: &[Vec<Dispatch>], parts: &[Range<usize>], rows: usize, pass: &mut wgpu::ComputePass<'static>| {
-            for (slot, slot_plans) in plans.iter().enumerate() {
-                for (part, range) in parts.iter().enumerate() {
-                    let needed = match &chosen {
-                        None => true,
-                        Some(ids) => {
-                            let e = ids[slot] as usize;
-                            range.start < (e + 1) * rows && e * rows < range.end
-                        }
-                    };
-                    if needed {
-                        slot_plans[part].encode(pass, n_tokens);
+        match &chosen {
+            Some(ids) if n_tokens > 1 => {
+                let counts = self.group_by_expert(rec.gpu(), a, ids);
+                let pass = rec.pass(Phase::Routed);
+                for (e, &count) in counts.iter().enumerate() {
+                    if count > 0 {
+                        crate::gpu::encode_all(&self.grouped_gate_up[e], pass, count);
+                    }
+                }
+                self.swiglu.encode(pass, n_tokens);
+                for (e, &count) in counts.iter().enumerate() {
+                    if count > 0 {
+                        crate::gpu::encode_all(&self.grouped_down[e], pass, count);
                     }
                 }
             }
-        };
-        encode_slots(&self.gate_up, &self.gate_up_parts, self.gate_up_rows, pass);
-        self.swiglu.encode(pass, n_tokens);
-        encode_slots(&self.down, &self.down_parts, self.down_rows, pass);
-        self.weighted_residual.encode(pass, n_tokens);
+            _ => {
+                let pass = rec.pass(Phase::Routed);
+                // One token: only the parts holding each slot's expert.
+                // Device-resident: every part, for every token.
+                let encode_slots = |plans: &[Vec<Dispatch>], parts: &[Range<usize>], rows: usize, pass: &mut wgpu::ComputePass<'static>| {
+                    for (slot, slot_plans) in plans.iter().enumerate() {
+                        for (part, range) in parts.iter().enumerate() {
+                            let needed = match &chosen {
+                                None => true,
+                                Some(ids) => {
+                                    let e = ids[slot] as usize;
+                                    range.start < (e + 1) * rows && e * rows < range.end
+                                }
+                            };
+                            if needed {
+                                slot_plans[part].encode(pass, n_tokens);
+                            }
+                        }
+                    }
+                };
+                encode_slots(&self.gate_up, &self.gate_up_parts, self.gate_up_rows, pass);
+                self.swiglu.encode(pass, n_tokens);
+                encode_slots(&self.down, &self.down_parts, self.down_rows, pass);
+            }
+        }
+        self.weighted_residual.encode(rec.pass(Phase::Routed), n_tokens);
         Ok(())
+    }
+
+    /// Writes the chunk's (token, slot) pairs grouped by expert for the
+    /// grouped GEMMs; returns each expert's count. The queue writes land
+    /// before the next submission, which is the one that reads them.
+    fn group_by_expert(&self, gpu: &Gpu, a: &super::MoeActivations, ids: &[u32]) -> Vec<u32> {
+        let mut counts = vec![0u32; self.n_experts];
+        for &e in ids {
+            counts[e as usize] += 1;
+        }
+        let mut offsets = vec![0u32; self.n_experts];
+        let mut groups = Vec::with_capacity(2 * self.n_experts);
+        let mut next = 0;
+        for (e, &count) in counts.iter().enumerate() {
+            offsets[e] = next;
+            groups.extend([next, count]);
+            next += count;
+        }
+        let mut pairs = vec![0u32; ids.len()];
+        for (pair, &e) in ids.iter().enumerate() {
+            pairs[offsets[e as usize] as usize] = pair as u32;
+            offsets[e as usize] += 1;
+        }
+        gpu.queue.write_buffer(&a.groups, 0, bytemuck::cast_slice(&groups));
+        gpu.queue.write_buffer(&a.pairs, 0, bytemuck::cast_slice(&pairs));
+        counts
     }
 }

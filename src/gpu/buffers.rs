@@ -12,16 +12,20 @@ pub struct Dispatch {
     pub label: &'static str,
     pub pipeline: wgpu::ComputePipeline,
     pub bind_group: wgpu::BindGroup,
-    /// Workgroups for one token; `y` is multiplied by the number of tokens
-    /// in flight when `per_token` is set (kernels index tokens by `wid.y`).
+    /// Workgroups for one token (or one tile of tokens).
     pub workgroups: [u32; 3],
-    pub per_token: bool,
+    /// How `y` grows with the tokens in flight `T`: multiplied by
+    /// `ceil(T / tokens_per_workgroup)`; 0 keeps it fixed.
+    pub tokens_per_workgroup: u32,
 }
 
 impl Dispatch {
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
         let [x, y, z] = self.workgroups;
-        let y = if self.per_token { y * n_tokens } else { y };
+        let y = match self.tokens_per_workgroup {
+            0 => y,
+            n => y * n_tokens.div_ceil(n),
+        };
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind_group, &[]);
         pass.dispatch_workgroups(x, y, z);

@@ -70,7 +70,7 @@ impl Attention {
             ),
             pipeline: self.pipeline.clone(),
             workgroups: [heads.q as u32, 1, 1],
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 }

@@ -55,7 +55,7 @@ impl Embed {
                     ),
                     pipeline: self.pipeline.clone(),
                     workgroups: [(table.cols as u32).div_ceil(64), 1, 1],
-                    per_token: true,
+                    tokens_per_workgroup: 1,
                 }
             })
             .collect()

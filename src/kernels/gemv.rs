@@ -108,7 +108,7 @@ impl Gemv {
             bind_group: gpu.bind("gemv", &self.pipeline, &[&params.0, &part.buffer, x, y, ids]),
             pipeline: self.pipeline.clone(),
             workgroups: gpu.fold_grid(blocks),
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod embed;
+pub mod gemm;
 pub mod gemv;
 pub mod residual;
 pub mod rms_norm;
@@ -12,6 +13,7 @@ pub mod swiglu;
 
 pub use attention::Attention;
 pub use embed::Embed;
+pub use gemm::Gemm;
 pub use gemv::Gemv;
 pub use residual::Residual;
 pub use rms_norm::RmsNorm;
@@ -26,6 +28,7 @@ use crate::gpu::Gpu;
 pub const SHADERS: &[(&str, &str)] = &[
     ("attention", include_str!("../../wgsl/attention.wgsl")),
     ("embed", include_str!("../../wgsl/embed.wgsl")),
+    ("gemm", include_str!("../../wgsl/gemm.wgsl")),
     ("gemv", include_str!("../../wgsl/gemv.wgsl")),
     ("residual", include_str!("../../wgsl/residual.wgsl")),
     ("rms_norm", include_str!("../../wgsl/rms_norm.wgsl")),
@@ -91,6 +94,7 @@ pub struct Kernels {
     pub embed: Embed,
     pub rms_norm: RmsNorm,
     pub gemv: Gemv,
+    pub gemm: Gemm,
     pub rope: Rope,
     pub attention: Attention,
     pub swiglu: Swiglu,
@@ -104,6 +108,7 @@ impl Kernels {
             embed: Embed::new(gpu)?,
             rms_norm: RmsNorm::new(gpu)?,
             gemv: Gemv::new(gpu)?,
+            gemm: Gemm::new(gpu)?,
             rope: Rope::new(gpu)?,
             attention: Attention::new(gpu)?,
             swiglu: Swiglu::new(gpu)?,

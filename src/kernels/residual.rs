@@ -36,7 +36,7 @@ impl Residual {
             bind_group: gpu.bind("residual", &self.pipeline, &[&params.0, y, x, weights]),
             pipeline: self.pipeline.clone(),
             workgroups: [n.div_ceil(64), 1, 1],
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 

@@ -85,7 +85,7 @@ impl RmsNorm {
             ),
             pipeline: self.pipeline.clone(),
             workgroups: [rows.heads as u32, 1, 1],
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 }

@@ -61,7 +61,7 @@ impl Rope {
             ),
             pipeline: self.pipeline.clone(),
             workgroups: [(heads.q + 2 * heads.kv) as u32, 1, 1],
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 }

@@ -63,7 +63,7 @@ impl Router {
             bind_group: gpu.bind("router", &self.pipeline, &[&params.0, b.logits, bias, b.ids, b.weights]),
             pipeline: self.pipeline.clone(),
             workgroups: [1, 1, 1],
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 }

@@ -30,7 +30,7 @@ impl Swiglu {
             bind_group: gpu.bind("swiglu", &self.pipeline, &[&params.0, gate_up, act]),
             pipeline: self.pipeline.clone(),
             workgroups: [(n as u32).div_ceil(64), 1, 1],
-            per_token: true,
+            tokens_per_workgroup: 1,
         }
     }
 }

@@ -1,0 +1,52 @@
+//! Chunked prefill is the same computation as token-by-token decoding: for
+//! every fixture case and chunk sizes 1, 2, 5 and one longer than the
+//! prompt, the last prompt position's logits match transformers within
+//! 1e-3 and the greedy continuation is the fixture's.
+
+mod common;
+
+use common::fixtures::cases;
+use common::max_abs_diff;
+use wgspark::sampling::argmax;
+use wgspark::{Model, SessionOptions};
+
+#[test]
+fn every_chunk_size_matches_the_fixture() {
+    let cases = cases();
+    assert!(
+        cases.iter().any(|c| c.expected.prompt_ids.len() >= 100),
+        "a fixture with a prompt several chunks long exists"
+    );
+    let mut failures = Vec::new();
+    common::on_each_backend(|gpu| {
+        for case in &cases {
+            let e = &case.expected;
+            let model = Model::load(&case.dir, gpu).unwrap();
+            let mut chunks = vec![1, 2, 5, e.prompt_ids.len() + 1];
+            if e.prompt_ids.len() >= 64 {
+                chunks.push(32);
+            }
+            for chunk in chunks {
+                let options = SessionOptions { prefill_chunk: Some(chunk), ..Default::default() };
+                let mut session = model.session(&options).unwrap();
+                assert_eq!(session.prefill_chunk(), chunk);
+                let mut logits = session.prefill(&e.prompt_ids).unwrap();
+                let err = max_abs_diff(&logits, &e.logits[0]);
+                let what = format!("{} on {:?}, chunk {chunk}", case.name, gpu.info.backend);
+                if err > 1e-3 {
+                    failures.push(format!("{what}: row 0 max |logit error| {err:.2e}"));
+                    continue;
+                }
+                let mut ids = vec![argmax(&logits)];
+                while ids.len() < e.generated_ids.len() {
+                    logits = session.step(*ids.last().unwrap(), session.position()).unwrap();
+                    ids.push(argmax(&logits));
+                }
+                if ids != e.generated_ids {
+                    failures.push(format!("{what}: continuation {ids:?}, transformers {:?}", e.generated_ids));
+                }
+            }
+        }
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
