@@ -2,6 +2,7 @@
 //! the kernels specialise on, buffer helpers and readback.
 
 mod buffers;
+mod measure;
 mod tensor;
 mod readback;
 

@@ -4,13 +4,14 @@
 pub mod config;
 pub mod family;
 pub mod gguf;
+mod synthetic;
 pub mod weights;
 
 use std::path::Path;
 
 pub use config::{ModelConfig, MoeConfig, RopeConfig, RopeScaling, Routing};
 pub use family::{Family, QkNorm};
-use weights::{Checkpoint, Uploader};
+use weights::{Checkpoint, TensorSource, Uploader};
 
 use crate::error::Result;
 use crate::gpu::{Gpu, GpuTensor};
@@ -94,9 +95,24 @@ impl Model {
             kernels,
         })
     }
+
+    /// A model of `config`'s shapes with seeded random bf16 weights (scaled
+    /// by `1/sqrt(fan_in)`), for benchmarks at full size without a
+    /// checkpoint.
+    pub fn synthetic(config: ModelConfig, gpu: &Gpu, seed: u64) -> Result<Model> {
+        gpu.check_budget("model weights", config.weight_bytes())?;
+        let kernels = Kernels::new(gpu)?;
+        let weights = upload(gpu, &config, &synthetic::RandomWeights { seed })?;
+        Ok(Model {
+            config,
+            gpu: gpu.clone(),
+            weights,
+            kernels,
+        })
+    }
 }
 
-fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &Checkpoint) -> Result<Weights> {
+fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<Weights> {
     let mut up = Uploader::new(gpu, checkpoint);
     let (hidden, heads) = (c.hidden, c.heads);
     let q_rows = heads.q * heads.dim;

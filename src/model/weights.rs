@@ -194,11 +194,37 @@ fn shard_list(index: &Path) -> Result<Vec<String>> {
     Ok(shards)
 }
 
-/// Streams checkpoint tensors to the GPU, flushing the queue's staging
-/// memory regularly so host memory never holds a second copy of the model.
+/// Where weights come from: a checkpoint, or random values of the right
+/// shapes for benchmarks.
+pub trait TensorSource {
+    fn contains(&self, name: &str) -> bool;
+    /// Fails with `MissingTensor` or `WrongShape` unless `name` has `shape`.
+    fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()>;
+    /// Little-endian bf16 bytes of a tensor whose shape was checked.
+    fn bf16_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>>;
+    fn f32_values(&self, name: &str) -> Result<Vec<f32>>;
+}
+
+impl TensorSource for Checkpoint {
+    fn contains(&self, name: &str) -> bool {
+        Checkpoint::contains(self, name)
+    }
+    fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
+        Checkpoint::check_shape(self, name, shape)
+    }
+    fn bf16_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+        Checkpoint::bf16_bytes(self, name, shape)
+    }
+    fn f32_values(&self, name: &str) -> Result<Vec<f32>> {
+        Checkpoint::f32_values(self, name)
+    }
+}
+
+/// Streams tensors to the GPU, flushing the queue's staging memory
+/// regularly so host memory never holds a second copy of the model.
 pub struct Uploader<'a> {
     gpu: &'a Gpu,
-    checkpoint: &'a Checkpoint,
+    checkpoint: &'a dyn TensorSource,
     pending_bytes: u64,
     pub uploaded_bytes: u64,
 }
@@ -206,7 +232,7 @@ pub struct Uploader<'a> {
 const FLUSH_BYTES: u64 = 256 << 20;
 
 impl<'a> Uploader<'a> {
-    pub fn new(gpu: &'a Gpu, checkpoint: &'a Checkpoint) -> Self {
+    pub fn new(gpu: &'a Gpu, checkpoint: &'a dyn TensorSource) -> Self {
         Uploader {
             gpu,
             checkpoint,
@@ -241,7 +267,7 @@ impl<'a> Uploader<'a> {
     pub fn f32_vector(&mut self, name: &str, len: usize) -> Result<wgpu::Buffer> {
         self.checkpoint.check_shape(name, &[len])?;
         let values = self.checkpoint.f32_values(name)?;
-        Ok(self.gpu.storage_buffer_init(name, &values))
+        Ok(self.gpu.storage_buffer_init(name, &values[..len]))
     }
 
     fn upload(
