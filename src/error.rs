@@ -19,9 +19,7 @@ pub enum Error {
     #[error("GPU error: {0}")]
     Gpu(String),
 
-    #[error(
-        "the model does not fit on the device ({what} needs {needed_bytes} bytes): {message}"
-    )]
+    #[error("the model does not fit on the device ({what} needs {needed_bytes} bytes): {message}")]
     OutOfDeviceMemory {
         what: String,
         needed_bytes: u64,
@@ -42,7 +40,10 @@ pub enum Error {
     InvalidConfig { path: PathBuf, message: String },
 
     #[error("unsupported architecture {model_type:?} (supported: {supported})")]
-    UnsupportedArchitecture { model_type: String, supported: String },
+    UnsupportedArchitecture {
+        model_type: String,
+        supported: String,
+    },
 
     #[error("unsupported {what}: {value}")]
     Unsupported { what: &'static str, value: String },

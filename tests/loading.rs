@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::checkpoint::{Tensors, bf16_to_f16_bytes, bf16_to_f32_bytes, edited_fixture, fixture_dir, write_tensors};
+use common::checkpoint::{
+    Tensors, bf16_to_f16_bytes, bf16_to_f32_bytes, edited_fixture, fixture_dir, write_tensors,
+};
 use common::fixtures::{expected, replay};
 use common::max_abs_diff;
 use safetensors::Dtype;
@@ -20,7 +22,11 @@ fn reference_rows(gpu: &Gpu) -> Vec<Vec<f32>> {
 fn assert_same_rows(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
     assert_eq!(got.len(), want.len());
     for (row, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(g == w, "{what}: row {row} differs by up to {}", max_abs_diff(g, w));
+        assert!(
+            g == w,
+            "{what}: row {row} differs by up to {}",
+            max_abs_diff(g, w)
+        );
     }
 }
 
@@ -39,22 +45,35 @@ fn sharded_checkpoint_loads_identically() {
     let mut weight_map = serde_json::Map::new();
     for (i, (name, t)) in tensors.into_iter().enumerate() {
         let shard = i % 3;
-        weight_map.insert(name.clone(), format!("model-0000{}-of-00003.safetensors", shard + 1).into());
+        weight_map.insert(
+            name.clone(),
+            format!("model-0000{}-of-00003.safetensors", shard + 1).into(),
+        );
         shards[shard].insert(name, t);
     }
     for (i, shard) in shards.iter().enumerate() {
-        write_tensors(&dir.join(format!("model-0000{}-of-00003.safetensors", i + 1)), shard);
+        write_tensors(
+            &dir.join(format!("model-0000{}-of-00003.safetensors", i + 1)),
+            shard,
+        );
     }
     let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-    common::on_each_backend(|gpu| assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE));
+    common::on_each_backend(|gpu| {
+        assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE)
+    });
 }
 
 #[test]
 fn f32_and_f16_checkpoints_are_converted_to_bf16() {
     let to = |dtype: Dtype, convert: fn(&[u8]) -> Vec<u8>| {
         edited_fixture(CASE, move |c, t| {
-            c["torch_dtype"] = if dtype == Dtype::F32 { "float32" } else { "float16" }.into();
+            c["torch_dtype"] = if dtype == Dtype::F32 {
+                "float32"
+            } else {
+                "float16"
+            }
+            .into();
             for (d, _, data) in t.values_mut() {
                 *d = dtype;
                 *data = convert(data);
@@ -90,7 +109,9 @@ fn multimodal_prefixed_names_map_to_the_text_model() {
             .collect();
         *t = renamed;
     });
-    common::on_each_backend(|gpu| assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE));
+    common::on_each_backend(|gpu| {
+        assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE)
+    });
 }
 
 #[test]

@@ -27,7 +27,10 @@ fn every_chunk_size_matches_the_fixture() {
                 chunks.push(32);
             }
             for chunk in chunks {
-                let options = SessionOptions { prefill_chunk: Some(chunk), ..Default::default() };
+                let options = SessionOptions {
+                    prefill_chunk: Some(chunk),
+                    ..Default::default()
+                };
                 let mut session = model.session(&options).unwrap();
                 assert_eq!(session.prefill_chunk(), chunk);
                 let mut logits = session.prefill(&e.prompt_ids).unwrap();
@@ -39,11 +42,16 @@ fn every_chunk_size_matches_the_fixture() {
                 }
                 let mut ids = vec![argmax(&logits)];
                 while ids.len() < e.generated_ids.len() {
-                    logits = session.step(*ids.last().unwrap(), session.position()).unwrap();
+                    logits = session
+                        .step(*ids.last().unwrap(), session.position())
+                        .unwrap();
                     ids.push(argmax(&logits));
                 }
                 if ids != e.generated_ids {
-                    failures.push(format!("{what}: continuation {ids:?}, transformers {:?}", e.generated_ids));
+                    failures.push(format!(
+                        "{what}: continuation {ids:?}, transformers {:?}",
+                        e.generated_ids
+                    ));
                 }
             }
         }

@@ -12,47 +12,62 @@ fn baseline_module(name: &str) -> (naga::Module, naga::valid::ModuleInfo) {
         .unwrap_or_else(|e| panic!("{name}.wgsl: {}", e.emit_to_string(&source)));
     let info = Validator::new(ValidationFlags::all(), Capabilities::empty())
         .validate(&module)
-        .unwrap_or_else(|e| panic!("{name}.wgsl does not validate without optional capabilities: {}", e.emit_to_string(&source)));
+        .unwrap_or_else(|e| {
+            panic!(
+                "{name}.wgsl does not validate without optional capabilities: {}",
+                e.emit_to_string(&source)
+            )
+        });
     (module, info)
 }
 
-/// The module with its override constants at their defaults, as each
-/// backend receives it after pipeline creation.
-fn specialised(name: &str) -> (naga::Module, naga::valid::ModuleInfo) {
+/// Each entry point's module with its override constants at their
+/// defaults, as each backend receives it after pipeline creation.
+fn specialised(name: &str) -> Vec<(String, naga::Module, naga::valid::ModuleInfo)> {
     let (module, info) = baseline_module(name);
-    let (module, info) = process_overrides(
-        &module,
-        &info,
-        Some((naga::ShaderStage::Compute, "main")),
-        &Default::default(),
-    )
-    .unwrap_or_else(|e| panic!("{name}.wgsl: overrides: {e}"));
-    (module.into_owned(), info.into_owned())
+    module
+        .entry_points
+        .iter()
+        .map(|ep| {
+            let (m, i) = process_overrides(
+                &module,
+                &info,
+                Some((naga::ShaderStage::Compute, &ep.name)),
+                &Default::default(),
+            )
+            .unwrap_or_else(|e| panic!("{name}.wgsl {}: overrides: {e}", ep.name));
+            (
+                format!("{name}.wgsl:{}", ep.name),
+                m.into_owned(),
+                i.into_owned(),
+            )
+        })
+        .collect()
 }
 
 #[test]
 fn every_kernel_translates_to_msl_hlsl_and_spirv() {
     assert!(SHADERS.len() >= 7);
-    for (name, _) in SHADERS {
-        let (module, info) = specialised(name);
+    for (file, _) in SHADERS {
+        for (name, module, info) in specialised(file) {
+            let msl_options = naga::back::msl::Options {
+                lang_version: (2, 1),
+                ..Default::default()
+            };
+            naga::back::msl::write_string(&module, &info, &msl_options, &Default::default())
+                .unwrap_or_else(|e| panic!("{name} -> MSL: {e}"));
 
-        let msl_options = naga::back::msl::Options {
-            lang_version: (2, 1),
-            ..Default::default()
-        };
-        naga::back::msl::write_string(&module, &info, &msl_options, &Default::default())
-            .unwrap_or_else(|e| panic!("{name}.wgsl -> MSL: {e}"));
+            let mut hlsl = String::new();
+            let hlsl_options = naga::back::hlsl::Options::default();
+            let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
+            naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
+                .write(&module, &info, None)
+                .unwrap_or_else(|e| panic!("{name} -> HLSL: {e}"));
 
-        let mut hlsl = String::new();
-        let hlsl_options = naga::back::hlsl::Options::default();
-        let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
-        naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
-            .write(&module, &info, None)
-            .unwrap_or_else(|e| panic!("{name}.wgsl -> HLSL: {e}"));
-
-        let spv = naga::back::spv::write_vec(&module, &info, &Default::default(), None)
-            .unwrap_or_else(|e| panic!("{name}.wgsl -> SPIR-V: {e}"));
-        assert!(!spv.is_empty() && !hlsl.is_empty());
+            let spv = naga::back::spv::write_vec(&module, &info, &Default::default(), None)
+                .unwrap_or_else(|e| panic!("{name} -> SPIR-V: {e}"));
+            assert!(!spv.is_empty() && !hlsl.is_empty());
+        }
     }
 }
 

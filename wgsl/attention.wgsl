@@ -1,14 +1,25 @@
-// Causal attention of one query row over the KV cache, grouped-query.
-// For query head h of token t (position pos = step.pos0 + t):
-//   out[t, h] = softmax_j(scale * q[t, h] . K[j, h / group]) V[j, h / group]
+// Causal grouped-query attention over the KV cache. For query head h of
+// token t (position pos = step.pos0 + t):
+//   out[t, h] = softmax_j(scale * q[t, h] . K[j, g]) V[j, g],  g = h / (nq / nkv)
 // over keys j in [start, pos], start = pos + 1 - window when a sliding
-// window is set (window = 0: none). Keys are walked in tiles of WG with an
-// online softmax (running max and sum), so no score buffer is needed and
-// any context length works. Each invocation owns head dims lid, lid + WG, ...
-// (head_dim <= 4 * WG and <= 256).
+// window is set (window = 0: none).
+// main: one workgroup per (KV head g, token t, split s). The group's query
+//   heads share every K and V tile, which is loaded once into workgroup
+//   memory (rows padded by one float against bank conflicts); scores and an
+//   online softmax run per tile. The keys are divided among `splits`
+//   workgroups: with one split the result is written to out, otherwise each
+//   writes its unnormalised partial sum with its running max and sum, and
+//   `combine` merges them (flash decoding, for one token in flight).
 // q: f32 rows of the qkv buffer (already rotated). K, V: f32 [ctx, nkv * hd].
+// Limits: (nq / nkv) * head_dim <= 2048, head_dim <= 256, nq / nkv <= 16.
 
-override WG: u32 = 64u;
+const WG: u32 = 128u;
+const Q_FLOATS: u32 = 2048u;
+const KV_FLOATS: u32 = 4112u;
+const SCORE_FLOATS: u32 = 1024u;
+const MAX_GROUP: u32 = 16u;
+const OUT_PER_THREAD: u32 = 16u; // Q_FLOATS / WG
+const NEG_BIG: f32 = -3.0e38;
 
 struct Params {
     n_q_heads: u32,
@@ -18,7 +29,7 @@ struct Params {
     out_stride: u32,
     window: u32,
     scale: f32,
-    _pad: u32,
+    splits: u32,
 }
 
 struct Step {
@@ -34,104 +45,161 @@ struct Step {
 @group(0) @binding(3) var<storage, read> k_cache: array<f32>;
 @group(0) @binding(4) var<storage, read> v_cache: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+// Partials of split attention, per (token, query head, split): head_dim sums,
+// then (max, sum) pairs.
+@group(0) @binding(6) var<storage, read_write> part_acc: array<f32>;
+@group(0) @binding(7) var<storage, read_write> part_ml: array<f32>;
 
-const MAX_HEAD_DIM: u32 = 256u;
-const NEG_BIG: f32 = -3.0e38;
+var<workgroup> q_sh: array<f32, Q_FLOATS>;
+var<workgroup> kv_sh: array<f32, KV_FLOATS>;
+var<workgroup> scores: array<f32, SCORE_FLOATS>;
+var<workgroup> row_max: array<f32, MAX_GROUP>;
+var<workgroup> row_sum: array<f32, MAX_GROUP>;
+var<workgroup> row_rescale: array<f32, MAX_GROUP>;
 
-var<workgroup> q_row: array<f32, MAX_HEAD_DIM>;
-var<workgroup> probs: array<f32, WG>;
-var<workgroup> red: array<f32, WG>;
-
-fn reduce_max(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            red[lid] = max(red[lid], red[lid + s]);
+// Copies keys [k0, k0 + n) of one cache into kv_sh, rows of hd + 1.
+fn load_tile(from_k: bool, k0: u32, n: u32, kv_off: u32, kv_row: u32, hd: u32, l: u32) {
+    for (var i = l; i < n * hd; i += WG) {
+        let j = i / hd;
+        let d = i % hd;
+        let src = (k0 + j) * kv_row + kv_off + d;
+        var v: f32;
+        if (from_k) {
+            v = k_cache[src];
+        } else {
+            v = v_cache[src];
         }
-        workgroupBarrier();
+        kv_sh[j * (hd + 1u) + d] = v;
     }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            red[lid] += red[lid + s];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
 }
 
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    let h = wid.x;
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let g = wid.x;
     let t = wid.y;
-    let l = lid.x;
+    let split = wid.z;
     let hd = p.head_dim;
-    let pos = step.pos0 + t;
+    let group = p.n_q_heads / p.n_kv_heads;
+    let width = group * hd;
     let kv_row = p.n_kv_heads * hd;
-    let kv_head_off = (h / (p.n_q_heads / p.n_kv_heads)) * hd;
+    let kv_off = g * hd;
+    let tile = min(KV_FLOATS / (hd + 1u), SCORE_FLOATS / group);
+
+    let pos = step.pos0 + t;
     var start = 0u;
     if (p.window > 0u && pos + 1u > p.window) {
         start = pos + 1u - p.window;
     }
+    let n_keys = pos + 1u - start;
+    let chunk = (n_keys + p.splits - 1u) / p.splits;
+    let lo = start + min(split * chunk, n_keys);
+    let hi = start + min((split + 1u) * chunk, n_keys);
 
-    let qb = t * p.q_stride + h * hd;
-    for (var d = l; d < hd; d += WG) {
-        q_row[d] = q[qb + d];
+    for (var i = l; i < width; i += WG) {
+        q_sh[i] = q[t * p.q_stride + g * width + i];
     }
-    workgroupBarrier();
+    if (l < group) {
+        row_max[l] = NEG_BIG;
+        row_sum[l] = 0.0;
+    }
+    var acc: array<f32, OUT_PER_THREAD>;
+    for (var c = 0u; c < OUT_PER_THREAD; c++) {
+        acc[c] = 0.0;
+    }
 
-    var m = NEG_BIG;
-    var sum = 0.0;
-    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
-    for (var tile = start; tile <= pos; tile += WG) {
-        let j = tile + l;
-        var s = NEG_BIG;
-        if (j <= pos) {
-            let kb = j * kv_row + kv_head_off;
-            var dot = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                dot += q_row[d] * k_cache[kb + d];
+    for (var k0 = lo; k0 < hi; k0 += tile) {
+        let n = min(tile, hi - k0);
+        workgroupBarrier();
+        load_tile(true, k0, n, kv_off, kv_row, hd, l);
+        workgroupBarrier();
+        for (var i = l; i < group * tile; i += WG) {
+            let h = i / tile;
+            let j = i % tile;
+            var s = NEG_BIG;
+            if (j < n) {
+                var dot = 0.0;
+                for (var d = 0u; d < hd; d++) {
+                    dot += q_sh[h * hd + d] * kv_sh[j * (hd + 1u) + d];
+                }
+                s = dot * p.scale;
             }
-            s = dot * p.scale;
+            scores[h * tile + j] = s;
         }
-        let m_new = max(m, reduce_max(s, l));
-        var e = 0.0;
-        if (j <= pos) {
-            e = exp(s - m_new);
+        workgroupBarrier();
+        if (l < group) {
+            let h = l;
+            var m = row_max[h];
+            for (var j = 0u; j < n; j++) {
+                m = max(m, scores[h * tile + j]);
+            }
+            var sum = 0.0;
+            for (var j = 0u; j < n; j++) {
+                let e = exp(scores[h * tile + j] - m);
+                scores[h * tile + j] = e;
+                sum += e;
+            }
+            let rescale = exp(row_max[h] - m);
+            row_rescale[h] = rescale;
+            row_sum[h] = row_sum[h] * rescale + sum;
+            row_max[h] = m;
         }
-        probs[l] = e;
-        let rescale = exp(m - m_new);
-        sum = sum * rescale + reduce_sum(e, l);
-        m = m_new;
-        let n = min(WG, pos + 1u - tile);
-        for (var c = 0u; c < 4u; c++) {
-            let d = l + c * WG;
-            if (d < hd) {
-                var a = acc[c] * rescale;
-                for (var jj = 0u; jj < n; jj++) {
-                    a += probs[jj] * v_cache[(tile + jj) * kv_row + kv_head_off + d];
+        load_tile(false, k0, n, kv_off, kv_row, hd, l);
+        workgroupBarrier();
+        for (var c = 0u; c < OUT_PER_THREAD; c++) {
+            let o = l + c * WG;
+            if (o < width) {
+                let h = o / hd;
+                let d = o % hd;
+                var a = acc[c] * row_rescale[h];
+                for (var j = 0u; j < n; j++) {
+                    a += scores[h * tile + j] * kv_sh[j * (hd + 1u) + d];
                 }
                 acc[c] = a;
             }
         }
-        workgroupBarrier();
     }
+    workgroupBarrier();
 
-    let ob = t * p.out_stride + h * hd;
-    for (var c = 0u; c < 4u; c++) {
-        let d = l + c * WG;
-        if (d < hd) {
-            out[ob + d] = acc[c] / sum;
+    for (var c = 0u; c < OUT_PER_THREAD; c++) {
+        let o = l + c * WG;
+        if (o < width) {
+            let h = o / hd;
+            let d = o % hd;
+            let qh = g * group + h;
+            if (p.splits == 1u) {
+                out[t * p.out_stride + qh * hd + d] = acc[c] / row_sum[h];
+            } else {
+                let slot = (t * p.n_q_heads + qh) * p.splits + split;
+                part_acc[slot * hd + d] = acc[c];
+                if (d == 0u) {
+                    part_ml[2u * slot] = row_max[h];
+                    part_ml[2u * slot + 1u] = row_sum[h];
+                }
+            }
         }
+    }
+}
+
+// Merges the splits of one (query head, token): one workgroup each.
+@compute @workgroup_size(WG)
+fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let qh = wid.x;
+    let t = wid.y;
+    let hd = p.head_dim;
+    let base = (t * p.n_q_heads + qh) * p.splits;
+    var m = NEG_BIG;
+    for (var s = 0u; s < p.splits; s++) {
+        m = max(m, part_ml[2u * (base + s)]);
+    }
+    var sum = 0.0;
+    for (var s = 0u; s < p.splits; s++) {
+        sum += exp(part_ml[2u * (base + s)] - m) * part_ml[2u * (base + s) + 1u];
+    }
+    for (var d = l; d < hd; d += WG) {
+        var a = 0.0;
+        for (var s = 0u; s < p.splits; s++) {
+            a += exp(part_ml[2u * (base + s)] - m) * part_acc[(base + s) * hd + d];
+        }
+        out[t * p.out_stride + qh * hd + d] = a / sum;
     }
 }

@@ -10,7 +10,10 @@
 //   yrow = idx; n < expert_rows, weight row expert * expert_rows + n (where
 //   this part holds it), col(n) = n.
 // Tiles of 64 tokens x 128 rows per workgroup of 256, k in steps of 16
-// through workgroup memory; each invocation owns 4 x 8 outputs.
+// through workgroup memory, the next step's tiles loaded into registers
+// while this one computes. Each invocation owns 4 tokens x 8 rows, held
+// as eight vec4 accumulators (written out by hand so that they stay in
+// registers on every compiler).
 // Grid: x = row tiles (folded into z), y = token tiles.
 
 const TILE_M: u32 = 64u;
@@ -43,8 +46,10 @@ struct Step {
 @group(0) @binding(5) var<storage, read> groups: array<u32>;
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
 
-var<workgroup> xs: array<array<f32, TILE_M>, TILE_K>;
-var<workgroup> ws: array<array<f32, TILE_N>, TILE_K>;
+// xs[kk * 16 + q]: tokens 4q..4q+3 of the tile at k step kk.
+// ws[kk * 32 + r]: weight rows 4r..4r+3 of the tile at k step kk.
+var<workgroup> xs: array<vec4<f32>, 256>;
+var<workgroup> ws: array<vec4<f32>, 512>;
 
 @compute @workgroup_size(256)
 fn main(
@@ -65,8 +70,8 @@ fn main(
     let n0 = (wid.x + wid.z * nwg.x) * TILE_N;
     let k_words = p.cols / 2u;
 
-    // Loader roles: X row m = li / 4, k quad (li % 4) * 4; W row n = li / 2,
-    // 8 k values (4 words) from (li % 2) * 8.
+    // Loader roles: X token lm = li / 4 with 4 k values from (li % 4) * 4;
+    // W row ln = li / 2 with 8 k values (4 words) from (li % 2) * 8.
     let lm = li / 4u;
     let lkx = (li % 4u) * 4u;
     let ln = li / 2u;
@@ -88,52 +93,57 @@ fn main(
     let w_ok = n0 + ln < n_rows && w_local < p.rows;
     let w_base = w_local * k_words;
 
-    // Compute roles: rows m0 + tm + 16 i, columns n0 + tn + 16 j.
+    // Compute roles: tokens m0 + 4 tm + i, rows n0 + 8 tn + j.
     let tm = li / 16u;
     let tn = li % 16u;
-    var acc: array<array<f32, 8>, 4>;
-    for (var i = 0u; i < 4u; i++) {
-        for (var j = 0u; j < 8u; j++) {
-            acc[i][j] = 0.0;
-        }
-    }
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    var c4 = vec4<f32>(0.0);
+    var c5 = vec4<f32>(0.0);
+    var c6 = vec4<f32>(0.0);
+    var c7 = vec4<f32>(0.0);
 
+    var xr = vec4<f32>(0.0);
+    var wr = vec4<u32>(0u);
     for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
-        for (var c = 0u; c < 4u; c++) {
-            let k = k0 + lkx + c;
-            var v = 0.0;
-            if (x_ok && k < p.cols) {
-                v = x[x_base + k];
-            }
-            xs[lkx + c][lm] = v;
+        // This step's tiles: from registers (loaded during the previous
+        // step's compute) except on the first step.
+        if (k0 == 0u) {
+            xr = load_x(x_ok, x_base, lkx);
+            wr = load_w(w_ok, w_base, lkw / 2u, k_words);
         }
         for (var c = 0u; c < 4u; c++) {
-            let kw = (k0 + lkw) / 2u + c;
-            var wv = 0u;
-            if (w_ok && kw < k_words) {
-                wv = weight[w_base + kw];
-            }
-            ws[lkw + 2u * c][ln] = bf16_lo(wv);
-            ws[lkw + 2u * c + 1u][ln] = bf16_hi(wv);
+            xs[(lkx + c) * 16u + lm / 4u][lm % 4u] = xr[c];
+            ws[(lkw + 2u * c) * 32u + ln / 4u][ln % 4u] = bf16_lo(wr[c]);
+            ws[(lkw + 2u * c + 1u) * 32u + ln / 4u][ln % 4u] = bf16_hi(wr[c]);
         }
         workgroupBarrier();
+        let k1 = k0 + TILE_K;
+        if (k1 < p.cols) {
+            xr = load_x(x_ok, x_base, k1 + lkx);
+            wr = load_w(w_ok, w_base, (k1 + lkw) / 2u, k_words);
+        }
         for (var kk = 0u; kk < TILE_K; kk++) {
-            var a: array<f32, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                a[i] = xs[kk][tm + 16u * i];
-            }
-            for (var j = 0u; j < 8u; j++) {
-                let b = ws[kk][tn + 16u * j];
-                for (var i = 0u; i < 4u; i++) {
-                    acc[i][j] += a[i] * b;
-                }
-            }
+            let a = xs[kk * 16u + tm];
+            let b0 = ws[kk * 32u + 2u * tn];
+            let b1 = ws[kk * 32u + 2u * tn + 1u];
+            c0 += a * b0.x;
+            c1 += a * b0.y;
+            c2 += a * b0.z;
+            c3 += a * b0.w;
+            c4 += a * b1.x;
+            c5 += a * b1.y;
+            c6 += a * b1.z;
+            c7 += a * b1.w;
         }
         workgroupBarrier();
     }
 
+    let cols = array<vec4<f32>, 8>(c0, c1, c2, c3, c4, c5, c6, c7);
     for (var i = 0u; i < 4u; i++) {
-        let m = m0 + tm + 16u * i;
+        let m = m0 + 4u * tm + i;
         if (m >= count) {
             continue;
         }
@@ -142,7 +152,7 @@ fn main(
             yrow = pairs[first_pair + m];
         }
         for (var j = 0u; j < 8u; j++) {
-            let n = n0 + tn + 16u * j;
+            let n = n0 + 8u * tn + j;
             var w_row = n;
             if (grouped) {
                 w_row = p.expert * p.expert_rows + n - p.first_row;
@@ -152,8 +162,30 @@ fn main(
                 if (!grouped) {
                     col = p.first_row + n;
                 }
-                y[yrow * p.y_stride + col] = acc[i][j];
+                y[yrow * p.y_stride + col] = cols[j][i];
             }
         }
     }
+}
+
+// 4 consecutive x values from column k (zero past the row's end).
+fn load_x(ok: bool, base: u32, k: u32) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    for (var c = 0u; c < 4u; c++) {
+        if (ok && k + c < p.cols) {
+            v[c] = x[base + k + c];
+        }
+    }
+    return v;
+}
+
+// 4 consecutive weight words (8 bf16) from word w (zero past the row's end).
+fn load_w(ok: bool, base: u32, w: u32, k_words: u32) -> vec4<u32> {
+    var v = vec4<u32>(0u);
+    for (var c = 0u; c < 4u; c++) {
+        if (ok && w + c < k_words) {
+            v[c] = weight[base + w + c];
+        }
+    }
+    return v;
 }

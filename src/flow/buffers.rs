@@ -24,6 +24,10 @@ pub struct Activations {
     pub h: wgpu::Buffer,
     pub qkv: wgpu::Buffer,
     pub attn: wgpu::Buffer,
+    /// Split attention of one token: partial sums and (max, sum) pairs.
+    pub attn_split_acc: wgpu::Buffer,
+    pub attn_split_max_sum: wgpu::Buffer,
+    pub attn_splits: usize,
     pub attn_out: wgpu::Buffer,
     pub gate_up: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
@@ -53,7 +57,10 @@ impl Activations {
     /// The most tokens per submission (at most `wanted`) for which every
     /// activation fits one storage binding.
     pub fn max_chunk(gpu: &Gpu, c: &ModelConfig, wanted: usize) -> usize {
-        let moe_width = c.moe.as_ref().map_or(0, |m| m.top_k * (2 * m.intermediate).max(c.hidden));
+        let moe_width = c
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.top_k * (2 * m.intermediate).max(c.hidden));
         let widest = [c.hidden, c.heads.qkv_width(), 2 * c.intermediate, moe_width]
             .into_iter()
             .max()
@@ -64,6 +71,7 @@ impl Activations {
 
     pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize, context_len: usize) -> Result<Self> {
         let t = max_tokens;
+        let splits = crate::kernels::Attention::decode_splits(context_len);
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
         let moe = match &c.moe {
             Some(m) => Some(MoeActivations {
@@ -94,6 +102,10 @@ impl Activations {
             h: buf("h", c.hidden)?,
             qkv: buf("qkv", c.heads.qkv_width())?,
             attn: buf("attn", c.heads.q * c.heads.dim)?,
+            attn_split_acc: gpu
+                .storage_buffer("attn_split_acc", c.heads.q * splits * c.heads.dim)?,
+            attn_split_max_sum: gpu.storage_buffer("attn_split_max_sum", c.heads.q * splits * 2)?,
+            attn_splits: splits,
             attn_out: buf("attn_out", c.hidden)?,
             gate_up: buf("gate_up", 2 * c.intermediate)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
@@ -106,12 +118,14 @@ impl Activations {
     /// Sets the token ids and first position of the next submission.
     pub fn write_step(&self, gpu: &Gpu, tokens: &[u32], pos0: usize) {
         debug_assert!(tokens.len() <= self.max_tokens);
-        gpu.queue.write_buffer(&self.tokens, 0, bytemuck::cast_slice(tokens));
+        gpu.queue
+            .write_buffer(&self.tokens, 0, bytemuck::cast_slice(tokens));
         let step = Step {
             pos0: pos0 as u32,
             n_tokens: tokens.len() as u32,
             _pad: [0; 2],
         };
-        gpu.queue.write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
+        gpu.queue
+            .write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
     }
 }

@@ -26,7 +26,7 @@ pub use recorder::{PhaseTimer, Recorder};
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, encode_all};
-use crate::kernels::attention::AttentionBindings;
+use crate::kernels::attention::{AttentionBindings, SplitScratch};
 use crate::kernels::rms_norm::Rows;
 use crate::kernels::rope::RopeBindings;
 use crate::kv_cache::KvCache;
@@ -43,7 +43,13 @@ pub(crate) struct Projection {
 }
 
 impl Projection {
-    fn new(model: &Model, weight: &GpuTensor, step: &wgpu::Buffer, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Self {
+    fn new(
+        model: &Model,
+        weight: &GpuTensor,
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+    ) -> Self {
         let (gpu, k) = (&model.gpu, &model.kernels);
         Projection {
             gemv: k.gemv.plan(gpu, weight, x, y),
@@ -52,7 +58,11 @@ impl Projection {
     }
 
     fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
-        let dispatches = if n_tokens == 1 { &self.gemv } else { &self.gemm };
+        let dispatches = if n_tokens == 1 {
+            &self.gemv
+        } else {
+            &self.gemm
+        };
         encode_all(dispatches, pass, n_tokens);
     }
 }
@@ -64,7 +74,10 @@ struct AttentionPlan {
     qkv_proj: Projection,
     qk_norm: Vec<Dispatch>,
     rope_and_store: Dispatch,
-    attention: Dispatch,
+    /// One token: split over the keys and merged. A chunk: one workgroup
+    /// per (KV head, token).
+    attention_decode: Vec<Dispatch>,
+    attention_prefill: Vec<Dispatch>,
     o_proj: Projection,
     attn_residual: Dispatch,
     ffn_norm: Dispatch,
@@ -115,9 +128,23 @@ impl Plan {
                 attention: AttentionPlan::new(model, act, kv, i),
                 ffn: match &lw.ffn {
                     FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
-                        gate_up_proj: Projection::new(model, gate_up, &act.step, &act.h, &act.gate_up),
-                        swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
-                        down_proj: Projection::new(model, down, &act.step, &act.ffn_act, &act.ffn_out),
+                        gate_up_proj: Projection::new(
+                            model,
+                            gate_up,
+                            &act.step,
+                            &act.h,
+                            &act.gate_up,
+                        ),
+                        swiglu: k
+                            .swiglu
+                            .plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
+                        down_proj: Projection::new(
+                            model,
+                            down,
+                            &act.step,
+                            &act.ffn_act,
+                            &act.ffn_out,
+                        ),
                         ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
                     }),
                     FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw, i)),
@@ -128,7 +155,9 @@ impl Plan {
         Plan {
             embed: k.embed.plan(gpu, &w.embed, &act.tokens, &act.x),
             layers,
-            final_norm: k.rms_norm.plan(gpu, &w.final_norm, c.rms_eps, &act.x_last, &act.h, hidden),
+            final_norm: k
+                .rms_norm
+                .plan(gpu, &w.final_norm, c.rms_eps, &act.x_last, &act.h, hidden),
             lm_head: k.gemv.plan(gpu, w.head(), &act.h, &act.logits),
         }
     }
@@ -156,8 +185,13 @@ impl Plan {
         }
         if with_head {
             let row = 4 * act.hidden as u64;
-            rec.encoder()
-                .copy_buffer_to_buffer(&act.x, (n_tokens as u64 - 1) * row, &act.x_last, 0, row);
+            rec.encoder().copy_buffer_to_buffer(
+                &act.x,
+                (n_tokens as u64 - 1) * row,
+                &act.x_last,
+                0,
+                row,
+            );
             let pass = rec.pass(Phase::Head);
             self.final_norm.encode(pass, 1);
             encode_all(&self.lm_head, pass, 1);
@@ -175,20 +209,33 @@ impl AttentionPlan {
         let lw = &model.weights.layers[i];
         let heads = c.heads;
         let hidden = Rows::vector(c.hidden);
+        let scale = (heads.dim as f32).powf(-0.5);
+        let window = c.sliding_window.unwrap_or(0);
+        let attention_bindings = || AttentionBindings {
+            step: &act.step,
+            qkv: &act.qkv,
+            k_cache: &kv.k[i],
+            v_cache: &kv.v[i],
+            out: &act.attn,
+        };
         let qk_norm = match (c.family.qk_norm, &lw.q_norm, &lw.k_norm) {
             (QkNorm::None, _, _) => Vec::new(),
             (norm, Some(qn), Some(kn)) => {
                 // Rows of q heads, then of k heads, in place in the qkv buffer.
                 let (q_rows, k_rows) = qk_norm_rows(norm, heads);
                 vec![
-                    k.rms_norm.plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
-                    k.rms_norm.plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
+                    k.rms_norm
+                        .plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
+                    k.rms_norm
+                        .plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
                 ]
             }
             _ => unreachable!("q/k norm weights are loaded whenever the family has them"),
         };
         AttentionPlan {
-            attn_norm: k.rms_norm.plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
+            attn_norm: k
+                .rms_norm
+                .plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
             qkv_proj: Projection::new(model, &lw.qkv, &act.step, &act.h, &act.qkv),
             qk_norm,
             rope_and_store: k.rope.plan(
@@ -203,22 +250,33 @@ impl AttentionPlan {
                     v_cache: &kv.v[i],
                 },
             ),
-            attention: k.attention.plan(
+            attention_decode: k.attention.plan(
                 gpu,
                 heads,
-                (heads.dim as f32).powf(-0.5),
-                c.sliding_window.unwrap_or(0),
-                AttentionBindings {
-                    step: &act.step,
-                    qkv: &act.qkv,
-                    k_cache: &kv.k[i],
-                    v_cache: &kv.v[i],
-                    out: &act.attn,
-                },
+                scale,
+                window,
+                attention_bindings(),
+                Some((
+                    act.attn_splits,
+                    SplitScratch {
+                        acc: &act.attn_split_acc,
+                        max_sum: &act.attn_split_max_sum,
+                    },
+                )),
+            ),
+            attention_prefill: k.attention.plan(
+                gpu,
+                heads,
+                scale,
+                window,
+                attention_bindings(),
+                None,
             ),
             o_proj: Projection::new(model, &lw.o_proj, &act.step, &act.attn, &act.attn_out),
             attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
-            ffn_norm: k.rms_norm.plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
+            ffn_norm: k
+                .rms_norm
+                .plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
         }
     }
 
@@ -227,7 +285,12 @@ impl AttentionPlan {
         self.qkv_proj.encode(pass, n_tokens);
         encode_all(&self.qk_norm, pass, n_tokens);
         self.rope_and_store.encode(pass, n_tokens);
-        self.attention.encode(pass, n_tokens);
+        let attention = if n_tokens == 1 {
+            &self.attention_decode
+        } else {
+            &self.attention_prefill
+        };
+        encode_all(attention, pass, n_tokens);
         self.o_proj.encode(pass, n_tokens);
         self.attn_residual.encode(pass, n_tokens);
         self.ffn_norm.encode(pass, n_tokens);

@@ -67,7 +67,10 @@ impl MoePlan {
         let gpu: &Gpu = &model.gpu;
         let c = &model.config;
         let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
-        let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
+        let a = act
+            .moe
+            .as_ref()
+            .expect("MoE activations exist for MoE models");
         let k = &model.kernels;
         let (h, i, top_k) = (c.hidden, m.intermediate, m.top_k);
         let ids = &a.route_ids;
@@ -83,7 +86,12 @@ impl MoePlan {
             x_stride: top_k * i,
             x_slot_stride: i,
         };
-        let ranges = |t: &crate::gpu::GpuTensor| t.parts.iter().map(|p| p.first_row..p.first_row + p.rows).collect();
+        let ranges = |t: &crate::gpu::GpuTensor| {
+            t.parts
+                .iter()
+                .map(|p| p.first_row..p.first_row + p.rows)
+                .collect()
+        };
         let mut swiglu = k.swiglu.plan(gpu, i, &a.expert_gate_up, &a.expert_act);
         // One swiglu row per (token, slot).
         swiglu.workgroups[1] = top_k as u32;
@@ -103,27 +111,53 @@ impl MoePlan {
             ),
             gate_up: (0..top_k)
                 .map(|slot| {
-                    let b = ExpertBuffers { x: &act.h, y: &a.expert_gate_up, ids };
+                    let b = ExpertBuffers {
+                        x: &act.h,
+                        y: &a.expert_gate_up,
+                        ids,
+                    };
                     k.gemv.plan_expert(gpu, &w.gate_up, gate_up_layout, slot, b)
                 })
                 .collect(),
             swiglu,
             down: (0..top_k)
                 .map(|slot| {
-                    let b = ExpertBuffers { x: &a.expert_act, y: &a.expert_out, ids };
+                    let b = ExpertBuffers {
+                        x: &a.expert_act,
+                        y: &a.expert_out,
+                        ids,
+                    };
                     k.gemv.plan_expert(gpu, &w.down, down_layout, slot, b)
                 })
                 .collect(),
-            weighted_residual: k.residual.plan_weighted(gpu, h, top_k, &a.route_weights, &a.expert_out, &act.x),
+            weighted_residual: k.residual.plan_weighted(
+                gpu,
+                h,
+                top_k,
+                &a.route_weights,
+                &a.expert_out,
+                &act.x,
+            ),
             grouped_gate_up: (0..m.experts)
                 .map(|e| {
-                    let b = GroupedBuffers { x: &act.h, y: &a.expert_gate_up, groups: &a.groups, pairs: &a.pairs };
-                    k.gemm.plan_expert(gpu, &w.gate_up, e, 2 * i, top_k, &act.step, b)
+                    let b = GroupedBuffers {
+                        x: &act.h,
+                        y: &a.expert_gate_up,
+                        groups: &a.groups,
+                        pairs: &a.pairs,
+                    };
+                    k.gemm
+                        .plan_expert(gpu, &w.gate_up, e, 2 * i, top_k, &act.step, b)
                 })
                 .collect(),
             grouped_down: (0..m.experts)
                 .map(|e| {
-                    let b = GroupedBuffers { x: &a.expert_act, y: &a.expert_out, groups: &a.groups, pairs: &a.pairs };
+                    let b = GroupedBuffers {
+                        x: &a.expert_act,
+                        y: &a.expert_out,
+                        groups: &a.groups,
+                        pairs: &a.pairs,
+                    };
                     k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b)
                 })
                 .collect(),
@@ -155,7 +189,9 @@ impl MoePlan {
             RoutingMode::DeviceResident => None,
             RoutingMode::Readback => {
                 let bytes = (n_tokens as usize * self.k * 4) as u64;
-                routing.readback.record(rec.encoder(), &a.route_ids, 0, bytes);
+                routing
+                    .readback
+                    .record(rec.encoder(), &a.route_ids, 0, bytes);
                 let start = Instant::now();
                 rec.submit()?;
                 let ids: Vec<u32> = routing.readback.read(rec.gpu(), bytes)?;
@@ -190,28 +226,33 @@ impl MoePlan {
                 let pass = rec.pass(Phase::Routed);
                 // One token: only the parts holding each slot's expert.
                 // Device-resident: every part, for every token.
-                let encode_slots = |plans: &[Vec<Dispatch>], parts: &[Range<usize>], rows: usize, pass: &mut wgpu::ComputePass<'static>| {
-                    for (slot, slot_plans) in plans.iter().enumerate() {
-                        for (part, range) in parts.iter().enumerate() {
-                            let needed = match &chosen {
-                                None => true,
-                                Some(ids) => {
-                                    let e = ids[slot] as usize;
-                                    range.start < (e + 1) * rows && e * rows < range.end
+                let encode_slots =
+                    |plans: &[Vec<Dispatch>],
+                     parts: &[Range<usize>],
+                     rows: usize,
+                     pass: &mut wgpu::ComputePass<'static>| {
+                        for (slot, slot_plans) in plans.iter().enumerate() {
+                            for (part, range) in parts.iter().enumerate() {
+                                let needed = match &chosen {
+                                    None => true,
+                                    Some(ids) => {
+                                        let e = ids[slot] as usize;
+                                        range.start < (e + 1) * rows && e * rows < range.end
+                                    }
+                                };
+                                if needed {
+                                    slot_plans[part].encode(pass, n_tokens);
                                 }
-                            };
-                            if needed {
-                                slot_plans[part].encode(pass, n_tokens);
                             }
                         }
-                    }
-                };
+                    };
                 encode_slots(&self.gate_up, &self.gate_up_parts, self.gate_up_rows, pass);
                 self.swiglu.encode(pass, n_tokens);
                 encode_slots(&self.down, &self.down_parts, self.down_rows, pass);
             }
         }
-        self.weighted_residual.encode(rec.pass(Phase::Routed), n_tokens);
+        self.weighted_residual
+            .encode(rec.pass(Phase::Routed), n_tokens);
         Ok(())
     }
 
@@ -236,8 +277,10 @@ impl MoePlan {
             pairs[offsets[e as usize] as usize] = pair as u32;
             offsets[e as usize] += 1;
         }
-        gpu.queue.write_buffer(&a.groups, 0, bytemuck::cast_slice(&groups));
-        gpu.queue.write_buffer(&a.pairs, 0, bytemuck::cast_slice(&pairs));
+        gpu.queue
+            .write_buffer(&a.groups, 0, bytemuck::cast_slice(&groups));
+        gpu.queue
+            .write_buffer(&a.pairs, 0, bytemuck::cast_slice(&pairs));
         counts
     }
 }

@@ -46,7 +46,10 @@ impl<'a> Recorder<'a> {
         if self.pass.is_none() {
             let gpu = self.gpu;
             let encoder = self.encoder.get_or_insert_with(|| {
-                gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") })
+                gpu.device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("forward"),
+                    })
             });
             let timestamp_writes = self.timer.as_deref_mut().and_then(|t| t.pass_writes(phase));
             let pass = encoder

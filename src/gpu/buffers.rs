@@ -123,11 +123,26 @@ impl Gpu {
         pipeline: &wgpu::ComputePipeline,
         buffers: &[&wgpu::Buffer],
     ) -> wgpu::BindGroup {
-        let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+        let indexed: Vec<(u32, &wgpu::Buffer)> = buffers
             .iter()
             .enumerate()
+            .map(|(i, b)| (i as u32, *b))
+            .collect();
+        self.bind_at(label, pipeline, &indexed)
+    }
+
+    /// Binds buffers at the given binding indices (an entry point that uses
+    /// only some of its module's bindings).
+    pub fn bind_at(
+        &self,
+        label: &str,
+        pipeline: &wgpu::ComputePipeline,
+        buffers: &[(u32, &wgpu::Buffer)],
+    ) -> wgpu::BindGroup {
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+            .iter()
             .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: i as u32,
+                binding: *i,
                 resource: b.as_entire_binding(),
             })
             .collect();

@@ -33,7 +33,12 @@ impl Gpu {
             Ok(start.elapsed())
         };
         run(1)?;
-        let best = (0..3).map(|_| run(reps)).collect::<Result<Vec<_>>>()?.into_iter().min().unwrap();
+        let best = (0..3)
+            .map(|_| run(reps))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .min()
+            .unwrap();
         self.check("measuring copy bandwidth")?;
         Ok(2.0 * bytes as f64 * reps as f64 / best.as_secs_f64())
     }

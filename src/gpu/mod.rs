@@ -3,8 +3,8 @@
 
 mod buffers;
 mod measure;
-mod tensor;
 mod readback;
+mod tensor;
 
 pub use buffers::{Dispatch, ParamsBuffer, encode_all};
 pub use readback::Readback;
@@ -199,8 +199,7 @@ impl Gpu {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
-            is_cpu: info.device_type == wgpu::DeviceType::Cpu
-                || is_software_renderer(&info.name),
+            is_cpu: info.device_type == wgpu::DeviceType::Cpu || is_software_renderer(&info.name),
             max_storage_binding,
             max_buffer_size: limits.max_buffer_size,
             max_workgroups_per_dim: limits.max_compute_workgroups_per_dimension,
@@ -294,7 +293,14 @@ impl Gpu {
 
 fn is_software_renderer(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
-        .iter()
-        .any(|s| name.contains(s))
+    [
+        "llvmpipe",
+        "lavapipe",
+        "softpipe",
+        "swiftshader",
+        "warp",
+        "microsoft basic render",
+    ]
+    .iter()
+    .any(|s| name.contains(s))
 }

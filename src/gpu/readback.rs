@@ -24,7 +24,13 @@ impl Readback {
 
     /// Records the copy of `bytes` bytes of `src` (from `offset`) into the
     /// staging buffer; call before finishing the encoder.
-    pub fn record(&self, encoder: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, offset: u64, bytes: u64) {
+    pub fn record(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        src: &wgpu::Buffer,
+        offset: u64,
+        bytes: u64,
+    ) {
         encoder.copy_buffer_to_buffer(src, offset, &self.staging, 0, bytes);
     }
 
@@ -55,7 +61,11 @@ impl Readback {
 impl Gpu {
     /// Reads `len` elements of `buffer` (test and debug helper; the flow
     /// keeps its own [`Readback`]s).
-    pub fn read_buffer<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, len: usize) -> Result<Vec<T>> {
+    pub fn read_buffer<T: bytemuck::Pod>(
+        &self,
+        buffer: &wgpu::Buffer,
+        len: usize,
+    ) -> Result<Vec<T>> {
         let bytes = (len * std::mem::size_of::<T>()) as u64;
         let readback = Readback::new(self, "read_buffer", bytes);
         let mut encoder = self.device.create_command_encoder(&Default::default());

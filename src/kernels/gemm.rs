@@ -45,13 +45,24 @@ impl Gemm {
         })
     }
 
-    fn dispatch(&self, gpu: &Gpu, part: &TensorPart, params: Params, n_rows: usize, b: [&wgpu::Buffer; 5]) -> Dispatch {
+    fn dispatch(
+        &self,
+        gpu: &Gpu,
+        part: &TensorPart,
+        params: Params,
+        n_rows: usize,
+        b: [&wgpu::Buffer; 5],
+    ) -> Dispatch {
         let [step, x, y, groups, pairs] = b;
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
         let tiles = (n_rows as u32).div_ceil(TILE_N);
         Dispatch {
             label: "gemm",
-            bind_group: gpu.bind("gemm", &self.pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
+            bind_group: gpu.bind(
+                "gemm",
+                &self.pipeline,
+                &[&params.0, step, &part.buffer, x, y, groups, pairs],
+            ),
             pipeline: self.pipeline.clone(),
             workgroups: gpu.fold_grid(tiles),
             tokens_per_workgroup: TILE_M,
@@ -60,7 +71,14 @@ impl Gemm {
 
     /// `y[t] = W x[t]` for the `step.n_tokens` tokens in flight, x packed
     /// `[tokens, W.cols]`, y packed `[tokens, W.rows]`.
-    pub fn plan(&self, gpu: &Gpu, weight: &GpuTensor, step: &wgpu::Buffer, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Vec<Dispatch> {
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+    ) -> Vec<Dispatch> {
         weight
             .parts
             .iter()
@@ -110,7 +128,13 @@ impl Gemm {
                     y_stride: expert_rows as u32,
                     _pad: 0,
                 };
-                self.dispatch(gpu, part, params, expert_rows, [step, b.x, b.y, b.groups, b.pairs])
+                self.dispatch(
+                    gpu,
+                    part,
+                    params,
+                    expert_rows,
+                    [step, b.x, b.y, b.groups, b.pairs],
+                )
             })
             .collect()
     }

@@ -105,7 +105,11 @@ impl Gemv {
         let blocks = (rows as u32).div_ceil(self.shape.rows_per_workgroup);
         Dispatch {
             label: "gemv",
-            bind_group: gpu.bind("gemv", &self.pipeline, &[&params.0, &part.buffer, x, y, ids]),
+            bind_group: gpu.bind(
+                "gemv",
+                &self.pipeline,
+                &[&params.0, &part.buffer, x, y, ids],
+            ),
             pipeline: self.pipeline.clone(),
             workgroups: gpu.fold_grid(blocks),
             tokens_per_workgroup: 1,
@@ -114,7 +118,13 @@ impl Gemv {
 
     /// `y[t] = W x[t]` with x packed `[tokens, W.cols]` and y packed
     /// `[tokens, W.rows]`.
-    pub fn plan(&self, gpu: &Gpu, weight: &GpuTensor, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Vec<Dispatch> {
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+    ) -> Vec<Dispatch> {
         weight
             .parts
             .iter()
@@ -168,7 +178,13 @@ impl Gemv {
                     y_stride: (layout.top_k * layout.expert_rows) as u32,
                     _pad: [0; 2],
                 };
-                self.dispatch(gpu, part, params, layout.expert_rows, [buffers.x, buffers.y, buffers.ids])
+                self.dispatch(
+                    gpu,
+                    part,
+                    params,
+                    layout.expert_rows,
+                    [buffers.x, buffers.y, buffers.ids],
+                )
             })
             .collect()
     }

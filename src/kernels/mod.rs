@@ -64,6 +64,16 @@ pub(crate) fn pipeline(
     name: &str,
     constants: &[(&str, f64)],
 ) -> Result<wgpu::ComputePipeline> {
+    pipeline_entry(gpu, name, "main", constants)
+}
+
+/// Compiles entry point `entry` of a kernel family with pipeline constants.
+pub(crate) fn pipeline_entry(
+    gpu: &Gpu,
+    name: &str,
+    entry: &str,
+    constants: &[(&str, f64)],
+) -> Result<wgpu::ComputePipeline> {
     let source = shader_source(name).expect("kernel name is one of SHADERS");
     let module = gpu
         .device
@@ -77,7 +87,7 @@ pub(crate) fn pipeline(
             label: Some(name),
             layout: None,
             module: &module,
-            entry_point: Some("main"),
+            entry_point: Some(entry),
             compilation_options: wgpu::PipelineCompilationOptions {
                 constants,
                 zero_initialize_workgroup_memory: false,

@@ -28,7 +28,14 @@ impl Residual {
         })
     }
 
-    fn dispatch(&self, gpu: &Gpu, params: Params, y: &wgpu::Buffer, x: &wgpu::Buffer, weights: &wgpu::Buffer) -> Dispatch {
+    fn dispatch(
+        &self,
+        gpu: &Gpu,
+        params: Params,
+        y: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        weights: &wgpu::Buffer,
+    ) -> Dispatch {
         let n = params.n;
         let params = ParamsBuffer::new(gpu, "residual.params", &params);
         Dispatch {
@@ -41,7 +48,14 @@ impl Residual {
     }
 
     /// `x[t] += scale * y[t]`, both packed `[tokens, n]`.
-    pub fn plan(&self, gpu: &Gpu, n: usize, scale: f32, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Dispatch {
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        scale: f32,
+        y: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+    ) -> Dispatch {
         let params = Params {
             n: n as u32,
             k: 1,

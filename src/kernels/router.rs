@@ -41,7 +41,14 @@ impl Router {
     }
 
     /// Selects `top_k` of `n_experts` for every token in flight.
-    pub fn plan(&self, gpu: &Gpu, routing: Routing, n_experts: usize, top_k: usize, b: RouterBindings<'_>) -> Dispatch {
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        routing: Routing,
+        n_experts: usize,
+        top_k: usize,
+        b: RouterBindings<'_>,
+    ) -> Dispatch {
         debug_assert!(n_experts <= MAX_EXPERTS && top_k <= MAX_TOP_K);
         let (scoring, renormalize) = match routing {
             Routing::Softmax { renormalize } => (0, renormalize as u32),
@@ -60,7 +67,11 @@ impl Router {
         let bias = b.bias.unwrap_or(&self.no_bias);
         Dispatch {
             label: "router",
-            bind_group: gpu.bind("router", &self.pipeline, &[&params.0, b.logits, bias, b.ids, b.weights]),
+            bind_group: gpu.bind(
+                "router",
+                &self.pipeline,
+                &[&params.0, b.logits, bias, b.ids, b.weights],
+            ),
             pipeline: self.pipeline.clone(),
             workgroups: [1, 1, 1],
             tokens_per_workgroup: 1,

@@ -23,8 +23,21 @@ impl Swiglu {
     }
 
     /// `act[t] = silu(gate_up[t, ..n]) * gate_up[t, n..]`.
-    pub fn plan(&self, gpu: &Gpu, n: usize, gate_up: &wgpu::Buffer, act: &wgpu::Buffer) -> Dispatch {
-        let params = ParamsBuffer::new(gpu, "swiglu.params", &Params { n: n as u32, _pad: [0; 3] });
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        gate_up: &wgpu::Buffer,
+        act: &wgpu::Buffer,
+    ) -> Dispatch {
+        let params = ParamsBuffer::new(
+            gpu,
+            "swiglu.params",
+            &Params {
+                n: n as u32,
+                _pad: [0; 3],
+            },
+        );
         Dispatch {
             label: "swiglu",
             bind_group: gpu.bind("swiglu", &self.pipeline, &[&params.0, gate_up, act]),

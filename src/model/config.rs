@@ -69,7 +69,9 @@ struct RawRope {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1: scaling by wavelength band.
     Llama3 {
         factor: f64,
@@ -114,8 +116,13 @@ impl RopeConfig {
                     .iter()
                     .map(|&f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
-                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        let scaled = if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            f
+                        };
+                        let medium =
+                            !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                         if medium {
                             let smooth = (old_len / wavelen - low) / (high - low);
                             (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -226,10 +233,11 @@ impl ModelConfig {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| Error::InvalidConfig {
-            path: path.to_path_buf(),
-            message: format!("{}: {}", e.path(), e.inner()),
-        })?;
+        let raw: RawConfig =
+            serde_path_to_error::deserialize(value).map_err(|e| Error::InvalidConfig {
+                path: path.to_path_buf(),
+                message: format!("{}: {}", e.path(), e.inner()),
+            })?;
         let invalid = |message: String| Error::InvalidConfig {
             path: path.to_path_buf(),
             message,
@@ -259,22 +267,41 @@ impl ModelConfig {
                 )));
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM {
+        if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM
+        {
             return Err(invalid(format!(
                 "head_dim {head_dim} must be even and at most {}",
                 crate::kernels::attention::MAX_HEAD_DIM
             )));
         }
+        let group = heads_q / heads_kv;
+        if group > crate::kernels::attention::MAX_GROUP
+            || group * head_dim > crate::kernels::attention::MAX_GROUP_WIDTH
+        {
+            return Err(Error::Unsupported {
+                what: "attention geometry",
+                value: format!(
+                    "{group} query heads per KV head of width {head_dim} (at most {} heads and {} values per group)",
+                    crate::kernels::attention::MAX_GROUP,
+                    crate::kernels::attention::MAX_GROUP_WIDTH
+                ),
+            });
+        }
         let intermediate = raw
             .intermediate_size
             .ok_or_else(|| invalid("missing field `intermediate_size`".into()))?;
-        for (name, v) in [("hidden_size", raw.hidden_size), ("intermediate_size", intermediate)] {
+        for (name, v) in [
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", intermediate),
+        ] {
             if v == 0 || v % 2 != 0 {
                 return Err(invalid(format!("{name} {v} must be even and positive")));
             }
         }
         if raw.num_hidden_layers == 0 || raw.vocab_size == 0 {
-            return Err(invalid("num_hidden_layers and vocab_size must be positive".into()));
+            return Err(invalid(
+                "num_hidden_layers and vocab_size must be positive".into(),
+            ));
         }
 
         let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
@@ -310,8 +337,14 @@ impl ModelConfig {
             sliding_window,
             dtype: raw.dtype.or(raw.torch_dtype),
             eos_token_ids: match raw.eos_token_id {
-                Some(serde_json::Value::Number(n)) => n.as_u64().map(|id| id as u32).into_iter().collect(),
-                Some(serde_json::Value::Array(ids)) => ids.iter().filter_map(|v| v.as_u64()).map(|id| id as u32).collect(),
+                Some(serde_json::Value::Number(n)) => {
+                    n.as_u64().map(|id| id as u32).into_iter().collect()
+                }
+                Some(serde_json::Value::Array(ids)) => ids
+                    .iter()
+                    .filter_map(|v| v.as_u64())
+                    .map(|id| id as u32)
+                    .collect(),
                 _ => Vec::new(),
             },
             moe,
@@ -354,7 +387,11 @@ fn parse_moe(
         if !moe.scoring_funcs.contains(&func.as_str()) {
             return Err(Error::Unsupported {
                 what: "router scoring_func",
-                value: format!("{func:?} for {} (supported: {})", family.name, moe.scoring_funcs.join(", ")),
+                value: format!(
+                    "{func:?} for {} (supported: {})",
+                    family.name,
+                    moe.scoring_funcs.join(", ")
+                ),
             });
         }
     }
@@ -369,7 +406,9 @@ fn parse_moe(
     };
     let intermediate = raw.moe_intermediate_size.unwrap_or(dense_intermediate);
     if intermediate == 0 || intermediate % 2 != 0 {
-        return Err(invalid(format!("expert intermediate size {intermediate} must be even and positive")));
+        return Err(invalid(format!(
+            "expert intermediate size {intermediate} must be even and positive"
+        )));
     }
     let step = raw.decoder_sparse_step.unwrap_or(1);
     if step == 0 {
@@ -426,7 +465,9 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
         "linear" => RopeScaling::Linear { factor: factor()? },
         "llama3" => {
             let p = params.expect("a rope type implies rope parameters");
-            let field = |v: Option<f64>, name: &str| v.ok_or_else(|| format!("llama3 rope scaling needs `{name}`"));
+            let field = |v: Option<f64>, name: &str| {
+                v.ok_or_else(|| format!("llama3 rope scaling needs `{name}`"))
+            };
             RopeScaling::Llama3 {
                 factor: factor()?,
                 low_freq_factor: field(p.low_freq_factor, "low_freq_factor")?,
@@ -436,7 +477,11 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
                     .ok_or("llama3 rope scaling needs `original_max_position_embeddings`")?,
             }
         }
-        other => return Err(format!("unsupported rope type {other:?} (supported: default, linear, llama3)")),
+        other => {
+            return Err(format!(
+                "unsupported rope type {other:?} (supported: default, linear, llama3)"
+            ));
+        }
     };
     Ok(RopeConfig {
         theta,

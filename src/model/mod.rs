@@ -151,11 +151,16 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
             o_proj: up.matrix(&name("self_attn.o_proj.weight"), hidden, q_rows)?,
             ffn_norm: up.matrix(&name("post_attention_layernorm.weight"), 1, hidden)?,
             ffn: match &c.moe {
-                Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
+                Some(moe) if moe.sparse_layers[i] => {
+                    FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?)
+                }
                 _ => FfnWeights::Dense {
                     gate_up: up.stack(
                         &name("mlp.gate_up"),
-                        &[(&name("mlp.gate_proj.weight"), c.intermediate), (&name("mlp.up_proj.weight"), c.intermediate)],
+                        &[
+                            (&name("mlp.gate_proj.weight"), c.intermediate),
+                            (&name("mlp.up_proj.weight"), c.intermediate),
+                        ],
                         hidden,
                         1,
                     )?,
@@ -181,12 +186,25 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
 
 /// A MoE layer, from the fused 3-D layout (`mlp.experts.gate_up_proj`) when
 /// the checkpoint has it, else from the family's per-expert tensors.
-fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: usize) -> Result<MoeWeights> {
+fn upload_moe(
+    up: &mut Uploader<'_>,
+    c: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+) -> Result<MoeWeights> {
     let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
     let (h, i, e) = (c.hidden, moe.intermediate, moe.experts);
     let fused = name("mlp.experts.gate_up_proj");
-    let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
-    let block = if up.contains(&fused) { "mlp" } else { names.block };
+    let names = c
+        .family
+        .moe
+        .expect("a MoE config comes from a MoE family")
+        .names;
+    let block = if up.contains(&fused) {
+        "mlp"
+    } else {
+        names.block
+    };
     let (gate_up, down) = if up.contains(&fused) {
         (
             up.experts(&fused, e, 2 * i, h)?,
@@ -194,7 +212,9 @@ fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: us
         )
     } else {
         let expert = |x: usize, which: &str| name(&format!("{block}.experts.{x}.{which}.weight"));
-        let gate_up_names: Vec<(String, String)> = (0..e).map(|x| (expert(x, names.gate), expert(x, names.up))).collect();
+        let gate_up_names: Vec<(String, String)> = (0..e)
+            .map(|x| (expert(x, names.gate), expert(x, names.up)))
+            .collect();
         let gate_up_sources: Vec<(&str, usize)> = gate_up_names
             .iter()
             .flat_map(|(g, u)| [(g.as_str(), i), (u.as_str(), i)])
@@ -202,12 +222,19 @@ fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: us
         let down_names: Vec<String> = (0..e).map(|x| expert(x, names.down)).collect();
         let down_sources: Vec<(&str, usize)> = down_names.iter().map(|d| (d.as_str(), h)).collect();
         (
-            up.stack(&name(&format!("{block}.experts.gate_up")), &gate_up_sources, h, 2 * i)?,
+            up.stack(
+                &name(&format!("{block}.experts.gate_up")),
+                &gate_up_sources,
+                h,
+                2 * i,
+            )?,
             up.stack(&name(&format!("{block}.experts.down")), &down_sources, i, h)?,
         )
     };
     let score_bias = match moe.routing {
-        Routing::SigmoidWithBias => Some(up.f32_vector(&name(&format!("{block}.e_score_correction_bias")), e)?),
+        Routing::SigmoidWithBias => {
+            Some(up.f32_vector(&name(&format!("{block}.e_score_correction_bias")), e)?)
+        }
         Routing::Softmax { .. } => None,
     };
     Ok(MoeWeights {

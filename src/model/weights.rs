@@ -111,7 +111,8 @@ impl Checkpoint {
     /// vector stored as `[n]` or `[1, n]` is the same data).
     pub fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
         let found = &self.entry(name)?.shape;
-        let squeeze = |s: &[usize]| -> Vec<usize> { s.iter().copied().filter(|&d| d != 1).collect() };
+        let squeeze =
+            |s: &[usize]| -> Vec<usize> { s.iter().copied().filter(|&d| d != 1).collect() };
         if squeeze(found) != squeeze(expected) {
             return Err(Error::WrongShape {
                 name: name.to_string(),
@@ -164,9 +165,18 @@ impl Checkpoint {
         let entry = self.entry(name)?;
         let data = &self.files[entry.file].1[entry.bytes.clone()];
         Ok(match entry.dtype {
-            Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
             other => {
                 return Err(Error::WrongDtype {
                     name: name.to_string(),
@@ -249,16 +259,32 @@ impl<'a> Uploader<'a> {
 
     /// A fused 3-D expert tensor `[experts, rows, cols]`, stored as
     /// `experts * rows` rows grouped by expert.
-    pub fn experts(&mut self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<GpuTensor> {
+    pub fn experts(
+        &mut self,
+        name: &str,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<GpuTensor> {
         self.upload(name, &[(name, &[experts, rows, cols])], cols, rows)
     }
 
     /// Several `[rows_i, cols]` tensors stacked by rows into one GPU tensor
     /// (fused projections: q|k|v, gate|up, and per-expert tensors stacked
     /// into groups of `group_rows`).
-    pub fn stack(&mut self, label: &str, sources: &[(&str, usize)], cols: usize, group_rows: usize) -> Result<GpuTensor> {
+    pub fn stack(
+        &mut self,
+        label: &str,
+        sources: &[(&str, usize)],
+        cols: usize,
+        group_rows: usize,
+    ) -> Result<GpuTensor> {
         let shapes: Vec<[usize; 2]> = sources.iter().map(|(_, rows)| [*rows, cols]).collect();
-        let sources: Vec<(&str, &[usize])> = sources.iter().zip(&shapes).map(|((n, _), s)| (*n, &s[..])).collect();
+        let sources: Vec<(&str, &[usize])> = sources
+            .iter()
+            .zip(&shapes)
+            .map(|((n, _), s)| (*n, &s[..]))
+            .collect();
         self.upload(label, &sources, cols, group_rows)
     }
 

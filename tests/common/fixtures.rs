@@ -22,7 +22,12 @@ pub struct Case {
 pub fn cases() -> Vec<Case> {
     let mut roots = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")];
     if let Ok(extra) = std::env::var("WGSPARK_FIXTURES") {
-        roots.extend(extra.split(':').filter(|s| !s.is_empty()).map(PathBuf::from));
+        roots.extend(
+            extra
+                .split(':')
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from),
+        );
     }
     let mut cases = Vec::new();
     for root in roots {
@@ -50,7 +55,11 @@ pub fn cases() -> Vec<Case> {
             });
             found += 1;
         }
-        assert!(found > 0, "fixture directory {} holds no case", root.display());
+        assert!(
+            found > 0,
+            "fixture directory {} holds no case",
+            root.display()
+        );
     }
     cases
 }

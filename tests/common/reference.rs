@@ -32,23 +32,46 @@ pub fn rope(head: &[f32], pos: usize, rot: usize, inv_freq: &[f32]) -> Vec<f32> 
 
 /// One query head against keys/values `[len, kv_width]` (already limited
 /// to the attended range), head `kv_head`.
-pub fn attention(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], kv_head: usize, scale: f32) -> Vec<f32> {
+pub fn attention(
+    q: &[f32],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    kv_head: usize,
+    scale: f32,
+) -> Vec<f32> {
     let hd = q.len();
     let scores: Vec<f32> = k
         .iter()
-        .map(|row| q.iter().zip(&row[kv_head * hd..]).map(|(a, b)| a * b).sum::<f32>() * scale)
+        .map(|row| {
+            q.iter()
+                .zip(&row[kv_head * hd..])
+                .map(|(a, b)| a * b)
+                .sum::<f32>()
+                * scale
+        })
         .collect();
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f32 = e.iter().sum();
     (0..hd)
-        .map(|d| e.iter().zip(v).map(|(p, row)| p * row[kv_head * hd + d]).sum::<f32>() / sum)
+        .map(|d| {
+            e.iter()
+                .zip(v)
+                .map(|(p, row)| p * row[kv_head * hd + d])
+                .sum::<f32>()
+                / sum
+        })
         .collect()
 }
 
 /// Router selection as the families define it: `(ids, weights)` in
 /// descending order of the selection score, ties to the lower id.
-pub fn route(logits: &[f32], k: usize, sigmoid_bias: Option<&[f32]>, renormalize: bool) -> (Vec<u32>, Vec<f32>) {
+pub fn route(
+    logits: &[f32],
+    k: usize,
+    sigmoid_bias: Option<&[f32]>,
+    renormalize: bool,
+) -> (Vec<u32>, Vec<f32>) {
     let (weight, choice): (Vec<f32>, Vec<f32>) = match sigmoid_bias {
         Some(bias) => {
             let s: Vec<f32> = logits.iter().map(|z| 1.0 / (1.0 + (-z).exp())).collect();
@@ -67,6 +90,10 @@ pub fn route(logits: &[f32], k: usize, sigmoid_bias: Option<&[f32]>, renormalize
     order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
     let ids: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
     let picked: Vec<f32> = ids.iter().map(|&i| weight[i as usize]).collect();
-    let norm = if renormalize || sigmoid_bias.is_some() { picked.iter().sum() } else { 1.0 };
+    let norm = if renormalize || sigmoid_bias.is_some() {
+        picked.iter().sum()
+    } else {
+        1.0
+    };
     (ids, picked.iter().map(|w| w / norm).collect())
 }
