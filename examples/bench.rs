@@ -184,6 +184,28 @@ fn measure(
         100.0 * achieved / copy
     );
     let stats = session.stats();
+    // Where decode time goes: GPU time per phase (timestamps) against wall.
+    let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
+    timed.prefill(&prompt)?;
+    let timed_stats_before = timed.stats();
+    let start = Instant::now();
+    let n = 32.min(args.decode);
+    for _ in 0..n {
+        logits = timed.step(next, timed.position())?;
+        next = argmax(&logits);
+    }
+    let wall = start.elapsed().as_secs_f64() / n as f64;
+    let after = timed.stats();
+    if let (Some(a), Some(b), Some(source)) = (after.phases, timed_stats_before.phases, after.timing_source) {
+        let ms = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e3 / n as f64;
+        println!(
+            "  decode per token ({source:?}): attention {:.3} ms, routed {:.3} ms, head {:.3} ms; wall {:.3} ms",
+            ms(a.attention, b.attention),
+            ms(a.routed, b.routed),
+            ms(a.head, b.head),
+            wall * 1e3
+        );
+    }
     if stats.routing_readbacks > 0 {
         println!(
             "  routing readbacks: {} ({:.3} ms each including the GPU work before them)",

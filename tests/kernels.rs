@@ -825,3 +825,15 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
         }
     }
 }
+
+#[test]
+fn copy_kernel_copies() {
+    on_each_backend(|gpu| {
+        let data: Vec<f32> = Rng::new(14).vec(1000, 1.0);
+        let src = gpu.storage_buffer_init("src", &data);
+        let dst = gpu.storage_buffer("dst", 1000).unwrap();
+        let copy = wgspark::kernels::copy::Copy::new(gpu).unwrap();
+        run(gpu, &[copy.plan(gpu, &src, &dst, 4000)], 1);
+        assert_eq!(gpu.read_buffer::<f32>(&dst, 1000).unwrap(), data);
+    });
+}

@@ -1,14 +1,16 @@
 // Matrix-vector product with bf16 weights, for every token t in flight:
 //   y[t * y_stride + y_offset + r] = sum_c W[row(r), c] * x[t * x_stride + x_offset + c]
-// W: bf16 [rows, cols], one row range (a "part", starting at global row
-// first_row) of a tensor that may be split across bindings; cols even.
+// W: bf16 [rows, cols] (one row range, a "part" starting at global row
+// first_row, of a tensor that may be split across bindings); cols even.
 // Plain mode (expert_rows = 0): r covers the part's rows, row(r) = r.
 // Expert mode: W stacks experts of expert_rows rows each, and the expert is
 // read from the GPU, e = ids[t * top_k + slot]; r covers one expert's rows,
 // global row e * expert_rows + r, computed only where this part holds it.
 // ROWS_PER_WG rows per workgroup, THREADS_PER_ROW invocations per row: one
-// row per invocation (THREADS_PER_ROW = 1) suits CPU rasterisers, a
-// workgroup reduction per row suits GPUs. Both are pipeline constants.
+// row per invocation (THREADS_PER_ROW = 1) suits CPU rasterisers; a
+// subgroup (or workgroup reduction) per row suits GPUs. reduce_row comes
+// from the variant prepended at pipeline creation (gemv.reduce_*.wgsl).
+// When cols % 8 == 0, rows are 16-byte aligned and read 8 weights at a time.
 // Grid: row blocks folded over x and z, y = token.
 
 override ROWS_PER_WG: u32 = 64u;
@@ -31,12 +33,14 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> weight: array<u32>;
-@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> weight: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
 
-var<workgroup> partial: array<f32, WG>;
+fn x_at(i: u32) -> f32 {
+    return x[i >> 2u][i & 3u];
+}
 
 @compute @workgroup_size(WG)
 fn main(
@@ -56,27 +60,31 @@ fn main(
         local_row = ids[t * p.top_k + p.slot] * p.expert_rows + r - p.first_row;
     }
     let in_part = r < n_rows && local_row < p.rows;
-    let words = p.cols / 2u;
     var acc = 0.0;
     if (in_part) {
-        let wb = local_row * words;
         let xb = t * p.x_stride + p.x_offset;
-        for (var k = lane; k < words; k += THREADS_PER_ROW) {
-            let wv = weight[wb + k];
-            acc += bf16_lo(wv) * x[xb + 2u * k] + bf16_hi(wv) * x[xb + 2u * k + 1u];
-        }
-    }
-    if (THREADS_PER_ROW > 1u) {
-        partial[lid.x] = acc;
-        workgroupBarrier();
-        for (var s = THREADS_PER_ROW / 2u; s > 0u; s >>= 1u) {
-            if (lane < s) {
-                partial[lid.x] += partial[lid.x + s];
+        if (p.cols % 8u == 0u && xb % 4u == 0u) {
+            let per_row = p.cols / 8u;
+            let wb = local_row * per_row;
+            let xv = xb / 4u;
+            for (var k = lane; k < per_row; k += THREADS_PER_ROW) {
+                let w = weight[wb + k];
+                let a = x[xv + 2u * k];
+                let b = x[xv + 2u * k + 1u];
+                acc += dot(vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y)), a)
+                    + dot(vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w)), b);
             }
-            workgroupBarrier();
+        } else {
+            let words = p.cols / 2u;
+            let wb = local_row * words;
+            for (var k = lane; k < words; k += THREADS_PER_ROW) {
+                let i = wb + k;
+                let w = weight[i >> 2u][i & 3u];
+                acc += bf16_lo(w) * x_at(xb + 2u * k) + bf16_hi(w) * x_at(xb + 2u * k + 1u);
+            }
         }
-        acc = partial[lid.x - lane];
     }
+    acc = reduce_row(acc, lid.x, lane);
     if (in_part && lane == 0u) {
         y[t * p.y_stride + p.y_offset + r] = acc;
     }

@@ -62,7 +62,8 @@ impl Gpu {
     }
 
     pub fn storage_buffer_bytes(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer> {
-        let size = bytes.max(4).next_multiple_of(4);
+        // 16-byte multiples: kernels may read any buffer as vec4s.
+        let size = bytes.max(16).next_multiple_of(16);
         if size > self.caps.max_buffer_size {
             return Err(Error::OutOfDeviceMemory {
                 what: label.to_string(),
@@ -87,11 +88,11 @@ impl Gpu {
     pub fn storage_buffer_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let mut padded;
-        let contents = if bytes.len() % 4 == 0 && !bytes.is_empty() {
+        let contents = if bytes.len() % 16 == 0 && !bytes.is_empty() {
             bytes
         } else {
             padded = bytes.to_vec();
-            padded.resize(bytes.len().max(4).next_multiple_of(4), 0);
+            padded.resize(bytes.len().max(16).next_multiple_of(16), 0);
             &padded
         };
         self.device

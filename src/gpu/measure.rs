@@ -9,23 +9,44 @@ use crate::error::Result;
 impl Gpu {
     /// Device-to-device copy bandwidth in bytes per second, counting the
     /// read and the write (as memory-bound kernels count their traffic):
-    /// `reps` copies of a `bytes` buffer in one submission, best of 3.
+    /// the better of the API's buffer copy (a DMA engine on some GPUs) and
+    /// a copy kernel, `reps` copies of a `bytes` buffer in one submission,
+    /// best of 3 each.
     pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64> {
-        let bytes = bytes.min(self.caps.max_buffer_size).next_multiple_of(4);
-        let make = |label| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some(label),
-                size: bytes,
-                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            })
-        };
-        let (a, b) = (make("copy.a"), make("copy.b"));
+        let bytes = bytes
+            .min(self.caps.max_buffer_size)
+            .min(self.caps.max_storage_binding)
+            / 16
+            * 16;
+        let a = self.storage_buffer_bytes("copy.a", bytes)?;
+        let b = self.storage_buffer_bytes("copy.b", bytes)?;
+        let kernel = crate::kernels::copy::Copy::new(self)?;
+        let by_kernel = [
+            kernel.plan(self, &a, &b, bytes),
+            kernel.plan(self, &b, &a, bytes),
+        ];
+        let api = self.time_copies(reps, |encoder, i| {
+            let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+            encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
+        })?;
+        let shader = self.time_copies(reps, |encoder, i| {
+            let mut pass = encoder.begin_compute_pass(&Default::default());
+            by_kernel[(i % 2) as usize].encode(&mut pass, 1);
+        })?;
+        self.check("measuring copy bandwidth")?;
+        Ok(2.0 * bytes as f64 * reps as f64 / api.min(shader).as_secs_f64())
+    }
+
+    /// Best of 3 submissions of `reps` recorded copies.
+    fn time_copies(
+        &self,
+        reps: u32,
+        record: impl Fn(&mut wgpu::CommandEncoder, u32),
+    ) -> Result<Duration> {
         let run = |n: u32| -> Result<Duration> {
             let mut encoder = self.device.create_command_encoder(&Default::default());
             for i in 0..n {
-                let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-                encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
+                record(&mut encoder, i);
             }
             let start = Instant::now();
             self.queue.submit([encoder.finish()]);
@@ -33,14 +54,8 @@ impl Gpu {
             Ok(start.elapsed())
         };
         run(1)?;
-        let best = (0..3)
-            .map(|_| run(reps))
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .min()
-            .unwrap();
-        self.check("measuring copy bandwidth")?;
-        Ok(2.0 * bytes as f64 * reps as f64 / best.as_secs_f64())
+        let times = (0..3).map(|_| run(reps)).collect::<Result<Vec<_>>>()?;
+        Ok(times.into_iter().min().unwrap())
     }
 
     /// One submission of a 4-byte copy, mapped and read on the host: the

@@ -31,7 +31,8 @@ pub struct GemvShape {
 
 impl GemvShape {
     /// CPU rasterisers do best with one row per invocation (no barriers);
-    /// GPUs with a workgroup reduction per row (coalesced weight reads).
+    /// GPUs with a subgroup (or else a workgroup) reduction per row, whose
+    /// lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
             GemvShape {
@@ -39,12 +40,21 @@ impl GemvShape {
                 threads_per_row: 1,
             }
         } else {
+            let lanes = subgroup_width(gpu).unwrap_or(32);
             GemvShape {
-                rows_per_workgroup: 8,
-                threads_per_row: 32,
+                rows_per_workgroup: (256 / lanes).max(1),
+                threads_per_row: lanes,
             }
         }
     }
+}
+
+/// The subgroup size when the adapter has subgroups of one fixed size
+/// (each row's lanes are then exactly one subgroup).
+fn subgroup_width(gpu: &Gpu) -> Option<u32> {
+    let (min, max) = (gpu.caps.subgroup_min_size, gpu.caps.subgroup_max_size);
+    (gpu.caps.subgroups && min == max && min.is_power_of_two() && (4..=128).contains(&min))
+        .then_some(min)
 }
 
 /// Where an expert GEMV reads its input and writes its output, per token:
@@ -76,9 +86,15 @@ impl Gemv {
     pub fn with_shape(gpu: &Gpu, shape: GemvShape) -> Result<Self> {
         assert!(shape.threads_per_row.is_power_of_two());
         let wg = shape.rows_per_workgroup * shape.threads_per_row;
-        let pipeline = super::pipeline(
+        let variant = if subgroup_width(gpu) == Some(shape.threads_per_row) {
+            "reduce_subgroup"
+        } else {
+            "reduce_workgroup"
+        };
+        let pipeline = super::pipeline_variant(
             gpu,
             "gemv",
+            variant,
             &[
                 ("ROWS_PER_WG", shape.rows_per_workgroup as f64),
                 ("THREADS_PER_ROW", shape.threads_per_row as f64),

@@ -2,6 +2,7 @@
 //! the construction of [`Dispatch`]es with their bindings fixed at load.
 
 pub mod attention;
+pub mod copy;
 pub mod embed;
 pub mod gemm;
 pub mod gemv;
@@ -27,6 +28,7 @@ use crate::gpu::Gpu;
 /// Every kernel family's WGSL, by file name (without `.wgsl`).
 pub const SHADERS: &[(&str, &str)] = &[
     ("attention", include_str!("../../wgsl/attention.wgsl")),
+    ("copy", include_str!("../../wgsl/copy.wgsl")),
     ("embed", include_str!("../../wgsl/embed.wgsl")),
     ("gemm", include_str!("../../wgsl/gemm.wgsl")),
     ("gemv", include_str!("../../wgsl/gemv.wgsl")),
@@ -37,15 +39,46 @@ pub const SHADERS: &[(&str, &str)] = &[
     ("swiglu", include_str!("../../wgsl/swiglu.wgsl")),
 ];
 
+/// A feature-specialised piece of a kernel family (`wgsl/<family>.<name>.wgsl`),
+/// prepended to it at pipeline creation. A family with variants is always
+/// built with one of them; the first is the portable baseline.
+#[derive(Debug)]
+pub struct Variant {
+    pub family: &'static str,
+    pub name: &'static str,
+    pub source: &'static str,
+    /// Uses subgroup operations (needs the SUBGROUP feature).
+    pub subgroups: bool,
+}
+
+pub const VARIANTS: &[Variant] = &[
+    Variant {
+        family: "gemv",
+        name: "reduce_workgroup",
+        source: include_str!("../../wgsl/gemv.reduce_workgroup.wgsl"),
+        subgroups: false,
+    },
+    Variant {
+        family: "gemv",
+        name: "reduce_subgroup",
+        source: include_str!("../../wgsl/gemv.reduce_subgroup.wgsl"),
+        subgroups: true,
+    },
+];
+
 const COMMON: &str = include_str!("../../wgsl/common.wgsl");
 
 /// The complete source of a kernel family as it is compiled: the shared
-/// helpers of `common.wgsl` followed by the family's file.
-pub fn shader_source(name: &str) -> Option<String> {
-    SHADERS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, src)| format!("{COMMON}\n{src}"))
+/// helpers of `common.wgsl`, the variant (the family's baseline when
+/// `variant` is `None`), then the family's file.
+pub fn shader_source(name: &str, variant: Option<&str>) -> Option<String> {
+    let (_, src) = SHADERS.iter().find(|(n, _)| *n == name)?;
+    let mut variants = VARIANTS.iter().filter(|v| v.family == name);
+    let piece = match variant {
+        Some(v) => variants.find(|x| x.name == v)?.source,
+        None => variants.next().map_or("", |v| v.source),
+    };
+    Some(format!("{COMMON}\n{piece}\n{src}"))
 }
 
 /// The per-submission values every position-dependent kernel reads: the
@@ -67,6 +100,17 @@ pub(crate) fn pipeline(
     pipeline_entry(gpu, name, "main", constants)
 }
 
+/// Compiles a variant of a kernel family's `main`.
+pub(crate) fn pipeline_variant(
+    gpu: &Gpu,
+    name: &str,
+    variant: &str,
+    constants: &[(&str, f64)],
+) -> Result<wgpu::ComputePipeline> {
+    let source = shader_source(name, Some(variant)).expect("a registered variant");
+    compile(gpu, name, &source, "main", constants)
+}
+
 /// Compiles entry point `entry` of a kernel family with pipeline constants.
 pub(crate) fn pipeline_entry(
     gpu: &Gpu,
@@ -74,12 +118,22 @@ pub(crate) fn pipeline_entry(
     entry: &str,
     constants: &[(&str, f64)],
 ) -> Result<wgpu::ComputePipeline> {
-    let source = shader_source(name).expect("kernel name is one of SHADERS");
+    let source = shader_source(name, None).expect("kernel name is one of SHADERS");
+    compile(gpu, name, &source, entry, constants)
+}
+
+fn compile(
+    gpu: &Gpu,
+    name: &str,
+    source: &str,
+    entry: &str,
+    constants: &[(&str, f64)],
+) -> Result<wgpu::ComputePipeline> {
     let module = gpu
         .device
         .create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(name),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
+            source: wgpu::ShaderSource::Wgsl(source.to_string().into()),
         });
     let pipeline = gpu
         .device
