@@ -93,7 +93,9 @@ fn main(
     let w_ok = n0 + ln < n_rows && w_local < p.rows;
     let w_base = w_local * k_words;
 
-    // Compute roles: tokens m0 + 4 tm + i, rows n0 + 8 tn + j.
+    // Compute roles: tokens m0 + 4 tm + i, rows n0 + 4 tn + j and
+    // n0 + 64 + 4 tn + j (j < 4): neighbouring invocations read neighbouring
+    // vec4s of ws, free of bank conflicts.
     let tm = li / 16u;
     let tn = li % 16u;
     var c0 = vec4<f32>(0.0);
@@ -127,8 +129,8 @@ fn main(
         }
         for (var kk = 0u; kk < TILE_K; kk++) {
             let a = xs[kk * 16u + tm];
-            let b0 = ws[kk * 32u + 2u * tn];
-            let b1 = ws[kk * 32u + 2u * tn + 1u];
+            let b0 = ws[kk * 32u + tn];
+            let b1 = ws[kk * 32u + 16u + tn];
             c0 += a * b0.x;
             c1 += a * b0.y;
             c2 += a * b0.z;
@@ -152,7 +154,7 @@ fn main(
             yrow = pairs[first_pair + m];
         }
         for (var j = 0u; j < 8u; j++) {
-            let n = n0 + 8u * tn + j;
+            let n = n0 + 4u * tn + (j % 4u) + 64u * (j / 4u);
             var w_row = n;
             if (grouped) {
                 w_row = p.expert * p.expert_rows + n - p.first_row;

@@ -16,6 +16,8 @@ struct Params {
     window: u32,
     scale: f32,
     splits: u32,
+    tokens_per_wg: u32,
+    _pad: [u32; 3],
 }
 
 /// Largest head width the kernel supports.
@@ -24,6 +26,8 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub const MAX_GROUP: usize = 16;
 /// Largest `group * head_dim` (the workgroup's copy of its queries).
 pub const MAX_GROUP_WIDTH: usize = 2048;
+/// Most query rows (token, head) one workgroup holds.
+const MAX_ROWS: usize = 32;
 /// Most key splits of one token's attention.
 pub const MAX_SPLITS: usize = 32;
 
@@ -82,6 +86,13 @@ impl Attention {
             heads.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * heads.dim <= MAX_GROUP_WIDTH
         );
         let splits = split.as_ref().map_or(1, |(n, _)| *n);
+        // A chunk of tokens shares each K/V tile among as many query rows as
+        // fit; split attention runs one token.
+        let tokens_per_wg = if split.is_some() {
+            1
+        } else {
+            (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * heads.dim)).max(1)
+        };
         let params = ParamsBuffer::new(
             gpu,
             "attention.params",
@@ -94,6 +105,8 @@ impl Attention {
                 window: window as u32,
                 scale,
                 splits: splits as u32,
+                tokens_per_wg: tokens_per_wg as u32,
+                _pad: [0; 3],
             },
         );
         let (acc, max_sum) = match &split {
@@ -108,7 +121,7 @@ impl Attention {
             bind_group: gpu.bind("attention", &self.main, &buffers),
             pipeline: self.main.clone(),
             workgroups: [heads.kv as u32, 1, splits as u32],
-            tokens_per_workgroup: 1,
+            tokens_per_workgroup: tokens_per_wg as u32,
         }];
         if splits > 1 {
             dispatches.push(Dispatch {
