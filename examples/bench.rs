@@ -185,7 +185,10 @@ fn measure(
     );
     let stats = session.stats();
     // Where decode time goes: GPU time per phase (timestamps) against wall.
-    let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
+    let mut timed = model.session(&SessionOptions {
+        timing: true,
+        ..options.clone()
+    })?;
     timed.prefill(&prompt)?;
     let timed_stats_before = timed.stats();
     let start = Instant::now();
@@ -196,7 +199,9 @@ fn measure(
     }
     let wall = start.elapsed().as_secs_f64() / n as f64;
     let after = timed.stats();
-    if let (Some(a), Some(b), Some(source)) = (after.phases, timed_stats_before.phases, after.timing_source) {
+    if let (Some(a), Some(b), Some(source)) =
+        (after.phases, timed_stats_before.phases, after.timing_source)
+    {
         let ms = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e3 / n as f64;
         println!(
             "  decode per token ({source:?}): attention {:.3} ms, routed {:.3} ms, head {:.3} ms; wall {:.3} ms",

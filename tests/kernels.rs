@@ -717,34 +717,39 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                 ..Default::default()
             })
             .unwrap();
-            let gemm = Gemm::new(&gpu).unwrap();
-            let mut rng = Rng::new(12);
-            // Tokens around the 64-token tile, rows around the 128-row tile,
-            // k not a multiple of the 16-wide k tile.
-            for (tokens, rows, cols) in [
-                (2, 5, 2),
-                (3, 130, 40),
-                (64, 128, 64),
-                (65, 200, 100),
-                (130, 77, 258),
-            ] {
-                let w = bf16_round(&rng.vec(rows * cols, 1.0));
-                let x = rng.vec(tokens * cols, 1.0);
-                let weight = upload(&gpu, "w", rows, cols, &w);
-                let xb = gpu.storage_buffer_init("x", &x);
-                let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
-                let step = step_buffer(&gpu, 0, tokens);
-                run(
-                    &gpu,
-                    &gemm.plan(&gpu, &weight, &step, &xb, &yb),
-                    tokens as u32,
-                );
-                let want: Vec<f32> = (0..tokens)
-                    .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
-                    .collect();
-                let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
-                let what = format!("gemm {tokens} x {rows} x {cols}, binding limit {limit:?}");
-                assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &what);
+            // 64-row tiles for every matrix, then 128-row tiles for every matrix.
+            for narrow_rows in [usize::MAX, 0] {
+                let gemm = Gemm::with_narrow_rows(&gpu, narrow_rows).unwrap();
+                let mut rng = Rng::new(12);
+                // Tokens around the 64-token tile, rows around the row tiles,
+                // k not a multiple of the 16-wide k tile.
+                for (tokens, rows, cols) in [
+                    (2, 5, 2),
+                    (3, 130, 40),
+                    (64, 128, 64),
+                    (65, 200, 100),
+                    (130, 77, 258),
+                ] {
+                    let w = bf16_round(&rng.vec(rows * cols, 1.0));
+                    let x = rng.vec(tokens * cols, 1.0);
+                    let weight = upload(&gpu, "w", rows, cols, &w);
+                    let xb = gpu.storage_buffer_init("x", &x);
+                    let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+                    let step = step_buffer(&gpu, 0, tokens);
+                    run(
+                        &gpu,
+                        &gemm.plan(&gpu, &weight, &step, &xb, &yb),
+                        tokens as u32,
+                    );
+                    let want: Vec<f32> = (0..tokens)
+                        .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
+                        .collect();
+                    let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
+                    let what = format!(
+                        "gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, narrow rows {narrow_rows}"
+                    );
+                    assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &what);
+                }
             }
         }
     }

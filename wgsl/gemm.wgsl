@@ -9,16 +9,20 @@
 //   pairs[groups[2e] .. groups[2e] + groups[2e + 1]]; xrow = idx / x_div,
 //   yrow = idx; n < expert_rows, weight row expert * expert_rows + n (where
 //   this part holds it), col(n) = n.
-// Tiles of 64 tokens x 128 rows per workgroup of 256, k in steps of 16
+// Tiles of 64 tokens x TILE_N rows (64 or 128, a pipeline constant: 64 gives
+// more workgroups for narrow matrices) per workgroup of 256, k in steps of 16
 // through workgroup memory, the next step's tiles loaded into registers
-// while this one computes. Each invocation owns 4 tokens x 8 rows, held
-// as eight vec4 accumulators (written out by hand so that they stay in
-// registers on every compiler).
+// while this one computes. Each invocation owns 4 tokens x TILE_N / 16
+// rows, held as vec4 accumulators (written out by hand so that they stay
+// in registers on every compiler).
 // Grid: x = row tiles (folded into z), y = token tiles.
 
 const TILE_M: u32 = 64u;
-const TILE_N: u32 = 128u;
+override TILE_N: u32 = 128u;
 const TILE_K: u32 = 16u;
+// Invocations loading one weight row of a k step, and words each loads.
+override W_THREADS: u32 = 256u / TILE_N;
+override W_WORDS: u32 = 8u / W_THREADS;
 
 struct Params {
     rows: u32,
@@ -47,7 +51,7 @@ struct Step {
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
 
 // xs[kk * 16 + q]: tokens 4q..4q+3 of the tile at k step kk.
-// ws[kk * 32 + r]: weight rows 4r..4r+3 of the tile at k step kk.
+// ws[kk * TILE_N / 4 + r]: weight rows 4r..4r+3 of the tile at k step kk.
 var<workgroup> xs: array<vec4<f32>, 256>;
 var<workgroup> ws: array<vec4<f32>, 512>;
 
@@ -71,11 +75,12 @@ fn main(
     let k_words = p.cols / 2u;
 
     // Loader roles: X token lm = li / 4 with 4 k values from (li % 4) * 4;
-    // W row ln = li / 2 with 8 k values (4 words) from (li % 2) * 8.
+    // W row ln = li / W_THREADS with 2 W_WORDS k values from lkw.
     let lm = li / 4u;
     let lkx = (li % 4u) * 4u;
-    let ln = li / 2u;
-    let lkw = (li % 2u) * 8u;
+    let ln = li / W_THREADS;
+    let lkw = (li % W_THREADS) * 2u * W_WORDS;
+    let vecs_per_k = TILE_N / 4u;
     var x_base = 0u;
     let x_ok = m0 + lm < count;
     if (x_ok) {
@@ -118,8 +123,10 @@ fn main(
         }
         for (var c = 0u; c < 4u; c++) {
             xs[(lkx + c) * 16u + lm / 4u][lm % 4u] = xr[c];
-            ws[(lkw + 2u * c) * 32u + ln / 4u][ln % 4u] = bf16_lo(wr[c]);
-            ws[(lkw + 2u * c + 1u) * 32u + ln / 4u][ln % 4u] = bf16_hi(wr[c]);
+        }
+        for (var c = 0u; c < W_WORDS; c++) {
+            ws[(lkw + 2u * c) * vecs_per_k + ln / 4u][ln % 4u] = bf16_lo(wr[c]);
+            ws[(lkw + 2u * c + 1u) * vecs_per_k + ln / 4u][ln % 4u] = bf16_hi(wr[c]);
         }
         workgroupBarrier();
         let k1 = k0 + TILE_K;
@@ -129,16 +136,18 @@ fn main(
         }
         for (var kk = 0u; kk < TILE_K; kk++) {
             let a = xs[kk * 16u + tm];
-            let b0 = ws[kk * 32u + tn];
-            let b1 = ws[kk * 32u + 16u + tn];
+            let b0 = ws[kk * vecs_per_k + tn];
             c0 += a * b0.x;
             c1 += a * b0.y;
             c2 += a * b0.z;
             c3 += a * b0.w;
-            c4 += a * b1.x;
-            c5 += a * b1.y;
-            c6 += a * b1.z;
-            c7 += a * b1.w;
+            if (TILE_N == 128u) {
+                let b1 = ws[kk * vecs_per_k + 16u + tn];
+                c4 += a * b1.x;
+                c5 += a * b1.y;
+                c6 += a * b1.z;
+                c7 += a * b1.w;
+            }
         }
         workgroupBarrier();
     }
@@ -153,7 +162,7 @@ fn main(
         if (grouped) {
             yrow = pairs[first_pair + m];
         }
-        for (var j = 0u; j < 8u; j++) {
+        for (var j = 0u; j < TILE_N / 16u; j++) {
             let n = n0 + 4u * tn + (j % 4u) + 64u * (j / 4u);
             var w_row = n;
             if (grouped) {
@@ -181,10 +190,10 @@ fn load_x(ok: bool, base: u32, k: u32) -> vec4<f32> {
     return v;
 }
 
-// 4 consecutive weight words (8 bf16) from word w (zero past the row's end).
+// W_WORDS consecutive weight words from word w (zero past the row's end).
 fn load_w(ok: bool, base: u32, w: u32, k_words: u32) -> vec4<u32> {
     var v = vec4<u32>(0u);
-    for (var c = 0u; c < 4u; c++) {
+    for (var c = 0u; c < W_WORDS; c++) {
         if (ok && w + c < k_words) {
             v[c] = weight[base + w + c];
         }

@@ -91,7 +91,9 @@ impl Attention {
         let tokens_per_wg = if split.is_some() {
             1
         } else {
-            (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * heads.dim)).max(1)
+            (MAX_ROWS / group)
+                .min(MAX_GROUP_WIDTH / (group * heads.dim))
+                .max(1)
         };
         let params = ParamsBuffer::new(
             gpu,

@@ -18,7 +18,11 @@ struct Params {
 }
 
 const TILE_M: u32 = 64;
-const TILE_N: u32 = 128;
+
+/// Matrices of at most this many rows use 64-row tiles (twice the
+/// workgroups of 128-row tiles, which keeps a large GPU busy on narrow
+/// projections); wider ones use 128-row tiles (more work per load).
+pub const NARROW_ROWS: usize = 4096;
 
 /// The buffers of a grouped (MoE prefill) product.
 pub struct GroupedBuffers<'a> {
@@ -32,15 +36,26 @@ pub struct GroupedBuffers<'a> {
 
 #[derive(Debug)]
 pub struct Gemm {
-    pipeline: wgpu::ComputePipeline,
+    /// 64-row and 128-row tiles.
+    narrow: wgpu::ComputePipeline,
+    wide: wgpu::ComputePipeline,
+    narrow_rows: usize,
     /// Bound as `groups` and `pairs` by dense products, which never read them.
     no_groups: wgpu::Buffer,
 }
 
 impl Gemm {
     pub fn new(gpu: &Gpu) -> Result<Self> {
+        Self::with_narrow_rows(gpu, NARROW_ROWS)
+    }
+
+    /// As [`Self::new`] with another threshold for 64-row tiles (tests use
+    /// it to exercise both tilings).
+    pub fn with_narrow_rows(gpu: &Gpu, narrow_rows: usize) -> Result<Self> {
         Ok(Gemm {
-            pipeline: super::pipeline(gpu, "gemm", &[])?,
+            narrow: super::pipeline(gpu, "gemm", &[("TILE_N", 64.0)])?,
+            wide: super::pipeline(gpu, "gemm", &[("TILE_N", 128.0)])?,
+            narrow_rows,
             no_groups: gpu.storage_buffer("gemm.no_groups", 2)?,
         })
     }
@@ -55,15 +70,20 @@ impl Gemm {
     ) -> Dispatch {
         let [step, x, y, groups, pairs] = b;
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
-        let tiles = (n_rows as u32).div_ceil(TILE_N);
+        let (pipeline, tile_n) = if n_rows <= self.narrow_rows {
+            (&self.narrow, 64)
+        } else {
+            (&self.wide, 128)
+        };
+        let tiles = (n_rows as u32).div_ceil(tile_n);
         Dispatch {
             label: "gemm",
             bind_group: gpu.bind(
                 "gemm",
-                &self.pipeline,
+                pipeline,
                 &[&params.0, step, &part.buffer, x, y, groups, pairs],
             ),
-            pipeline: self.pipeline.clone(),
+            pipeline: pipeline.clone(),
             workgroups: gpu.fold_grid(tiles),
             tokens_per_workgroup: TILE_M,
         }
