@@ -77,7 +77,14 @@ fn main() {
     let shapes: &[(usize, usize)] = if cpu {
         &[(1536, 576), (49152, 576)]
     } else {
-        &[(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (2048, 8192), (16384, 2048)]
+        &[
+            (4096, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (128256, 4096),
+            (2048, 8192),
+            (16384, 2048),
+        ]
     };
     for &(rows, cols) in shapes {
         let w = random_tensor(&gpu, rows, cols);
@@ -100,7 +107,7 @@ fn main() {
         let s = step(&gpu, 0, tokens);
         let secs = time(
             &gpu,
-            &gemm.plan(&gpu, &w, &s, &x, &y),
+            &gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y),
             tokens,
             if cpu { 1 } else { 10 },
         );

@@ -6,7 +6,7 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference};
 use wgspark::gpu::{Dispatch, Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, SplitScratch};
-use wgspark::kernels::gemm::GroupedBuffers;
+use wgspark::kernels::gemm::{GroupedBuffers, Tiling};
 use wgspark::kernels::gemv::{ExpertBuffers, ExpertLayout, GemvShape};
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::rope::RopeBindings;
@@ -717,9 +717,8 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                 ..Default::default()
             })
             .unwrap();
-            // 64-row tiles for every matrix, then 128-row tiles for every matrix.
-            for narrow_rows in [usize::MAX, 0] {
-                let gemm = Gemm::with_narrow_rows(&gpu, narrow_rows).unwrap();
+            for tiling in [Tiling::Narrow, Tiling::Wide] {
+                let gemm = Gemm::with_tiling(&gpu, tiling).unwrap();
                 let mut rng = Rng::new(12);
                 // Tokens around the 64-token tile, rows around the row tiles,
                 // k not a multiple of the 16-wide k tile.
@@ -738,7 +737,7 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     let step = step_buffer(&gpu, 0, tokens);
                     run(
                         &gpu,
-                        &gemm.plan(&gpu, &weight, &step, &xb, &yb),
+                        &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb),
                         tokens as u32,
                     );
                     let want: Vec<f32> = (0..tokens)
@@ -746,7 +745,7 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                         .collect();
                     let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
                     let what = format!(
-                        "gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, narrow rows {narrow_rows}"
+                        "gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, {tiling:?} tiles"
                     );
                     assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &what);
                 }
@@ -765,68 +764,70 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
                 ..Default::default()
             })
             .unwrap();
-            let gemm = Gemm::new(&gpu).unwrap();
-            let mut rng = Rng::new(13);
-            let (experts, rows, cols, k, tokens) = (5, 7, 100, 2, 70);
-            let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
-            let weight =
-                GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
-            weight.write_rows(&gpu, 0, &bf16_bytes(&w));
-            let x = rng.vec(tokens * cols, 1.0);
-            // Each (token, slot) pair to an expert; expert 3 gets none.
-            let ids: Vec<u32> = (0..tokens * k)
-                .map(|_| [0, 1, 2, 4][rng.below(4) as usize])
-                .collect();
-            let mut groups = Vec::new();
-            let mut pairs = Vec::new();
-            for e in 0..experts as u32 {
-                let members: Vec<u32> = (0..ids.len() as u32)
-                    .filter(|&p| ids[p as usize] == e)
+            for tiling in [Tiling::Narrow, Tiling::Wide] {
+                let gemm = Gemm::with_tiling(&gpu, tiling).unwrap();
+                let mut rng = Rng::new(13);
+                let (experts, rows, cols, k, tokens) = (5, 7, 100, 2, 70);
+                let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
+                let weight =
+                    GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
+                weight.write_rows(&gpu, 0, &bf16_bytes(&w));
+                let x = rng.vec(tokens * cols, 1.0);
+                // Each (token, slot) pair to an expert; expert 3 gets none.
+                let ids: Vec<u32> = (0..tokens * k)
+                    .map(|_| [0, 1, 2, 4][rng.below(4) as usize])
                     .collect();
-                groups.extend([pairs.len() as u32, members.len() as u32]);
-                pairs.extend(members);
-            }
-            let xb = gpu.storage_buffer_init("x", &x);
-            let yb = gpu.storage_buffer_init("y", &vec![0.0f32; tokens * k * rows]);
-            let gb = gpu.storage_buffer_init("groups", &groups);
-            let pb = gpu.storage_buffer_init("pairs", &pairs);
-            let step = step_buffer(&gpu, 0, tokens);
-            for e in 0..experts {
-                let count = groups[2 * e + 1];
-                if count == 0 {
-                    continue;
+                let mut groups = Vec::new();
+                let mut pairs = Vec::new();
+                for e in 0..experts as u32 {
+                    let members: Vec<u32> = (0..ids.len() as u32)
+                        .filter(|&p| ids[p as usize] == e)
+                        .collect();
+                    groups.extend([pairs.len() as u32, members.len() as u32]);
+                    pairs.extend(members);
                 }
-                let b = GroupedBuffers {
-                    x: &xb,
-                    y: &yb,
-                    groups: &gb,
-                    pairs: &pb,
-                };
-                run(
-                    &gpu,
-                    &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b),
-                    count,
+                let xb = gpu.storage_buffer_init("x", &x);
+                let yb = gpu.storage_buffer_init("y", &vec![0.0f32; tokens * k * rows]);
+                let gb = gpu.storage_buffer_init("groups", &groups);
+                let pb = gpu.storage_buffer_init("pairs", &pairs);
+                let step = step_buffer(&gpu, 0, tokens);
+                for e in 0..experts {
+                    let count = groups[2 * e + 1];
+                    if count == 0 {
+                        continue;
+                    }
+                    let b = GroupedBuffers {
+                        x: &xb,
+                        y: &yb,
+                        groups: &gb,
+                        pairs: &pb,
+                    };
+                    run(
+                        &gpu,
+                        &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b),
+                        count,
+                    );
+                }
+                let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
+                let want: Vec<f32> = (0..tokens * k)
+                    .flat_map(|pair| {
+                        let e = ids[pair] as usize;
+                        let t = pair / k;
+                        reference::gemv(
+                            &w[e * rows * cols..(e + 1) * rows * cols],
+                            rows,
+                            cols,
+                            &x[t * cols..(t + 1) * cols],
+                        )
+                    })
+                    .collect();
+                assert_close(
+                    &got,
+                    &want,
+                    1e-4,
+                    &format!("grouped gemm, binding limit {limit:?}, {tiling:?} tiles"),
                 );
             }
-            let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
-            let want: Vec<f32> = (0..tokens * k)
-                .flat_map(|pair| {
-                    let e = ids[pair] as usize;
-                    let t = pair / k;
-                    reference::gemv(
-                        &w[e * rows * cols..(e + 1) * rows * cols],
-                        rows,
-                        cols,
-                        &x[t * cols..(t + 1) * cols],
-                    )
-                })
-                .collect();
-            assert_close(
-                &got,
-                &want,
-                1e-4,
-                &format!("grouped gemm, binding limit {limit:?}"),
-            );
         }
     }
 }

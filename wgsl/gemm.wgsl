@@ -9,18 +9,22 @@
 //   pairs[groups[2e] .. groups[2e] + groups[2e + 1]]; xrow = idx / x_div,
 //   yrow = idx; n < expert_rows, weight row expert * expert_rows + n (where
 //   this part holds it), col(n) = n.
-// Tiles of 64 tokens x TILE_N rows (64 or 128, a pipeline constant: 64 gives
-// more workgroups for narrow matrices) per workgroup of 256, k in steps of 16
-// through workgroup memory, the next step's tiles loaded into registers
-// while this one computes. Each invocation owns 4 tokens x TILE_N / 16
-// rows, held as vec4 accumulators (written out by hand so that they stay
-// in registers on every compiler).
+// Tiles of TILE_M tokens x TILE_N weight rows per workgroup of 256 (both 64
+// or 128, pipeline constants: small tiles give narrow matrices enough
+// workgroups, large ones do more work per load), k in steps of 16 through
+// workgroup memory, the next step's tiles loaded into registers while this
+// one computes. Each invocation owns (TILE_M / 16) x (TILE_N / 16) outputs
+// in vec4 accumulators, written out by hand so that they stay in registers
+// on every compiler.
 // Grid: x = row tiles (folded into z), y = token tiles.
 
-const TILE_M: u32 = 64u;
+override TILE_M: u32 = 64u;
 override TILE_N: u32 = 128u;
 const TILE_K: u32 = 16u;
-// Invocations loading one weight row of a k step, and words each loads.
+// Loader shapes: invocations per X row (token) and floats each loads;
+// invocations per W row and words each loads.
+override X_THREADS: u32 = 256u / TILE_M;
+override X_FLOATS: u32 = 16u / X_THREADS;
 override W_THREADS: u32 = 256u / TILE_N;
 override W_WORDS: u32 = 8u / W_THREADS;
 
@@ -50,9 +54,9 @@ struct Step {
 @group(0) @binding(5) var<storage, read> groups: array<u32>;
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
 
-// xs[kk * 16 + q]: tokens 4q..4q+3 of the tile at k step kk.
+// xs[kk * TILE_M / 4 + q]: tokens 4q..4q+3 of the tile at k step kk.
 // ws[kk * TILE_N / 4 + r]: weight rows 4r..4r+3 of the tile at k step kk.
-var<workgroup> xs: array<vec4<f32>, 256>;
+var<workgroup> xs: array<vec4<f32>, 512>;
 var<workgroup> ws: array<vec4<f32>, 512>;
 
 @compute @workgroup_size(256)
@@ -74,13 +78,14 @@ fn main(
     let n0 = (wid.x + wid.z * nwg.x) * TILE_N;
     let k_words = p.cols / 2u;
 
-    // Loader roles: X token lm = li / 4 with 4 k values from (li % 4) * 4;
-    // W row ln = li / W_THREADS with 2 W_WORDS k values from lkw.
-    let lm = li / 4u;
-    let lkx = (li % 4u) * 4u;
+    // Loader roles: X token lm with X_FLOATS k values from lkx; W row ln
+    // with 2 W_WORDS k values from lkw.
+    let lm = li / X_THREADS;
+    let lkx = (li % X_THREADS) * X_FLOATS;
     let ln = li / W_THREADS;
     let lkw = (li % W_THREADS) * 2u * W_WORDS;
-    let vecs_per_k = TILE_N / 4u;
+    let x_vecs = TILE_M / 4u;
+    let w_vecs = TILE_N / 4u;
     var x_base = 0u;
     let x_ok = m0 + lm < count;
     if (x_ok) {
@@ -98,63 +103,100 @@ fn main(
     let w_ok = n0 + ln < n_rows && w_local < p.rows;
     let w_base = w_local * k_words;
 
-    // Compute roles: tokens m0 + 4 tm + i, rows n0 + 4 tn + j and
-    // n0 + 64 + 4 tn + j (j < 4): neighbouring invocations read neighbouring
-    // vec4s of ws, free of bank conflicts.
+    // Compute roles: tokens 4 tm + i (+ 64 with TILE_M 128), rows 4 tn + j
+    // (+ 64 with TILE_N 128): neighbouring invocations read neighbouring
+    // vec4s, free of bank conflicts.
     let tm = li / 16u;
     let tn = li % 16u;
-    var c0 = vec4<f32>(0.0);
-    var c1 = vec4<f32>(0.0);
-    var c2 = vec4<f32>(0.0);
-    var c3 = vec4<f32>(0.0);
-    var c4 = vec4<f32>(0.0);
-    var c5 = vec4<f32>(0.0);
-    var c6 = vec4<f32>(0.0);
-    var c7 = vec4<f32>(0.0);
+    var c00 = vec4<f32>(0.0);
+    var c01 = vec4<f32>(0.0);
+    var c02 = vec4<f32>(0.0);
+    var c03 = vec4<f32>(0.0);
+    var c04 = vec4<f32>(0.0);
+    var c05 = vec4<f32>(0.0);
+    var c06 = vec4<f32>(0.0);
+    var c07 = vec4<f32>(0.0);
+    var c10 = vec4<f32>(0.0);
+    var c11 = vec4<f32>(0.0);
+    var c12 = vec4<f32>(0.0);
+    var c13 = vec4<f32>(0.0);
+    var c14 = vec4<f32>(0.0);
+    var c15 = vec4<f32>(0.0);
+    var c16 = vec4<f32>(0.0);
+    var c17 = vec4<f32>(0.0);
 
     var xr = vec4<f32>(0.0);
+    var xr2 = vec4<f32>(0.0);
     var wr = vec4<u32>(0u);
     for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
         // This step's tiles: from registers (loaded during the previous
         // step's compute) except on the first step.
         if (k0 == 0u) {
             xr = load_x(x_ok, x_base, lkx);
+            if (TILE_M == 128u) {
+                xr2 = load_x(x_ok, x_base, lkx + 4u);
+            }
             wr = load_w(w_ok, w_base, lkw / 2u, k_words);
         }
         for (var c = 0u; c < 4u; c++) {
-            xs[(lkx + c) * 16u + lm / 4u][lm % 4u] = xr[c];
+            xs[(lkx + c) * x_vecs + lm / 4u][lm % 4u] = xr[c];
+            if (TILE_M == 128u) {
+                xs[(lkx + 4u + c) * x_vecs + lm / 4u][lm % 4u] = xr2[c];
+            }
         }
         for (var c = 0u; c < W_WORDS; c++) {
-            ws[(lkw + 2u * c) * vecs_per_k + ln / 4u][ln % 4u] = bf16_lo(wr[c]);
-            ws[(lkw + 2u * c + 1u) * vecs_per_k + ln / 4u][ln % 4u] = bf16_hi(wr[c]);
+            ws[(lkw + 2u * c) * w_vecs + ln / 4u][ln % 4u] = bf16_lo(wr[c]);
+            ws[(lkw + 2u * c + 1u) * w_vecs + ln / 4u][ln % 4u] = bf16_hi(wr[c]);
         }
         workgroupBarrier();
         let k1 = k0 + TILE_K;
         if (k1 < p.cols) {
             xr = load_x(x_ok, x_base, k1 + lkx);
+            if (TILE_M == 128u) {
+                xr2 = load_x(x_ok, x_base, k1 + lkx + 4u);
+            }
             wr = load_w(w_ok, w_base, (k1 + lkw) / 2u, k_words);
         }
         for (var kk = 0u; kk < TILE_K; kk++) {
-            let a = xs[kk * 16u + tm];
-            let b0 = ws[kk * vecs_per_k + tn];
-            c0 += a * b0.x;
-            c1 += a * b0.y;
-            c2 += a * b0.z;
-            c3 += a * b0.w;
+            let a0 = xs[kk * x_vecs + tm];
+            let b0 = ws[kk * w_vecs + tn];
+            var b1 = vec4<f32>(0.0);
             if (TILE_N == 128u) {
-                let b1 = ws[kk * vecs_per_k + 16u + tn];
-                c4 += a * b1.x;
-                c5 += a * b1.y;
-                c6 += a * b1.z;
-                c7 += a * b1.w;
+                b1 = ws[kk * w_vecs + 16u + tn];
+            }
+            c00 += a0 * b0.x;
+            c01 += a0 * b0.y;
+            c02 += a0 * b0.z;
+            c03 += a0 * b0.w;
+            if (TILE_N == 128u) {
+                c04 += a0 * b1.x;
+                c05 += a0 * b1.y;
+                c06 += a0 * b1.z;
+                c07 += a0 * b1.w;
+            }
+            if (TILE_M == 128u) {
+                let a1 = xs[kk * x_vecs + 16u + tm];
+                c10 += a1 * b0.x;
+                c11 += a1 * b0.y;
+                c12 += a1 * b0.z;
+                c13 += a1 * b0.w;
+                if (TILE_N == 128u) {
+                    c14 += a1 * b1.x;
+                    c15 += a1 * b1.y;
+                    c16 += a1 * b1.z;
+                    c17 += a1 * b1.w;
+                }
             }
         }
         workgroupBarrier();
     }
 
-    let cols = array<vec4<f32>, 8>(c0, c1, c2, c3, c4, c5, c6, c7);
-    for (var i = 0u; i < 4u; i++) {
-        let m = m0 + 4u * tm + i;
+    let acc = array<vec4<f32>, 16>(
+        c00, c01, c02, c03, c04, c05, c06, c07,
+        c10, c11, c12, c13, c14, c15, c16, c17,
+    );
+    for (var i = 0u; i < TILE_M / 16u; i++) {
+        let m = m0 + 64u * (i / 4u) + 4u * tm + (i % 4u);
         if (m >= count) {
             continue;
         }
@@ -163,7 +205,7 @@ fn main(
             yrow = pairs[first_pair + m];
         }
         for (var j = 0u; j < TILE_N / 16u; j++) {
-            let n = n0 + 4u * tn + (j % 4u) + 64u * (j / 4u);
+            let n = n0 + 64u * (j / 4u) + 4u * tn + (j % 4u);
             var w_row = n;
             if (grouped) {
                 w_row = p.expert * p.expert_rows + n - p.first_row;
@@ -173,7 +215,7 @@ fn main(
                 if (!grouped) {
                     col = p.first_row + n;
                 }
-                y[yrow * p.y_stride + col] = cols[j][i];
+                y[yrow * p.y_stride + col] = acc[8u * (i / 4u) + j][i % 4u];
             }
         }
     }

@@ -46,6 +46,7 @@ impl Projection {
     fn new(
         model: &Model,
         weight: &GpuTensor,
+        max_tokens: usize,
         step: &wgpu::Buffer,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
@@ -53,7 +54,7 @@ impl Projection {
         let (gpu, k) = (&model.gpu, &model.kernels);
         Projection {
             gemv: k.gemv.plan(gpu, weight, x, y),
-            gemm: k.gemm.plan(gpu, weight, step, x, y),
+            gemm: k.gemm.plan(gpu, weight, max_tokens, step, x, y),
         }
     }
 
@@ -131,6 +132,7 @@ impl Plan {
                         gate_up_proj: Projection::new(
                             model,
                             gate_up,
+                            act.max_tokens,
                             &act.step,
                             &act.h,
                             &act.gate_up,
@@ -141,6 +143,7 @@ impl Plan {
                         down_proj: Projection::new(
                             model,
                             down,
+                            act.max_tokens,
                             &act.step,
                             &act.ffn_act,
                             &act.ffn_out,
@@ -236,7 +239,7 @@ impl AttentionPlan {
             attn_norm: k
                 .rms_norm
                 .plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
-            qkv_proj: Projection::new(model, &lw.qkv, &act.step, &act.h, &act.qkv),
+            qkv_proj: Projection::new(model, &lw.qkv, act.max_tokens, &act.step, &act.h, &act.qkv),
             qk_norm,
             rope_and_store: k.rope.plan(
                 gpu,
@@ -272,7 +275,14 @@ impl AttentionPlan {
                 attention_bindings(),
                 None,
             ),
-            o_proj: Projection::new(model, &lw.o_proj, &act.step, &act.attn, &act.attn_out),
+            o_proj: Projection::new(
+                model,
+                &lw.o_proj,
+                act.max_tokens,
+                &act.step,
+                &act.attn,
+                &act.attn_out,
+            ),
             attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
             ffn_norm: k
                 .rms_norm

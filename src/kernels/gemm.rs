@@ -17,12 +17,21 @@ struct Params {
     _pad: u32,
 }
 
-const TILE_M: u32 = 64;
+/// Tile shapes (tokens x weight rows per workgroup) the GEMM is built in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tiling {
+    /// 64 x 64: many workgroups, for narrow matrices and expert groups.
+    Narrow,
+    /// 128 x 128: twice the work per load, for wide matrices.
+    Wide,
+    /// Wide where that still gives at least [`WIDE_MIN_WORKGROUPS`]
+    /// workgroups for a full chunk, else narrow.
+    Auto,
+}
 
-/// Matrices of at most this many rows use 64-row tiles (twice the
-/// workgroups of 128-row tiles, which keeps a large GPU busy on narrow
-/// projections); wider ones use 128-row tiles (more work per load).
-pub const NARROW_ROWS: usize = 4096;
+/// Fewest 128 x 128 tiles for which the wide tiling beats the narrow one
+/// (measured on an NVIDIA H200: below it the GPU runs short of workgroups).
+pub const WIDE_MIN_WORKGROUPS: usize = 128;
 
 /// The buffers of a grouped (MoE prefill) product.
 pub struct GroupedBuffers<'a> {
@@ -36,26 +45,25 @@ pub struct GroupedBuffers<'a> {
 
 #[derive(Debug)]
 pub struct Gemm {
-    /// 64-row and 128-row tiles.
     narrow: wgpu::ComputePipeline,
     wide: wgpu::ComputePipeline,
-    narrow_rows: usize,
+    tiling: Tiling,
     /// Bound as `groups` and `pairs` by dense products, which never read them.
     no_groups: wgpu::Buffer,
 }
 
 impl Gemm {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Self::with_narrow_rows(gpu, NARROW_ROWS)
+        Self::with_tiling(gpu, Tiling::Auto)
     }
 
-    /// As [`Self::new`] with another threshold for 64-row tiles (tests use
-    /// it to exercise both tilings).
-    pub fn with_narrow_rows(gpu: &Gpu, narrow_rows: usize) -> Result<Self> {
+    /// As [`Self::new`] with one tiling forced (tests exercise both).
+    pub fn with_tiling(gpu: &Gpu, tiling: Tiling) -> Result<Self> {
+        let tiles = |n: f64| [("TILE_M", n), ("TILE_N", n)];
         Ok(Gemm {
-            narrow: super::pipeline(gpu, "gemm", &[("TILE_N", 64.0)])?,
-            wide: super::pipeline(gpu, "gemm", &[("TILE_N", 128.0)])?,
-            narrow_rows,
+            narrow: super::pipeline(gpu, "gemm", &tiles(64.0))?,
+            wide: super::pipeline(gpu, "gemm", &tiles(128.0))?,
+            tiling,
             no_groups: gpu.storage_buffer("gemm.no_groups", 2)?,
         })
     }
@@ -65,17 +73,22 @@ impl Gemm {
         gpu: &Gpu,
         part: &TensorPart,
         params: Params,
-        n_rows: usize,
+        (n_rows, max_tokens): (usize, usize),
         b: [&wgpu::Buffer; 5],
     ) -> Dispatch {
         let [step, x, y, groups, pairs] = b;
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
-        let (pipeline, tile_n) = if n_rows <= self.narrow_rows {
-            (&self.narrow, 64)
-        } else {
-            (&self.wide, 128)
+        let wide = match self.tiling {
+            Tiling::Narrow => false,
+            Tiling::Wide => true,
+            Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
         };
-        let tiles = (n_rows as u32).div_ceil(tile_n);
+        let (pipeline, tile) = if wide {
+            (&self.wide, 128)
+        } else {
+            (&self.narrow, 64)
+        };
+        let tiles = (n_rows as u32).div_ceil(tile);
         Dispatch {
             label: "gemm",
             bind_group: gpu.bind(
@@ -85,16 +98,17 @@ impl Gemm {
             ),
             pipeline: pipeline.clone(),
             workgroups: gpu.fold_grid(tiles),
-            tokens_per_workgroup: TILE_M,
+            tokens_per_workgroup: tile,
         }
     }
 
-    /// `y[t] = W x[t]` for the `step.n_tokens` tokens in flight, x packed
-    /// `[tokens, W.cols]`, y packed `[tokens, W.rows]`.
+    /// `y[t] = W x[t]` for the `step.n_tokens` tokens in flight (at most
+    /// `max_tokens`), x packed `[tokens, W.cols]`, y packed `[tokens, W.rows]`.
     pub fn plan(
         &self,
         gpu: &Gpu,
         weight: &GpuTensor,
+        max_tokens: usize,
         step: &wgpu::Buffer,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
@@ -114,7 +128,13 @@ impl Gemm {
                     _pad: 0,
                 };
                 let g = &self.no_groups;
-                self.dispatch(gpu, part, params, part.rows, [step, x, y, g, g])
+                self.dispatch(
+                    gpu,
+                    part,
+                    params,
+                    (part.rows, max_tokens),
+                    [step, x, y, g, g],
+                )
             })
             .collect()
     }
@@ -152,7 +172,8 @@ impl Gemm {
                     gpu,
                     part,
                     params,
-                    expert_rows,
+                    // A group holds a share of a chunk's tokens: narrow tiles.
+                    (expert_rows, 0),
                     [step, b.x, b.y, b.groups, b.pairs],
                 )
             })
