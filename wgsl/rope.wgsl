@@ -19,13 +19,6 @@ struct Params {
     _pad2: u32,
 }
 
-struct Step {
-    pos0: u32,
-    n_tokens: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<uniform> step: Step;
 @group(0) @binding(2) var<storage, read_write> qkv: array<f32>;

@@ -150,7 +150,7 @@ impl Plan {
                         ),
                         ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
                     }),
-                    FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw, i)),
+                    FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw)),
                 },
             })
             .collect();

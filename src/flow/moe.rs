@@ -63,7 +63,7 @@ pub struct MoePlan {
 }
 
 impl MoePlan {
-    pub fn new(model: &Model, act: &Activations, w: &MoeWeights, _layer: usize) -> Self {
+    pub fn new(model: &Model, act: &Activations, w: &MoeWeights) -> Self {
         let gpu: &Gpu = &model.gpu;
         let c = &model.config;
         let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
