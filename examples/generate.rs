@@ -127,6 +127,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         },
         timing: args.stats,
         prefill_chunk: args.prefill_chunk,
+        ..Default::default()
     })?;
     let mut sampler = if args.greedy || args.temperature == 0.0 {
         Sampler::greedy()

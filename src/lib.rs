@@ -29,7 +29,7 @@ pub mod session;
 pub mod stats;
 
 pub use error::{Error, Result};
-pub use flow::RoutingMode;
+pub use flow::{ChunkMatmul, RoutingMode};
 pub use gpu::{Backend, Gpu, GpuOptions};
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};

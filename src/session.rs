@@ -2,7 +2,7 @@
 //! advanced one position at a time.
 
 use crate::error::{Error, Result};
-use crate::flow::{Activations, PhaseTimer, Plan, Recorder, RoutingMode};
+use crate::flow::{Activations, ChunkMatmul, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::Readback;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
@@ -28,6 +28,8 @@ pub struct SessionOptions {
     /// [`DEFAULT_PREFILL_CHUNK`]; lowered if the activations of a chunk
     /// would not fit one storage binding).
     pub prefill_chunk: Option<usize>,
+    /// Which kernel runs the projections of a prompt chunk.
+    pub chunk_matmul: ChunkMatmul,
     /// Measure per-phase time (GPU timestamps where the adapter has them,
     /// else wall clock with a submission at every phase boundary).
     pub timing: bool,
@@ -70,7 +72,8 @@ impl<'m> Session<'m> {
             c,
             options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
         );
-        let activations = Activations::new(gpu, c, chunk, context_len)?;
+        let chunk_gemm = options.chunk_matmul.uses_gemm(gpu);
+        let activations = Activations::new(gpu, c, chunk, context_len, chunk_gemm)?;
         let plan = Plan::new(model, &activations, &kv);
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);

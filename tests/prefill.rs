@@ -1,14 +1,15 @@
 //! Chunked prefill is the same computation as token-by-token decoding: for
-//! every fixture case and chunk sizes 1, 2, 5 and one longer than the
-//! prompt, the last prompt position's logits match transformers within
-//! 1e-3 and the greedy continuation is the fixture's.
+//! every fixture case, chunk sizes 1, 2, 5 and one longer than the prompt,
+//! and both chunk kernels (GEMM, per-token GEMV), the last prompt
+//! position's logits match transformers within 1e-3 and the greedy
+//! continuation is the fixture's.
 
 mod common;
 
 use common::fixtures::cases;
 use common::max_abs_diff;
 use wgspark::sampling::argmax;
-use wgspark::{Model, SessionOptions};
+use wgspark::{ChunkMatmul, Model, SessionOptions};
 
 #[test]
 fn every_chunk_size_matches_the_fixture() {
@@ -26,16 +27,23 @@ fn every_chunk_size_matches_the_fixture() {
             if e.prompt_ids.len() >= 64 {
                 chunks.push(32);
             }
-            for chunk in chunks {
+            for (chunk, matmul) in chunks
+                .into_iter()
+                .flat_map(|c| [(c, ChunkMatmul::Gemm), (c, ChunkMatmul::Gemv)])
+            {
                 let options = SessionOptions {
                     prefill_chunk: Some(chunk),
+                    chunk_matmul: matmul,
                     ..Default::default()
                 };
                 let mut session = model.session(&options).unwrap();
                 assert_eq!(session.prefill_chunk(), chunk);
                 let mut logits = session.prefill(&e.prompt_ids).unwrap();
                 let err = max_abs_diff(&logits, &e.logits[0]);
-                let what = format!("{} on {:?}, chunk {chunk}", case.name, gpu.info.backend);
+                let what = format!(
+                    "{} on {:?}, chunk {chunk} by {matmul:?}",
+                    case.name, gpu.info.backend
+                );
                 if err > 1e-3 {
                     failures.push(format!("{what}: row 0 max |logit error| {err:.2e}"));
                     continue;

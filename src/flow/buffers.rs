@@ -9,6 +9,8 @@ use crate::model::ModelConfig;
 #[derive(Debug)]
 pub struct Activations {
     pub max_tokens: usize,
+    /// Prompt chunks run their projections through the GEMM.
+    pub chunk_gemm: bool,
     /// Token ids in flight, u32.
     pub tokens: wgpu::Buffer,
     /// The uniform [`Step`]: first position and token count.
@@ -69,7 +71,13 @@ impl Activations {
         wanted.clamp(1, fits)
     }
 
-    pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize, context_len: usize) -> Result<Self> {
+    pub fn new(
+        gpu: &Gpu,
+        c: &ModelConfig,
+        max_tokens: usize,
+        context_len: usize,
+        chunk_gemm: bool,
+    ) -> Result<Self> {
         let t = max_tokens;
         let splits = crate::kernels::Attention::decode_splits(context_len);
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
@@ -88,6 +96,7 @@ impl Activations {
         };
         Ok(Activations {
             max_tokens,
+            chunk_gemm,
             tokens: gpu.storage_buffer("tokens", t)?,
             step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("step"),

@@ -34,35 +34,58 @@ use crate::model::{FfnWeights, Model, QkNorm};
 use crate::stats::{Phase, Stats};
 use moe::MoePlan;
 
+/// Which kernel runs the projections of a prompt chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChunkMatmul {
+    /// The GEMM on GPUs; on CPU rasterisers (lavapipe, llvmpipe), where
+    /// barrier-heavy kernels are slow, the GEMV once per token.
+    #[default]
+    Auto,
+    /// The tiled GEMM: each weight read once per chunk.
+    Gemm,
+    /// The GEMV, once per token of the chunk.
+    Gemv,
+}
+
+impl ChunkMatmul {
+    pub fn uses_gemm(self, gpu: &Gpu) -> bool {
+        match self {
+            ChunkMatmul::Auto => !gpu.caps.is_cpu,
+            ChunkMatmul::Gemm => true,
+            ChunkMatmul::Gemv => false,
+        }
+    }
+}
+
 /// A projection by a weight matrix: a GEMV for one token in flight, a
-/// tiled GEMM for a chunk.
+/// tiled GEMM (when the plan uses it) for a chunk.
 #[derive(Debug)]
 pub(crate) struct Projection {
     gemv: Vec<Dispatch>,
-    gemm: Vec<Dispatch>,
+    gemm: Option<Vec<Dispatch>>,
 }
 
 impl Projection {
     fn new(
         model: &Model,
         weight: &GpuTensor,
-        max_tokens: usize,
-        step: &wgpu::Buffer,
+        act: &Activations,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
     ) -> Self {
         let (gpu, k) = (&model.gpu, &model.kernels);
         Projection {
             gemv: k.gemv.plan(gpu, weight, x, y),
-            gemm: k.gemm.plan(gpu, weight, max_tokens, step, x, y),
+            gemm: act
+                .chunk_gemm
+                .then(|| k.gemm.plan(gpu, weight, act.max_tokens, &act.step, x, y)),
         }
     }
 
     fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
-        let dispatches = if n_tokens == 1 {
-            &self.gemv
-        } else {
-            &self.gemm
+        let dispatches = match &self.gemm {
+            Some(gemm) if n_tokens > 1 => gemm,
+            _ => &self.gemv,
         };
         encode_all(dispatches, pass, n_tokens);
     }
@@ -129,25 +152,11 @@ impl Plan {
                 attention: AttentionPlan::new(model, act, kv, i),
                 ffn: match &lw.ffn {
                     FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
-                        gate_up_proj: Projection::new(
-                            model,
-                            gate_up,
-                            act.max_tokens,
-                            &act.step,
-                            &act.h,
-                            &act.gate_up,
-                        ),
+                        gate_up_proj: Projection::new(model, gate_up, act, &act.h, &act.gate_up),
                         swiglu: k
                             .swiglu
                             .plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
-                        down_proj: Projection::new(
-                            model,
-                            down,
-                            act.max_tokens,
-                            &act.step,
-                            &act.ffn_act,
-                            &act.ffn_out,
-                        ),
+                        down_proj: Projection::new(model, down, act, &act.ffn_act, &act.ffn_out),
                         ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
                     }),
                     FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw)),
@@ -239,7 +248,7 @@ impl AttentionPlan {
             attn_norm: k
                 .rms_norm
                 .plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
-            qkv_proj: Projection::new(model, &lw.qkv, act.max_tokens, &act.step, &act.h, &act.qkv),
+            qkv_proj: Projection::new(model, &lw.qkv, act, &act.h, &act.qkv),
             qk_norm,
             rope_and_store: k.rope.plan(
                 gpu,
@@ -275,14 +284,7 @@ impl AttentionPlan {
                 attention_bindings(),
                 None,
             ),
-            o_proj: Projection::new(
-                model,
-                &lw.o_proj,
-                act.max_tokens,
-                &act.step,
-                &act.attn,
-                &act.attn_out,
-            ),
+            o_proj: Projection::new(model, &lw.o_proj, act, &act.attn, &act.attn_out),
             attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
             ffn_norm: k
                 .rms_norm
