@@ -84,27 +84,18 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,
     };
-    let gpu = Gpu::new(&GpuOptions {
-        backend,
-        ..Default::default()
-    })?;
+    let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
     println!("adapter: {}", gpu.describe());
     let copy = gpu.copy_bandwidth(256 << 20, 20)?;
     println!("copy bandwidth: {:.3} TB/s (read + write)", copy / 1e12);
     let round_trip = gpu.readback_round_trip(50)?;
-    println!(
-        "readback round trip (submit, map, read 4 bytes): {:.3} ms",
-        round_trip.as_secs_f64() * 1e3
-    );
+    println!("readback round trip (submit, map, read 4 bytes): {:.3} ms", round_trip.as_secs_f64() * 1e3);
 
     let mut models: Vec<(String, Model)> = Vec::new();
     for name in &args.shape {
         let start = Instant::now();
         let model = Model::synthetic(shape_config(name)?, &gpu, 1)?;
-        eprintln!(
-            "{name}: random weights uploaded in {:.1} s",
-            start.elapsed().as_secs_f64()
-        );
+        eprintln!("{name}: random weights uploaded in {:.1} s", start.elapsed().as_secs_f64());
         models.push((name.clone(), model));
         measure(&args, copy, models.last().unwrap())?;
         models.clear();
@@ -123,19 +114,14 @@ fn measure(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let c = &model.config;
     let weight_bytes = c.weight_bytes();
-    println!(
-        "\n{name}: {:.3} GB of bf16 weights",
-        weight_bytes as f64 / 1e9
-    );
+    println!("\n{name}: {:.3} GB of bf16 weights", weight_bytes as f64 / 1e9);
     let options = SessionOptions {
         context_len: Some(args.prompt + args.decode + 1),
         prefill_chunk: args.prefill_chunk,
         ..Default::default()
     };
     let mut session = model.session(&options)?;
-    let prompt: Vec<u32> = (0..args.prompt)
-        .map(|i| (i * 7919 % c.vocab) as u32)
-        .collect();
+    let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 7919 % c.vocab) as u32).collect();
 
     // Prefill: warm up once (pipelines compile on first use), then best of reps.
     session.prefill(&prompt)?;
@@ -185,10 +171,7 @@ fn measure(
     );
     let stats = session.stats();
     // Where decode time goes: GPU time per phase (timestamps) against wall.
-    let mut timed = model.session(&SessionOptions {
-        timing: true,
-        ..options.clone()
-    })?;
+    let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
     timed.prefill(&prompt)?;
     let timed_stats_before = timed.stats();
     let start = Instant::now();
@@ -199,9 +182,7 @@ fn measure(
     }
     let wall = start.elapsed().as_secs_f64() / n as f64;
     let after = timed.stats();
-    if let (Some(a), Some(b), Some(source)) =
-        (after.phases, timed_stats_before.phases, after.timing_source)
-    {
+    if let (Some(a), Some(b), Some(source)) = (after.phases, timed_stats_before.phases, after.timing_source) {
         let ms = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e3 / n as f64;
         println!(
             "  decode per token ({source:?}): attention {:.3} ms, routed {:.3} ms, head {:.3} ms; wall {:.3} ms",
@@ -249,9 +230,7 @@ fn decode_bytes(c: &ModelConfig, pos: usize) -> u64 {
     let attn = h * heads.qkv_width() as u64 + (heads.q * heads.dim) as u64 * h;
     let ffn: u64 = (0..c.layers)
         .map(|l| match &c.moe {
-            Some(m) if m.sparse_layers[l] => {
-                h * m.experts as u64 + 3 * h * (m.intermediate * m.top_k) as u64
-            }
+            Some(m) if m.sparse_layers[l] => h * m.experts as u64 + 3 * h * (m.intermediate * m.top_k) as u64,
             _ => 3 * h * c.intermediate as u64,
         })
         .sum();

@@ -12,9 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use wgspark::{
-    Backend, Gpu, GpuOptions, Model, RoutingMode, Sampler, Sampling, SessionOptions, Stats,
-};
+use wgspark::{Backend, Gpu, GpuOptions, Model, RoutingMode, Sampler, Sampling, SessionOptions, Stats};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with wgspark")]
@@ -80,10 +78,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,
     };
-    let gpu = Gpu::new(&GpuOptions {
-        backend,
-        ..Default::default()
-    })?;
+    let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
     eprintln!("adapter: {}", gpu.describe());
 
     let dir = match &args.model {
@@ -99,10 +94,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         (Some(ids), _) => ids.clone(),
         (None, Some(tok)) => {
             let text = if args.chat {
-                format!(
-                    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
-                    args.prompt
-                )
+                format!("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", args.prompt)
             } else {
                 args.prompt.clone()
             };
@@ -113,18 +105,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     let load_start = Instant::now();
     let model = Model::load(&dir, &gpu)?;
-    eprintln!(
-        "loaded {} in {:.2} s",
-        dir.display(),
-        load_start.elapsed().as_secs_f64()
-    );
+    eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
     let mut session = model.session(&SessionOptions {
         context_len: args.context,
-        routing: if args.device_routing {
-            RoutingMode::DeviceResident
-        } else {
-            RoutingMode::Readback
-        },
+        routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
         timing: args.stats,
         prefill_chunk: args.prefill_chunk,
         ..Default::default()
@@ -133,11 +117,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Sampler::greedy()
     } else {
         Sampler::new(
-            Sampling::Random {
-                temperature: args.temperature,
-                top_k: args.top_k,
-                top_p: args.top_p,
-            },
+            Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p },
             args.seed,
         )?
     };

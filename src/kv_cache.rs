@@ -26,10 +26,7 @@ impl KvCache {
             });
         }
         let alloc = |kind: &str, layer: usize| {
-            gpu.storage_buffer(
-                &format!("{kind}_cache.{layer}"),
-                context_len * heads.kv_width(),
-            )
+            gpu.storage_buffer(&format!("{kind}_cache.{layer}"), context_len * heads.kv_width())
         };
         Ok(KvCache {
             k: (0..layers).map(|l| alloc("k", l)).collect::<Result<_>>()?,

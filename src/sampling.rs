@@ -10,11 +10,7 @@ pub enum Sampling {
     /// Softmax of `logits / temperature`, cut to the `top_k` most likely
     /// tokens and then to the smallest set whose probability reaches
     /// `top_p`, renormalised and drawn from.
-    Random {
-        temperature: f32,
-        top_k: Option<usize>,
-        top_p: Option<f32>,
-    },
+    Random { temperature: f32, top_k: Option<usize>, top_p: Option<f32> },
 }
 
 #[derive(Debug, Clone)]
@@ -25,19 +21,11 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn greedy() -> Self {
-        Sampler {
-            sampling: Sampling::Greedy,
-            rng: Xoshiro256::new(0),
-        }
+        Sampler { sampling: Sampling::Greedy, rng: Xoshiro256::new(0) }
     }
 
     pub fn new(sampling: Sampling, seed: u64) -> Result<Self> {
-        if let Sampling::Random {
-            temperature,
-            top_k,
-            top_p,
-        } = sampling
-        {
+        if let Sampling::Random { temperature, top_k, top_p } = sampling {
             if !(temperature.is_finite() && temperature > 0.0) {
                 return Err(Error::InvalidSampling(format!(
                     "temperature must be positive and finite, got {temperature} (use greedy for 0)"
@@ -48,37 +36,24 @@ impl Sampler {
             }
             if let Some(p) = top_p {
                 if !(p > 0.0 && p <= 1.0) {
-                    return Err(Error::InvalidSampling(format!(
-                        "top_p must be in (0, 1], got {p}"
-                    )));
+                    return Err(Error::InvalidSampling(format!("top_p must be in (0, 1], got {p}")));
                 }
             }
         }
-        Ok(Sampler {
-            sampling,
-            rng: Xoshiro256::new(seed),
-        })
+        Ok(Sampler { sampling, rng: Xoshiro256::new(seed) })
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         match self.sampling {
             Sampling::Greedy => argmax(logits),
-            Sampling::Random {
-                temperature,
-                top_k,
-                top_p,
-            } => {
-                let mut ids: Vec<u32> = (0..logits.len() as u32)
-                    .filter(|&i| !logits[i as usize].is_nan())
-                    .collect();
+            Sampling::Random { temperature, top_k, top_p } => {
+                let mut ids: Vec<u32> =
+                    (0..logits.len() as u32).filter(|&i| !logits[i as usize].is_nan()).collect();
                 if ids.is_empty() {
                     return 0;
                 }
-                let by_logit = |a: &u32, b: &u32| {
-                    logits[*b as usize]
-                        .total_cmp(&logits[*a as usize])
-                        .then(a.cmp(b))
-                };
+                let by_logit =
+                    |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
                 let k = top_k.unwrap_or(ids.len()).min(ids.len());
                 if k < ids.len() {
                     ids.select_nth_unstable_by(k - 1, by_logit);
@@ -86,10 +61,8 @@ impl Sampler {
                 }
                 ids.sort_unstable_by(by_logit);
                 let max = logits[ids[0] as usize];
-                let mut probs: Vec<f64> = ids
-                    .iter()
-                    .map(|&i| (((logits[i as usize] - max) / temperature) as f64).exp())
-                    .collect();
+                let mut probs: Vec<f64> =
+                    ids.iter().map(|&i| (((logits[i as usize] - max) / temperature) as f64).exp()).collect();
                 let total: f64 = probs.iter().sum();
                 probs.iter_mut().for_each(|p| *p /= total);
                 if let Some(top_p) = top_p {

@@ -51,14 +51,9 @@ pub struct Session<'m> {
 impl<'m> Session<'m> {
     pub fn new(model: &'m Model, options: &SessionOptions) -> Result<Self> {
         let c = &model.config;
-        let context_len = options
-            .context_len
-            .unwrap_or_else(|| c.max_positions.min(DEFAULT_CONTEXT_CAP));
+        let context_len = options.context_len.unwrap_or_else(|| c.max_positions.min(DEFAULT_CONTEXT_CAP));
         if context_len == 0 {
-            return Err(Error::ContextOverflow {
-                position: 0,
-                context_len,
-            });
+            return Err(Error::ContextOverflow { position: 0, context_len });
         }
         let gpu = &model.gpu;
         let kv_bytes = (2 * c.layers * context_len * c.heads.kv_width() * 4) as u64;
@@ -67,25 +62,16 @@ impl<'m> Session<'m> {
             c.weight_bytes() + kv_bytes,
         )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len)?;
-        let chunk = Activations::max_chunk(
-            gpu,
-            c,
-            options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
-        );
+        let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));
         let chunk_gemm = options.chunk_matmul.uses_gemm(gpu);
         let activations = Activations::new(gpu, c, chunk, context_len, chunk_gemm)?;
         let plan = Plan::new(model, &activations, &kv);
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
         let routing_readback = Readback::new(gpu, "routing.readback", (chunk * top_k * 4) as u64);
-        let moe_layers = c
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
+        let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
         // Passes per forward: attention and routed per MoE layer, the rest, the head.
-        let timer = options
-            .timing
-            .then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
+        let timer = options.timing.then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
         gpu.check("creating the session")?;
         let stats = Stats {
             router_histogram: vec![Vec::new(); c.layers],
@@ -150,10 +136,7 @@ impl<'m> Session<'m> {
         }
         let end = self.len + tokens.len();
         if end > self.kv.context_len {
-            return Err(Error::ContextOverflow {
-                position: end - 1,
-                context_len: self.kv.context_len,
-            });
+            return Err(Error::ContextOverflow { position: end - 1, context_len: self.kv.context_len });
         }
         let vocab = self.model.config.vocab;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -181,16 +164,10 @@ impl<'m> Session<'m> {
             return Err(Error::TokenOutOfRange { token, vocab });
         }
         if position != self.len {
-            return Err(Error::NonSequentialPosition {
-                expected: self.len,
-                got: position,
-            });
+            return Err(Error::NonSequentialPosition { expected: self.len, got: position });
         }
         if position >= self.kv.context_len {
-            return Err(Error::ContextOverflow {
-                position,
-                context_len: self.kv.context_len,
-            });
+            return Err(Error::ContextOverflow { position, context_len: self.kv.context_len });
         }
         Ok(())
     }
@@ -210,18 +187,10 @@ impl<'m> Session<'m> {
             moe: self.activations.moe.as_ref(),
         };
         let n_tokens = tokens.len() as u32;
-        self.plan.forward(
-            &mut rec,
-            &self.activations,
-            n_tokens,
-            with_head,
-            &mut routing,
-            &mut self.stats,
-        )?;
+        self.plan.forward(&mut rec, &self.activations, n_tokens, with_head, &mut routing, &mut self.stats)?;
         if with_head {
             let bytes = (self.model.config.vocab * 4) as u64;
-            self.logits_readback
-                .record(rec.encoder(), &self.activations.logits, 0, bytes);
+            self.logits_readback.record(rec.encoder(), &self.activations.logits, 0, bytes);
         }
         rec.finish()
     }

@@ -40,9 +40,7 @@ fn defaults_and_derived_values() {
     assert_eq!(c.rope.rotary_dim, 16);
     assert_eq!(c.rope.theta, 10000.0);
     assert!(!c.tie_embeddings);
-    let c = parse(&format!(
-        r#"{{ {BASE}, "head_dim": 24, "eos_token_id": [2, 7] }}"#
-    ));
+    let c = parse(&format!(r#"{{ {BASE}, "head_dim": 24, "eos_token_id": [2, 7] }}"#));
     assert_eq!(c.heads.dim, 24);
     assert_eq!(c.eos_token_ids, vec![2, 7]);
 }
@@ -60,10 +58,7 @@ fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
         if wavelen(*p) < 64.0 / 4.0 {
             assert_eq!(p, s, "high frequencies are kept");
         } else if wavelen(*p) > 64.0 {
-            assert!(
-                (s - p / 8.0).abs() <= 1e-7 * p,
-                "low frequencies are divided by the factor"
-            );
+            assert!((s - p / 8.0).abs() <= 1e-7 * p, "low frequencies are divided by the factor");
         } else {
             assert!(*s < *p && *s > p / 8.0, "the middle band is interpolated");
         }

@@ -22,16 +22,11 @@ fn run_case(gpu: &Gpu, case: &Case) -> Result<f32, String> {
         let err = max_abs_diff(got, want);
         worst = worst.max(err);
         if err > TOLERANCE {
-            return Err(format!(
-                "row {row}: max |logit error| {err:.3e} > {TOLERANCE:e}"
-            ));
+            return Err(format!("row {row}: max |logit error| {err:.3e} > {TOLERANCE:e}"));
         }
         let id = argmax(got);
         if id != e.generated_ids[row] {
-            return Err(format!(
-                "row {row}: greedy id {id}, transformers {}",
-                e.generated_ids[row]
-            ));
+            return Err(format!("row {row}: greedy id {id}, transformers {}", e.generated_ids[row]));
         }
     }
     Ok(worst)
@@ -44,20 +39,12 @@ fn fixtures_match_transformers() {
     on_each_backend(|gpu| {
         for case in &cases {
             match run_case(gpu, case) {
-                Ok(err) => eprintln!(
-                    "{:<28} {:<8?} max |logit error| {err:.2e}",
-                    case.name, gpu.info.backend
-                ),
-                Err(why) => {
-                    failures.push(format!("{} on {:?}: {why}", case.name, gpu.info.backend))
+                Ok(err) => {
+                    eprintln!("{:<28} {:<8?} max |logit error| {err:.2e}", case.name, gpu.info.backend)
                 }
+                Err(why) => failures.push(format!("{} on {:?}: {why}", case.name, gpu.info.backend)),
             }
         }
     });
-    assert!(
-        failures.is_empty(),
-        "{} failing:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} failing:\n{}", failures.len(), failures.join("\n"));
 }

@@ -14,9 +14,7 @@ use common::max_abs_diff;
 fn generate_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let bin = profile_dir
-        .join("examples")
-        .join(format!("generate{}", std::env::consts::EXE_SUFFIX));
+    let bin = profile_dir.join("examples").join(format!("generate{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.exists(),
         "{} is missing: run the whole suite with `cargo test`, which builds the examples",
@@ -37,24 +35,13 @@ fn json_output_matches_every_fixture() {
                 .arg(&case.dir)
                 .args(["--prompt-ids", &ids.join(",")])
                 .args(["--max-new-tokens", &e.generated_ids.len().to_string()])
-                .args([
-                    "--ignore-eos",
-                    "--json",
-                    "--backend",
-                    &format!("{backend:?}"),
-                ])
+                .args(["--ignore-eos", "--json", "--backend", &format!("{backend:?}")])
                 .output()
                 .unwrap();
             let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                out.status.success(),
-                "{} on {backend:?}: {stderr}",
-                case.name
-            );
-            let json: serde_json::Value =
-                serde_json::from_slice(&out.stdout).unwrap_or_else(|err| {
-                    panic!("{}: stdout is not one JSON object: {err}", case.name)
-                });
+            assert!(out.status.success(), "{} on {backend:?}: {stderr}", case.name);
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|err| panic!("{}: stdout is not one JSON object: {err}", case.name));
             let got_ids: Vec<u32> = serde_json::from_value(json["generated_ids"].clone()).unwrap();
             let prompt: Vec<u32> = serde_json::from_value(json["prompt_ids"].clone()).unwrap();
             let rows: Vec<Vec<f32>> = serde_json::from_value(json["logits"].clone()).unwrap();
@@ -63,11 +50,7 @@ fn json_output_matches_every_fixture() {
             assert_eq!(rows.len(), e.logits.len());
             for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
                 let err = max_abs_diff(got, want);
-                assert!(
-                    err <= 1e-3,
-                    "{} on {backend:?}, row {row}: {err}",
-                    case.name
-                );
+                assert!(err <= 1e-3, "{} on {backend:?}, row {row}: {err}", case.name);
             }
         }
     }
@@ -79,32 +62,14 @@ fn bad_input_exits_with_a_message() {
     let fixture = common::checkpoint::fixture_dir("llama_untied");
     for (args, needle) in [
         (
-            vec![
-                "--model".to_string(),
-                "/nonexistent/model".into(),
-                "--prompt-ids".into(),
-                "1".into(),
-            ],
+            vec!["--model".to_string(), "/nonexistent/model".into(), "--prompt-ids".into(), "1".into()],
             "config.json",
         ),
         (
-            vec![
-                "--model".into(),
-                fixture.display().to_string(),
-                "--prompt-ids".into(),
-                "1,99999".into(),
-            ],
+            vec!["--model".into(), fixture.display().to_string(), "--prompt-ids".into(), "1,99999".into()],
             "out of range",
         ),
-        (
-            vec![
-                "--backend".into(),
-                "cuda".into(),
-                "--prompt-ids".into(),
-                "1".into(),
-            ],
-            "unknown backend",
-        ),
+        (vec!["--backend".into(), "cuda".into(), "--prompt-ids".into(), "1".into()], "unknown backend"),
     ] {
         let out = Command::new(&bin).args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -11,9 +11,7 @@ use wgspark::kernels::gemv::{ExpertBuffers, ExpertLayout, GemvShape};
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::rope::RopeBindings;
 use wgspark::kernels::router::RouterBindings;
-use wgspark::kernels::{
-    Attention, Embed, Gemm, Gemv, Heads, Residual, RmsNorm, Rope, Router, Step, Swiglu,
-};
+use wgspark::kernels::{Attention, Embed, Gemm, Gemv, Heads, Residual, RmsNorm, Rope, Router, Step, Swiglu};
 use wgspark::model::Routing;
 use wgspark::model::{RopeConfig, RopeScaling};
 
@@ -36,17 +34,12 @@ fn run(gpu: &Gpu, dispatches: &[Dispatch], n_tokens: u32) {
 
 fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize) -> wgpu::Buffer {
     use wgpu::util::DeviceExt;
-    let step = Step {
-        pos0: pos0 as u32,
-        n_tokens: n_tokens as u32,
-        _pad: [0; 2],
-    };
-    gpu.device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("step"),
-            contents: bytemuck::bytes_of(&step),
-            usage: wgpu::BufferUsages::UNIFORM,
-        })
+    let step = Step { pos0: pos0 as u32, n_tokens: n_tokens as u32, _pad: [0; 2] };
+    gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("step"),
+        contents: bytemuck::bytes_of(&step),
+        usage: wgpu::BufferUsages::UNIFORM,
+    })
 }
 
 fn check_gemv(gpu: &Gpu, gemv: &Gemv, rng: &mut Rng, rows: usize, cols: usize, tokens: usize) {
@@ -57,33 +50,20 @@ fn check_gemv(gpu: &Gpu, gemv: &Gemv, rng: &mut Rng, rows: usize, cols: usize, t
     let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
     run(gpu, &gemv.plan(gpu, &weight, &xb, &yb), tokens as u32);
     let got: Vec<f32> = gpu.read_buffer(&yb, tokens * rows).unwrap();
-    let want: Vec<f32> = (0..tokens)
-        .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
-        .collect();
-    assert_close(
-        &got,
-        &want,
-        1e-5 * (cols as f32).sqrt(),
-        &format!("gemv {rows}x{cols} x{tokens}"),
-    );
+    let want: Vec<f32> =
+        (0..tokens).flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols])).collect();
+    assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &format!("gemv {rows}x{cols} x{tokens}"));
 }
 
-const GEMV_SIZES: &[(usize, usize, usize)] =
-    &[(1, 2, 1), (37, 100, 1), (130, 258, 3), (65, 1030, 2)];
+const GEMV_SIZES: &[(usize, usize, usize)] = &[(1, 2, 1), (37, 100, 1), (130, 258, 3), (65, 1030, 2)];
 
 #[test]
 fn gemv_matches_cpu_in_both_shapes() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(1);
         for shape in [
-            GemvShape {
-                rows_per_workgroup: 64,
-                threads_per_row: 1,
-            },
-            GemvShape {
-                rows_per_workgroup: 4,
-                threads_per_row: 16,
-            },
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1 },
+            GemvShape { rows_per_workgroup: 4, threads_per_row: 16 },
             GemvShape::for_gpu(gpu),
         ] {
             let gemv = Gemv::with_shape(gpu, shape).unwrap();
@@ -99,12 +79,8 @@ fn gemv_and_embed_work_on_tensors_split_across_bindings() {
     for backend in common::backends() {
         // A 600-byte binding limit splits a 37 x 100 bf16 matrix (200-byte
         // rows) into 13 parts of 3 rows.
-        let gpu = Gpu::new(&GpuOptions {
-            backend,
-            max_storage_binding: Some(600),
-            ..Default::default()
-        })
-        .unwrap();
+        let gpu =
+            Gpu::new(&GpuOptions { backend, max_storage_binding: Some(600), ..Default::default() }).unwrap();
         let mut rng = Rng::new(2);
         let weight = upload(&gpu, "w", 37, 100, &bf16_round(&rng.vec(37 * 100, 1.0)));
         assert_eq!(weight.parts.len(), 13);
@@ -144,26 +120,8 @@ fn rms_norm_matches_cpu_for_vectors_heads_and_whole_projections() {
         // A token row of width 3 * 10 + 7: heads of 10 at offset 7.
         for (rows, tokens) in [
             (Rows::vector(100), 3),
-            (
-                Rows {
-                    n: 10,
-                    heads: 3,
-                    head_stride: 10,
-                    token_stride: 37,
-                    offset: 7,
-                },
-                2,
-            ),
-            (
-                Rows {
-                    n: 30,
-                    heads: 1,
-                    head_stride: 0,
-                    token_stride: 37,
-                    offset: 7,
-                },
-                2,
-            ),
+            (Rows { n: 10, heads: 3, head_stride: 10, token_stride: 37, offset: 7 }, 2),
+            (Rows { n: 30, heads: 1, head_stride: 0, token_stride: 37, offset: 7 }, 2),
             (Rows::vector(1030), 1),
         ] {
             let width = rows.token_stride;
@@ -172,18 +130,10 @@ fn rms_norm_matches_cpu_for_vectors_heads_and_whole_projections() {
             let wt = upload(gpu, "w", 1, rows.n, &w);
             let xb = gpu.storage_buffer_init("x", &x);
             let ob = gpu.storage_buffer_init("out", &vec![0.0f32; x.len()]);
-            run(
-                gpu,
-                &[norm.plan(gpu, &wt, eps, &xb, &ob, rows)],
-                tokens as u32,
-            );
+            run(gpu, &[norm.plan(gpu, &wt, eps, &xb, &ob, rows)], tokens as u32);
             // In place on a copy of x: untouched elements must survive.
             let inplace = gpu.storage_buffer_init("x2", &x);
-            run(
-                gpu,
-                &[norm.plan(gpu, &wt, eps, &inplace, &inplace, rows)],
-                tokens as u32,
-            );
+            run(gpu, &[norm.plan(gpu, &wt, eps, &inplace, &inplace, rows)], tokens as u32);
 
             let mut want = vec![0.0f32; x.len()];
             let mut want_inplace = x.clone();
@@ -197,12 +147,7 @@ fn rms_norm_matches_cpu_for_vectors_heads_and_whole_projections() {
             }
             let what = format!("rms_norm {rows:?}");
             assert_close(&gpu.read_buffer(&ob, x.len()).unwrap(), &want, 1e-5, &what);
-            assert_close(
-                &gpu.read_buffer(&inplace, x.len()).unwrap(),
-                &want_inplace,
-                1e-5,
-                &what,
-            );
+            assert_close(&gpu.read_buffer(&inplace, x.len()).unwrap(), &want_inplace, 1e-5, &what);
         }
     });
 }
@@ -213,30 +158,10 @@ fn rope_rotates_q_and_k_and_stores_the_cache() {
         let mut rng = Rng::new(5);
         let rope = Rope::new(gpu).unwrap();
         for (heads, rotary_dim, scaling) in [
+            (Heads { q: 3, kv: 1, dim: 10 }, 10, RopeScaling::None),
+            (Heads { q: 4, kv: 2, dim: 12 }, 6, RopeScaling::None),
             (
-                Heads {
-                    q: 3,
-                    kv: 1,
-                    dim: 10,
-                },
-                10,
-                RopeScaling::None,
-            ),
-            (
-                Heads {
-                    q: 4,
-                    kv: 2,
-                    dim: 12,
-                },
-                6,
-                RopeScaling::None,
-            ),
-            (
-                Heads {
-                    q: 2,
-                    kv: 2,
-                    dim: 64,
-                },
+                Heads { q: 2, kv: 2, dim: 64 },
                 64,
                 RopeScaling::Llama3 {
                     factor: 8.0,
@@ -246,11 +171,7 @@ fn rope_rotates_q_and_k_and_stores_the_cache() {
                 },
             ),
         ] {
-            let config = RopeConfig {
-                theta: 10_000.0,
-                rotary_dim,
-                scaling,
-            };
+            let config = RopeConfig { theta: 10_000.0, rotary_dim, scaling };
             let (ctx, pos0, tokens) = (40, 29, 3);
             let width = heads.qkv_width();
             let qkv: Vec<f32> = rng.vec(tokens * width, 1.0);
@@ -302,17 +223,8 @@ fn rope_rotates_q_and_k_and_stores_the_cache() {
                 let q = t * width..t * width + heads.q * hd;
                 assert_close(&got_qkv[q.clone()], &want_qkv[q], 1e-5, &what);
             }
-            assert_close(
-                &gpu.read_buffer(&k_cache, want_k.len()).unwrap(),
-                &want_k,
-                1e-5,
-                &what,
-            );
-            assert_eq!(
-                gpu.read_buffer::<f32>(&v_cache, want_v.len()).unwrap(),
-                want_v,
-                "{what}: v stored"
-            );
+            assert_close(&gpu.read_buffer(&k_cache, want_k.len()).unwrap(), &want_k, 1e-5, &what);
+            assert_eq!(gpu.read_buffer::<f32>(&v_cache, want_v.len()).unwrap(), want_v, "{what}: v stored");
         }
     });
 }
@@ -324,114 +236,15 @@ fn attention_matches_cpu_across_tiles_groups_windows_and_splits() {
         let attention = Attention::new(gpu).unwrap();
         // (heads, context, first position, tokens, window, key splits)
         for (heads, ctx, pos0, tokens, window, splits) in [
-            (
-                Heads {
-                    q: 4,
-                    kv: 2,
-                    dim: 12,
-                },
-                150,
-                0,
-                1,
-                0,
-                1,
-            ),
-            (
-                Heads {
-                    q: 4,
-                    kv: 2,
-                    dim: 12,
-                },
-                150,
-                70,
-                2,
-                0,
-                1,
-            ),
-            (
-                Heads {
-                    q: 6,
-                    kv: 1,
-                    dim: 130,
-                },
-                200,
-                140,
-                1,
-                0,
-                1,
-            ),
-            (
-                Heads {
-                    q: 6,
-                    kv: 1,
-                    dim: 130,
-                },
-                200,
-                140,
-                1,
-                0,
-                7,
-            ),
-            (
-                Heads {
-                    q: 2,
-                    kv: 2,
-                    dim: 256,
-                },
-                20,
-                9,
-                1,
-                0,
-                3,
-            ),
-            (
-                Heads {
-                    q: 16,
-                    kv: 1,
-                    dim: 128,
-                },
-                300,
-                290,
-                1,
-                0,
-                32,
-            ),
-            (
-                Heads {
-                    q: 4,
-                    kv: 4,
-                    dim: 8,
-                },
-                150,
-                100,
-                3,
-                37,
-                1,
-            ),
-            (
-                Heads {
-                    q: 4,
-                    kv: 4,
-                    dim: 8,
-                },
-                150,
-                100,
-                1,
-                37,
-                5,
-            ),
-            (
-                Heads {
-                    q: 8,
-                    kv: 2,
-                    dim: 64,
-                },
-                600,
-                0,
-                520,
-                0,
-                1,
-            ),
+            (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1),
+            (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1),
+            (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 1),
+            (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7),
+            (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3),
+            (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 32),
+            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1),
+            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5),
+            (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1),
         ] {
             let kvw = heads.kv_width();
             let width = heads.qkv_width();
@@ -442,64 +255,32 @@ fn attention_matches_cpu_across_tiles_groups_windows_and_splits() {
             let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
             let k_b = gpu.storage_buffer_init("k", &k.concat());
             let v_b = gpu.storage_buffer_init("v", &v.concat());
-            let out = gpu
-                .storage_buffer("out", tokens * heads.q * heads.dim)
-                .unwrap();
-            let acc = gpu
-                .storage_buffer("split_acc", heads.q * splits * heads.dim)
-                .unwrap();
-            let max_sum = gpu
-                .storage_buffer("split_max_sum", heads.q * splits * 2)
-                .unwrap();
+            let out = gpu.storage_buffer("out", tokens * heads.q * heads.dim).unwrap();
+            let acc = gpu.storage_buffer("split_acc", heads.q * splits * heads.dim).unwrap();
+            let max_sum = gpu.storage_buffer("split_max_sum", heads.q * splits * 2).unwrap();
             let step = step_buffer(gpu, pos0, tokens);
-            let split = (splits > 1).then(|| {
-                (
-                    splits,
-                    SplitScratch {
-                        acc: &acc,
-                        max_sum: &max_sum,
-                    },
-                )
-            });
+            let split = (splits > 1).then(|| (splits, SplitScratch { acc: &acc, max_sum: &max_sum }));
             let d = attention.plan(
                 gpu,
                 heads,
                 scale,
                 window,
-                AttentionBindings {
-                    step: &step,
-                    qkv: &qkv_b,
-                    k_cache: &k_b,
-                    v_cache: &v_b,
-                    out: &out,
-                },
+                AttentionBindings { step: &step, qkv: &qkv_b, k_cache: &k_b, v_cache: &v_b, out: &out },
                 split,
             );
             run(gpu, &d, tokens as u32);
             let mut want = Vec::new();
             for t in 0..tokens {
                 let pos = pos0 + t;
-                let start = if window > 0 && pos + 1 > window {
-                    pos + 1 - window
-                } else {
-                    0
-                };
+                let start = if window > 0 && pos + 1 > window { pos + 1 - window } else { 0 };
                 for h in 0..heads.q {
                     let q = &qkv[t * width + h * heads.dim..t * width + (h + 1) * heads.dim];
                     let kv_head = h / (heads.q / heads.kv);
-                    want.extend(reference::attention(
-                        q,
-                        &k[start..=pos],
-                        &v[start..=pos],
-                        kv_head,
-                        scale,
-                    ));
+                    want.extend(reference::attention(q, &k[start..=pos], &v[start..=pos], kv_head, scale));
                 }
             }
             let got: Vec<f32> = gpu.read_buffer(&out, want.len()).unwrap();
-            let what = format!(
-                "attention {heads:?} pos0 {pos0} x{tokens} window {window} splits {splits}"
-            );
+            let what = format!("attention {heads:?} pos0 {pos0} x{tokens} window {window} splits {splits}");
             assert_close(&got, &want, 1e-5, &what);
         }
     });
@@ -518,17 +299,10 @@ fn swiglu_matches_cpu() {
         let want: Vec<f32> = (0..tokens)
             .flat_map(|t| {
                 let row = &gate_up[t * 2 * n..(t + 1) * 2 * n];
-                (0..n)
-                    .map(|i| reference::silu(row[i]) * row[n + i])
-                    .collect::<Vec<_>>()
+                (0..n).map(|i| reference::silu(row[i]) * row[n + i]).collect::<Vec<_>>()
             })
             .collect();
-        assert_close(
-            &gpu.read_buffer(&out, want.len()).unwrap(),
-            &want,
-            1e-5,
-            "swiglu",
-        );
+        assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, 1e-5, "swiglu");
     });
 }
 
@@ -544,12 +318,7 @@ fn residual_adds_scaled() {
         let residual = Residual::new(gpu).unwrap();
         run(gpu, &[residual.plan(gpu, n, 0.5, &yb, &xb)], tokens as u32);
         let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + 0.5 * b).collect();
-        assert_close(
-            &gpu.read_buffer(&xb, want.len()).unwrap(),
-            &want,
-            1e-6,
-            "residual",
-        );
+        assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, "residual");
     });
 }
 
@@ -580,12 +349,7 @@ fn router_selects_and_weighs_like_each_family() {
                 routing,
                 experts,
                 k,
-                RouterBindings {
-                    logits: &lb,
-                    bias: sigmoid.then_some(&bb),
-                    ids: &ids,
-                    weights: &weights,
-                },
+                RouterBindings { logits: &lb, bias: sigmoid.then_some(&bb), ids: &ids, weights: &weights },
             );
             run(gpu, &[d], tokens as u32);
             let got_ids: Vec<u32> = gpu.read_buffer(&ids, tokens * k).unwrap();
@@ -612,17 +376,12 @@ fn expert_gemv_reads_the_expert_from_the_gpu_across_split_parts() {
         for limit in [None, Some(1000)] {
             // 1000-byte bindings: 5 rows of 100 bf16 per part, so experts of
             // 7 rows straddle part boundaries.
-            let gpu = Gpu::new(&GpuOptions {
-                backend,
-                max_storage_binding: limit,
-                ..Default::default()
-            })
-            .unwrap();
+            let gpu =
+                Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
             let mut rng = Rng::new(10);
             let (experts, rows, cols, k, tokens) = (6, 7, 100, 3, 2);
             let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
-            let weight =
-                GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
+            let weight = GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
             weight.write_rows(&gpu, 0, &bf16_bytes(&w));
             // Per-slot inputs, as the down projection reads them.
             let x = rng.vec(tokens * k * cols, 1.0);
@@ -631,12 +390,8 @@ fn expert_gemv_reads_the_expert_from_the_gpu_across_split_parts() {
             let yb = gpu.storage_buffer("y", tokens * k * rows).unwrap();
             let idb = gpu.storage_buffer_init("ids", &ids);
             let gemv = Gemv::new(&gpu).unwrap();
-            let layout = ExpertLayout {
-                top_k: k,
-                expert_rows: rows,
-                x_stride: k * cols,
-                x_slot_stride: cols,
-            };
+            let layout =
+                ExpertLayout { top_k: k, expert_rows: rows, x_stride: k * cols, x_slot_stride: cols };
             let mut dispatches = Vec::new();
             for slot in 0..k {
                 dispatches.extend(gemv.plan_expert(
@@ -644,11 +399,7 @@ fn expert_gemv_reads_the_expert_from_the_gpu_across_split_parts() {
                     &weight,
                     layout,
                     slot,
-                    ExpertBuffers {
-                        x: &xb,
-                        y: &yb,
-                        ids: &idb,
-                    },
+                    ExpertBuffers { x: &xb, y: &yb, ids: &idb },
                 ));
             }
             run(&gpu, &dispatches, tokens as u32);
@@ -662,12 +413,7 @@ fn expert_gemv_reads_the_expert_from_the_gpu_across_split_parts() {
                     want.extend(reference::gemv(we, rows, cols, xs));
                 }
             }
-            assert_close(
-                &got,
-                &want,
-                1e-4,
-                &format!("expert gemv, binding limit {limit:?}"),
-            );
+            assert_close(&got, &want, 1e-4, &format!("expert gemv, binding limit {limit:?}"));
         }
     }
 }
@@ -684,26 +430,14 @@ fn weighted_residual_sums_the_routed_outputs() {
         let yb = gpu.storage_buffer_init("y", &y);
         let wb = gpu.storage_buffer_init("w", &w);
         let residual = Residual::new(gpu).unwrap();
-        run(
-            gpu,
-            &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb)],
-            tokens as u32,
-        );
+        run(gpu, &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb)], tokens as u32);
         let want: Vec<f32> = (0..tokens * n)
             .map(|ti| {
                 let (t, i) = (ti / n, ti % n);
-                x[ti]
-                    + (0..k)
-                        .map(|j| w[t * k + j] * y[(t * k + j) * n + i])
-                        .sum::<f32>()
+                x[ti] + (0..k).map(|j| w[t * k + j] * y[(t * k + j) * n + i]).sum::<f32>()
             })
             .collect();
-        assert_close(
-            &gpu.read_buffer(&xb, want.len()).unwrap(),
-            &want,
-            1e-5,
-            "weighted residual",
-        );
+        assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-5, "weighted residual");
     });
 }
 
@@ -711,42 +445,29 @@ fn weighted_residual_sums_the_routed_outputs() {
 fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
     for backend in common::backends() {
         for limit in [None, Some(20_000)] {
-            let gpu = Gpu::new(&GpuOptions {
-                backend,
-                max_storage_binding: limit,
-                ..Default::default()
-            })
-            .unwrap();
+            let gpu =
+                Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
             for tiling in [Tiling::Narrow, Tiling::Wide] {
                 let gemm = Gemm::with_tiling(&gpu, tiling).unwrap();
                 let mut rng = Rng::new(12);
                 // Tokens around the 64-token tile, rows around the row tiles,
                 // k not a multiple of the 16-wide k tile.
-                for (tokens, rows, cols) in [
-                    (2, 5, 2),
-                    (3, 130, 40),
-                    (64, 128, 64),
-                    (65, 200, 100),
-                    (130, 77, 258),
-                ] {
+                for (tokens, rows, cols) in
+                    [(2, 5, 2), (3, 130, 40), (64, 128, 64), (65, 200, 100), (130, 77, 258)]
+                {
                     let w = bf16_round(&rng.vec(rows * cols, 1.0));
                     let x = rng.vec(tokens * cols, 1.0);
                     let weight = upload(&gpu, "w", rows, cols, &w);
                     let xb = gpu.storage_buffer_init("x", &x);
                     let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
                     let step = step_buffer(&gpu, 0, tokens);
-                    run(
-                        &gpu,
-                        &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb),
-                        tokens as u32,
-                    );
+                    run(&gpu, &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb), tokens as u32);
                     let want: Vec<f32> = (0..tokens)
                         .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
                         .collect();
                     let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
-                    let what = format!(
-                        "gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, {tiling:?} tiles"
-                    );
+                    let what =
+                        format!("gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, {tiling:?} tiles");
                     assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &what);
                 }
             }
@@ -758,31 +479,22 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
 fn grouped_gemm_runs_each_expert_over_its_tokens() {
     for backend in common::backends() {
         for limit in [None, Some(1000)] {
-            let gpu = Gpu::new(&GpuOptions {
-                backend,
-                max_storage_binding: limit,
-                ..Default::default()
-            })
-            .unwrap();
+            let gpu =
+                Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
             for tiling in [Tiling::Narrow, Tiling::Wide] {
                 let gemm = Gemm::with_tiling(&gpu, tiling).unwrap();
                 let mut rng = Rng::new(13);
                 let (experts, rows, cols, k, tokens) = (5, 7, 100, 2, 70);
                 let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
-                let weight =
-                    GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
+                let weight = GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
                 weight.write_rows(&gpu, 0, &bf16_bytes(&w));
                 let x = rng.vec(tokens * cols, 1.0);
                 // Each (token, slot) pair to an expert; expert 3 gets none.
-                let ids: Vec<u32> = (0..tokens * k)
-                    .map(|_| [0, 1, 2, 4][rng.below(4) as usize])
-                    .collect();
+                let ids: Vec<u32> = (0..tokens * k).map(|_| [0, 1, 2, 4][rng.below(4) as usize]).collect();
                 let mut groups = Vec::new();
                 let mut pairs = Vec::new();
                 for e in 0..experts as u32 {
-                    let members: Vec<u32> = (0..ids.len() as u32)
-                        .filter(|&p| ids[p as usize] == e)
-                        .collect();
+                    let members: Vec<u32> = (0..ids.len() as u32).filter(|&p| ids[p as usize] == e).collect();
                     groups.extend([pairs.len() as u32, members.len() as u32]);
                     pairs.extend(members);
                 }
@@ -796,17 +508,8 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
                     if count == 0 {
                         continue;
                     }
-                    let b = GroupedBuffers {
-                        x: &xb,
-                        y: &yb,
-                        groups: &gb,
-                        pairs: &pb,
-                    };
-                    run(
-                        &gpu,
-                        &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b),
-                        count,
-                    );
+                    let b = GroupedBuffers { x: &xb, y: &yb, groups: &gb, pairs: &pb };
+                    run(&gpu, &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b), count);
                 }
                 let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
                 let want: Vec<f32> = (0..tokens * k)

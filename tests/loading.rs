@@ -22,11 +22,7 @@ fn reference_rows(gpu: &Gpu) -> Vec<Vec<f32>> {
 fn assert_same_rows(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
     assert_eq!(got.len(), want.len());
     for (row, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            g == w,
-            "{what}: row {row} differs by up to {}",
-            max_abs_diff(g, w)
-        );
+        assert!(g == w, "{what}: row {row} differs by up to {}", max_abs_diff(g, w));
     }
 }
 
@@ -45,35 +41,22 @@ fn sharded_checkpoint_loads_identically() {
     let mut weight_map = serde_json::Map::new();
     for (i, (name, t)) in tensors.into_iter().enumerate() {
         let shard = i % 3;
-        weight_map.insert(
-            name.clone(),
-            format!("model-0000{}-of-00003.safetensors", shard + 1).into(),
-        );
+        weight_map.insert(name.clone(), format!("model-0000{}-of-00003.safetensors", shard + 1).into());
         shards[shard].insert(name, t);
     }
     for (i, shard) in shards.iter().enumerate() {
-        write_tensors(
-            &dir.join(format!("model-0000{}-of-00003.safetensors", i + 1)),
-            shard,
-        );
+        write_tensors(&dir.join(format!("model-0000{}-of-00003.safetensors", i + 1)), shard);
     }
     let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-    common::on_each_backend(|gpu| {
-        assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE)
-    });
+    common::on_each_backend(|gpu| assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE));
 }
 
 #[test]
 fn f32_and_f16_checkpoints_are_converted_to_bf16() {
     let to = |dtype: Dtype, convert: fn(&[u8]) -> Vec<u8>| {
         edited_fixture(CASE, move |c, t| {
-            c["torch_dtype"] = if dtype == Dtype::F32 {
-                "float32"
-            } else {
-                "float16"
-            }
-            .into();
+            c["torch_dtype"] = if dtype == Dtype::F32 { "float32" } else { "float16" }.into();
             for (d, _, data) in t.values_mut() {
                 *d = dtype;
                 *data = convert(data);
@@ -109,9 +92,7 @@ fn multimodal_prefixed_names_map_to_the_text_model() {
             .collect();
         *t = renamed;
     });
-    common::on_each_backend(|gpu| {
-        assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE)
-    });
+    common::on_each_backend(|gpu| assert_same_rows(&rows_of(gpu, &dir), &reference_rows(gpu), CASE));
 }
 
 #[test]
@@ -120,12 +101,8 @@ fn tensors_split_across_bindings_give_the_same_logits() {
     for backend in common::backends() {
         // 16 KiB bindings (what the 128-position KV cache needs): the 250 x 64
         // embedding and head, and the stacked gate/up projection, split in 2.
-        let gpu = Gpu::new(&GpuOptions {
-            backend,
-            max_storage_binding: Some(16384),
-            ..Default::default()
-        })
-        .unwrap();
+        let gpu = Gpu::new(&GpuOptions { backend, max_storage_binding: Some(16384), ..Default::default() })
+            .unwrap();
         let model = Model::load(fixture_dir(CASE), &gpu).unwrap();
         assert_eq!(model.weights.embed.parts.len(), 2);
         let wgspark::model::FfnWeights::Dense { gate_up, .. } = &model.weights.layers[0].ffn else {

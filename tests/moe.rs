@@ -20,11 +20,7 @@ const MOE_CASES: &[&str] = &[
     "minimax_m2",
 ];
 
-fn replay_with<'m>(
-    model: &'m Model,
-    case: &str,
-    options: &SessionOptions,
-) -> (Vec<Vec<f32>>, Session<'m>) {
+fn replay_with<'m>(model: &'m Model, case: &str, options: &SessionOptions) -> (Vec<Vec<f32>>, Session<'m>) {
     let e = expected(&fixture_dir(case));
     let mut session = model.session(options).unwrap();
     let mut rows = vec![session.prefill(&e.prompt_ids).unwrap()];
@@ -49,35 +45,18 @@ fn device_resident_routing_matches_readback_routing() {
         for case in MOE_CASES {
             let model = Model::load(fixture_dir(case), gpu).unwrap();
             // Token by token both modes run the same kernels: identical bits.
-            let one = |routing| SessionOptions {
-                routing,
-                prefill_chunk: Some(1),
-                ..Default::default()
-            };
+            let one = |routing| SessionOptions { routing, prefill_chunk: Some(1), ..Default::default() };
             let readback = replay_with(&model, case, &one(RoutingMode::Readback)).0;
             let (rows, session) = replay_with(&model, case, &one(RoutingMode::DeviceResident));
-            assert!(
-                rows == readback,
-                "{case}: device-resident logits differ from readback routing"
-            );
-            assert_eq!(
-                session.stats().routing_readbacks,
-                0,
-                "{case}: nothing is read back"
-            );
+            assert!(rows == readback, "{case}: device-resident logits differ from readback routing");
+            assert_eq!(session.stats().routing_readbacks, 0, "{case}: nothing is read back");
             // A chunked prompt groups tokens by expert (readback) or runs each
             // token's experts (device-resident): the same sums in another order.
-            let resident = SessionOptions {
-                routing: RoutingMode::DeviceResident,
-                ..Default::default()
-            };
+            let resident = SessionOptions { routing: RoutingMode::DeviceResident, ..Default::default() };
             let (chunked, _) = replay_with(&model, case, &resident);
             let readback_chunked = replay_with(&model, case, &SessionOptions::default()).0;
             for (a, b) in chunked.iter().zip(&readback_chunked) {
-                assert!(
-                    max_abs_diff(a, b) <= 1e-5,
-                    "{case}: chunked prefill modes differ"
-                );
+                assert!(max_abs_diff(a, b) <= 1e-5, "{case}: chunked prefill modes differ");
             }
         }
     });
@@ -88,18 +67,11 @@ fn experts_split_across_bindings_match_the_fixture() {
     for backend in common::backends() {
         // 8 KiB bindings: an expert's 96 x 64 gate/up rows (12 KiB) span two
         // parts, and the 190 x 64 head splits too.
-        let gpu = Gpu::new(&GpuOptions {
-            backend,
-            max_storage_binding: Some(8192),
-            ..Default::default()
-        })
-        .unwrap();
+        let gpu =
+            Gpu::new(&GpuOptions { backend, max_storage_binding: Some(8192), ..Default::default() }).unwrap();
         let model = Model::load(fixture_dir("mixtral_8x2"), &gpu).unwrap();
         let e = expected(&fixture_dir("mixtral_8x2"));
-        let options = SessionOptions {
-            context_len: Some(32),
-            ..Default::default()
-        };
+        let options = SessionOptions { context_len: Some(32), ..Default::default() };
         let (rows, _) = replay_with(&model, "mixtral_8x2", &options);
         for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
             let err = max_abs_diff(got, want);
@@ -114,10 +86,7 @@ fn stats_report_router_histograms_and_phase_times() {
         let case = "qwen3_moe_dense_layers";
         let model = Model::load(fixture_dir(case), gpu).unwrap();
         let moe = model.config.moe.clone().unwrap();
-        let options = SessionOptions {
-            timing: true,
-            ..Default::default()
-        };
+        let options = SessionOptions { timing: true, ..Default::default() };
         let (rows, session) = replay_with(&model, case, &options);
         let stats = session.stats();
         let tokens = (expected(&fixture_dir(case)).prompt_ids.len() + rows.len() - 1) as u64;
@@ -127,11 +96,7 @@ fn stats_report_router_histograms_and_phase_times() {
         for (layer, counts) in stats.router_histogram.iter().enumerate() {
             if moe.sparse_layers[layer] {
                 assert_eq!(counts.len(), moe.experts);
-                assert_eq!(
-                    counts.iter().sum::<u64>(),
-                    tokens * moe.top_k as u64,
-                    "layer {layer}"
-                );
+                assert_eq!(counts.iter().sum::<u64>(), tokens * moe.top_k as u64, "layer {layer}");
             } else {
                 assert!(counts.is_empty(), "dense layer {layer} has no histogram");
             }
@@ -139,11 +104,8 @@ fn stats_report_router_histograms_and_phase_times() {
         let moe_layers = moe.sparse_layers.iter().filter(|&&s| s).count() as u64;
         assert_eq!(stats.routing_readbacks, passes * moe_layers);
         let phases = stats.phases.expect("timing was asked for");
-        let want_source = if gpu.caps.timestamps {
-            TimingSource::GpuTimestamps
-        } else {
-            TimingSource::WallClock
-        };
+        let want_source =
+            if gpu.caps.timestamps { TimingSource::GpuTimestamps } else { TimingSource::WallClock };
         assert_eq!(stats.timing_source, Some(want_source));
         assert!(
             !phases.attention.is_zero() && !phases.routed.is_zero() && !phases.head.is_zero(),

@@ -27,39 +27,28 @@ fn every_chunk_size_matches_the_fixture() {
             if e.prompt_ids.len() >= 64 {
                 chunks.push(32);
             }
-            for (chunk, matmul) in chunks
-                .into_iter()
-                .flat_map(|c| [(c, ChunkMatmul::Gemm), (c, ChunkMatmul::Gemv)])
+            for (chunk, matmul) in
+                chunks.into_iter().flat_map(|c| [(c, ChunkMatmul::Gemm), (c, ChunkMatmul::Gemv)])
             {
-                let options = SessionOptions {
-                    prefill_chunk: Some(chunk),
-                    chunk_matmul: matmul,
-                    ..Default::default()
-                };
+                let options =
+                    SessionOptions { prefill_chunk: Some(chunk), chunk_matmul: matmul, ..Default::default() };
                 let mut session = model.session(&options).unwrap();
                 assert_eq!(session.prefill_chunk(), chunk);
                 let mut logits = session.prefill(&e.prompt_ids).unwrap();
                 let err = max_abs_diff(&logits, &e.logits[0]);
-                let what = format!(
-                    "{} on {:?}, chunk {chunk} by {matmul:?}",
-                    case.name, gpu.info.backend
-                );
+                let what = format!("{} on {:?}, chunk {chunk} by {matmul:?}", case.name, gpu.info.backend);
                 if err > 1e-3 {
                     failures.push(format!("{what}: row 0 max |logit error| {err:.2e}"));
                     continue;
                 }
                 let mut ids = vec![argmax(&logits)];
                 while ids.len() < e.generated_ids.len() {
-                    logits = session
-                        .step(*ids.last().unwrap(), session.position())
-                        .unwrap();
+                    logits = session.step(*ids.last().unwrap(), session.position()).unwrap();
                     ids.push(argmax(&logits));
                 }
                 if ids != e.generated_ids {
-                    failures.push(format!(
-                        "{what}: continuation {ids:?}, transformers {:?}",
-                        e.generated_ids
-                    ));
+                    failures
+                        .push(format!("{what}: continuation {ids:?}, transformers {:?}", e.generated_ids));
                 }
             }
         }

@@ -4,15 +4,7 @@
 use wgspark::{Sampler, Sampling};
 
 fn random(temperature: f32, top_k: Option<usize>, top_p: Option<f32>, seed: u64) -> Sampler {
-    Sampler::new(
-        Sampling::Random {
-            temperature,
-            top_k,
-            top_p,
-        },
-        seed,
-    )
-    .unwrap()
+    Sampler::new(Sampling::Random { temperature, top_k, top_p }, seed).unwrap()
 }
 
 #[test]
@@ -39,19 +31,13 @@ fn top_k_and_top_p_restrict_the_candidates() {
     let logits = [4.0, 3.9, 3.8, 0.0, -1.0, 3.7];
     let mut s = random(1.0, Some(2), None, 1);
     for _ in 0..200 {
-        assert!(
-            matches!(s.sample(&logits), 0 | 1),
-            "only the two best survive top_k = 2"
-        );
+        assert!(matches!(s.sample(&logits), 0 | 1), "only the two best survive top_k = 2");
     }
     // p(0) is about 0.29: top_p = 0.1 keeps only the best token.
     let mut s = random(1.0, None, Some(0.1), 1);
     assert!((0..100).all(|_| s.sample(&logits) == 0));
     let mut s = random(1.0, Some(1), None, 3);
-    assert!(
-        (0..100).all(|_| s.sample(&logits) == 0),
-        "top_k = 1 is greedy"
-    );
+    assert!((0..100).all(|_| s.sample(&logits) == 0), "top_k = 1 is greedy");
 }
 
 #[test]
@@ -68,10 +54,7 @@ fn frequencies_follow_the_tempered_softmax() {
         for i in 0..3 {
             let want = (logits[i] / temperature).exp() / z;
             let got = counts[i] as f32 / n as f32;
-            assert!(
-                (got - want).abs() < 0.015,
-                "T {temperature}, token {i}: {got} vs {want}"
-            );
+            assert!((got - want).abs() < 0.015, "T {temperature}, token {i}: {got} vs {want}");
         }
     }
 }

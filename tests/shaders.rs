@@ -13,23 +13,11 @@ fn builds() -> Vec<(String, String, Capabilities)> {
     for (family, _) in SHADERS {
         let variants: Vec<_> = VARIANTS.iter().filter(|v| v.family == *family).collect();
         if variants.is_empty() {
-            out.push((
-                family.to_string(),
-                shader_source(family, None).unwrap(),
-                Capabilities::empty(),
-            ));
+            out.push((family.to_string(), shader_source(family, None).unwrap(), Capabilities::empty()));
         }
         for v in variants {
-            let caps = if v.subgroups {
-                Capabilities::SUBGROUP
-            } else {
-                Capabilities::empty()
-            };
-            out.push((
-                format!("{family}.{}", v.name),
-                shader_source(family, Some(v.name)).unwrap(),
-                caps,
-            ));
+            let caps = if v.subgroups { Capabilities::SUBGROUP } else { Capabilities::empty() };
+            out.push((format!("{family}.{}", v.name), shader_source(family, Some(v.name)).unwrap(), caps));
         }
     }
     out
@@ -41,14 +29,9 @@ fn every_kernel_translates_to_msl_hlsl_and_spirv() {
     for (name, source, caps) in builds() {
         let module = naga::front::wgsl::parse_str(&source)
             .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
-        let info = Validator::new(ValidationFlags::all(), caps)
-            .validate(&module)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{name} does not validate with {caps:?}: {}",
-                    e.emit_to_string(&source)
-                )
-            });
+        let info = Validator::new(ValidationFlags::all(), caps).validate(&module).unwrap_or_else(|e| {
+            panic!("{name} does not validate with {caps:?}: {}", e.emit_to_string(&source))
+        });
         for ep in &module.entry_points {
             let label = format!("{name}:{}", ep.name);
             // Override constants at their defaults, one entry point, as each
@@ -61,10 +44,7 @@ fn every_kernel_translates_to_msl_hlsl_and_spirv() {
             )
             .unwrap_or_else(|e| panic!("{label}: overrides: {e}"));
 
-            let msl_options = naga::back::msl::Options {
-                lang_version: (2, 4),
-                ..Default::default()
-            };
+            let msl_options = naga::back::msl::Options { lang_version: (2, 4), ..Default::default() };
             naga::back::msl::write_string(&m, &i, &msl_options, &Default::default())
                 .unwrap_or_else(|e| panic!("{label} -> MSL: {e}"));
 
@@ -94,13 +74,7 @@ fn every_wgsl_file_is_a_registered_kernel_or_variant() {
         let stem = file.trim_end_matches(".wgsl");
         let registered = stem == "common"
             || SHADERS.iter().any(|(n, _)| *n == stem)
-            || VARIANTS
-                .iter()
-                .any(|v| format!("{}.{}", v.family, v.name) == stem);
-        assert!(
-            registered,
-            "{} is not listed in kernels::SHADERS or VARIANTS",
-            path.display()
-        );
+            || VARIANTS.iter().any(|v| format!("{}.{}", v.family, v.name) == stem);
+        assert!(registered, "{} is not listed in kernels::SHADERS or VARIANTS", path.display());
     }
 }

@@ -27,32 +27,19 @@ fn smollm2_matches_transformers_greedy_ids() {
     let dir = wgspark::fetch::default_model(|msg| eprintln!("{msg}"))
         .unwrap_or_else(|e| panic!("the default model could not be obtained: {e}"));
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/smollm2/expected.json");
-    let reference: Reference =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let reference: Reference = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
 
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     for case in &reference.cases {
-        let ids = tokenizer
-            .encode(case.prompt.as_str(), false)
-            .unwrap()
-            .get_ids()
-            .to_vec();
-        assert_eq!(
-            ids, case.prompt_ids,
-            "tokenizer.json encodes {:?} as transformers did",
-            case.prompt
-        );
+        let ids = tokenizer.encode(case.prompt.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, case.prompt_ids, "tokenizer.json encodes {:?} as transformers did", case.prompt);
     }
 
     on_each_backend(|gpu| {
         let model = Model::load(&dir, gpu).unwrap();
         for case in &reference.cases {
-            let mut session = model
-                .session(&SessionOptions {
-                    context_len: Some(64),
-                    ..Default::default()
-                })
-                .unwrap();
+            let mut session =
+                model.session(&SessionOptions { context_len: Some(64), ..Default::default() }).unwrap();
             let mut logits = session.prefill(&case.prompt_ids).unwrap();
             let first_row_error = max_abs_diff(&logits, &case.first_row_logits);
             let mut ids = Vec::new();
@@ -67,21 +54,10 @@ fn smollm2_matches_transformers_greedy_ids() {
                 "{:?} on {:?}: ids {} transformers'; first row max |logit error| {first_row_error:.2e}",
                 case.prompt,
                 gpu.info.backend,
-                if ids == case.generated_ids {
-                    "match"
-                } else {
-                    "DIFFER from"
-                }
+                if ids == case.generated_ids { "match" } else { "DIFFER from" }
             );
-            assert_eq!(
-                ids, case.generated_ids,
-                "{:?} on {:?}",
-                case.prompt, gpu.info.backend
-            );
-            assert!(
-                first_row_error <= 1e-3,
-                "first row max |logit error| {first_row_error}"
-            );
+            assert_eq!(ids, case.generated_ids, "{:?} on {:?}", case.prompt, gpu.info.backend);
+            assert!(first_row_error <= 1e-3, "first row max |logit error| {first_row_error}");
         }
     });
 }

@@ -59,14 +59,9 @@ impl Activations {
     /// The most tokens per submission (at most `wanted`) for which every
     /// activation fits one storage binding.
     pub fn max_chunk(gpu: &Gpu, c: &ModelConfig, wanted: usize) -> usize {
-        let moe_width = c
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.top_k * (2 * m.intermediate).max(c.hidden));
-        let widest = [c.hidden, c.heads.qkv_width(), 2 * c.intermediate, moe_width]
-            .into_iter()
-            .max()
-            .unwrap();
+        let moe_width = c.moe.as_ref().map_or(0, |m| m.top_k * (2 * m.intermediate).max(c.hidden));
+        let widest =
+            [c.hidden, c.heads.qkv_width(), 2 * c.intermediate, moe_width].into_iter().max().unwrap();
         let fits = (gpu.caps.max_storage_binding / (4 * widest as u64)).max(1) as usize;
         wanted.clamp(1, fits)
     }
@@ -111,8 +106,7 @@ impl Activations {
             h: buf("h", c.hidden)?,
             qkv: buf("qkv", c.heads.qkv_width())?,
             attn: buf("attn", c.heads.q * c.heads.dim)?,
-            attn_split_acc: gpu
-                .storage_buffer("attn_split_acc", c.heads.q * splits * c.heads.dim)?,
+            attn_split_acc: gpu.storage_buffer("attn_split_acc", c.heads.q * splits * c.heads.dim)?,
             attn_split_max_sum: gpu.storage_buffer("attn_split_max_sum", c.heads.q * splits * 2)?,
             attn_splits: splits,
             attn_out: buf("attn_out", c.hidden)?,
@@ -127,14 +121,8 @@ impl Activations {
     /// Sets the token ids and first position of the next submission.
     pub fn write_step(&self, gpu: &Gpu, tokens: &[u32], pos0: usize) {
         debug_assert!(tokens.len() <= self.max_tokens);
-        gpu.queue
-            .write_buffer(&self.tokens, 0, bytemuck::cast_slice(tokens));
-        let step = Step {
-            pos0: pos0 as u32,
-            n_tokens: tokens.len() as u32,
-            _pad: [0; 2],
-        };
-        gpu.queue
-            .write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
+        gpu.queue.write_buffer(&self.tokens, 0, bytemuck::cast_slice(tokens));
+        let step = Step { pos0: pos0 as u32, n_tokens: tokens.len() as u32, _pad: [0; 2] };
+        gpu.queue.write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
     }
 }

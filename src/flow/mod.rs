@@ -66,19 +66,11 @@ pub(crate) struct Projection {
 }
 
 impl Projection {
-    fn new(
-        model: &Model,
-        weight: &GpuTensor,
-        act: &Activations,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-    ) -> Self {
+    fn new(model: &Model, weight: &GpuTensor, act: &Activations, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Self {
         let (gpu, k) = (&model.gpu, &model.kernels);
         Projection {
             gemv: k.gemv.plan(gpu, weight, x, y),
-            gemm: act
-                .chunk_gemm
-                .then(|| k.gemm.plan(gpu, weight, act.max_tokens, &act.step, x, y)),
+            gemm: act.chunk_gemm.then(|| k.gemm.plan(gpu, weight, act.max_tokens, &act.step, x, y)),
         }
     }
 
@@ -153,9 +145,7 @@ impl Plan {
                 ffn: match &lw.ffn {
                     FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
                         gate_up_proj: Projection::new(model, gate_up, act, &act.h, &act.gate_up),
-                        swiglu: k
-                            .swiglu
-                            .plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
+                        swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
                         down_proj: Projection::new(model, down, act, &act.ffn_act, &act.ffn_out),
                         ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
                     }),
@@ -167,9 +157,7 @@ impl Plan {
         Plan {
             embed: k.embed.plan(gpu, &w.embed, &act.tokens, &act.x),
             layers,
-            final_norm: k
-                .rms_norm
-                .plan(gpu, &w.final_norm, c.rms_eps, &act.x_last, &act.h, hidden),
+            final_norm: k.rms_norm.plan(gpu, &w.final_norm, c.rms_eps, &act.x_last, &act.h, hidden),
             lm_head: k.gemv.plan(gpu, w.head(), &act.h, &act.logits),
         }
     }
@@ -197,13 +185,7 @@ impl Plan {
         }
         if with_head {
             let row = 4 * act.hidden as u64;
-            rec.encoder().copy_buffer_to_buffer(
-                &act.x,
-                (n_tokens as u64 - 1) * row,
-                &act.x_last,
-                0,
-                row,
-            );
+            rec.encoder().copy_buffer_to_buffer(&act.x, (n_tokens as u64 - 1) * row, &act.x_last, 0, row);
             let pass = rec.pass(Phase::Head);
             self.final_norm.encode(pass, 1);
             encode_all(&self.lm_head, pass, 1);
@@ -236,18 +218,14 @@ impl AttentionPlan {
                 // Rows of q heads, then of k heads, in place in the qkv buffer.
                 let (q_rows, k_rows) = qk_norm_rows(norm, heads);
                 vec![
-                    k.rms_norm
-                        .plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
-                    k.rms_norm
-                        .plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
+                    k.rms_norm.plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
+                    k.rms_norm.plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
                 ]
             }
             _ => unreachable!("q/k norm weights are loaded whenever the family has them"),
         };
         AttentionPlan {
-            attn_norm: k
-                .rms_norm
-                .plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
+            attn_norm: k.rms_norm.plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
             qkv_proj: Projection::new(model, &lw.qkv, act, &act.h, &act.qkv),
             qk_norm,
             rope_and_store: k.rope.plan(
@@ -270,25 +248,13 @@ impl AttentionPlan {
                 attention_bindings(),
                 Some((
                     act.attn_splits,
-                    SplitScratch {
-                        acc: &act.attn_split_acc,
-                        max_sum: &act.attn_split_max_sum,
-                    },
+                    SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum },
                 )),
             ),
-            attention_prefill: k.attention.plan(
-                gpu,
-                heads,
-                scale,
-                window,
-                attention_bindings(),
-                None,
-            ),
+            attention_prefill: k.attention.plan(gpu, heads, scale, window, attention_bindings(), None),
             o_proj: Projection::new(model, &lw.o_proj, act, &act.attn, &act.attn_out),
             attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
-            ffn_norm: k
-                .rms_norm
-                .plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
+            ffn_norm: k.rms_norm.plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
         }
     }
 
@@ -297,11 +263,7 @@ impl AttentionPlan {
         self.qkv_proj.encode(pass, n_tokens);
         encode_all(&self.qk_norm, pass, n_tokens);
         self.rope_and_store.encode(pass, n_tokens);
-        let attention = if n_tokens == 1 {
-            &self.attention_decode
-        } else {
-            &self.attention_prefill
-        };
+        let attention = if n_tokens == 1 { &self.attention_decode } else { &self.attention_prefill };
         encode_all(attention, pass, n_tokens);
         self.o_proj.encode(pass, n_tokens);
         self.attn_residual.encode(pass, n_tokens);
@@ -327,12 +289,6 @@ fn qk_norm_rows(norm: QkNorm, heads: crate::kernels::Heads) -> (Rows, Rows) {
         QkNorm::WholeProjection => (q_width, heads.kv_width(), 1, 1, 0),
         QkNorm::None => unreachable!("no rows to normalise"),
     };
-    let rows = |n, heads, offset| Rows {
-        n,
-        heads,
-        head_stride,
-        token_stride: stride,
-        offset,
-    };
+    let rows = |n, heads, offset| Rows { n, heads, head_stride, token_stride: stride, offset };
     (rows(n_q, heads_q, 0), rows(n_k, heads_k, q_width))
 }

@@ -67,31 +67,14 @@ impl MoePlan {
         let gpu: &Gpu = &model.gpu;
         let c = &model.config;
         let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
-        let a = act
-            .moe
-            .as_ref()
-            .expect("MoE activations exist for MoE models");
+        let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
         let k = &model.kernels;
         let (h, i, top_k) = (c.hidden, m.intermediate, m.top_k);
         let ids = &a.route_ids;
-        let gate_up_layout = ExpertLayout {
-            top_k,
-            expert_rows: 2 * i,
-            x_stride: h,
-            x_slot_stride: 0,
-        };
-        let down_layout = ExpertLayout {
-            top_k,
-            expert_rows: h,
-            x_stride: top_k * i,
-            x_slot_stride: i,
-        };
-        let ranges = |t: &crate::gpu::GpuTensor| {
-            t.parts
-                .iter()
-                .map(|p| p.first_row..p.first_row + p.rows)
-                .collect()
-        };
+        let gate_up_layout = ExpertLayout { top_k, expert_rows: 2 * i, x_stride: h, x_slot_stride: 0 };
+        let down_layout = ExpertLayout { top_k, expert_rows: h, x_stride: top_k * i, x_slot_stride: i };
+        let ranges =
+            |t: &crate::gpu::GpuTensor| t.parts.iter().map(|p| p.first_row..p.first_row + p.rows).collect();
         let mut swiglu = k.swiglu.plan(gpu, i, &a.expert_gate_up, &a.expert_act);
         // One swiglu row per (token, slot).
         swiglu.workgroups[1] = top_k as u32;
@@ -111,22 +94,14 @@ impl MoePlan {
             ),
             gate_up: (0..top_k)
                 .map(|slot| {
-                    let b = ExpertBuffers {
-                        x: &act.h,
-                        y: &a.expert_gate_up,
-                        ids,
-                    };
+                    let b = ExpertBuffers { x: &act.h, y: &a.expert_gate_up, ids };
                     k.gemv.plan_expert(gpu, &w.gate_up, gate_up_layout, slot, b)
                 })
                 .collect(),
             swiglu,
             down: (0..top_k)
                 .map(|slot| {
-                    let b = ExpertBuffers {
-                        x: &a.expert_act,
-                        y: &a.expert_out,
-                        ids,
-                    };
+                    let b = ExpertBuffers { x: &a.expert_act, y: &a.expert_out, ids };
                     k.gemv.plan_expert(gpu, &w.down, down_layout, slot, b)
                 })
                 .collect(),
@@ -146,8 +121,7 @@ impl MoePlan {
                         groups: &a.groups,
                         pairs: &a.pairs,
                     };
-                    k.gemm
-                        .plan_expert(gpu, &w.gate_up, e, 2 * i, top_k, &act.step, b)
+                    k.gemm.plan_expert(gpu, &w.gate_up, e, 2 * i, top_k, &act.step, b)
                 })
                 .collect(),
             grouped_down: (0..m.experts)
@@ -189,9 +163,7 @@ impl MoePlan {
             RoutingMode::DeviceResident => None,
             RoutingMode::Readback => {
                 let bytes = (n_tokens as usize * self.k * 4) as u64;
-                routing
-                    .readback
-                    .record(rec.encoder(), &a.route_ids, 0, bytes);
+                routing.readback.record(rec.encoder(), &a.route_ids, 0, bytes);
                 let start = Instant::now();
                 rec.submit()?;
                 let ids: Vec<u32> = routing.readback.read(rec.gpu(), bytes)?;
@@ -251,8 +223,7 @@ impl MoePlan {
                 encode_slots(&self.down, &self.down_parts, self.down_rows, pass);
             }
         }
-        self.weighted_residual
-            .encode(rec.pass(Phase::Routed), n_tokens);
+        self.weighted_residual.encode(rec.pass(Phase::Routed), n_tokens);
         Ok(())
     }
 
@@ -277,10 +248,8 @@ impl MoePlan {
             pairs[offsets[e as usize] as usize] = pair as u32;
             offsets[e as usize] += 1;
         }
-        gpu.queue
-            .write_buffer(&a.groups, 0, bytemuck::cast_slice(&groups));
-        gpu.queue
-            .write_buffer(&a.pairs, 0, bytemuck::cast_slice(&pairs));
+        gpu.queue.write_buffer(&a.groups, 0, bytemuck::cast_slice(&groups));
+        gpu.queue.write_buffer(&a.pairs, 0, bytemuck::cast_slice(&pairs));
         counts
     }
 }

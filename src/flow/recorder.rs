@@ -20,13 +20,7 @@ pub struct Recorder<'a> {
 
 impl<'a> Recorder<'a> {
     pub fn new(gpu: &'a Gpu, timer: Option<&'a mut PhaseTimer>) -> Self {
-        Recorder {
-            gpu,
-            encoder: None,
-            pass: None,
-            phase: None,
-            timer,
-        }
+        Recorder { gpu, encoder: None, pass: None, phase: None, timer }
     }
 
     pub fn gpu(&self) -> &'a Gpu {
@@ -46,10 +40,7 @@ impl<'a> Recorder<'a> {
         if self.pass.is_none() {
             let gpu = self.gpu;
             let encoder = self.encoder.get_or_insert_with(|| {
-                gpu.device
-                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                        label: Some("forward"),
-                    })
+                gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") })
             });
             let timestamp_writes = self.timer.as_deref_mut().and_then(|t| t.pass_writes(phase));
             let pass = encoder
@@ -78,8 +69,7 @@ impl<'a> Recorder<'a> {
     pub fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
         self.end_pass();
         let gpu = self.gpu;
-        self.encoder
-            .get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()))
+        self.encoder.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()))
     }
 
     /// Submits what was recorded.
@@ -99,8 +89,7 @@ impl<'a> Recorder<'a> {
         let gpu = self.gpu;
         if let Some(timer) = self.timer.as_deref_mut() {
             timer.before_final_submit(
-                self.encoder
-                    .get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default())),
+                self.encoder.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default())),
             );
         }
         self.submit()?;

@@ -44,14 +44,11 @@ pub struct ParamsBuffer(pub wgpu::Buffer);
 
 impl ParamsBuffer {
     pub fn new<T: bytemuck::Pod>(gpu: &Gpu, label: &str, params: &T) -> Self {
-        ParamsBuffer(
-            gpu.device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(label),
-                    contents: bytemuck::bytes_of(params),
-                    usage: wgpu::BufferUsages::UNIFORM,
-                }),
-        )
+        ParamsBuffer(gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents: bytemuck::bytes_of(params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        }))
     }
 }
 
@@ -77,9 +74,7 @@ impl Gpu {
         Ok(self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_DST
-                | wgpu::BufferUsages::COPY_SRC,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         }))
     }
@@ -95,14 +90,11 @@ impl Gpu {
             padded.resize(bytes.len().max(16).next_multiple_of(16), 0);
             &padded
         };
-        self.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_DST
-                    | wgpu::BufferUsages::COPY_SRC,
-            })
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+        })
     }
 
     /// Splits `n` workgroups into an `(x, z)` grid within the per-dimension
@@ -124,11 +116,8 @@ impl Gpu {
         pipeline: &wgpu::ComputePipeline,
         buffers: &[&wgpu::Buffer],
     ) -> wgpu::BindGroup {
-        let indexed: Vec<(u32, &wgpu::Buffer)> = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| (i as u32, *b))
-            .collect();
+        let indexed: Vec<(u32, &wgpu::Buffer)> =
+            buffers.iter().enumerate().map(|(i, b)| (i as u32, *b)).collect();
         self.bind_at(label, pipeline, &indexed)
     }
 
@@ -142,10 +131,7 @@ impl Gpu {
     ) -> wgpu::BindGroup {
         let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
             .iter()
-            .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: *i,
-                resource: b.as_entire_binding(),
-            })
+            .map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() })
             .collect();
         self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(label),

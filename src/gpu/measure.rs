@@ -13,18 +13,11 @@ impl Gpu {
     /// a copy kernel, `reps` copies of a `bytes` buffer in one submission,
     /// best of 3 each.
     pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64> {
-        let bytes = bytes
-            .min(self.caps.max_buffer_size)
-            .min(self.caps.max_storage_binding)
-            / 16
-            * 16;
+        let bytes = bytes.min(self.caps.max_buffer_size).min(self.caps.max_storage_binding) / 16 * 16;
         let a = self.storage_buffer_bytes("copy.a", bytes)?;
         let b = self.storage_buffer_bytes("copy.b", bytes)?;
         let kernel = crate::kernels::copy::Copy::new(self)?;
-        let by_kernel = [
-            kernel.plan(self, &a, &b, bytes),
-            kernel.plan(self, &b, &a, bytes),
-        ];
+        let by_kernel = [kernel.plan(self, &a, &b, bytes), kernel.plan(self, &b, &a, bytes)];
         let api = self.time_copies(reps, |encoder, i| {
             let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
             encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
@@ -38,11 +31,7 @@ impl Gpu {
     }
 
     /// Best of 3 submissions of `reps` recorded copies.
-    fn time_copies(
-        &self,
-        reps: u32,
-        record: impl Fn(&mut wgpu::CommandEncoder, u32),
-    ) -> Result<Duration> {
+    fn time_copies(&self, reps: u32, record: impl Fn(&mut wgpu::CommandEncoder, u32)) -> Result<Duration> {
         let run = |n: u32| -> Result<Duration> {
             let mut encoder = self.device.create_command_encoder(&Default::default());
             for i in 0..n {

@@ -76,11 +76,7 @@ pub struct GpuOptions {
 
 impl Default for GpuOptions {
     fn default() -> Self {
-        GpuOptions {
-            backend: Backend::Auto,
-            max_storage_binding: None,
-            memory_budget: None,
-        }
+        GpuOptions { backend: Backend::Auto, max_storage_binding: None, memory_budget: None }
     }
 }
 
@@ -125,9 +121,8 @@ impl std::fmt::Debug for Gpu {
 }
 
 /// Optional features the kernels use where present.
-const WANTED_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
-    .union(wgpu::Features::SUBGROUP)
-    .union(wgpu::Features::TIMESTAMP_QUERY);
+const WANTED_FEATURES: wgpu::Features =
+    wgpu::Features::SHADER_F16.union(wgpu::Features::SUBGROUP).union(wgpu::Features::TIMESTAMP_QUERY);
 
 fn device_type_rank(t: wgpu::DeviceType) -> u8 {
     match t {
@@ -142,10 +137,7 @@ fn device_type_rank(t: wgpu::DeviceType) -> u8 {
 impl Gpu {
     /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter).
     pub fn from_env() -> Result<Self> {
-        Self::new(&GpuOptions {
-            backend: Backend::from_env()?,
-            ..GpuOptions::default()
-        })
+        Self::new(&GpuOptions { backend: Backend::from_env()?, ..GpuOptions::default() })
     }
 
     pub fn new(options: &GpuOptions) -> Result<Self> {
@@ -160,11 +152,7 @@ impl Gpu {
             adapter = Self::best_adapter(wgpu::Backends::GL).await;
         }
         let adapter = adapter.ok_or_else(|| Error::NoAdapter {
-            tried: tried
-                .iter()
-                .map(|b| format!("{b:?}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            tried: tried.iter().map(|b| format!("{b:?}")).collect::<Vec<_>>().join(", "),
         })?;
 
         let info = adapter.get_info();
@@ -180,10 +168,7 @@ impl Gpu {
                 trace: wgpu::Trace::Off,
             })
             .await
-            .map_err(|e| Error::RequestDevice {
-                adapter: info.name.clone(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), message: e.to_string() })?;
 
         // Validation and out-of-memory errors are collected instead of
         // panicking, and turned into `Error`s at the next checkpoint.
@@ -207,15 +192,7 @@ impl Gpu {
             subgroup_max_size: info.subgroup_max_size,
             memory_budget: options.memory_budget,
         };
-        Ok(Gpu {
-            device,
-            queue,
-            info,
-            features,
-            limits,
-            caps,
-            errors,
-        })
+        Ok(Gpu { device, queue, info, features, limits, caps, errors })
     }
 
     async fn best_adapter(backends: wgpu::Backends) -> Option<wgpu::Adapter> {
@@ -228,19 +205,14 @@ impl Gpu {
             .into_iter()
             .filter(|a| {
                 // Compute shaders are all this engine needs.
-                a.get_downlevel_capabilities()
-                    .flags
-                    .contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
+                a.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
             })
             .min_by_key(|a| device_type_rank(a.get_info().device_type))
     }
 
     /// One line naming the adapter and backend, for logs.
     pub fn describe(&self) -> String {
-        format!(
-            "{} ({:?}, {:?})",
-            self.info.name, self.info.backend, self.info.device_type
-        )
+        format!("{} ({:?}, {:?})", self.info.name, self.info.backend, self.info.device_type)
     }
 
     /// Turns the first GPU error recorded since the last call into an `Error`.
@@ -284,23 +256,14 @@ impl Gpu {
 
     /// Blocks until all submitted work is done.
     pub fn wait(&self) -> Result<()> {
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| Error::Gpu(e.to_string()))?;
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| Error::Gpu(e.to_string()))?;
         Ok(())
     }
 }
 
 fn is_software_renderer(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    [
-        "llvmpipe",
-        "lavapipe",
-        "softpipe",
-        "swiftshader",
-        "warp",
-        "microsoft basic render",
-    ]
-    .iter()
-    .any(|s| name.contains(s))
+    ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
+        .iter()
+        .any(|s| name.contains(s))
 }

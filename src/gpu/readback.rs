@@ -24,13 +24,7 @@ impl Readback {
 
     /// Records the copy of `bytes` bytes of `src` (from `offset`) into the
     /// staging buffer; call before finishing the encoder.
-    pub fn record(
-        &self,
-        encoder: &mut wgpu::CommandEncoder,
-        src: &wgpu::Buffer,
-        offset: u64,
-        bytes: u64,
-    ) {
+    pub fn record(&self, encoder: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, offset: u64, bytes: u64) {
         encoder.copy_buffer_to_buffer(src, offset, &self.staging, 0, bytes);
     }
 
@@ -48,9 +42,7 @@ impl Readback {
             .ok_or_else(|| Error::Gpu("readback callback was dropped".into()))?;
         mapped.map_err(|e| Error::Gpu(format!("map_async failed: {e}")))?;
         let out = {
-            let view = slice
-                .get_mapped_range()
-                .map_err(|e| Error::Gpu(format!("mapped range: {e}")))?;
+            let view = slice.get_mapped_range().map_err(|e| Error::Gpu(format!("mapped range: {e}")))?;
             bytemuck::pod_collect_to_vec(&view)
         };
         self.staging.unmap();
@@ -61,11 +53,7 @@ impl Readback {
 impl Gpu {
     /// Reads `len` elements of `buffer` (test and debug helper; the flow
     /// keeps its own [`Readback`]s).
-    pub fn read_buffer<T: bytemuck::Pod>(
-        &self,
-        buffer: &wgpu::Buffer,
-        len: usize,
-    ) -> Result<Vec<T>> {
+    pub fn read_buffer<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, len: usize) -> Result<Vec<T>> {
         let bytes = (len * std::mem::size_of::<T>()) as u64;
         let readback = Readback::new(self, "read_buffer", bytes);
         let mut encoder = self.device.create_command_encoder(&Default::default());

@@ -32,13 +32,7 @@ impl GpuTensor {
     /// As [`Self::alloc`], for a stack of groups of `group_rows` rows (the
     /// experts of a MoE layer): parts hold whole groups whenever one group
     /// fits a binding, so an expert is usually one dispatch.
-    pub fn alloc_grouped(
-        gpu: &Gpu,
-        name: &str,
-        rows: usize,
-        cols: usize,
-        group_rows: usize,
-    ) -> Result<Self> {
+    pub fn alloc_grouped(gpu: &Gpu, name: &str, rows: usize, cols: usize, group_rows: usize) -> Result<Self> {
         let row_bytes = (cols * 2) as u64;
         let limit = gpu.caps.max_storage_binding.min(gpu.caps.max_buffer_size);
         let mut rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
@@ -53,19 +47,10 @@ impl GpuTensor {
                 &format!("{name}[{first_row}..{}]", first_row + n),
                 (n * cols * 2) as u64,
             )?;
-            parts.push(TensorPart {
-                buffer,
-                first_row,
-                rows: n,
-            });
+            parts.push(TensorPart { buffer, first_row, rows: n });
             first_row += n;
         }
-        Ok(GpuTensor {
-            name: name.to_string(),
-            rows,
-            cols,
-            parts,
-        })
+        Ok(GpuTensor { name: name.to_string(), rows, cols, parts })
     }
 
     /// Writes bf16 rows (raw little-endian bytes) starting at `first_row`,
@@ -86,10 +71,7 @@ impl GpuTensor {
     }
 
     /// Indices of the parts holding any of `rows`.
-    pub fn parts_overlapping(
-        &self,
-        rows: std::ops::Range<usize>,
-    ) -> impl Iterator<Item = usize> + '_ {
+    pub fn parts_overlapping(&self, rows: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
         self.parts
             .iter()
             .enumerate()

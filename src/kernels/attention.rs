@@ -91,9 +91,7 @@ impl Attention {
         let tokens_per_wg = if split.is_some() {
             1
         } else {
-            (MAX_ROWS / group)
-                .min(MAX_GROUP_WIDTH / (group * heads.dim))
-                .max(1)
+            (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * heads.dim)).max(1)
         };
         let params = ParamsBuffer::new(
             gpu,
@@ -115,9 +113,7 @@ impl Attention {
             Some((_, s)) => (s.acc, s.max_sum),
             None => (&self.no_scratch, &self.no_scratch),
         };
-        let buffers = [
-            &params.0, b.step, b.qkv, b.k_cache, b.v_cache, b.out, acc, max_sum,
-        ];
+        let buffers = [&params.0, b.step, b.qkv, b.k_cache, b.v_cache, b.out, acc, max_sum];
         let mut dispatches = vec![Dispatch {
             label: "attention",
             bind_group: gpu.bind("attention", &self.main, &buffers),

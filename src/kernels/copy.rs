@@ -17,9 +17,7 @@ pub struct Copy {
 
 impl Copy {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Copy {
-            pipeline: super::pipeline(gpu, "copy", &[])?,
-        })
+        Ok(Copy { pipeline: super::pipeline(gpu, "copy", &[])? })
     }
 
     /// `dst[..bytes] = src[..bytes]`, `bytes` a multiple of 16.

@@ -19,9 +19,7 @@ pub struct Embed {
 
 impl Embed {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Embed {
-            pipeline: super::pipeline(gpu, "embed", &[])?,
-        })
+        Ok(Embed { pipeline: super::pipeline(gpu, "embed", &[])? })
     }
 
     /// `x[t] = table[tokens[t]]`, one dispatch per part of the table.
@@ -48,11 +46,7 @@ impl Embed {
                 );
                 Dispatch {
                     label: "embed",
-                    bind_group: gpu.bind(
-                        "embed",
-                        &self.pipeline,
-                        &[&params.0, &part.buffer, tokens, x],
-                    ),
+                    bind_group: gpu.bind("embed", &self.pipeline, &[&params.0, &part.buffer, tokens, x]),
                     pipeline: self.pipeline.clone(),
                     workgroups: [(table.cols as u32).div_ceil(64), 1, 1],
                     tokens_per_workgroup: 1,

@@ -83,19 +83,11 @@ impl Gemm {
             Tiling::Wide => true,
             Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
         };
-        let (pipeline, tile) = if wide {
-            (&self.wide, 128)
-        } else {
-            (&self.narrow, 64)
-        };
+        let (pipeline, tile) = if wide { (&self.wide, 128) } else { (&self.narrow, 64) };
         let tiles = (n_rows as u32).div_ceil(tile);
         Dispatch {
             label: "gemm",
-            bind_group: gpu.bind(
-                "gemm",
-                pipeline,
-                &[&params.0, step, &part.buffer, x, y, groups, pairs],
-            ),
+            bind_group: gpu.bind("gemm", pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
             pipeline: pipeline.clone(),
             workgroups: gpu.fold_grid(tiles),
             tokens_per_workgroup: tile,
@@ -128,13 +120,7 @@ impl Gemm {
                     _pad: 0,
                 };
                 let g = &self.no_groups;
-                self.dispatch(
-                    gpu,
-                    part,
-                    params,
-                    (part.rows, max_tokens),
-                    [step, x, y, g, g],
-                )
+                self.dispatch(gpu, part, params, (part.rows, max_tokens), [step, x, y, g, g])
             })
             .collect()
     }

@@ -35,16 +35,10 @@ impl GemvShape {
     /// lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
-            GemvShape {
-                rows_per_workgroup: 64,
-                threads_per_row: 1,
-            }
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1 }
         } else {
             let lanes = subgroup_width(gpu).unwrap_or(32);
-            GemvShape {
-                rows_per_workgroup: (256 / lanes).max(1),
-                threads_per_row: lanes,
-            }
+            GemvShape { rows_per_workgroup: (256 / lanes).max(1), threads_per_row: lanes }
         }
     }
 }
@@ -53,8 +47,7 @@ impl GemvShape {
 /// (each row's lanes are then exactly one subgroup).
 fn subgroup_width(gpu: &Gpu) -> Option<u32> {
     let (min, max) = (gpu.caps.subgroup_min_size, gpu.caps.subgroup_max_size);
-    (gpu.caps.subgroups && min == max && min.is_power_of_two() && (4..=128).contains(&min))
-        .then_some(min)
+    (gpu.caps.subgroups && min == max && min.is_power_of_two() && (4..=128).contains(&min)).then_some(min)
 }
 
 /// Where an expert GEMV reads its input and writes its output, per token:
@@ -101,11 +94,7 @@ impl Gemv {
                 ("WG", wg as f64),
             ],
         )?;
-        Ok(Gemv {
-            pipeline,
-            shape,
-            no_ids: gpu.storage_buffer("gemv.no_ids", 1)?,
-        })
+        Ok(Gemv { pipeline, shape, no_ids: gpu.storage_buffer("gemv.no_ids", 1)? })
     }
 
     fn dispatch(
@@ -121,11 +110,7 @@ impl Gemv {
         let blocks = (rows as u32).div_ceil(self.shape.rows_per_workgroup);
         Dispatch {
             label: "gemv",
-            bind_group: gpu.bind(
-                "gemv",
-                &self.pipeline,
-                &[&params.0, &part.buffer, x, y, ids],
-            ),
+            bind_group: gpu.bind("gemv", &self.pipeline, &[&params.0, &part.buffer, x, y, ids]),
             pipeline: self.pipeline.clone(),
             workgroups: gpu.fold_grid(blocks),
             tokens_per_workgroup: 1,
@@ -134,13 +119,7 @@ impl Gemv {
 
     /// `y[t] = W x[t]` with x packed `[tokens, W.cols]` and y packed
     /// `[tokens, W.rows]`.
-    pub fn plan(
-        &self,
-        gpu: &Gpu,
-        weight: &GpuTensor,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-    ) -> Vec<Dispatch> {
+    pub fn plan(&self, gpu: &Gpu, weight: &GpuTensor, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Vec<Dispatch> {
         weight
             .parts
             .iter()
@@ -194,13 +173,7 @@ impl Gemv {
                     y_stride: (layout.top_k * layout.expert_rows) as u32,
                     _pad: [0; 2],
                 };
-                self.dispatch(
-                    gpu,
-                    part,
-                    params,
-                    layout.expert_rows,
-                    [buffers.x, buffers.y, buffers.ids],
-                )
+                self.dispatch(gpu, part, params, layout.expert_rows, [buffers.x, buffers.y, buffers.ids])
             })
             .collect()
     }

@@ -92,11 +92,7 @@ pub struct Step {
 }
 
 /// Compiles a kernel family's entry point `main` with pipeline constants.
-pub(crate) fn pipeline(
-    gpu: &Gpu,
-    name: &str,
-    constants: &[(&str, f64)],
-) -> Result<wgpu::ComputePipeline> {
+pub(crate) fn pipeline(gpu: &Gpu, name: &str, constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
     pipeline_entry(gpu, name, "main", constants)
 }
 
@@ -138,24 +134,20 @@ fn compile(
     // two thirds of its speed). Bounds checks stay on.
     // SAFETY: every loop in wgsl/ runs over a range bounded by a constant or
     // a parameter and advances by a positive step, so none can run forever.
-    let checks = wgpu::ShaderRuntimeChecks {
-        force_loop_bounding: false,
-        ..wgpu::ShaderRuntimeChecks::checked()
-    };
+    let checks =
+        wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..wgpu::ShaderRuntimeChecks::checked() };
     let module = unsafe { gpu.device.create_shader_module_trusted(desc, checks) };
-    let pipeline = gpu
-        .device
-        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(name),
-            layout: None,
-            module: &module,
-            entry_point: Some(entry),
-            compilation_options: wgpu::PipelineCompilationOptions {
-                constants,
-                zero_initialize_workgroup_memory: false,
-            },
-            cache: None,
-        });
+    let pipeline = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(name),
+        layout: None,
+        module: &module,
+        entry_point: Some(entry),
+        compilation_options: wgpu::PipelineCompilationOptions {
+            constants,
+            zero_initialize_workgroup_memory: false,
+        },
+        cache: None,
+    });
     gpu.check(&format!("compiling kernel {name}"))?;
     Ok(pipeline)
 }

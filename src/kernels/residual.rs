@@ -48,20 +48,8 @@ impl Residual {
     }
 
     /// `x[t] += scale * y[t]`, both packed `[tokens, n]`.
-    pub fn plan(
-        &self,
-        gpu: &Gpu,
-        n: usize,
-        scale: f32,
-        y: &wgpu::Buffer,
-        x: &wgpu::Buffer,
-    ) -> Dispatch {
-        let params = Params {
-            n: n as u32,
-            k: 1,
-            weighted: 0,
-            scale,
-        };
+    pub fn plan(&self, gpu: &Gpu, n: usize, scale: f32, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Dispatch {
+        let params = Params { n: n as u32, k: 1, weighted: 0, scale };
         self.dispatch(gpu, params, y, x, &self.no_weights)
     }
 
@@ -75,12 +63,7 @@ impl Residual {
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
     ) -> Dispatch {
-        let params = Params {
-            n: n as u32,
-            k: k as u32,
-            weighted: 1,
-            scale: 0.0,
-        };
+        let params = Params { n: n as u32, k: k as u32, weighted: 1, scale: 0.0 };
         self.dispatch(gpu, params, y, x, weights)
     }
 }

@@ -29,13 +29,7 @@ pub struct Rows {
 impl Rows {
     /// One row of `n` per token, tokens packed.
     pub fn vector(n: usize) -> Self {
-        Rows {
-            n,
-            heads: 1,
-            head_stride: 0,
-            token_stride: n,
-            offset: 0,
-        }
+        Rows { n, heads: 1, head_stride: 0, token_stride: n, offset: 0 }
     }
 }
 
@@ -47,9 +41,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let wg = if gpu.caps.is_cpu { 64.0 } else { 256.0 };
-        Ok(RmsNorm {
-            pipeline: super::pipeline(gpu, "rms_norm", &[("WG", wg)])?,
-        })
+        Ok(RmsNorm { pipeline: super::pipeline(gpu, "rms_norm", &[("WG", wg)])? })
     }
 
     /// `out = w * x * rsqrt(mean(x^2) + eps)` per row; `x` and `out` may be
@@ -78,11 +70,7 @@ impl RmsNorm {
         );
         Dispatch {
             label: "rms_norm",
-            bind_group: gpu.bind(
-                "rms_norm",
-                &self.pipeline,
-                &[&params.0, &weight.parts[0].buffer, x, out],
-            ),
+            bind_group: gpu.bind("rms_norm", &self.pipeline, &[&params.0, &weight.parts[0].buffer, x, out]),
             pipeline: self.pipeline.clone(),
             workgroups: [rows.heads as u32, 1, 1],
             tokens_per_workgroup: 1,

@@ -31,21 +31,13 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Rope {
-            pipeline: super::pipeline(gpu, "rope", &[])?,
-        })
+        Ok(Rope { pipeline: super::pipeline(gpu, "rope", &[])? })
     }
 
     /// Rotates the first `rotary_dim` dims of every q and k head of `qkv`,
     /// writes the rotated k and the v of each token to the cache at its
     /// position.
-    pub fn plan(
-        &self,
-        gpu: &Gpu,
-        heads: Heads,
-        rotary_dim: usize,
-        b: RopeBindings<'_>,
-    ) -> Dispatch {
+    pub fn plan(&self, gpu: &Gpu, heads: Heads, rotary_dim: usize, b: RopeBindings<'_>) -> Dispatch {
         let params = ParamsBuffer::new(
             gpu,
             "rope.params",

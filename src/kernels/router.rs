@@ -57,21 +57,12 @@ impl Router {
         let params = ParamsBuffer::new(
             gpu,
             "router.params",
-            &Params {
-                n_experts: n_experts as u32,
-                top_k: top_k as u32,
-                scoring,
-                renormalize,
-            },
+            &Params { n_experts: n_experts as u32, top_k: top_k as u32, scoring, renormalize },
         );
         let bias = b.bias.unwrap_or(&self.no_bias);
         Dispatch {
             label: "router",
-            bind_group: gpu.bind(
-                "router",
-                &self.pipeline,
-                &[&params.0, b.logits, bias, b.ids, b.weights],
-            ),
+            bind_group: gpu.bind("router", &self.pipeline, &[&params.0, b.logits, bias, b.ids, b.weights]),
             pipeline: self.pipeline.clone(),
             workgroups: [1, 1, 1],
             tokens_per_workgroup: 1,

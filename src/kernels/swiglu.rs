@@ -17,27 +17,12 @@ pub struct Swiglu {
 
 impl Swiglu {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Swiglu {
-            pipeline: super::pipeline(gpu, "swiglu", &[])?,
-        })
+        Ok(Swiglu { pipeline: super::pipeline(gpu, "swiglu", &[])? })
     }
 
     /// `act[t] = silu(gate_up[t, ..n]) * gate_up[t, n..]`.
-    pub fn plan(
-        &self,
-        gpu: &Gpu,
-        n: usize,
-        gate_up: &wgpu::Buffer,
-        act: &wgpu::Buffer,
-    ) -> Dispatch {
-        let params = ParamsBuffer::new(
-            gpu,
-            "swiglu.params",
-            &Params {
-                n: n as u32,
-                _pad: [0; 3],
-            },
-        );
+    pub fn plan(&self, gpu: &Gpu, n: usize, gate_up: &wgpu::Buffer, act: &wgpu::Buffer) -> Dispatch {
+        let params = ParamsBuffer::new(gpu, "swiglu.params", &Params { n: n as u32, _pad: [0; 3] });
         Dispatch {
             label: "swiglu",
             bind_group: gpu.bind("swiglu", &self.pipeline, &[&params.0, gate_up, act]),

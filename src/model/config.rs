@@ -95,9 +95,7 @@ impl RopeConfig {
     pub fn inv_freq(&self) -> Vec<f32> {
         let dim = self.rotary_dim;
         let base = self.theta as f32;
-        let plain: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
-            .collect();
+        let plain: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
         match self.scaling {
             RopeScaling::None => plain,
             RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
@@ -116,13 +114,8 @@ impl RopeConfig {
                     .iter()
                     .map(|&f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
-                        let scaled = if wavelen > low_freq_wavelen {
-                            f / factor
-                        } else {
-                            f
-                        };
-                        let medium =
-                            !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
+                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                         if medium {
                             let smooth = (old_len / wavelen - low) / (high - low);
                             (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -229,19 +222,13 @@ impl ModelConfig {
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
         // Syntax errors are malformed JSON; a well-formed file with a missing
         // or mistyped field is an invalid config, named by its path.
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Json {
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| Error::InvalidConfig {
             path: path.to_path_buf(),
-            message: e.to_string(),
+            message: format!("{}: {}", e.path(), e.inner()),
         })?;
-        let raw: RawConfig =
-            serde_path_to_error::deserialize(value).map_err(|e| Error::InvalidConfig {
-                path: path.to_path_buf(),
-                message: format!("{}: {}", e.path(), e.inner()),
-            })?;
-        let invalid = |message: String| Error::InvalidConfig {
-            path: path.to_path_buf(),
-            message,
-        };
+        let invalid = |message: String| Error::InvalidConfig { path: path.to_path_buf(), message };
 
         let model_type = raw
             .model_type
@@ -267,8 +254,7 @@ impl ModelConfig {
                 )));
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM
-        {
+        if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM {
             return Err(invalid(format!(
                 "head_dim {head_dim} must be even and at most {}",
                 crate::kernels::attention::MAX_HEAD_DIM
@@ -287,21 +273,15 @@ impl ModelConfig {
                 ),
             });
         }
-        let intermediate = raw
-            .intermediate_size
-            .ok_or_else(|| invalid("missing field `intermediate_size`".into()))?;
-        for (name, v) in [
-            ("hidden_size", raw.hidden_size),
-            ("intermediate_size", intermediate),
-        ] {
+        let intermediate =
+            raw.intermediate_size.ok_or_else(|| invalid("missing field `intermediate_size`".into()))?;
+        for (name, v) in [("hidden_size", raw.hidden_size), ("intermediate_size", intermediate)] {
             if v == 0 || v % 2 != 0 {
                 return Err(invalid(format!("{name} {v} must be even and positive")));
             }
         }
         if raw.num_hidden_layers == 0 || raw.vocab_size == 0 {
-            return Err(invalid(
-                "num_hidden_layers and vocab_size must be positive".into(),
-            ));
+            return Err(invalid("num_hidden_layers and vocab_size must be positive".into()));
         }
 
         let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
@@ -324,11 +304,7 @@ impl ModelConfig {
             hidden: raw.hidden_size,
             intermediate,
             layers: raw.num_hidden_layers,
-            heads: Heads {
-                q: heads_q,
-                kv: heads_kv,
-                dim: head_dim,
-            },
+            heads: Heads { q: heads_q, kv: heads_kv, dim: head_dim },
             rms_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope,
             vocab: raw.vocab_size,
@@ -337,14 +313,10 @@ impl ModelConfig {
             sliding_window,
             dtype: raw.dtype.or(raw.torch_dtype),
             eos_token_ids: match raw.eos_token_id {
-                Some(serde_json::Value::Number(n)) => {
-                    n.as_u64().map(|id| id as u32).into_iter().collect()
+                Some(serde_json::Value::Number(n)) => n.as_u64().map(|id| id as u32).into_iter().collect(),
+                Some(serde_json::Value::Array(ids)) => {
+                    ids.iter().filter_map(|v| v.as_u64()).map(|id| id as u32).collect()
                 }
-                Some(serde_json::Value::Array(ids)) => ids
-                    .iter()
-                    .filter_map(|v| v.as_u64())
-                    .map(|id| id as u32)
-                    .collect(),
                 _ => Vec::new(),
             },
             moe,
@@ -365,9 +337,8 @@ fn parse_moe(
         .num_local_experts
         .or(raw.num_experts)
         .ok_or_else(|| invalid("missing field `num_local_experts` (or `num_experts`)".into()))?;
-    let top_k = raw
-        .num_experts_per_tok
-        .ok_or_else(|| invalid("missing field `num_experts_per_tok`".into()))?;
+    let top_k =
+        raw.num_experts_per_tok.ok_or_else(|| invalid("missing field `num_experts_per_tok`".into()))?;
     if experts == 0 || top_k == 0 || top_k > experts {
         return Err(invalid(format!(
             "num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})"
@@ -387,11 +358,7 @@ fn parse_moe(
         if !moe.scoring_funcs.contains(&func.as_str()) {
             return Err(Error::Unsupported {
                 what: "router scoring_func",
-                value: format!(
-                    "{func:?} for {} (supported: {})",
-                    family.name,
-                    moe.scoring_funcs.join(", ")
-                ),
+                value: format!("{func:?} for {} (supported: {})", family.name, moe.scoring_funcs.join(", ")),
             });
         }
     }
@@ -406,68 +373,47 @@ fn parse_moe(
     };
     let intermediate = raw.moe_intermediate_size.unwrap_or(dense_intermediate);
     if intermediate == 0 || intermediate % 2 != 0 {
-        return Err(invalid(format!(
-            "expert intermediate size {intermediate} must be even and positive"
-        )));
+        return Err(invalid(format!("expert intermediate size {intermediate} must be even and positive")));
     }
     let step = raw.decoder_sparse_step.unwrap_or(1);
     if step == 0 {
         return Err(invalid("decoder_sparse_step must be positive".into()));
     }
     let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
-    let sparse_layers = (0..raw.num_hidden_layers)
-        .map(|i| !dense_only.contains(&i) && (i + 1) % step == 0)
-        .collect();
-    Ok(Some(MoeConfig {
-        experts,
-        top_k,
-        intermediate,
-        routing,
-        sparse_layers,
-    }))
+    let sparse_layers =
+        (0..raw.num_hidden_layers).map(|i| !dense_only.contains(&i) && (i + 1) % step == 0).collect();
+    Ok(Some(MoeConfig { experts, top_k, intermediate, routing, sparse_layers }))
 }
 
 fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfig, String> {
     // transformers 5 folds everything into rope_parameters; the hub layout
     // keeps theta at the top level and scaling (if any) in rope_scaling.
     let params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
-    let theta = params
-        .and_then(|p| p.rope_theta)
-        .or(raw.rope_theta)
-        .unwrap_or(10_000.0);
+    let theta = params.and_then(|p| p.rope_theta).or(raw.rope_theta).unwrap_or(10_000.0);
     if !(theta > 0.0) {
         return Err(format!("rope_theta {theta} must be positive"));
     }
-    let partial = params
-        .and_then(|p| p.partial_rotary_factor)
-        .or(raw.partial_rotary_factor);
+    let partial = params.and_then(|p| p.partial_rotary_factor).or(raw.partial_rotary_factor);
     let rotary_dim = match (raw.rotary_dim, partial) {
         (Some(d), _) => d,
         (None, Some(f)) => (head_dim as f64 * f) as usize,
         (None, None) => head_dim,
     };
     if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
-        return Err(format!(
-            "rotary width {rotary_dim} must be even and at most head_dim {head_dim}"
-        ));
+        return Err(format!("rotary width {rotary_dim} must be even and at most head_dim {head_dim}"));
     }
 
     let kind = params
         .and_then(|p| p.rope_type.clone().or(p.legacy_type.clone()))
         .unwrap_or_else(|| "default".to_string());
-    let factor = || {
-        params
-            .and_then(|p| p.factor)
-            .ok_or_else(|| format!("rope type {kind:?} needs `factor`"))
-    };
+    let factor = || params.and_then(|p| p.factor).ok_or_else(|| format!("rope type {kind:?} needs `factor`"));
     let scaling = match kind.as_str() {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "llama3" => {
             let p = params.expect("a rope type implies rope parameters");
-            let field = |v: Option<f64>, name: &str| {
-                v.ok_or_else(|| format!("llama3 rope scaling needs `{name}`"))
-            };
+            let field =
+                |v: Option<f64>, name: &str| v.ok_or_else(|| format!("llama3 rope scaling needs `{name}`"));
             RopeScaling::Llama3 {
                 factor: factor()?,
                 low_freq_factor: field(p.low_freq_factor, "low_freq_factor")?,
@@ -478,14 +424,8 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
             }
         }
         other => {
-            return Err(format!(
-                "unsupported rope type {other:?} (supported: default, linear, llama3)"
-            ));
+            return Err(format!("unsupported rope type {other:?} (supported: default, linear, llama3)"));
         }
     };
-    Ok(RopeConfig {
-        theta,
-        rotary_dim,
-        scaling,
-    })
+    Ok(RopeConfig { theta, rotary_dim, scaling })
 }

@@ -44,21 +44,11 @@ pub struct ExpertNames {
     pub router: &'static str,
 }
 
-const MIXTRAL_NAMES: ExpertNames = ExpertNames {
-    block: "block_sparse_moe",
-    gate: "w1",
-    up: "w3",
-    down: "w2",
-    router: "gate",
-};
+const MIXTRAL_NAMES: ExpertNames =
+    ExpertNames { block: "block_sparse_moe", gate: "w1", up: "w3", down: "w2", router: "gate" };
 
-const QWEN3_MOE_NAMES: ExpertNames = ExpertNames {
-    block: "mlp",
-    gate: "gate_proj",
-    up: "up_proj",
-    down: "down_proj",
-    router: "gate",
-};
+const QWEN3_MOE_NAMES: ExpertNames =
+    ExpertNames { block: "mlp", gate: "gate_proj", up: "up_proj", down: "down_proj", router: "gate" };
 
 /// The mixture-of-experts half of a family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,9 +92,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["MixtralForCausalLM"],
         qk_norm: QkNorm::None,
         moe: Some(MoeFamily {
-            scoring: RouterScoring::Softmax {
-                renormalize: Renormalize::Always,
-            },
+            scoring: RouterScoring::Softmax { renormalize: Renormalize::Always },
             names: MIXTRAL_NAMES,
             scoring_funcs: &["softmax"],
         }),
@@ -122,9 +110,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["Qwen3MoeForCausalLM"],
         qk_norm: QkNorm::PerHead,
         moe: Some(MoeFamily {
-            scoring: RouterScoring::Softmax {
-                renormalize: Renormalize::IfNormTopkProb,
-            },
+            scoring: RouterScoring::Softmax { renormalize: Renormalize::IfNormTopkProb },
             names: QWEN3_MOE_NAMES,
             scoring_funcs: &["softmax"],
         }),

@@ -124,11 +124,7 @@ impl Gguf {
     }
 
     fn parse(path: &Path, bytes: Vec<u8>) -> Result<Self> {
-        let mut c = Cursor {
-            bytes: &bytes,
-            pos: 0,
-            path,
-        };
+        let mut c = Cursor { bytes: &bytes, pos: 0, path };
         if c.take(4)? != b"GGUF" {
             return Err(c.err("not a GGUF file (bad magic)"));
         }
@@ -154,25 +150,14 @@ impl Gguf {
             let dims = (0..n_dims).map(|_| c.len()).collect::<Result<Vec<_>>>()?;
             let ggml_type = c.u32()?;
             let offset = c.len()?;
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ggml_type,
-                offset,
-            });
+            tensors.push(TensorInfo { name, dims, ggml_type, offset });
         }
         let alignment = match metadata.get("general.alignment") {
             Some(Meta::Int(a)) if *a > 0 => *a as usize,
             _ => 32,
         };
         let data_start = c.pos.next_multiple_of(alignment);
-        let gguf = Gguf {
-            path: path.to_path_buf(),
-            bytes,
-            metadata,
-            tensors,
-            data_start,
-        };
+        let gguf = Gguf { path: path.to_path_buf(), bytes, metadata, tensors, data_start };
         for t in &gguf.tensors {
             let end = gguf.data_start + t.offset + gguf.byte_len(t)?;
             if end > gguf.bytes.len() {
@@ -183,10 +168,7 @@ impl Gguf {
     }
 
     fn err(&self, message: String) -> Error {
-        Error::Gguf {
-            path: self.path.clone(),
-            message,
-        }
+        Error::Gguf { path: self.path.clone(), message }
     }
 
     fn byte_len(&self, t: &TensorInfo) -> Result<usize> {
@@ -202,18 +184,13 @@ impl Gguf {
             }
         };
         if n % block != 0 {
-            return Err(self.err(format!(
-                "tensor {}: {n} elements is not a whole number of blocks",
-                t.name
-            )));
+            return Err(self.err(format!("tensor {}: {n} elements is not a whole number of blocks", t.name)));
         }
         Ok(n / block * block_bytes)
     }
 
     pub fn meta(&self, key: &str) -> Result<&Meta> {
-        self.metadata
-            .get(key)
-            .ok_or_else(|| self.err(format!("missing metadata key {key}")))
+        self.metadata.get(key).ok_or_else(|| self.err(format!("missing metadata key {key}")))
     }
 
     pub fn meta_int(&self, key: &str) -> Result<i64> {
@@ -261,15 +238,11 @@ impl Gguf {
         let data = &self.bytes[start..start + self.byte_len(t)?];
         let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
         Ok(match t.ggml_type {
-            GGML_F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
+            GGML_F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
             GGML_F16 => data.chunks_exact(2).map(f16).collect(),
-            GGML_BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+            GGML_BF16 => {
+                data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
             GGML_Q8_0 => data
                 .chunks_exact(34)
                 .flat_map(|b| {
@@ -283,11 +256,7 @@ impl Gguf {
                 let mut out = Vec::with_capacity(data.len() / block * 32);
                 for b in data.chunks_exact(block) {
                     let d = f16(&b[0..2]);
-                    let (m, qs) = if with_min {
-                        (f16(&b[2..4]), &b[4..20])
-                    } else {
-                        (-8.0 * d, &b[2..18])
-                    };
+                    let (m, qs) = if with_min { (f16(&b[2..4]), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
                     // Low nibbles are elements 0..16, high nibbles 16..32.
                     out.extend(qs.iter().map(|&q| (q & 0x0f) as f32 * d + m));
                     out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
@@ -311,8 +280,7 @@ fn unpermute_rows(values: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
             for j in 0..2 {
                 let hf = h * d + j * d / 2 + i;
                 let gg = h * d + 2 * i + j;
-                out[hf * cols..(hf + 1) * cols]
-                    .copy_from_slice(&values[gg * cols..(gg + 1) * cols]);
+                out[hf * cols..(hf + 1) * cols].copy_from_slice(&values[gg * cols..(gg + 1) * cols]);
             }
         }
     }
@@ -334,9 +302,7 @@ pub fn convert_llama_to_hf(gguf_path: &Path, out: &Path) -> Result<()> {
     let key = |k: &str| format!("llama.{k}");
     let hidden = g.meta_int(&key("embedding_length"))? as usize;
     let heads = g.meta_int(&key("attention.head_count"))? as usize;
-    let kv_heads = g
-        .meta_int(&key("attention.head_count_kv"))
-        .unwrap_or(heads as i64) as usize;
+    let kv_heads = g.meta_int(&key("attention.head_count_kv")).unwrap_or(heads as i64) as usize;
     let tokens = g.meta_strings("tokenizer.ggml.tokens")?;
     let vocab = tokens.len();
     let tied = g.tensor("output.weight").is_none();
@@ -368,8 +334,8 @@ pub fn convert_llama_to_hf(gguf_path: &Path, out: &Path) -> Result<()> {
 
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for t in &g.tensors {
-        let hf_name = hf_tensor_name(&t.name)
-            .ok_or_else(|| g.err(format!("unexpected tensor {}", t.name)))?;
+        let hf_name =
+            hf_tensor_name(&t.name).ok_or_else(|| g.err(format!("unexpected tensor {}", t.name)))?;
         let shape: Vec<usize> = t.dims.iter().rev().copied().collect();
         let mut values = g.dequantize(t)?;
         let cols = *shape.last().unwrap();
@@ -378,42 +344,24 @@ pub fn convert_llama_to_hf(gguf_path: &Path, out: &Path) -> Result<()> {
         } else if t.name.ends_with("attn_k.weight") {
             values = unpermute_rows(&values, kv_heads, cols);
         }
-        let bytes = values
-            .iter()
-            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-            .collect();
+        let bytes = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
         tensors.push((hf_name, shape, bytes));
     }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(name, shape, bytes)| {
-            let view = safetensors::tensor::TensorView::new(
-                safetensors::Dtype::BF16,
-                shape.clone(),
-                bytes,
-            )
-            .expect("shape and byte count agree");
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
+                .expect("shape and byte count agree");
             (name.clone(), view)
         })
         .collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let st = safetensors::serialize(views, Some(metadata)).map_err(|e| g.err(e.to_string()))?;
     write("model.safetensors", &st)?;
-    write(
-        "config.json",
-        serde_json::to_string_pretty(&config).unwrap().as_bytes(),
-    )?;
-    write(
-        "tokenizer.json",
-        serde_json::to_string(&tokenizer_json(&g, &tokens)?)
-            .unwrap()
-            .as_bytes(),
-    )?;
+    write("config.json", serde_json::to_string_pretty(&config).unwrap().as_bytes())?;
+    write("tokenizer.json", serde_json::to_string(&tokenizer_json(&g, &tokens)?).unwrap().as_bytes())?;
     let token_name = |k: &str| -> Value {
-        g.meta_int(k)
-            .ok()
-            .and_then(|id| tokens.get(id as usize))
-            .map_or(Value::Null, |t| json!(t))
+        g.meta_int(k).ok().and_then(|id| tokens.get(id as usize)).map_or(Value::Null, |t| json!(t))
     };
     let tokenizer_config = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -425,12 +373,7 @@ pub fn convert_llama_to_hf(gguf_path: &Path, out: &Path) -> Result<()> {
         "add_bos_token": false,
         "model_max_length": g.meta_int(&key("context_length"))?,
     });
-    write(
-        "tokenizer_config.json",
-        serde_json::to_string_pretty(&tokenizer_config)
-            .unwrap()
-            .as_bytes(),
-    )
+    write("tokenizer_config.json", serde_json::to_string_pretty(&tokenizer_config).unwrap().as_bytes())
 }
 
 fn hf_tensor_name(gguf_name: &str) -> Option<String> {
@@ -464,17 +407,11 @@ fn hf_tensor_name(gguf_name: &str) -> Option<String> {
 fn tokenizer_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
     let model = g.meta_str("tokenizer.ggml.model")?;
     if model != "gpt2" {
-        return Err(Error::Unsupported {
-            what: "GGUF tokenizer model",
-            value: model.to_string(),
-        });
+        return Err(Error::Unsupported { what: "GGUF tokenizer model", value: model.to_string() });
     }
     let merges = g.meta_strings("tokenizer.ggml.merges")?;
     let types: Vec<i64> = match g.meta("tokenizer.ggml.token_type")? {
-        Meta::Array(items) => items
-            .iter()
-            .map(|m| if let Meta::Int(v) = m { *v } else { 1 })
-            .collect(),
+        Meta::Array(items) => items.iter().map(|m| if let Meta::Int(v) = m { *v } else { 1 }).collect(),
         _ => vec![1; tokens.len()],
     };
     // llama.cpp's pre-tokenizer names; these split digits one by one before
@@ -483,17 +420,15 @@ fn tokenizer_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
         g.meta_str("tokenizer.ggml.pre").unwrap_or("default"),
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b"
     );
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let byte_level =
+        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre_tokenizer = if digits_first {
         json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
     } else {
         byte_level.clone()
     };
-    let vocab: serde_json::Map<String, Value> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), json!(i)))
-        .collect();
+    let vocab: serde_json::Map<String, Value> =
+        tokens.iter().enumerate().map(|(i, t)| (t.to_string(), json!(i))).collect();
     let added: Vec<Value> = tokens
         .iter()
         .enumerate()

@@ -88,12 +88,7 @@ impl Model {
         let checkpoint = Checkpoint::open(dir)?;
         let kernels = Kernels::new(gpu)?;
         let weights = upload(gpu, &config, &checkpoint)?;
-        Ok(Model {
-            config,
-            gpu: gpu.clone(),
-            weights,
-            kernels,
-        })
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels })
     }
 
     /// A model of `config`'s shapes with seeded random bf16 weights (scaled
@@ -103,12 +98,7 @@ impl Model {
         gpu.check_budget("model weights", config.weight_bytes())?;
         let kernels = Kernels::new(gpu)?;
         let weights = upload(gpu, &config, &synthetic::RandomWeights { seed })?;
-        Ok(Model {
-            config,
-            gpu: gpu.clone(),
-            weights,
-            kernels,
-        })
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels })
     }
 }
 
@@ -151,9 +141,7 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
             o_proj: up.matrix(&name("self_attn.o_proj.weight"), hidden, q_rows)?,
             ffn_norm: up.matrix(&name("post_attention_layernorm.weight"), 1, hidden)?,
             ffn: match &c.moe {
-                Some(moe) if moe.sparse_layers[i] => {
-                    FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?)
-                }
+                Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
                 _ => FfnWeights::Dense {
                     gate_up: up.stack(
                         &name("mlp.gate_up"),
@@ -170,64 +158,31 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
         });
     }
     let final_norm = up.matrix("model.norm.weight", 1, hidden)?;
-    let lm_head = if c.tie_embeddings {
-        None
-    } else {
-        Some(up.matrix("lm_head.weight", c.vocab, hidden)?)
-    };
+    let lm_head = if c.tie_embeddings { None } else { Some(up.matrix("lm_head.weight", c.vocab, hidden)?) };
     up.flush()?;
-    Ok(Weights {
-        embed,
-        layers,
-        final_norm,
-        lm_head,
-    })
+    Ok(Weights { embed, layers, final_norm, lm_head })
 }
 
 /// A MoE layer, from the fused 3-D layout (`mlp.experts.gate_up_proj`) when
 /// the checkpoint has it, else from the family's per-expert tensors.
-fn upload_moe(
-    up: &mut Uploader<'_>,
-    c: &ModelConfig,
-    moe: &MoeConfig,
-    layer: usize,
-) -> Result<MoeWeights> {
+fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: usize) -> Result<MoeWeights> {
     let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
     let (h, i, e) = (c.hidden, moe.intermediate, moe.experts);
     let fused = name("mlp.experts.gate_up_proj");
-    let names = c
-        .family
-        .moe
-        .expect("a MoE config comes from a MoE family")
-        .names;
-    let block = if up.contains(&fused) {
-        "mlp"
-    } else {
-        names.block
-    };
+    let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
+    let block = if up.contains(&fused) { "mlp" } else { names.block };
     let (gate_up, down) = if up.contains(&fused) {
-        (
-            up.experts(&fused, e, 2 * i, h)?,
-            up.experts(&name("mlp.experts.down_proj"), e, h, i)?,
-        )
+        (up.experts(&fused, e, 2 * i, h)?, up.experts(&name("mlp.experts.down_proj"), e, h, i)?)
     } else {
         let expert = |x: usize, which: &str| name(&format!("{block}.experts.{x}.{which}.weight"));
-        let gate_up_names: Vec<(String, String)> = (0..e)
-            .map(|x| (expert(x, names.gate), expert(x, names.up)))
-            .collect();
-        let gate_up_sources: Vec<(&str, usize)> = gate_up_names
-            .iter()
-            .flat_map(|(g, u)| [(g.as_str(), i), (u.as_str(), i)])
-            .collect();
+        let gate_up_names: Vec<(String, String)> =
+            (0..e).map(|x| (expert(x, names.gate), expert(x, names.up))).collect();
+        let gate_up_sources: Vec<(&str, usize)> =
+            gate_up_names.iter().flat_map(|(g, u)| [(g.as_str(), i), (u.as_str(), i)]).collect();
         let down_names: Vec<String> = (0..e).map(|x| expert(x, names.down)).collect();
         let down_sources: Vec<(&str, usize)> = down_names.iter().map(|d| (d.as_str(), h)).collect();
         (
-            up.stack(
-                &name(&format!("{block}.experts.gate_up")),
-                &gate_up_sources,
-                h,
-                2 * i,
-            )?,
+            up.stack(&name(&format!("{block}.experts.gate_up")), &gate_up_sources, h, 2 * i)?,
             up.stack(&name(&format!("{block}.experts.down")), &down_sources, i, h)?,
         )
     };

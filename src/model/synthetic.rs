@@ -13,9 +13,8 @@ pub struct RandomWeights {
 impl RandomWeights {
     fn stream(&self, name: &str) -> u64 {
         // FNV-1a of the name: every tensor gets its own stream.
-        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        });
+        let hash =
+            name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
         hash ^ self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
     }
 }
@@ -34,15 +33,9 @@ impl TensorSource for RandomWeights {
         let n: usize = shape.iter().product();
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         // 1-D tensors are norm weights: around 1. Matrices: U(-1, 1) / sqrt(fan_in).
-        let (center, scale) = if shape.len() == 1 {
-            (1.0, 0.1)
-        } else {
-            (0.0, 1.0 / fan_in.sqrt())
-        };
+        let (center, scale) = if shape.len() == 1 { (1.0, 0.1) } else { (0.0, 1.0 / fan_in.sqrt()) };
         let mut bytes = vec![0u8; n * 2];
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |p| p.get())
-            .min(16);
+        let threads = std::thread::available_parallelism().map_or(1, |p| p.get()).min(16);
         let per_thread = n.div_ceil(threads).max(1);
         let stream = self.stream(name);
         std::thread::scope(|s| {
@@ -64,9 +57,6 @@ impl TensorSource for RandomWeights {
 
     fn f32_values(&self, name: &str) -> Result<Vec<f32>> {
         let bytes = self.bf16_bytes(name, &[4096])?;
-        Ok(bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() - 1.0)
-            .collect())
+        Ok(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() - 1.0).collect())
     }
 }

@@ -49,15 +49,9 @@ impl Checkpoint {
     /// `model.safetensors.index.json` when that exists.
     pub fn open(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
-        let shard_names = if index.exists() {
-            shard_list(&index)?
-        } else {
-            vec!["model.safetensors".to_string()]
-        };
-        let mut checkpoint = Checkpoint {
-            files: Vec::new(),
-            tensors: HashMap::new(),
-        };
+        let shard_names =
+            if index.exists() { shard_list(&index)? } else { vec!["model.safetensors".to_string()] };
+        let mut checkpoint = Checkpoint { files: Vec::new(), tensors: HashMap::new() };
         for shard in shard_names {
             checkpoint.add_file(dir.join(shard))?;
         }
@@ -70,11 +64,8 @@ impl Checkpoint {
         // the checkpoint; a checkpoint rewritten while loading is outside
         // what any loader can defend against.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|e| Error::Safetensors {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map)
+            .map_err(|e| Error::Safetensors { path: path.clone(), message: e.to_string() })?;
         let data_start = 8 + header_len;
         let file_index = self.files.len();
         for (name, info) in metadata.tensors() {
@@ -98,9 +89,7 @@ impl Checkpoint {
     }
 
     fn entry(&self, name: &str) -> Result<&Entry> {
-        self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
-            name: name.to_string(),
-        })
+        self.tensors.get(name).ok_or_else(|| Error::MissingTensor { name: name.to_string() })
     }
 
     pub fn shape(&self, name: &str) -> Result<&[usize]> {
@@ -111,8 +100,7 @@ impl Checkpoint {
     /// vector stored as `[n]` or `[1, n]` is the same data).
     pub fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
         let found = &self.entry(name)?.shape;
-        let squeeze =
-            |s: &[usize]| -> Vec<usize> { s.iter().copied().filter(|&d| d != 1).collect() };
+        let squeeze = |s: &[usize]| -> Vec<usize> { s.iter().copied().filter(|&d| d != 1).collect() };
         if squeeze(found) != squeeze(expected) {
             return Err(Error::WrongShape {
                 name: name.to_string(),
@@ -165,18 +153,15 @@ impl Checkpoint {
         let entry = self.entry(name)?;
         let data = &self.files[entry.file].1[entry.bytes.clone()];
         Ok(match entry.dtype {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+            Dtype::F32 => {
+                data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
+            Dtype::BF16 => {
+                data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            Dtype::F16 => {
+                data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
             other => {
                 return Err(Error::WrongDtype {
                     name: name.to_string(),
@@ -194,10 +179,8 @@ fn shard_list(index: &Path) -> Result<Vec<String>> {
         weight_map: HashMap<String, String>,
     }
     let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-    let parsed: Index = serde_json::from_str(&text).map_err(|e| Error::Json {
-        path: index.to_path_buf(),
-        message: e.to_string(),
-    })?;
+    let parsed: Index = serde_json::from_str(&text)
+        .map_err(|e| Error::Json { path: index.to_path_buf(), message: e.to_string() })?;
     let mut shards: Vec<String> = parsed.weight_map.into_values().collect();
     shards.sort();
     shards.dedup();
@@ -243,12 +226,7 @@ const FLUSH_BYTES: u64 = 256 << 20;
 
 impl<'a> Uploader<'a> {
     pub fn new(gpu: &'a Gpu, checkpoint: &'a dyn TensorSource) -> Self {
-        Uploader {
-            gpu,
-            checkpoint,
-            pending_bytes: 0,
-            uploaded_bytes: 0,
-        }
+        Uploader { gpu, checkpoint, pending_bytes: 0, uploaded_bytes: 0 }
     }
 
     /// One `[rows, cols]` tensor (a vector when `rows` is 1).
@@ -259,13 +237,7 @@ impl<'a> Uploader<'a> {
 
     /// A fused 3-D expert tensor `[experts, rows, cols]`, stored as
     /// `experts * rows` rows grouped by expert.
-    pub fn experts(
-        &mut self,
-        name: &str,
-        experts: usize,
-        rows: usize,
-        cols: usize,
-    ) -> Result<GpuTensor> {
+    pub fn experts(&mut self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<GpuTensor> {
         self.upload(name, &[(name, &[experts, rows, cols])], cols, rows)
     }
 
@@ -280,11 +252,8 @@ impl<'a> Uploader<'a> {
         group_rows: usize,
     ) -> Result<GpuTensor> {
         let shapes: Vec<[usize; 2]> = sources.iter().map(|(_, rows)| [*rows, cols]).collect();
-        let sources: Vec<(&str, &[usize])> = sources
-            .iter()
-            .zip(&shapes)
-            .map(|((n, _), s)| (*n, &s[..]))
-            .collect();
+        let sources: Vec<(&str, &[usize])> =
+            sources.iter().zip(&shapes).map(|((n, _), s)| (*n, &s[..])).collect();
         self.upload(label, &sources, cols, group_rows)
     }
 

@@ -13,12 +13,7 @@ pub fn read_tensors(file: &Path) -> Tensors {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
-        .map(|(name, view)| {
-            (
-                name,
-                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
-            )
-        })
+        .map(|(name, view)| (name, (view.dtype(), view.shape().to_vec(), view.data().to_vec())))
         .collect()
 }
 
@@ -26,10 +21,7 @@ pub fn write_tensors(file: &Path, tensors: &Tensors) {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(name, (dtype, shape, data))| {
-            (
-                name.clone(),
-                TensorView::new(*dtype, shape.clone(), data).unwrap(),
-            )
+            (name.clone(), TensorView::new(*dtype, shape.clone(), data).unwrap())
         })
         .collect();
     std::fs::write(file, safetensors::serialize(views, None).unwrap()).unwrap();
@@ -50,27 +42,18 @@ pub fn temp_dir(name: &str) -> PathBuf {
 }
 
 pub fn fixture_dir(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(case)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
 }
 
 /// A copy of fixture `case` whose config and tensors went through `edit`.
-pub fn edited_fixture(
-    case: &str,
-    edit: impl FnOnce(&mut serde_json::Value, &mut Tensors),
-) -> PathBuf {
+pub fn edited_fixture(case: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Tensors)) -> PathBuf {
     let src = fixture_dir(case);
     let dir = temp_dir(case);
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let mut tensors = read_tensors(&src.join("model.safetensors"));
     edit(&mut config, &mut tensors);
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&config).unwrap(),
-    )
-    .unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
     write_tensors(&dir.join("model.safetensors"), &tensors);
     dir
 }
@@ -78,19 +61,13 @@ pub fn edited_fixture(
 /// bf16 little-endian bytes to f32 little-endian bytes (exact).
 pub fn bf16_to_f32_bytes(data: &[u8]) -> Vec<u8> {
     data.chunks_exact(2)
-        .flat_map(|b| {
-            half::bf16::from_le_bytes([b[0], b[1]])
-                .to_f32()
-                .to_le_bytes()
-        })
+        .flat_map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32().to_le_bytes())
         .collect()
 }
 
 /// bf16 little-endian bytes to f16 bytes.
 pub fn bf16_to_f16_bytes(data: &[u8]) -> Vec<u8> {
     data.chunks_exact(2)
-        .flat_map(|b| {
-            half::f16::from_f32(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).to_le_bytes()
-        })
+        .flat_map(|b| half::f16::from_f32(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).to_le_bytes())
         .collect()
 }

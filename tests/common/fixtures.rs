@@ -22,12 +22,7 @@ pub struct Case {
 pub fn cases() -> Vec<Case> {
     let mut roots = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")];
     if let Ok(extra) = std::env::var("WGSPARK_FIXTURES") {
-        roots.extend(
-            extra
-                .split(':')
-                .filter(|s| !s.is_empty())
-                .map(PathBuf::from),
-        );
+        roots.extend(extra.split(':').filter(|s| !s.is_empty()).map(PathBuf::from));
     }
     let mut cases = Vec::new();
     for root in roots {
@@ -48,18 +43,10 @@ pub fn cases() -> Vec<Case> {
                 "{}: one logits row per generated id",
                 dir.display()
             );
-            cases.push(Case {
-                name: dir.file_name().unwrap().to_string_lossy().into_owned(),
-                dir,
-                expected,
-            });
+            cases.push(Case { name: dir.file_name().unwrap().to_string_lossy().into_owned(), dir, expected });
             found += 1;
         }
-        assert!(
-            found > 0,
-            "fixture directory {} holds no case",
-            root.display()
-        );
+        assert!(found > 0, "fixture directory {} holds no case", root.display());
     }
     cases
 }

@@ -18,11 +18,7 @@ pub fn backends() -> Vec<Backend> {
     let list = std::env::var("WGSPARK_TEST_BACKENDS").unwrap_or_else(|_| "vulkan,gl".into());
     list.split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(|s| {
-            s.trim()
-                .parse()
-                .expect("WGSPARK_TEST_BACKENDS names a backend")
-        })
+        .map(|s| s.trim().parse().expect("WGSPARK_TEST_BACKENDS names a backend"))
         .collect()
 }
 
@@ -33,11 +29,8 @@ pub fn gpu(backend: Backend) -> Gpu {
     devices
         .entry(format!("{backend:?}"))
         .or_insert_with(|| {
-            Gpu::new(&GpuOptions {
-                backend,
-                ..GpuOptions::default()
-            })
-            .unwrap_or_else(|e| panic!("backend {backend:?} is under test but unavailable: {e}"))
+            Gpu::new(&GpuOptions { backend, ..GpuOptions::default() })
+                .unwrap_or_else(|e| panic!("backend {backend:?} is under test but unavailable: {e}"))
         })
         .clone()
 }
@@ -82,23 +75,16 @@ impl Rng {
 
 /// Rounds to bf16 and back, as the GPU sees weights.
 pub fn bf16_round(v: &[f32]) -> Vec<f32> {
-    v.iter()
-        .map(|&x| half::bf16::from_f32(x).to_f32())
-        .collect()
+    v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
 }
 
 pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-        .collect()
+    v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Asserts `|got - want| <= tol * (1 + |want|)` elementwise.

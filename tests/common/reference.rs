@@ -2,9 +2,7 @@
 
 /// `w` is `[rows, cols]` row-major.
 pub fn gemv(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
-    (0..rows)
-        .map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum())
-        .collect()
+    (0..rows).map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum()).collect()
 }
 
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
@@ -32,36 +30,16 @@ pub fn rope(head: &[f32], pos: usize, rot: usize, inv_freq: &[f32]) -> Vec<f32> 
 
 /// One query head against keys/values `[len, kv_width]` (already limited
 /// to the attended range), head `kv_head`.
-pub fn attention(
-    q: &[f32],
-    k: &[Vec<f32>],
-    v: &[Vec<f32>],
-    kv_head: usize,
-    scale: f32,
-) -> Vec<f32> {
+pub fn attention(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], kv_head: usize, scale: f32) -> Vec<f32> {
     let hd = q.len();
     let scores: Vec<f32> = k
         .iter()
-        .map(|row| {
-            q.iter()
-                .zip(&row[kv_head * hd..])
-                .map(|(a, b)| a * b)
-                .sum::<f32>()
-                * scale
-        })
+        .map(|row| q.iter().zip(&row[kv_head * hd..]).map(|(a, b)| a * b).sum::<f32>() * scale)
         .collect();
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f32 = e.iter().sum();
-    (0..hd)
-        .map(|d| {
-            e.iter()
-                .zip(v)
-                .map(|(p, row)| p * row[kv_head * hd + d])
-                .sum::<f32>()
-                / sum
-        })
-        .collect()
+    (0..hd).map(|d| e.iter().zip(v).map(|(p, row)| p * row[kv_head * hd + d]).sum::<f32>() / sum).collect()
 }
 
 /// Router selection as the families define it: `(ids, weights)` in
@@ -90,10 +68,6 @@ pub fn route(
     order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
     let ids: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
     let picked: Vec<f32> = ids.iter().map(|&i| weight[i as usize]).collect();
-    let norm = if renormalize || sigmoid_bias.is_some() {
-        picked.iter().sum()
-    } else {
-        1.0
-    };
+    let norm = if renormalize || sigmoid_bias.is_some() { picked.iter().sum() } else { 1.0 };
     (ids, picked.iter().map(|w| w / norm).collect())
 }
