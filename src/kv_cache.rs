@@ -34,8 +34,4 @@ impl KvCache {
             context_len,
         })
     }
-
-    pub fn bytes(&self) -> u64 {
-        self.k.iter().chain(&self.v).map(wgpu::Buffer::size).sum()
-    }
 }

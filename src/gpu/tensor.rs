@@ -78,10 +78,6 @@ impl GpuTensor {
             .filter(move |(_, p)| p.first_row < rows.end && rows.start < p.first_row + p.rows)
             .map(|(i, _)| i)
     }
-
-    pub fn bytes(&self) -> u64 {
-        (self.rows * self.cols * 2) as u64
-    }
 }
 
 /// `queue.write_buffer` needs 4-byte multiples. Rows start on a word

@@ -21,6 +21,25 @@ struct Params {
     _pad: [u32; 2],
 }
 
+impl Params {
+    /// One part of a plain matrix: packed inputs, outputs at the part's rows.
+    fn plain(weight: &GpuTensor, part: &TensorPart) -> Self {
+        Params {
+            rows: part.rows as u32,
+            cols: weight.cols as u32,
+            first_row: part.first_row as u32,
+            expert_rows: 0,
+            top_k: 1,
+            slot: 0,
+            x_offset: 0,
+            x_stride: weight.cols as u32,
+            y_offset: part.first_row as u32,
+            y_stride: weight.rows as u32,
+            _pad: [0; 2],
+        }
+    }
+}
+
 /// How rows are spread over a workgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemvShape {
@@ -124,20 +143,7 @@ impl Gemv {
             .parts
             .iter()
             .map(|part| {
-                let params = Params {
-                    rows: part.rows as u32,
-                    cols: weight.cols as u32,
-                    first_row: part.first_row as u32,
-                    expert_rows: 0,
-                    top_k: 1,
-                    slot: 0,
-                    x_offset: 0,
-                    x_stride: weight.cols as u32,
-                    y_offset: part.first_row as u32,
-                    y_stride: weight.rows as u32,
-                    _pad: [0; 2],
-                };
-                self.dispatch(gpu, part, params, part.rows, [x, y, &self.no_ids])
+                self.dispatch(gpu, part, Params::plain(weight, part), part.rows, [x, y, &self.no_ids])
             })
             .collect()
     }
@@ -161,9 +167,6 @@ impl Gemv {
             .iter()
             .map(|part| {
                 let params = Params {
-                    rows: part.rows as u32,
-                    cols: weight.cols as u32,
-                    first_row: part.first_row as u32,
                     expert_rows: layout.expert_rows as u32,
                     top_k: layout.top_k as u32,
                     slot: slot as u32,
@@ -171,7 +174,7 @@ impl Gemv {
                     x_stride: layout.x_stride as u32,
                     y_offset: (slot * layout.expert_rows) as u32,
                     y_stride: (layout.top_k * layout.expert_rows) as u32,
-                    _pad: [0; 2],
+                    ..Params::plain(weight, part)
                 };
                 self.dispatch(gpu, part, params, layout.expert_rows, [buffers.x, buffers.y, buffers.ids])
             })

@@ -219,14 +219,13 @@ pub struct Uploader<'a> {
     gpu: &'a Gpu,
     checkpoint: &'a dyn TensorSource,
     pending_bytes: u64,
-    pub uploaded_bytes: u64,
 }
 
 const FLUSH_BYTES: u64 = 256 << 20;
 
 impl<'a> Uploader<'a> {
     pub fn new(gpu: &'a Gpu, checkpoint: &'a dyn TensorSource) -> Self {
-        Uploader { gpu, checkpoint, pending_bytes: 0, uploaded_bytes: 0 }
+        Uploader { gpu, checkpoint, pending_bytes: 0 }
     }
 
     /// One `[rows, cols]` tensor (a vector when `rows` is 1).
@@ -285,7 +284,6 @@ impl<'a> Uploader<'a> {
             tensor.write_rows(self.gpu, row, &bytes);
             row += rows_of(shape);
             self.pending_bytes += bytes.len() as u64;
-            self.uploaded_bytes += bytes.len() as u64;
             if self.pending_bytes >= FLUSH_BYTES {
                 self.flush()?;
             }
