@@ -7,7 +7,10 @@ CPU in float32 over the bf16-rounded weights, with eager attention, by a model
 reloaded from the written folder, so the config as written (either layout) is
 what transformers interpreted.
 
-  python scripts/make_fixtures.py [--out tests/fixtures] [CASE ...]
+  python scripts/make_fixtures.py [--out tests/fixtures] [CASE ...] [--steering [CASE ...]]
+
+Steering cases (tests/steering/) add control vector files and the logits and
+layer outputs of transformers with forward hooks that apply them.
 
 Needs torch and transformers (CPU is enough). Seeds are fixed; for each case
 the first seed whose greedy choices all win by a clear margin is kept, so f32
@@ -86,6 +89,14 @@ def mixtral_8x2():
     )
 
 
+def mixtral_deep():
+    # Four MoE layers: steering a layer's output changes the routing of the
+    # layers after it.
+    cfg = mixtral_8x2()[1]
+    cfg.update(num_hidden_layers=4)
+    return "hub", cfg
+
+
 def mixtral_kv1_top3():
     # One KV head, top-3 of 6 experts, fused expert tensors.
     return "v5-fused", dict(
@@ -157,6 +168,9 @@ CASES = {
         dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     ])),
     "mixtral_8x2": (mixtral_8x2, dict(prompt_len=12, steps=8, must_matter=[
+        dict(num_experts_per_tok=1),
+    ])),
+    "mixtral_deep": (mixtral_deep, dict(prompt_len=12, steps=8, must_matter=[
         dict(num_experts_per_tok=1),
     ])),
     "mixtral_kv1_top3": (mixtral_kv1_top3, dict(prompt_len=12, steps=8, must_matter=[
@@ -251,9 +265,14 @@ class RouterProbe:
         self.scores, self.unbiased = [], []
         self.k = cfg_dict.get("num_experts_per_tok", 0)
         sigmoid = cfg_dict.get("scoring_func") == "sigmoid"
-        for module in model.modules():
-            if type(module).__name__.endswith("TopKRouter"):
-                module.register_forward_hook(self.hook(sigmoid), with_kwargs=True)
+        self.handles = [
+            module.register_forward_hook(self.hook(sigmoid), with_kwargs=True)
+            for module in model.modules() if type(module).__name__.endswith("TopKRouter")
+        ]
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
 
     def hook(self, sigmoid):
         def record(module, args, kwargs, output):
@@ -372,14 +391,160 @@ def make_case(name, out_root):
     sys.exit(f"{name}: no seed gave a top-2 gap of {MIN_TOP2_GAP}")
 
 
+# Control vectors. Each steering case runs a fixture case above with two
+# control vector files: one in the layout of llama.cpp's cvector-generator
+# (int32 layer_count, ascending direction.N) and one in repeng's (uint32
+# layer_count, descending). transformers' logits come from forward hooks
+# that add strength * direction.N to decoder layer N's output; the same
+# hooks record every layer's output after steering (what capture returns).
+STEERING_CASES = {
+    "mistral_window": dict(steps=8, strengths=(1.0, -0.7), one_layer=2),
+    "mixtral_deep": dict(steps=8, strengths=(1.0, -0.7), one_layer=2),
+}
+
+
+def write_control_vector(path, directions, model_hint, layout):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    w.add_string("controlvector.model_hint", model_hint)
+    if layout == "llama.cpp":
+        w.add_int32("controlvector.layer_count", len(directions))
+        order = sorted(directions)
+    else:
+        w.add_uint32("controlvector.layer_count", len(directions))
+        order = sorted(directions, reverse=True)
+    for layer in order:
+        w.add_tensor(f"direction.{layer}", directions[layer].numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+class LayerHooks:
+    """Adds a vector to chosen decoder layers' outputs; records every layer's output."""
+
+    def __init__(self, model):
+        self.add = {}
+        self.outputs = {}
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_hook(self.hook(i))
+
+    def hook(self, i):
+        def steer(module, args, output):
+            hs = output[0] if isinstance(output, tuple) else output
+            if i in self.add:
+                hs = hs + self.add[i]
+            self.outputs[i] = hs[0].detach().clone()
+            return (hs,) + tuple(output[1:]) if isinstance(output, tuple) else hs
+        return steer
+
+
+def steered_run(model, hooks, prompt, steps, add):
+    """Greedy rows as greedy_rows, and each layer's captured rows: every
+    prompt position, then each decoded token."""
+    hooks.add = add
+    ids = list(prompt)
+    rows, generated = [], []
+    capture = None
+    with torch.no_grad():
+        for step in range(steps + 1):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            layer_rows = [hooks.outputs[i] for i in sorted(hooks.outputs)]
+            new = [r if step == 0 else r[-1:] for r in layer_rows]
+            capture = new if capture is None else [torch.cat([c, n]) for c, n in zip(capture, new)]
+            rows.append(logits)
+            nxt = int(torch.argmax(logits))
+            generated.append(nxt)
+            ids.append(nxt)
+    hooks.add = {}
+    return generated, rows, capture
+
+
+def make_steering_case(name, fixtures_root, out_root):
+    opts = STEERING_CASES[name]
+    base = fixtures_root / name
+    expected_base = json.loads((base / "expected.json").read_text())
+    prompt = expected_base["prompt_ids"]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    hooks = LayerHooks(model)
+    plain_ids, plain_rows, plain_capture = steered_run(model, hooks, prompt, opts["steps"], {})
+    assert plain_ids == expected_base["generated_ids"], f"{name}: unsteered run differs from its fixture"
+    n_layers = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    # Per-element scale of each layer's output: directions of that size
+    # visibly steer the model.
+    scale = [float(c.pow(2).mean().sqrt()) for c in plain_capture]
+    is_moe = hasattr(model.config, "num_experts_per_tok")
+    a_strength, b_strength = opts["strengths"]
+    k = opts["one_layer"]
+    for seed in range(1000):
+        g = torch.Generator().manual_seed(20_000 + seed)
+        a = {n: torch.randn(hidden, generator=g) * scale[n] for n in range(1, n_layers)}
+        b = {n: torch.randn(hidden, generator=g) * scale[n] for n in range(1, n_layers)}
+        runs = [
+            dict(name="two_files_all_layers", vectors=[["llama_cpp.gguf", a_strength], ["repeng.gguf", b_strength]],
+                 layer_range=None,
+                 add={n: a_strength * a[n] + b_strength * b[n] for n in range(1, n_layers)}),
+            dict(name="one_layer", vectors=[["llama_cpp.gguf", 1.5]], layer_range=[k, k],
+                 add={k: 1.5 * a[k]}),
+        ]
+        ok = True
+        for run in runs:
+            probe = RouterProbe(model, model.config.to_dict()) if is_moe else None
+            ids, rows, capture = steered_run(model, hooks, prompt, opts["steps"], run.pop("add"))
+            if ids == plain_ids or top2_gap(rows) < MIN_TOP2_GAP:
+                ok = False
+                break
+            if probe is not None:
+                gap = probe.min_gap()
+                probe.remove()
+                if gap < MIN_ROUTER_GAP:
+                    ok = False
+                    break
+            run.update(generated_ids=ids, logits=[r.tolist() for r in rows],
+                       capture=[c.tolist() for c in capture], min_top2_gap=top2_gap(rows))
+        if not ok:
+            continue
+        out = out_root / name
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        write_control_vector(out / "llama_cpp.gguf", a, model.config.model_type, "llama.cpp")
+        write_control_vector(out / "repeng.gguf", b, model.config.model_type, "repeng")
+        expected = dict(
+            base=name, prompt_ids=prompt, prompt_rows=len(prompt), runs=runs, seed=seed,
+            unsteered_capture=[c.tolist() for c in plain_capture],
+            transformers_version=transformers.__version__, torch_version=torch.__version__,
+        )
+        (out / "expected.json").write_text(json.dumps(expected) + "\n")
+        print(f"steering {name}: seed {seed}, " + ", ".join(
+            f"{r['name']} gap {r['min_top2_gap']:.4f}" for r in runs))
+        return
+    sys.exit(f"steering {name}: no direction seed changed the greedy ids with clear margins")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests" / "fixtures"))
-    ap.add_argument("cases", nargs="*", default=list(CASES))
+    root = Path(__file__).resolve().parent.parent / "tests"
+    ap.add_argument("--out", default=str(root / "fixtures"))
+    ap.add_argument("--steering-out", default=str(root / "steering"))
+    ap.add_argument("cases", nargs="*", help="fixture cases to make (default: all)")
+    ap.add_argument("--steering", nargs="*", default=None,
+                    help="steering cases to make (default: all when no fixture case is named)")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    for name in args.cases:
+    cases = args.cases if args.cases or args.steering is not None else list(CASES)
+    if args.steering is not None:
+        steering = args.steering or list(STEERING_CASES)
+    else:
+        steering = [] if args.cases else list(STEERING_CASES)
+    for name in cases:
         make_case(name, Path(args.out))
+    for name in steering:
+        make_steering_case(name, Path(args.out), Path(args.steering_out))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,21 @@ pub enum Error {
     #[error("invalid sampling parameter: {0}")]
     InvalidSampling(String),
 
+    #[error("{path}: invalid control vector: {problem}")]
+    ControlVector { path: PathBuf, problem: ControlVectorProblem },
+
+    #[error("invalid control vector layer range {start}..={end}: the start is after the end")]
+    InvalidLayerRange { start: usize, end: usize },
+
+    #[error(
+        "steering made for {steering_layers} layers of width {steering_hidden} does not fit this model \
+         ({layers} layers of width {hidden})"
+    )]
+    SteeringMismatch { steering_layers: usize, steering_hidden: usize, layers: usize, hidden: usize },
+
+    #[error("capture of layer {layer}: the model has layers 0..{layers}")]
+    CaptureLayerOutOfRange { layer: usize, layers: usize },
+
     #[error("could not fetch {what}: {message}")]
     Fetch { what: String, message: String },
 }
@@ -79,4 +94,44 @@ impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), source }
     }
+}
+
+/// What is wrong with a control vector file, or with its fit to a model.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ControlVectorProblem {
+    #[error("general.architecture is {found:?}, expected \"controlvector\"")]
+    WrongArchitecture { found: String },
+
+    #[error("controlvector.layer_count is missing or not an integer")]
+    MissingLayerCount,
+
+    #[error("controlvector.layer_count is {declared}, but the file holds {found} direction tensors")]
+    LayerCountMismatch { declared: i64, found: usize },
+
+    #[error("the file holds no direction tensors")]
+    NoDirections,
+
+    #[error("tensor {name:?} is not named direction.N")]
+    UnexpectedTensor { name: String },
+
+    #[error("direction.0: layer 0 is never steered (directions count from layer 1)")]
+    LayerZero,
+
+    #[error("direction.{layer} is for layer {layer}, but the model has layers 0..{layers}")]
+    LayerOutOfRange { layer: usize, layers: usize },
+
+    #[error("direction.{layer} is {found}, expected F32")]
+    NotF32 { layer: usize, found: String },
+
+    #[error("direction.{layer} has dims {dims:?}, expected one dimension")]
+    NotOneDimensional { layer: usize, dims: Vec<usize> },
+
+    #[error("direction.{layer} has {found} values, but the file's other directions have {expected}")]
+    InconsistentLength { layer: usize, found: usize, expected: usize },
+
+    #[error("direction.{layer} has {found} values, but the model's hidden size is {expected}")]
+    WrongLength { layer: usize, found: usize, expected: usize },
+
+    #[error("direction.{layer} holds a value that is not finite")]
+    NotFinite { layer: usize },
 }

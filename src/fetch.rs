@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::model::gguf::convert_llama_to_hf;
+use crate::model::gguf_import::convert_llama_to_hf;
 
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 

@@ -16,10 +16,12 @@
 //! # Ok::<(), wgspark::Error>(())
 //! ```
 
+pub mod capture;
 pub mod error;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod flow;
+pub mod gguf;
 pub mod gpu;
 pub mod kernels;
 pub mod kv_cache;
@@ -27,14 +29,17 @@ pub mod model;
 pub mod sampling;
 pub mod session;
 pub mod stats;
+pub mod steering;
 
-pub use error::{Error, Result};
+pub use capture::{Capture, CaptureOptions, PromptRows};
+pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, RoutingMode};
 pub use gpu::{Backend, Gpu, GpuOptions};
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};
 pub use session::{Session, SessionOptions};
 pub use stats::Stats;
+pub use steering::{ControlVector, Steering};
 
 impl Model {
     /// Opens a decoding session with its own KV cache.

@@ -1,12 +1,14 @@
 //! A decoding session: one sequence's KV cache and the flow's bindings,
 //! advanced one position at a time.
 
+use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
-use crate::flow::{Activations, ChunkMatmul, PhaseTimer, Plan, Recorder, RoutingMode};
+use crate::flow::{Activations, ChunkMatmul, LayerOutputs, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::Readback;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::stats::Stats;
+use crate::steering::{Steering, SteeringPlan};
 
 /// Default context when the caller gives none: the config's
 /// `max_position_embeddings`, capped so that a 128k-context model does not
@@ -44,6 +46,8 @@ pub struct Session<'m> {
     routing_readback: Readback,
     routing: RoutingMode,
     timer: Option<PhaseTimer>,
+    steering: Option<SteeringPlan>,
+    capture: Option<CapturePlan>,
     stats: Stats,
     len: usize,
 }
@@ -87,6 +91,8 @@ impl<'m> Session<'m> {
             routing_readback,
             routing: options.routing,
             timer,
+            steering: None,
+            capture: None,
             stats,
             len: 0,
         })
@@ -110,6 +116,40 @@ impl<'m> Session<'m> {
         let mut stats = self.stats.clone();
         stats.phases = self.timer.as_ref().map(|t| t.totals.clone());
         stats
+    }
+
+    /// Steers every following position (prompt and decode) with
+    /// `steering`, or stops steering with `None`. Positions already in the
+    /// KV cache keep the steering they were computed with.
+    pub fn set_steering(&mut self, steering: Option<&Steering>) -> Result<()> {
+        self.steering = match steering {
+            Some(s) => Some(s.plan(self.model, &self.activations.x)?),
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// Starts recording the residual stream at layer outputs (after
+    /// steering) for every following submission, or stops with `None`
+    /// (rows not yet taken are dropped).
+    pub fn set_capture(&mut self, options: Option<&CaptureOptions>) -> Result<()> {
+        self.capture = match options {
+            Some(o) => Some(CapturePlan::new(
+                self.model,
+                o,
+                self.activations.max_tokens,
+                &self.activations.step,
+                &self.activations.x,
+            )?),
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// The rows captured since capture started or was last taken; `None`
+    /// when capture is off.
+    pub fn take_capture(&mut self) -> Option<Capture> {
+        self.capture.as_mut().map(CapturePlan::take)
     }
 
     /// Forgets every position from `len` on, so the sequence can continue
@@ -187,11 +227,32 @@ impl<'m> Session<'m> {
             moe: self.activations.moe.as_ref(),
         };
         let n_tokens = tokens.len() as u32;
-        self.plan.forward(&mut rec, &self.activations, n_tokens, with_head, &mut routing, &mut self.stats)?;
+        // The decoded token and the prompt's last position are always
+        // captured; earlier prompt chunks only when every row is asked for.
+        let capture = self.capture.as_ref().filter(|c| with_head || c.prompt_rows == PromptRows::All);
+        let outputs = LayerOutputs { steering: self.steering.as_ref(), capture };
+        self.plan.forward(
+            &mut rec,
+            &self.activations,
+            n_tokens,
+            with_head,
+            &mut routing,
+            outputs,
+            &mut self.stats,
+        )?;
         if with_head {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback.record(rec.encoder(), &self.activations.logits, 0, bytes);
         }
-        rec.finish()
+        let captured_rows = capture.map(|c| c.rows_for(tokens.len()));
+        if let (Some(c), Some(rows)) = (capture, captured_rows) {
+            c.record_readback(rec.encoder(), rows);
+        }
+        rec.finish()?;
+        if let (Some(c), Some(rows)) = (self.capture.as_mut(), captured_rows) {
+            c.read(gpu, rows, self.len + tokens.len() - rows)?;
+            self.stats.capture_readbacks += 1;
+        }
+        Ok(())
     }
 }

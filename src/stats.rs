@@ -54,6 +54,9 @@ pub struct Stats {
     /// Host time from submitting the work that ends with a router to
     /// having its selection mapped: GPU work plus the round trip.
     pub routing_wait: Duration,
+    /// Residual capture readbacks: one per submission that captured rows,
+    /// however many layers it captured.
+    pub capture_readbacks: u64,
     /// Per-phase time, when the session was opened with timing on.
     pub phases: Option<PhaseTimes>,
     pub timing_source: Option<TimingSource>,

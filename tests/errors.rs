@@ -5,7 +5,11 @@ mod common;
 
 use common::checkpoint::{edited_fixture, fixture_dir, temp_dir};
 use safetensors::Dtype;
-use wgspark::{Backend, Error, Gpu, Model, Sampler, Sampling, SessionOptions};
+use wgspark::gguf::{GgmlType, GgufWriter, MetaValue};
+use wgspark::{
+    Backend, CaptureOptions, ControlVector, ControlVectorProblem, Error, Gpu, Model, Sampler, Sampling,
+    SessionOptions, Steering,
+};
 
 fn gpu() -> Gpu {
     common::gpu(common::backends()[0])
@@ -239,4 +243,184 @@ fn wrong_expert_shapes_are_named() {
     });
     assert!(matches!(load_err(&dir), Error::WrongShape { name: n, expected, .. }
         if n == name && expected == vec![8, 64, 64]));
+}
+
+/// A control vector file written with `build`, in a fresh temp folder.
+fn control_vector_file(name: &str, build: impl FnOnce(&mut GgufWriter)) -> std::path::PathBuf {
+    let path = temp_dir(&format!("cvec_{name}")).join(format!("{name}.gguf"));
+    let mut w = GgufWriter::new();
+    build(&mut w);
+    w.write(&path).unwrap();
+    path
+}
+
+fn well_formed(w: &mut GgufWriter, directions: &[(usize, Vec<f32>)]) {
+    w.meta("general.architecture", MetaValue::Str("controlvector".into()));
+    w.meta("controlvector.model_hint", MetaValue::Str("llama".into()));
+    w.meta("controlvector.layer_count", MetaValue::I32(directions.len() as i32));
+    for (layer, d) in directions {
+        w.tensor_f32(&format!("direction.{layer}"), &[d.len()], d);
+    }
+}
+
+fn control_vector_problem(path: &std::path::Path) -> ControlVectorProblem {
+    match ControlVector::load(path) {
+        Err(Error::ControlVector { path: p, problem }) => {
+            assert_eq!(p, path, "the error names the file");
+            problem
+        }
+        other => panic!("{}: expected a control vector error, got {other:?}", path.display()),
+    }
+}
+
+#[test]
+fn control_vector_bad_files() {
+    use ControlVectorProblem as P;
+    let d = vec![0.25f32; 64];
+    let arch = |w: &mut GgufWriter, a: &str| {
+        w.meta("general.architecture", MetaValue::Str(a.into()));
+    };
+    let cases: Vec<(&str, Box<dyn FnOnce(&mut GgufWriter)>, P)> = vec![
+        (
+            "wrong_architecture",
+            Box::new(|w| {
+                arch(w, "llama");
+                w.meta("controlvector.layer_count", MetaValue::I32(1));
+                w.tensor_f32("direction.1", &[64], &d);
+            }),
+            P::WrongArchitecture { found: "llama".into() },
+        ),
+        (
+            "missing_architecture",
+            Box::new(|w| {
+                w.meta("controlvector.layer_count", MetaValue::I32(1));
+                w.tensor_f32("direction.1", &[64], &d);
+            }),
+            P::WrongArchitecture { found: "(missing)".into() },
+        ),
+        (
+            "missing_layer_count",
+            Box::new(|w| {
+                arch(w, "controlvector");
+                w.tensor_f32("direction.1", &[64], &d);
+            }),
+            P::MissingLayerCount,
+        ),
+        (
+            "layer_count_mismatch",
+            Box::new(|w| {
+                arch(w, "controlvector");
+                w.meta("controlvector.layer_count", MetaValue::U32(3));
+                w.tensor_f32("direction.1", &[64], &d);
+            }),
+            P::LayerCountMismatch { declared: 3, found: 1 },
+        ),
+        ("no_directions", Box::new(|w| well_formed(w, &[])), P::NoDirections),
+        (
+            "unexpected_tensor",
+            Box::new(|w| {
+                well_formed(w, &[(1, d.clone())]);
+                w.tensor_f32("bias.1", &[64], &d);
+            }),
+            P::UnexpectedTensor { name: "bias.1".into() },
+        ),
+        ("layer_zero", Box::new(|w| well_formed(w, &[(0, d.clone())])), P::LayerZero),
+        (
+            "f16",
+            Box::new(|w| {
+                arch(w, "controlvector");
+                w.meta("controlvector.layer_count", MetaValue::I32(1));
+                let bytes = d.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+                w.tensor_bytes("direction.1", &[64], GgmlType::F16, bytes);
+            }),
+            P::NotF32 { layer: 1, found: "F16".into() },
+        ),
+        (
+            "two_dims",
+            Box::new(|w| {
+                arch(w, "controlvector");
+                w.meta("controlvector.layer_count", MetaValue::I32(1));
+                w.tensor_f32("direction.1", &[32, 2], &d);
+            }),
+            P::NotOneDimensional { layer: 1, dims: vec![32, 2] },
+        ),
+        (
+            "inconsistent_length",
+            Box::new(|w| well_formed(w, &[(1, d.clone()), (2, vec![0.5; 32])])),
+            P::InconsistentLength { layer: 2, found: 32, expected: 64 },
+        ),
+        (
+            "not_finite",
+            Box::new(|w| {
+                let mut bad = d.clone();
+                bad[7] = f32::NAN;
+                well_formed(w, &[(1, bad)]);
+            }),
+            P::NotFinite { layer: 1 },
+        ),
+    ];
+    for (name, build, want) in cases {
+        let path = control_vector_file(name, build);
+        assert_eq!(control_vector_problem(&path), want, "{name}");
+    }
+
+    // Truncated inside the tensor data and inside the header; not GGUF.
+    let good = control_vector_file("good", |w| well_formed(w, &[(1, d.clone()), (2, d.clone())]));
+    ControlVector::load(&good).unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    for (name, len) in [("truncated_data", bytes.len() - 10), ("truncated_header", 40), ("empty", 0)] {
+        let path = good.with_file_name(format!("{name}.gguf"));
+        std::fs::write(&path, &bytes[..len]).unwrap();
+        match ControlVector::load(&path) {
+            Err(Error::Gguf { path: p, message }) => {
+                assert_eq!(p, path);
+                assert!(message.contains("truncated") || message.contains("bad magic"), "{name}: {message}");
+            }
+            other => panic!("{name}: expected a GGUF error, got {other:?}"),
+        }
+    }
+    let not_gguf = fixture_dir("llama_untied").join("config.json");
+    assert!(matches!(ControlVector::load(&not_gguf), Err(Error::Gguf { .. })));
+    let missing = good.with_file_name("missing.gguf");
+    assert!(matches!(ControlVector::load(&missing), Err(Error::Io { .. })));
+}
+
+#[test]
+fn control_vector_that_does_not_fit_the_model() {
+    use ControlVectorProblem as P;
+    let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
+    let (layers, hidden) = (model.config.layers, model.config.hidden);
+    let vector = |name: &str, directions: &[(usize, Vec<f32>)]| {
+        let path = control_vector_file(name, |w| well_formed(w, directions));
+        ControlVector::load(path).unwrap()
+    };
+    let problem = |v: &ControlVector| match Steering::new(&model.config, &[(v.clone(), 1.0)], None) {
+        Err(Error::ControlVector { path, problem }) => {
+            assert_eq!(path, v.path);
+            problem
+        }
+        other => panic!("expected a control vector error, got {other:?}"),
+    };
+    let beyond = vector("beyond", &[(1, vec![0.1; hidden]), (layers, vec![0.1; hidden])]);
+    assert_eq!(problem(&beyond), P::LayerOutOfRange { layer: layers, layers });
+    let short = vector("short", &[(1, vec![0.1; hidden - 4])]);
+    assert_eq!(problem(&short), P::WrongLength { layer: 1, found: hidden - 4, expected: hidden });
+
+    let fits = vector("fits", &[(1, vec![0.1; hidden])]);
+    let err = Steering::new(&model.config, &[(fits, 1.0)], Some(1..=0)).unwrap_err();
+    assert!(matches!(err, Error::InvalidLayerRange { start: 1, end: 0 }), "{err}");
+
+    // Steering made for another model.
+    let other = wgspark::ModelConfig::load(&fixture_dir("mistral_window")).unwrap();
+    let foreign = vector("foreign", &[(1, vec![0.1; other.hidden])]);
+    let steering = Steering::new(&other, &[(foreign, 1.0)], None).unwrap();
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let err = session.set_steering(Some(&steering)).unwrap_err();
+    assert!(matches!(err, Error::SteeringMismatch { steering_layers: 3, layers: 2, .. }), "{err}");
+
+    let options = CaptureOptions { layers: Some(vec![0, layers]), ..Default::default() };
+    let err = session.set_capture(Some(&options)).unwrap_err();
+    assert!(
+        matches!(err, Error::CaptureLayerOutOfRange { layer, layers: l } if layer == layers && l == layers)
+    );
 }

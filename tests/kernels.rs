@@ -323,6 +323,22 @@ fn residual_adds_scaled() {
 }
 
 #[test]
+fn residual_adds_one_row_to_every_token() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(15);
+        let (n, tokens) = (93, 5);
+        let x = rng.vec(tokens * n, 1.0);
+        let row = rng.vec(n, 1.0);
+        let xb = gpu.storage_buffer_init("x", &x);
+        let rb = gpu.storage_buffer_init("row", &row);
+        let residual = Residual::new(gpu).unwrap();
+        run(gpu, &[residual.plan_broadcast(gpu, n, -0.75, &rb, &xb)], tokens as u32);
+        let want: Vec<f32> = x.iter().enumerate().map(|(i, a)| a - 0.75 * row[i % n]).collect();
+        assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, "broadcast residual");
+    });
+}
+
+#[test]
 fn router_selects_and_weighs_like_each_family() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(9);
@@ -544,5 +560,30 @@ fn copy_kernel_copies() {
         let copy = wgspark::kernels::copy::Copy::new(gpu).unwrap();
         run(gpu, &[copy.plan(gpu, &src, &dst, 4000)], 1);
         assert_eq!(gpu.read_buffer::<f32>(&dst, 1000).unwrap(), data);
+    });
+}
+
+#[test]
+fn copy_rows_takes_the_last_rows_in_flight() {
+    on_each_backend(|gpu| {
+        let (n, max_tokens) = (301, 9);
+        let data: Vec<f32> = Rng::new(16).vec(max_tokens * n, 1.0);
+        let src = gpu.storage_buffer_init("src", &data);
+        let copy = wgspark::kernels::copy::Copy::new(gpu).unwrap();
+        // (tokens in flight, rows kept): every row, only the last, and a
+        // chunk shorter than the rows kept.
+        for (tokens, rows) in [(9, 9), (7, 1), (1, 1), (4, 9)] {
+            let dst = gpu.storage_buffer("dst", max_tokens * n).unwrap();
+            let step = step_buffer(gpu, 0, tokens);
+            run(gpu, &[copy.plan_rows(gpu, n, rows, &step, &src, &dst)], tokens as u32);
+            let count = tokens.min(rows);
+            let got = gpu.read_buffer::<f32>(&dst, max_tokens * n).unwrap();
+            let want = &data[(tokens - count) * n..tokens * n];
+            assert_eq!(&got[..count * n], want, "tokens {tokens}, rows {rows}");
+            assert!(
+                got[count * n..].iter().all(|&v| v == 0.0),
+                "tokens {tokens}, rows {rows}: wrote past the rows"
+            );
+        }
     });
 }

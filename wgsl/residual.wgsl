@@ -1,7 +1,9 @@
 // Residual add of k weighted rows per token, for i < n:
-//   x[t, i] += sum_{j < k} s_j * y[(t * k + j) * n + i]
+//   x[t, i] += sum_{j < k} s_j * y[t * y_token_stride + j * n + i]
 // s_j = weights[t * k + j] when weighted (the routed experts' weights,
 // read on the GPU), else the constant scale (k = 1: plain residual add).
+// y_token_stride is k * n when y holds rows per token, and 0 when one row
+// is added to every token (a control vector).
 // Grid: x covers n in workgroups of 64, y = token.
 
 struct Params {
@@ -9,6 +11,10 @@ struct Params {
     k: u32,
     weighted: u32,
     scale: f32,
+    y_token_stride: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -29,7 +35,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         if (p.weighted != 0u) {
             s = weights[t * p.k + j];
         }
-        sum += s * y[(t * p.k + j) * p.n + i];
+        sum += s * y[t * p.y_token_stride + j * p.n + i];
     }
     x[t * p.n + i] += sum;
 }

@@ -13,6 +13,8 @@
 //! dense: x = x + down(silu(gate h) * up h)
 //! moe:   ids, w = family_topk(h @ router)           // read back: ends the submission
 //!        x = x + sum_j w_j * down_e(silu(gate_e h) * up_e h),  e = ids_j
+//! x      = x + steering[layer]                      // if a control vector steers it
+//! capture[layer] = x                                 // if the layer is captured
 //! ```
 //! then `logits = rms_norm(x, norm) @ lm_head`, raw.
 
@@ -24,6 +26,7 @@ pub use buffers::{Activations, MoeActivations};
 pub use moe::RoutingMode;
 pub use recorder::{PhaseTimer, Recorder};
 
+use crate::capture::CapturePlan;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, encode_all};
 use crate::kernels::attention::{AttentionBindings, SplitScratch};
@@ -32,6 +35,7 @@ use crate::kernels::rope::RopeBindings;
 use crate::kv_cache::KvCache;
 use crate::model::{FfnWeights, Model, QkNorm};
 use crate::stats::{Phase, Stats};
+use crate::steering::SteeringPlan;
 use moe::MoePlan;
 
 /// Which kernel runs the projections of a prompt chunk.
@@ -119,6 +123,27 @@ struct LayerPlan {
     ffn: FfnPlan,
 }
 
+/// What runs at each layer's output, after the FFN's residual add:
+/// steering first, then capture, so that captured rows are what the next
+/// layer reads. Layers with neither encode nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LayerOutputs<'a> {
+    pub steering: Option<&'a SteeringPlan>,
+    /// Set only for submissions whose rows are captured.
+    pub capture: Option<&'a CapturePlan>,
+}
+
+impl LayerOutputs<'_> {
+    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, layer: usize, n_tokens: u32) {
+        if let Some(steer) = self.steering.and_then(|s| s.layer(layer)) {
+            steer.encode(pass, n_tokens);
+        }
+        if let Some(copy) = self.capture.and_then(|c| c.layer(layer)) {
+            copy.encode(pass, n_tokens);
+        }
+    }
+}
+
 /// The whole forward pass for up to `Activations::max_tokens` tokens.
 #[derive(Debug)]
 pub struct Plan {
@@ -166,22 +191,31 @@ impl Plan {
     /// `n_tokens` tokens whose ids and first position are already written
     /// to the activations. The head runs only when `with_head`, on the last
     /// token. The caller records its readbacks and finishes `rec`.
-    pub fn forward(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
         &self,
         rec: &mut Recorder<'_>,
         act: &Activations,
         n_tokens: u32,
         with_head: bool,
         routing: &mut moe::RoutingContext<'_>,
+        outputs: LayerOutputs<'_>,
         stats: &mut Stats,
     ) -> Result<()> {
         encode_all(&self.embed, rec.pass(Phase::Attention), n_tokens);
         for (i, layer) in self.layers.iter().enumerate() {
             layer.attention.encode(rec.pass(Phase::Attention), n_tokens);
-            match &layer.ffn {
-                FfnPlan::Dense(dense) => dense.encode(rec.pass(Phase::Attention), n_tokens),
-                FfnPlan::Moe(moe) => moe.run(rec, n_tokens, i, routing, stats)?,
-            }
+            let ffn_phase = match &layer.ffn {
+                FfnPlan::Dense(dense) => {
+                    dense.encode(rec.pass(Phase::Attention), n_tokens);
+                    Phase::Attention
+                }
+                FfnPlan::Moe(moe) => {
+                    moe.run(rec, n_tokens, i, routing, stats)?;
+                    Phase::Routed
+                }
+            };
+            outputs.encode(rec.pass(ffn_phase), i, n_tokens);
         }
         if with_head {
             let row = 4 * act.hidden as u64;

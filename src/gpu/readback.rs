@@ -25,7 +25,19 @@ impl Readback {
     /// Records the copy of `bytes` bytes of `src` (from `offset`) into the
     /// staging buffer; call before finishing the encoder.
     pub fn record(&self, encoder: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, offset: u64, bytes: u64) {
-        encoder.copy_buffer_to_buffer(src, offset, &self.staging, 0, bytes);
+        self.record_at(encoder, src, offset, 0, bytes);
+    }
+
+    /// As [`Self::record`], into the staging buffer from `staging_offset`.
+    pub fn record_at(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        src: &wgpu::Buffer,
+        offset: u64,
+        staging_offset: u64,
+        bytes: u64,
+    ) {
+        encoder.copy_buffer_to_buffer(src, offset, &self.staging, staging_offset, bytes);
     }
 
     /// Maps the staging buffer after the submission that recorded the copy,

@@ -1,4 +1,6 @@
-//! `wgsl/copy.wgsl`: a buffer copy through the shader cores.
+//! `wgsl/copy.wgsl`: copies through the shader cores: a whole buffer (the
+//! bandwidth reference) and the last rows of the tokens in flight
+//! (residual capture).
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
@@ -7,29 +9,64 @@ use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
     n: u32,
-    _pad: [u32; 3],
+    rows: u32,
+    _pad: [u32; 2],
 }
 
 #[derive(Debug)]
 pub struct Copy {
     pipeline: wgpu::ComputePipeline,
+    rows_pipeline: wgpu::ComputePipeline,
 }
 
 impl Copy {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Copy { pipeline: super::pipeline(gpu, "copy", &[])? })
+        Ok(Copy {
+            pipeline: super::pipeline(gpu, "copy", &[])?,
+            rows_pipeline: super::pipeline_entry(gpu, "copy", "rows", &[])?,
+        })
     }
 
     /// `dst[..bytes] = src[..bytes]`, `bytes` a multiple of 16.
     pub fn plan(&self, gpu: &Gpu, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Dispatch {
         let n = (bytes / 16) as u32;
-        let params = ParamsBuffer::new(gpu, "copy.params", &Params { n, _pad: [0; 3] });
+        let params = ParamsBuffer::new(gpu, "copy.params", &Params { n, rows: 0, _pad: [0; 2] });
         Dispatch {
             label: "copy",
             bind_group: gpu.bind("copy", &self.pipeline, &[&params.0, src, dst]),
             pipeline: self.pipeline.clone(),
             workgroups: [n.div_ceil(256 * 8).clamp(1, 65535), 1, 1],
             tokens_per_workgroup: 0,
+        }
+    }
+
+    /// Copies the last `min(tokens, rows)` rows of `src` (packed
+    /// `[tokens, n]`) to the start of `dst`. With `rows == 1` the grid is
+    /// one row whatever the tokens in flight.
+    pub fn plan_rows(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        rows: usize,
+        step: &wgpu::Buffer,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+    ) -> Dispatch {
+        let params = ParamsBuffer::new(
+            gpu,
+            "copy.rows.params",
+            &Params { n: n as u32, rows: rows as u32, _pad: [0; 2] },
+        );
+        Dispatch {
+            label: "copy.rows",
+            bind_group: gpu.bind_at(
+                "copy.rows",
+                &self.rows_pipeline,
+                &[(0, &params.0), (3, step), (4, src), (5, dst)],
+            ),
+            pipeline: self.rows_pipeline.clone(),
+            workgroups: [(n as u32).div_ceil(256), 1, 1],
+            tokens_per_workgroup: if rows == 1 { 0 } else { 1 },
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod router;
 pub mod swiglu;
 
 pub use attention::Attention;
+pub use copy::Copy;
 pub use embed::Embed;
 pub use gemm::Gemm;
 pub use gemv::Gemv;
@@ -164,6 +165,7 @@ pub struct Kernels {
     pub swiglu: Swiglu,
     pub residual: Residual,
     pub router: Router,
+    pub copy: Copy,
 }
 
 impl Kernels {
@@ -178,6 +180,7 @@ impl Kernels {
             swiglu: Swiglu::new(gpu)?,
             residual: Residual::new(gpu)?,
             router: Router::new(gpu)?,
+            copy: Copy::new(gpu)?,
         })
     }
 }

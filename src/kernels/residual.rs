@@ -1,5 +1,6 @@
-//! `wgsl/residual.wgsl`: the residual add, plain (scaled) or as the
-//! weighted sum of the routed experts' outputs.
+//! `wgsl/residual.wgsl`: the residual add, plain (scaled), as the weighted
+//! sum of the routed experts' outputs, or of one row added to every token
+//! (a control vector).
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
@@ -11,12 +12,14 @@ struct Params {
     k: u32,
     weighted: u32,
     scale: f32,
+    y_token_stride: u32,
+    _pad: [u32; 3],
 }
 
 #[derive(Debug)]
 pub struct Residual {
     pipeline: wgpu::ComputePipeline,
-    /// Bound as `weights` by plain adds, which never read it.
+    /// Bound as `weights` by unweighted adds, which never read it.
     no_weights: wgpu::Buffer,
 }
 
@@ -49,7 +52,20 @@ impl Residual {
 
     /// `x[t] += scale * y[t]`, both packed `[tokens, n]`.
     pub fn plan(&self, gpu: &Gpu, n: usize, scale: f32, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Dispatch {
-        let params = Params { n: n as u32, k: 1, weighted: 0, scale };
+        let params = Params { n: n as u32, k: 1, weighted: 0, scale, y_token_stride: n as u32, _pad: [0; 3] };
+        self.dispatch(gpu, params, y, x, &self.no_weights)
+    }
+
+    /// `x[t] += scale * y` for every token, `y` one row of `n`.
+    pub fn plan_broadcast(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        scale: f32,
+        y: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+    ) -> Dispatch {
+        let params = Params { n: n as u32, k: 1, weighted: 0, scale, y_token_stride: 0, _pad: [0; 3] };
         self.dispatch(gpu, params, y, x, &self.no_weights)
     }
 
@@ -63,7 +79,14 @@ impl Residual {
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
     ) -> Dispatch {
-        let params = Params { n: n as u32, k: k as u32, weighted: 1, scale: 0.0 };
+        let params = Params {
+            n: n as u32,
+            k: k as u32,
+            weighted: 1,
+            scale: 0.0,
+            y_token_stride: (k * n) as u32,
+            _pad: [0; 3],
+        };
         self.dispatch(gpu, params, y, x, weights)
     }
 }

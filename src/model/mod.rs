@@ -3,7 +3,7 @@
 
 pub mod config;
 pub mod family;
-pub mod gguf;
+pub mod gguf_import;
 mod synthetic;
 pub mod weights;
 

@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod fixtures;
 pub mod reference;
+pub mod steering;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

@@ -1,0 +1,188 @@
+//! Residual capture: the residual stream at chosen layers' outputs (after
+//! steering), recorded on the GPU while the layers run and read back once
+//! per submission: once per decoded token, once per prompt chunk that
+//! contributes rows.
+//!
+//! Written as safetensors ([`Capture::to_safetensors`]): one f32 tensor
+//! `resid.layer.N` of shape `[rows, hidden]` per captured layer, rows in
+//! processing order, and the position of each row in the metadata
+//! (`positions`, a JSON array).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::gpu::{Dispatch, Gpu, Readback};
+use crate::model::Model;
+
+/// Which prompt rows are recorded. Every decoded token's row always is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptRows {
+    /// Only the last prompt position (the one whose logits come back).
+    #[default]
+    Last,
+    /// Every prompt position.
+    All,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CaptureOptions {
+    /// The layers to record; `None` is every layer.
+    pub layers: Option<Vec<usize>>,
+    pub prompt_rows: PromptRows,
+}
+
+/// Rows of the residual stream at layer outputs, in processing order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Capture {
+    pub hidden: usize,
+    /// The captured layers, ascending.
+    pub layers: Vec<usize>,
+    /// The position of each row.
+    pub positions: Vec<usize>,
+    /// Per captured layer (in `layers` order), `[rows, hidden]` row-major.
+    pub rows: Vec<Vec<f32>>,
+}
+
+impl Capture {
+    /// Layer `layer`'s rows, `[rows, hidden]` row-major, if it was captured.
+    pub fn layer(&self, layer: usize) -> Option<&[f32]> {
+        let slot = self.layers.iter().position(|&l| l == layer)?;
+        Some(&self.rows[slot])
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// The safetensors encoding: `resid.layer.N` tensors (f32,
+    /// `[rows, hidden]`) and `positions` in the metadata.
+    pub fn to_safetensors(&self) -> Vec<u8> {
+        let names: Vec<String> = self.layers.iter().map(|l| format!("resid.layer.{l}")).collect();
+        let views = names.iter().zip(&self.rows).map(|(name, rows)| {
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                vec![self.n_rows(), self.hidden],
+                bytemuck::cast_slice(rows),
+            )
+            .expect("rows hold n_rows * hidden values");
+            (name.as_str(), view)
+        });
+        let metadata = HashMap::from([
+            ("format".to_string(), "wgspark residual capture".to_string()),
+            ("positions".to_string(), serde_json::to_string(&self.positions).expect("a list of integers")),
+        ]);
+        safetensors::serialize(views, Some(metadata)).expect("views are valid")
+    }
+
+    pub fn write_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        std::fs::write(path, self.to_safetensors()).map_err(|e| Error::io(path, e))
+    }
+}
+
+/// The capture of a session: per captured layer, a buffer the rows are
+/// copied into as the layer ends, and the staging buffer all of them are
+/// read back through.
+#[derive(Debug)]
+pub(crate) struct CapturePlan {
+    pub prompt_rows: PromptRows,
+    /// `[layer]`: the copy into that layer's buffer, if it is captured.
+    copies: Vec<Option<Dispatch>>,
+    buffers: Vec<wgpu::Buffer>,
+    readback: Readback,
+    /// Most rows one submission records.
+    max_rows: usize,
+    captured: Capture,
+}
+
+impl CapturePlan {
+    /// `x` is the residual stream `[max_tokens, hidden]`, `step` the uniform
+    /// holding the tokens in flight.
+    pub fn new(
+        model: &Model,
+        options: &CaptureOptions,
+        max_tokens: usize,
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+    ) -> Result<Self> {
+        let c = &model.config;
+        let gpu: &Gpu = &model.gpu;
+        let mut layers = options.layers.clone().unwrap_or_else(|| (0..c.layers).collect());
+        layers.sort_unstable();
+        layers.dedup();
+        if let Some(&layer) = layers.iter().find(|&&l| l >= c.layers) {
+            return Err(Error::CaptureLayerOutOfRange { layer, layers: c.layers });
+        }
+        let max_rows = match options.prompt_rows {
+            PromptRows::Last => 1,
+            PromptRows::All => max_tokens,
+        };
+        let buffers = layers
+            .iter()
+            .map(|l| gpu.storage_buffer(&format!("capture.layer.{l}"), max_rows * c.hidden))
+            .collect::<Result<Vec<_>>>()?;
+        let mut copies: Vec<Option<Dispatch>> = vec![None; c.layers];
+        for (&layer, buffer) in layers.iter().zip(&buffers) {
+            copies[layer] = Some(model.kernels.copy.plan_rows(gpu, c.hidden, max_rows, step, x, buffer));
+        }
+        let readback_bytes = (layers.len() * max_rows * c.hidden * 4) as u64;
+        let readback = Readback::new(gpu, "capture.readback", readback_bytes);
+        gpu.check("creating the residual capture")?;
+        Ok(CapturePlan {
+            prompt_rows: options.prompt_rows,
+            copies,
+            buffers,
+            readback,
+            max_rows,
+            captured: Capture {
+                hidden: c.hidden,
+                rows: vec![Vec::new(); layers.len()],
+                layers,
+                positions: vec![],
+            },
+        })
+    }
+
+    /// The copy to encode at `layer`'s output, if it is captured.
+    pub fn layer(&self, layer: usize) -> Option<&Dispatch> {
+        self.copies.get(layer)?.as_ref()
+    }
+
+    /// Rows a submission of `n_tokens` records.
+    pub fn rows_for(&self, n_tokens: usize) -> usize {
+        n_tokens.min(self.max_rows)
+    }
+
+    /// Records the copy of every captured layer's `rows` rows into the
+    /// staging buffer, layer after layer.
+    pub fn record_readback(&self, encoder: &mut wgpu::CommandEncoder, rows: usize) {
+        let bytes = (rows * self.captured.hidden * 4) as u64;
+        for (slot, buffer) in self.buffers.iter().enumerate() {
+            self.readback.record_at(encoder, buffer, 0, slot as u64 * bytes, bytes);
+        }
+    }
+
+    /// After the submission: appends the rows, whose positions are
+    /// `first_position..first_position + rows`.
+    pub fn read(&mut self, gpu: &Gpu, rows: usize, first_position: usize) -> Result<()> {
+        let per_layer = rows * self.captured.hidden;
+        let values: Vec<f32> = self.readback.read(gpu, (self.buffers.len() * per_layer * 4) as u64)?;
+        for (slot, layer_rows) in self.captured.rows.iter_mut().enumerate() {
+            layer_rows.extend_from_slice(&values[slot * per_layer..(slot + 1) * per_layer]);
+        }
+        self.captured.positions.extend(first_position..first_position + rows);
+        Ok(())
+    }
+
+    /// The rows captured so far; the capture goes on from empty.
+    pub fn take(&mut self) -> Capture {
+        let empty = Capture {
+            hidden: self.captured.hidden,
+            layers: self.captured.layers.clone(),
+            positions: Vec::new(),
+            rows: vec![Vec::new(); self.captured.layers.len()],
+        };
+        std::mem::replace(&mut self.captured, empty)
+    }
+}

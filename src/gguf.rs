@@ -1,0 +1,527 @@
+//! The GGUF file format (llama.cpp's): a header of typed metadata, a table
+//! of tensors, then their data. [`Gguf`] memory-maps a file and checks that
+//! every tensor lies inside it; [`GgufWriter`] writes one. Control vectors
+//! ([`crate::steering`]) and the GGUF model import
+//! ([`crate::model::gguf_import`]) are built on these.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{Error, Result};
+
+/// A metadata value. Integers of every width read as `Int`, floats of both
+/// widths as `Float`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Meta {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+    Array(Vec<Meta>),
+}
+
+/// A ggml tensor type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    BF16,
+    F64,
+    I8,
+    I16,
+    I32,
+    I64,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+}
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Option<Self> {
+        use GgmlType::*;
+        Some(match id {
+            0 => F32,
+            1 => F16,
+            2 => Q4_0,
+            3 => Q4_1,
+            6 => Q5_0,
+            7 => Q5_1,
+            8 => Q8_0,
+            9 => Q8_1,
+            10 => Q2K,
+            11 => Q3K,
+            12 => Q4K,
+            13 => Q5K,
+            14 => Q6K,
+            15 => Q8K,
+            24 => I8,
+            25 => I16,
+            26 => I32,
+            27 => I64,
+            28 => F64,
+            30 => BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        use GgmlType::*;
+        match self {
+            F32 => 0,
+            F16 => 1,
+            Q4_0 => 2,
+            Q4_1 => 3,
+            Q5_0 => 6,
+            Q5_1 => 7,
+            Q8_0 => 8,
+            Q8_1 => 9,
+            Q2K => 10,
+            Q3K => 11,
+            Q4K => 12,
+            Q5K => 13,
+            Q6K => 14,
+            Q8K => 15,
+            I8 => 24,
+            I16 => 25,
+            I32 => 26,
+            I64 => 27,
+            F64 => 28,
+            BF16 => 30,
+        }
+    }
+
+    /// Elements per block and bytes per block.
+    fn block(self) -> (usize, usize) {
+        use GgmlType::*;
+        match self {
+            F32 | I32 => (1, 4),
+            F16 | BF16 | I16 => (1, 2),
+            F64 | I64 => (1, 8),
+            I8 => (1, 1),
+            Q4_0 => (32, 18),
+            Q4_1 => (32, 20),
+            Q5_0 => (32, 22),
+            Q5_1 => (32, 24),
+            Q8_0 => (32, 34),
+            Q8_1 => (32, 36),
+            Q2K => (256, 84),
+            Q3K => (256, 110),
+            Q4K => (256, 144),
+            Q5K => (256, 176),
+            Q6K => (256, 210),
+            Q8K => (256, 292),
+        }
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use GgmlType::*;
+        f.write_str(match self {
+            F32 => "F32",
+            F16 => "F16",
+            BF16 => "BF16",
+            F64 => "F64",
+            I8 => "I8",
+            I16 => "I16",
+            I32 => "I32",
+            I64 => "I64",
+            Q4_0 => "Q4_0",
+            Q4_1 => "Q4_1",
+            Q5_0 => "Q5_0",
+            Q5_1 => "Q5_1",
+            Q8_0 => "Q8_0",
+            Q8_1 => "Q8_1",
+            Q2K => "Q2_K",
+            Q3K => "Q3_K",
+            Q4K => "Q4_K",
+            Q5K => "Q5_K",
+            Q6K => "Q6_K",
+            Q8K => "Q8_K",
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub name: String,
+    /// ggml order: `dims[0]` is the contiguous (column) dimension.
+    pub dims: Vec<usize>,
+    pub ty: GgmlType,
+    /// From the start of the data section.
+    offset: usize,
+    byte_len: usize,
+}
+
+impl TensorInfo {
+    pub fn elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// The shape in row-major (Hugging Face) order: `dims` reversed.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().copied().collect()
+    }
+}
+
+/// A GGUF file, memory-mapped.
+pub struct Gguf {
+    path: PathBuf,
+    map: Mmap,
+    pub version: u32,
+    pub metadata: HashMap<String, Meta>,
+    /// In file order.
+    pub tensors: Vec<TensorInfo>,
+    data_start: usize,
+}
+
+/// The metadata key of the data section's alignment, and its default.
+const ALIGNMENT_KEY: &str = "general.alignment";
+const DEFAULT_ALIGNMENT: usize = 32;
+
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl Cursor<'_> {
+    fn err(&self, message: impl Into<String>) -> Error {
+        Error::Gguf {
+            path: self.path.to_path_buf(),
+            message: format!("{} (at byte {})", message.into(), self.pos),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let end = end.ok_or_else(|| self.err("unexpected end of file (truncated?)"))?;
+        let slice = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(slice)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        Ok(self.take(N)?.try_into().expect("take returns N bytes"))
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A count or length, which cannot exceed the file.
+    fn len(&mut self) -> Result<usize> {
+        let n = self.u64()?;
+        if n > self.bytes.len() as u64 {
+            return Err(self.err(format!("length {n} exceeds the file (truncated or corrupt)")));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self) -> Result<String> {
+        let n = self.len()?;
+        let bytes = self.take(n)?.to_vec();
+        String::from_utf8(bytes).map_err(|_| self.err("string is not UTF-8"))
+    }
+
+    fn value(&mut self, ty: u32) -> Result<Meta> {
+        Ok(match ty {
+            0 => Meta::Int(self.array::<1>()?[0] as i64),
+            1 => Meta::Int(self.array::<1>()?[0] as i8 as i64),
+            2 => Meta::Int(u16::from_le_bytes(self.array()?) as i64),
+            3 => Meta::Int(i16::from_le_bytes(self.array()?) as i64),
+            4 => Meta::Int(self.u32()? as i64),
+            5 => Meta::Int(self.u32()? as i32 as i64),
+            6 => Meta::Float(f32::from_le_bytes(self.array()?) as f64),
+            7 => Meta::Bool(self.array::<1>()?[0] != 0),
+            8 => Meta::Str(self.string()?),
+            9 => {
+                let elem = self.u32()?;
+                let n = self.len()?;
+                let mut items = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    items.push(self.value(elem)?);
+                }
+                Meta::Array(items)
+            }
+            10 | 11 => Meta::Int(self.u64()? as i64),
+            12 => Meta::Float(f64::from_le_bytes(self.array()?)),
+            other => return Err(self.err(format!("unknown metadata type {other}"))),
+        })
+    }
+}
+
+impl Gguf {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the map is read-only; like every memory-mapped loader we
+        // rely on the file not being truncated by another process meanwhile.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Self::parse(path, map)
+    }
+
+    fn parse(path: &Path, map: Mmap) -> Result<Self> {
+        let mut c = Cursor { bytes: &map, pos: 0, path };
+        if c.take(4).ok() != Some(b"GGUF".as_slice()) {
+            return Err(Error::Gguf {
+                path: path.to_path_buf(),
+                message: "not a GGUF file (bad magic)".into(),
+            });
+        }
+        let version = c.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(c.err(format!("unsupported GGUF version {version}")));
+        }
+        let n_tensors = c.len()?;
+        let n_kv = c.len()?;
+        let mut metadata = HashMap::new();
+        for _ in 0..n_kv {
+            let key = c.string()?;
+            let ty = c.u32()?;
+            let value = c.value(ty)?;
+            if metadata.insert(key.clone(), value).is_some() {
+                return Err(c.err(format!("metadata key {key} appears twice")));
+            }
+        }
+        let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors.min(1 << 16));
+        for _ in 0..n_tensors {
+            let name = c.string()?;
+            let n_dims = c.u32()? as usize;
+            if n_dims > 4 {
+                return Err(c.err(format!("tensor {name} has {n_dims} dimensions (at most 4)")));
+            }
+            let dims = (0..n_dims).map(|_| c.len()).collect::<Result<Vec<_>>>()?;
+            let type_id = c.u32()?;
+            let ty = GgmlType::from_id(type_id)
+                .ok_or_else(|| c.err(format!("tensor {name}: unsupported ggml type {type_id}")))?;
+            let offset = c.len()?;
+            let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            let (block, block_bytes) = ty.block();
+            let byte_len = elements
+                .filter(|n| n % block == 0)
+                .map(|n| n / block * block_bytes)
+                .ok_or_else(|| c.err(format!("tensor {name}: dims {dims:?} are not whole {ty} blocks")))?;
+            if tensors.iter().any(|t| t.name == name) {
+                return Err(c.err(format!("tensor {name} appears twice")));
+            }
+            tensors.push(TensorInfo { name, dims, ty, offset, byte_len });
+        }
+        let alignment = match metadata.get(ALIGNMENT_KEY) {
+            Some(Meta::Int(a)) if *a > 0 => *a as usize,
+            None => DEFAULT_ALIGNMENT,
+            Some(other) => return Err(c.err(format!("{ALIGNMENT_KEY} is {other:?}"))),
+        };
+        let data_start = c.pos.next_multiple_of(alignment);
+        for t in &tensors {
+            let end = data_start.checked_add(t.offset).and_then(|s| s.checked_add(t.byte_len));
+            if end.is_none_or(|end| end > map.len()) {
+                return Err(Error::Gguf {
+                    path: path.to_path_buf(),
+                    message: format!(
+                        "tensor {} runs past the end of the file ({} bytes; truncated?)",
+                        t.name,
+                        map.len()
+                    ),
+                });
+            }
+        }
+        Ok(Gguf { path: path.to_path_buf(), map, version, metadata, tensors, data_start })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn err(&self, message: String) -> Error {
+        Error::Gguf { path: self.path.clone(), message }
+    }
+
+    pub fn meta(&self, key: &str) -> Result<&Meta> {
+        self.metadata.get(key).ok_or_else(|| self.err(format!("missing metadata key {key}")))
+    }
+
+    pub fn meta_int(&self, key: &str) -> Result<i64> {
+        match self.meta(key)? {
+            Meta::Int(v) => Ok(*v),
+            other => Err(self.err(format!("{key} is {other:?}, expected an integer"))),
+        }
+    }
+
+    pub fn meta_float(&self, key: &str) -> Result<f64> {
+        match self.meta(key)? {
+            Meta::Float(v) => Ok(*v),
+            Meta::Int(v) => Ok(*v as f64),
+            other => Err(self.err(format!("{key} is {other:?}, expected a number"))),
+        }
+    }
+
+    pub fn meta_str(&self, key: &str) -> Result<&str> {
+        match self.meta(key)? {
+            Meta::Str(v) => Ok(v),
+            other => Err(self.err(format!("{key} is {other:?}, expected a string"))),
+        }
+    }
+
+    pub fn meta_strings(&self, key: &str) -> Result<Vec<&str>> {
+        match self.meta(key)? {
+            Meta::Array(items) => items
+                .iter()
+                .map(|m| match m {
+                    Meta::Str(s) => Ok(s.as_str()),
+                    other => Err(self.err(format!("{key} holds {other:?}, expected strings"))),
+                })
+                .collect(),
+            other => Err(self.err(format!("{key} is {other:?}, expected an array"))),
+        }
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The tensor's bytes as stored.
+    pub fn data(&self, t: &TensorInfo) -> &[u8] {
+        let start = self.data_start + t.offset;
+        &self.map[start..start + t.byte_len]
+    }
+
+    /// The tensor's values as f32 in row-major (Hugging Face) order, for
+    /// the float types and the legacy quantizations the import reads.
+    pub fn dequantize(&self, t: &TensorInfo) -> Result<Vec<f32>> {
+        let data = self.data(t);
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        Ok(match t.ty {
+            GgmlType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(data),
+            GgmlType::F16 => data.chunks_exact(2).map(f16).collect(),
+            GgmlType::BF16 => {
+                data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            GgmlType::Q8_0 => data
+                .chunks_exact(34)
+                .flat_map(|b| {
+                    let d = f16(&b[0..2]);
+                    b[2..34].iter().map(move |&q| q as i8 as f32 * d)
+                })
+                .collect(),
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let with_min = t.ty == GgmlType::Q4_1;
+                let block = if with_min { 20 } else { 18 };
+                let mut out = Vec::with_capacity(data.len() / block * 32);
+                for b in data.chunks_exact(block) {
+                    let d = f16(&b[0..2]);
+                    let (m, qs) = if with_min { (f16(&b[2..4]), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
+                    // Low nibbles are elements 0..16, high nibbles 16..32.
+                    out.extend(qs.iter().map(|&q| (q & 0x0f) as f32 * d + m));
+                    out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
+                }
+                out
+            }
+            other => return Err(self.err(format!("tensor {}: cannot dequantize {other}", t.name))),
+        })
+    }
+}
+
+/// Writes a GGUF (version 3) file: metadata in insertion order, then
+/// tensors in insertion order, each aligned to 32 bytes.
+#[derive(Default)]
+pub struct GgufWriter {
+    metadata: Vec<(String, MetaValue)>,
+    tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)>,
+}
+
+/// A metadata value with its exact GGUF type, for writing.
+#[derive(Debug, Clone)]
+pub enum MetaValue {
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    F32(f32),
+    Bool(bool),
+    Str(String),
+}
+
+impl GgufWriter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn meta(&mut self, key: &str, value: MetaValue) -> &mut Self {
+        self.metadata.push((key.to_string(), value));
+        self
+    }
+
+    /// A tensor of `dims` (ggml order) whose bytes are already encoded as `ty`.
+    pub fn tensor_bytes(&mut self, name: &str, dims: &[usize], ty: GgmlType, bytes: Vec<u8>) -> &mut Self {
+        self.tensors.push((name.to_string(), dims.to_vec(), ty, bytes));
+        self
+    }
+
+    /// An F32 tensor of `dims` (ggml order).
+    pub fn tensor_f32(&mut self, name: &str, dims: &[usize], values: &[f32]) -> &mut Self {
+        self.tensor_bytes(name, dims, GgmlType::F32, bytemuck::cast_slice(values).to_vec())
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let string = |out: &mut Vec<u8>, s: &str| {
+            out.extend((s.len() as u64).to_le_bytes());
+            out.extend(s.as_bytes());
+        };
+        out.extend(b"GGUF");
+        out.extend(3u32.to_le_bytes());
+        out.extend((self.tensors.len() as u64).to_le_bytes());
+        out.extend((self.metadata.len() as u64).to_le_bytes());
+        for (key, value) in &self.metadata {
+            string(&mut out, key);
+            match value {
+                MetaValue::U32(v) => out.extend(4u32.to_le_bytes().into_iter().chain(v.to_le_bytes())),
+                MetaValue::I32(v) => out.extend(5u32.to_le_bytes().into_iter().chain(v.to_le_bytes())),
+                MetaValue::F32(v) => out.extend(6u32.to_le_bytes().into_iter().chain(v.to_le_bytes())),
+                MetaValue::Bool(v) => out.extend(7u32.to_le_bytes().into_iter().chain([*v as u8])),
+                MetaValue::Str(v) => {
+                    out.extend(8u32.to_le_bytes());
+                    string(&mut out, v);
+                }
+                MetaValue::U64(v) => out.extend(10u32.to_le_bytes().into_iter().chain(v.to_le_bytes())),
+            }
+        }
+        let mut offset = 0usize;
+        for (name, dims, ty, bytes) in &self.tensors {
+            string(&mut out, name);
+            out.extend((dims.len() as u32).to_le_bytes());
+            for &d in dims {
+                out.extend((d as u64).to_le_bytes());
+            }
+            out.extend(ty.id().to_le_bytes());
+            out.extend((offset as u64).to_le_bytes());
+            offset = (offset + bytes.len()).next_multiple_of(DEFAULT_ALIGNMENT);
+        }
+        for (_, _, _, bytes) in &self.tensors {
+            out.resize(out.len().next_multiple_of(DEFAULT_ALIGNMENT), 0);
+            out.extend(bytes);
+        }
+        out
+    }
+
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        std::fs::write(path, self.to_bytes()).map_err(|e| Error::io(path, e))
+    }
+}

@@ -1,0 +1,225 @@
+//! Control vectors and steering: a direction added to the residual stream
+//! at layer outputs (after the FFN's residual add), at every position, as
+//! llama.cpp applies its control vectors.
+//!
+//! Files use llama.cpp's GGUF layout, which repeng also exports:
+//! `general.architecture = "controlvector"`, `controlvector.layer_count`
+//! (the number of direction tensors), optionally `controlvector.model_hint`,
+//! and one F32 1-D tensor `direction.N` of `hidden` values per steered
+//! layer, `N >= 1` the 0-based layer index (layer 0 is never steered).
+
+use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
+use std::path::{Path, PathBuf};
+
+use crate::error::{ControlVectorProblem, Error, Result};
+use crate::gguf::{GgmlType, Gguf, GgufWriter, MetaValue};
+use crate::gpu::Dispatch;
+use crate::model::{Model, ModelConfig};
+
+pub const ARCHITECTURE_KEY: &str = "general.architecture";
+pub const ARCHITECTURE: &str = "controlvector";
+pub const LAYER_COUNT_KEY: &str = "controlvector.layer_count";
+pub const MODEL_HINT_KEY: &str = "controlvector.model_hint";
+
+/// One control vector: a direction per steered layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlVector {
+    /// Where it was read from (errors name it).
+    pub path: PathBuf,
+    /// The model type the writer recorded (`controlvector.model_hint`).
+    pub model_hint: Option<String>,
+    /// Layer (>= 1) to direction; every direction has the same length.
+    pub directions: BTreeMap<usize, Vec<f32>>,
+}
+
+impl ControlVector {
+    /// Reads a control vector file, checking everything that does not
+    /// depend on the model: the architecture key, the layer count, and that
+    /// each tensor is a finite F32 1-D `direction.N` with `N >= 1`, all of
+    /// one length. A truncated or malformed file is an [`Error::Gguf`].
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let gguf = Gguf::open(path)?;
+        let problem = |problem| Error::ControlVector { path: path.to_path_buf(), problem };
+        match gguf.meta_str(ARCHITECTURE_KEY) {
+            Ok(ARCHITECTURE) => {}
+            Ok(other) => {
+                return Err(problem(ControlVectorProblem::WrongArchitecture { found: other.into() }));
+            }
+            Err(_) => {
+                let found =
+                    gguf.metadata.get(ARCHITECTURE_KEY).map_or("(missing)".into(), |m| format!("{m:?}"));
+                return Err(problem(ControlVectorProblem::WrongArchitecture { found }));
+            }
+        }
+        let declared =
+            gguf.meta_int(LAYER_COUNT_KEY).map_err(|_| problem(ControlVectorProblem::MissingLayerCount))?;
+        let mut directions = BTreeMap::new();
+        let mut length = None;
+        for t in &gguf.tensors {
+            let layer =
+                t.name.strip_prefix("direction.").and_then(|n| n.parse::<usize>().ok()).ok_or_else(|| {
+                    problem(ControlVectorProblem::UnexpectedTensor { name: t.name.clone() })
+                })?;
+            if layer == 0 {
+                return Err(problem(ControlVectorProblem::LayerZero));
+            }
+            if t.ty != GgmlType::F32 {
+                return Err(problem(ControlVectorProblem::NotF32 { layer, found: t.ty.to_string() }));
+            }
+            if t.dims.len() != 1 {
+                return Err(problem(ControlVectorProblem::NotOneDimensional { layer, dims: t.dims.clone() }));
+            }
+            let values = gguf.dequantize(t)?;
+            let expected = *length.get_or_insert(values.len());
+            if values.len() != expected {
+                return Err(problem(ControlVectorProblem::InconsistentLength {
+                    layer,
+                    found: values.len(),
+                    expected,
+                }));
+            }
+            if values.iter().any(|v| !v.is_finite()) {
+                return Err(problem(ControlVectorProblem::NotFinite { layer }));
+            }
+            directions.insert(layer, values);
+        }
+        if directions.is_empty() {
+            return Err(problem(ControlVectorProblem::NoDirections));
+        }
+        if declared != directions.len() as i64 {
+            return Err(problem(ControlVectorProblem::LayerCountMismatch {
+                declared,
+                found: directions.len(),
+            }));
+        }
+        let model_hint = gguf.meta_str(MODEL_HINT_KEY).ok().map(str::to_string);
+        Ok(ControlVector { path: path.to_path_buf(), model_hint, directions })
+    }
+
+    /// Writes the vector in llama.cpp's layout (what its cvector-generator
+    /// writes: int32 layer count, directions in layer order).
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut w = GgufWriter::new();
+        w.meta(ARCHITECTURE_KEY, MetaValue::Str(ARCHITECTURE.into()));
+        if let Some(hint) = &self.model_hint {
+            w.meta(MODEL_HINT_KEY, MetaValue::Str(hint.clone()));
+        }
+        w.meta(LAYER_COUNT_KEY, MetaValue::I32(self.directions.len() as i32));
+        for (layer, direction) in &self.directions {
+            w.tensor_f32(&format!("direction.{layer}"), &[direction.len()], direction);
+        }
+        w.write(path)
+    }
+
+    /// Length of the directions (the hidden size of the model it was made for).
+    pub fn hidden(&self) -> usize {
+        self.directions.values().next().map_or(0, Vec::len)
+    }
+}
+
+/// What is added to each layer's output: the sum of control vectors, each
+/// times its strength, over an inclusive layer range.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Steering {
+    hidden: usize,
+    /// `[layer]`: the row added to that layer's output, if any.
+    layers: Vec<Option<Vec<f32>>>,
+}
+
+impl Steering {
+    /// Sums `(vector, strength)` pairs for a model with `config`, keeping
+    /// only layers in `layer_range` (inclusive, as llama.cpp's
+    /// `--control-vector-layer-range`; `None` is every layer). A range
+    /// reaching past the last layer is cut there, as in llama.cpp. Each
+    /// direction must have the model's hidden size and a layer the model has.
+    pub fn new(
+        config: &ModelConfig,
+        vectors: &[(ControlVector, f32)],
+        layer_range: Option<RangeInclusive<usize>>,
+    ) -> Result<Self> {
+        if let Some(range) = &layer_range {
+            if range.start() > range.end() {
+                return Err(Error::InvalidLayerRange { start: *range.start(), end: *range.end() });
+            }
+        }
+        let mut layers: Vec<Option<Vec<f32>>> = vec![None; config.layers];
+        for (vector, strength) in vectors {
+            let problem = |problem| Error::ControlVector { path: vector.path.clone(), problem };
+            for (&layer, direction) in &vector.directions {
+                if layer >= config.layers {
+                    return Err(problem(ControlVectorProblem::LayerOutOfRange {
+                        layer,
+                        layers: config.layers,
+                    }));
+                }
+                if direction.len() != config.hidden {
+                    return Err(problem(ControlVectorProblem::WrongLength {
+                        layer,
+                        found: direction.len(),
+                        expected: config.hidden,
+                    }));
+                }
+                if layer_range.as_ref().is_some_and(|r| !r.contains(&layer)) {
+                    continue;
+                }
+                let row = layers[layer].get_or_insert_with(|| vec![0.0; config.hidden]);
+                for (sum, d) in row.iter_mut().zip(direction) {
+                    *sum += strength * d;
+                }
+            }
+        }
+        Ok(Steering { hidden: config.hidden, layers })
+    }
+
+    /// The row added to `layer`'s output, if it is steered.
+    pub fn layer(&self, layer: usize) -> Option<&[f32]> {
+        self.layers.get(layer)?.as_deref()
+    }
+
+    /// The steered layers, ascending.
+    pub fn steered_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.iter().enumerate().filter_map(|(i, row)| row.as_ref().map(|_| i))
+    }
+
+    /// The steering as dispatches for `model`, adding into `x` (`[tokens, hidden]`).
+    pub(crate) fn plan(&self, model: &Model, x: &wgpu::Buffer) -> Result<SteeringPlan> {
+        let c = &model.config;
+        if self.layers.len() != c.layers || self.hidden != c.hidden {
+            return Err(Error::SteeringMismatch {
+                steering_layers: self.layers.len(),
+                steering_hidden: self.hidden,
+                layers: c.layers,
+                hidden: c.hidden,
+            });
+        }
+        let gpu = &model.gpu;
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, row)| {
+                row.as_ref().map(|row| {
+                    let direction = gpu.storage_buffer_init(&format!("steering.layer.{i}"), row);
+                    model.kernels.residual.plan_broadcast(gpu, c.hidden, 1.0, &direction, x)
+                })
+            })
+            .collect();
+        gpu.check("uploading the steering")?;
+        Ok(SteeringPlan { layers })
+    }
+}
+
+/// The steering of a session: per layer, the dispatch adding its row to the
+/// residual stream of every token in flight. Unsteered layers encode nothing.
+#[derive(Debug)]
+pub(crate) struct SteeringPlan {
+    layers: Vec<Option<Dispatch>>,
+}
+
+impl SteeringPlan {
+    pub fn layer(&self, layer: usize) -> Option<&Dispatch> {
+        self.layers.get(layer)?.as_ref()
+    }
+}
