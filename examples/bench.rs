@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use wgspark::sampling::argmax;
-use wgspark::{Backend, Gpu, GpuOptions, Model, ModelConfig, SessionOptions};
+use wgspark::{
+    Backend, CaptureOptions, ControlVector, Gpu, GpuOptions, Model, ModelConfig, Session, SessionOptions,
+    Steering,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "wgspark throughput benchmark")]
@@ -151,13 +154,7 @@ fn measure(
         logits = session.step(next, session.position())?;
         next = argmax(&logits);
     }
-    session.truncate(args.prompt);
-    let start = Instant::now();
-    for _ in 0..args.decode {
-        logits = session.step(next, session.position())?;
-        next = argmax(&logits);
-    }
-    let per_token = start.elapsed().as_secs_f64() / args.decode as f64;
+    let per_token = decode_per_token(&mut session, args.prompt, next, args.decode)?;
     let bytes = decode_bytes(c, args.prompt + args.decode / 2);
     let achieved = bytes as f64 / per_token;
     println!(
@@ -170,6 +167,27 @@ fn measure(
         100.0 * achieved / copy
     );
     let stats = session.stats();
+
+    // Steering every layer, then also capturing every layer, against plain
+    // decode in the same session.
+    let directions = (1..c.layers).map(|l| (l, vec![0.01 * (l % 3) as f32; c.hidden])).collect();
+    let vector = ControlVector { path: "bench".into(), model_hint: None, directions };
+    session.set_steering(Some(&Steering::new(c, &[(vector, 1.0)], None)?))?;
+    let steered = decode_per_token(&mut session, args.prompt, next, args.decode)?;
+    session.set_capture(Some(&CaptureOptions::default()))?;
+    let captured = decode_per_token(&mut session, args.prompt, next, args.decode)?;
+    println!(
+        "  decode steering {} layers: {:.3} ms/token ({:.3}x plain); and capturing all {} layers: {:.3} ms/token ({:.3}x plain)",
+        c.layers - 1,
+        steered * 1e3,
+        steered / per_token,
+        c.layers,
+        captured * 1e3,
+        captured / per_token
+    );
+    session.set_steering(None)?;
+    session.set_capture(None)?;
+
     // Where decode time goes: GPU time per phase (timestamps) against wall.
     let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
     timed.prefill(&prompt)?;
@@ -200,6 +218,17 @@ fn measure(
         );
     }
     Ok(())
+}
+
+/// Seconds per decoded token over `n` tokens from position `from`, each
+/// reading its logits back.
+fn decode_per_token(session: &mut Session<'_>, from: usize, mut next: u32, n: usize) -> wgspark::Result<f64> {
+    session.truncate(from);
+    let start = Instant::now();
+    for _ in 0..n {
+        next = argmax(&session.step(next, session.position())?);
+    }
+    Ok(start.elapsed().as_secs_f64() / n as f64)
 }
 
 /// Matmul and attention FLOPs of a prefill of `t` tokens (head on the last).

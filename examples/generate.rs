@@ -6,13 +6,22 @@
 //! ```
 //! Without `--model` it runs the default model (SmolLM2-135M-Instruct),
 //! downloading and converting it on first use.
+//!
+//! Steering and capture follow llama.cpp's flags:
+//! ```text
+//! --control-vector happy.gguf --control-vector-scaled calm.gguf:0.5 \
+//!     --control-vector-layer-range 10 20 --capture resid.safetensors
+//! ```
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use wgspark::{Backend, Gpu, GpuOptions, Model, RoutingMode, Sampler, Sampling, SessionOptions, Stats};
+use wgspark::{
+    Backend, CaptureOptions, ControlVector, Gpu, GpuOptions, Model, PromptRows, RoutingMode, Sampler,
+    Sampling, SessionOptions, Stats, Steering,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with wgspark")]
@@ -64,6 +73,45 @@ struct Args {
     /// MoE layers keep the router's choice on the GPU (no readback).
     #[arg(long)]
     device_routing: bool,
+    /// Add a control vector (llama.cpp GGUF) at strength 1. Repeatable.
+    #[arg(long, value_name = "FILE")]
+    control_vector: Vec<PathBuf>,
+    /// Add a control vector times STRENGTH. Repeatable; vectors sum.
+    #[arg(long, value_name = "FILE:STRENGTH")]
+    control_vector_scaled: Vec<String>,
+    /// Steer only layers START..=END.
+    #[arg(long, num_args = 2, value_names = ["START", "END"])]
+    control_vector_layer_range: Option<Vec<usize>>,
+    /// Record the residual stream at layer outputs (after steering) and
+    /// write it as safetensors: `resid.layer.N`, f32 `[rows, hidden]`, rows
+    /// in processing order (the last prompt position, then each decoded
+    /// token), their positions in the metadata.
+    #[arg(long, value_name = "FILE")]
+    capture: Option<PathBuf>,
+    /// Capture only these layers (default: every layer).
+    #[arg(long, value_delimiter = ',', requires = "capture")]
+    capture_layers: Option<Vec<usize>>,
+    /// Capture every prompt position, not only the last.
+    #[arg(long, requires = "capture")]
+    capture_all_prompt: bool,
+}
+
+/// `--control-vector` and `--control-vector-scaled` as (file, strength).
+fn control_vectors(args: &Args) -> Result<Vec<(PathBuf, f32)>, String> {
+    let mut out: Vec<(PathBuf, f32)> = args.control_vector.iter().map(|p| (p.clone(), 1.0)).collect();
+    for value in &args.control_vector_scaled {
+        // The last colon: a path may hold colons, a number does not.
+        let (file, strength) = value
+            .rsplit_once(':')
+            .ok_or_else(|| format!("--control-vector-scaled {value:?}: expected FILE:STRENGTH"))?;
+        let strength: f32 = strength
+            .parse()
+            .ok()
+            .filter(|s: &f32| s.is_finite())
+            .ok_or_else(|| format!("--control-vector-scaled: strength {strength:?} is not a number"))?;
+        out.push((PathBuf::from(file), strength));
+    }
+    Ok(out)
 }
 
 fn main() {
@@ -113,6 +161,32 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         prefill_chunk: args.prefill_chunk,
         ..Default::default()
     })?;
+    let vectors = control_vectors(&args)?;
+    if !vectors.is_empty() {
+        let mut loaded = Vec::new();
+        for (path, strength) in vectors {
+            let vector = ControlVector::load(&path)?;
+            if let Some(hint) = vector.model_hint.as_deref().filter(|h| *h != model.config.model_type) {
+                eprintln!(
+                    "note: {} was made for {hint:?}, this model is {:?}",
+                    path.display(),
+                    model.config.model_type
+                );
+            }
+            loaded.push((vector, strength));
+        }
+        let range = args.control_vector_layer_range.as_ref().map(|r| r[0]..=r[1]);
+        let steering = Steering::new(&model.config, &loaded, range)?;
+        let layers: Vec<String> = steering.steered_layers().map(|l| l.to_string()).collect();
+        eprintln!("steering layers {}", layers.join(","));
+        session.set_steering(Some(&steering))?;
+    } else if args.control_vector_layer_range.is_some() {
+        return Err("--control-vector-layer-range needs --control-vector or --control-vector-scaled".into());
+    }
+    if args.capture.is_some() {
+        let prompt_rows = if args.capture_all_prompt { PromptRows::All } else { PromptRows::Last };
+        session.set_capture(Some(&CaptureOptions { layers: args.capture_layers.clone(), prompt_rows }))?;
+    }
     let mut sampler = if args.greedy || args.temperature == 0.0 {
         Sampler::greedy()
     } else {
@@ -175,6 +249,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     );
     if args.stats {
         print_stats(&session.stats());
+    }
+    if let Some(path) = &args.capture {
+        let capture = session.take_capture().expect("capture was set");
+        capture.write_safetensors(path)?;
+        eprintln!(
+            "captured {} rows of {} layers to {}",
+            capture.n_rows(),
+            capture.layers.len(),
+            path.display()
+        );
     }
     if args.json {
         let out = serde_json::json!({

@@ -7,6 +7,22 @@
 //! `resid.layer.N` of shape `[rows, hidden]` per captured layer, rows in
 //! processing order, and the position of each row in the metadata
 //! (`positions`, a JSON array).
+//!
+//! ```no_run
+//! use wgspark::{CaptureOptions, Gpu, Model, PromptRows, SessionOptions};
+//!
+//! let gpu = Gpu::from_env()?;
+//! let model = Model::load("path/to/checkpoint", &gpu)?;
+//! let mut session = model.session(&SessionOptions::default())?;
+//! let options = CaptureOptions { layers: Some(vec![4, 8]), prompt_rows: PromptRows::All };
+//! session.set_capture(Some(&options))?;
+//! session.prefill(&[1, 2, 3])?;
+//! let capture = session.take_capture().expect("capture is on");
+//! assert_eq!(capture.positions, [0, 1, 2]);
+//! let layer_8 = capture.layer(8).unwrap(); // [3, hidden] row-major
+//! capture.write_safetensors("resid.safetensors")?;
+//! # Ok::<(), wgspark::Error>(())
+//! ```
 
 use std::collections::HashMap;
 use std::path::Path;

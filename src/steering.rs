@@ -7,6 +7,22 @@
 //! (the number of direction tensors), optionally `controlvector.model_hint`,
 //! and one F32 1-D tensor `direction.N` of `hidden` values per steered
 //! layer, `N >= 1` the 0-based layer index (layer 0 is never steered).
+//!
+//! ```no_run
+//! use wgspark::{ControlVector, Gpu, Model, SessionOptions, Steering};
+//!
+//! let gpu = Gpu::from_env()?;
+//! let model = Model::load("path/to/checkpoint", &gpu)?;
+//! let happy = ControlVector::load("happy.gguf")?;
+//! let calm = ControlVector::load("calm.gguf")?;
+//! // llama.cpp's --control-vector happy.gguf --control-vector-scaled calm.gguf:0.5
+//! //             --control-vector-layer-range 2 10
+//! let steering = Steering::new(&model.config, &[(happy, 1.0), (calm, 0.5)], Some(2..=10))?;
+//! let mut session = model.session(&SessionOptions::default())?;
+//! session.set_steering(Some(&steering))?;
+//! let logits = session.prefill(&[1, 2, 3])?;
+//! # Ok::<(), wgspark::Error>(())
+//! ```
 
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::fixtures::cases;
@@ -56,10 +56,74 @@ fn json_output_matches_every_fixture() {
     }
 }
 
+/// Steering flags reproduce both steering fixture runs of every case, and
+/// `--capture` writes the layer outputs transformers' hooks recorded.
+#[test]
+fn control_vector_flags_and_capture_file() {
+    let bin = generate_bin();
+    let backend = common::backends()[0];
+    for case in common::steering::steering_cases() {
+        let ids: Vec<String> = case.prompt_ids.iter().map(u32::to_string).collect();
+        for run in &case.runs {
+            let mut steer_args: Vec<String> = Vec::new();
+            for (file, strength) in &run.vectors {
+                let path = case.dir.join(file).display().to_string();
+                if *strength == 1.0 {
+                    steer_args.extend(["--control-vector".into(), path]);
+                } else {
+                    steer_args.extend(["--control-vector-scaled".into(), format!("{path}:{strength}")]);
+                }
+            }
+            if let Some((start, end)) = run.layer_range {
+                steer_args.extend([
+                    "--control-vector-layer-range".into(),
+                    start.to_string(),
+                    end.to_string(),
+                ]);
+            }
+            let capture = common::checkpoint::temp_dir("cli_capture").join("resid.safetensors");
+            let out = Command::new(&bin)
+                .arg("--model")
+                .arg(case.model_dir())
+                .args(["--prompt-ids", &ids.join(",")])
+                .args(["--max-new-tokens", &run.generated_ids.len().to_string()])
+                .args(["--ignore-eos", "--json", "--backend", &format!("{backend:?}")])
+                .args(&steer_args)
+                .arg("--capture")
+                .arg(&capture)
+                .output()
+                .unwrap();
+            let what = format!("{} {} ({})", case.name(), run.name, steer_args.join(" "));
+            assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let got_ids: Vec<u32> = serde_json::from_value(json["generated_ids"].clone()).unwrap();
+            let rows: Vec<Vec<f32>> = serde_json::from_value(json["logits"].clone()).unwrap();
+            assert_eq!(got_ids, run.generated_ids, "{what}");
+            for (row, (got, want)) in rows.iter().zip(&run.logits).enumerate() {
+                assert!(max_abs_diff(got, want) <= 1e-3, "{what}, row {row}");
+            }
+
+            // The last prompt row, then each decoded token but the last
+            // sampled one (which is never fed back).
+            let bytes = std::fs::read(&capture).unwrap();
+            let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let first = case.prompt_ids.len() - 1;
+            for (layer, want) in run.capture.iter().enumerate() {
+                let t = file.tensor(&format!("resid.layer.{layer}")).unwrap();
+                assert_eq!(t.shape(), [want.len() - first, want[0].len()], "{what}, layer {layer}");
+                let got: Vec<f32> = bytemuck::pod_collect_to_vec(t.data());
+                let err = max_abs_diff(&got, &want[first..].concat());
+                assert!(err <= 1e-3, "{what}, layer {layer}: capture error {err}");
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_input_exits_with_a_message() {
     let bin = generate_bin();
     let fixture = common::checkpoint::fixture_dir("llama_untied");
+    let cvec = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/steering/mixtral_deep/llama_cpp.gguf");
     for (args, needle) in [
         (
             vec!["--model".to_string(), "/nonexistent/model".into(), "--prompt-ids".into(), "1".into()],
@@ -70,6 +134,40 @@ fn bad_input_exits_with_a_message() {
             "out of range",
         ),
         (vec!["--backend".into(), "cuda".into(), "--prompt-ids".into(), "1".into()], "unknown backend"),
+        (
+            vec![
+                "--model".into(),
+                fixture.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--control-vector-scaled".into(),
+                format!("{}:strong", cvec.display()),
+            ],
+            "not a number",
+        ),
+        (
+            // Made for a model of another width and depth.
+            vec![
+                "--model".into(),
+                fixture.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--control-vector".into(),
+                cvec.display().to_string(),
+            ],
+            "invalid control vector",
+        ),
+        (
+            vec![
+                "--model".into(),
+                fixture.display().to_string(),
+                "--prompt-ids".into(),
+                "1".into(),
+                "--control-vector".into(),
+                fixture.join("config.json").display().to_string(),
+            ],
+            "malformed GGUF",
+        ),
     ] {
         let out = Command::new(&bin).args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
