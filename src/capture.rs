@@ -97,15 +97,18 @@ impl Capture {
     }
 }
 
-/// The capture of a session: per captured layer, a buffer the rows are
-/// copied into as the layer ends, and the staging buffer all of them are
-/// read back through.
+/// The capture of a session. Each captured layer's rows are copied, as the
+/// layer ends, into its own region of one buffer; the regions are read back
+/// together, in one copy when they are full.
 #[derive(Debug)]
 pub(crate) struct CapturePlan {
     pub prompt_rows: PromptRows,
-    /// `[layer]`: the copy into that layer's buffer, if it is captured.
+    /// `[layer]`: the copy into that layer's region, if it is captured.
     copies: Vec<Option<Dispatch>>,
-    buffers: Vec<wgpu::Buffer>,
+    buffer: wgpu::Buffer,
+    /// Bytes from one layer's region to the next (a storage binding offset
+    /// must be a multiple of the adapter's alignment).
+    region_stride: u64,
     readback: Readback,
     /// Most rows one submission records.
     max_rows: usize,
@@ -134,21 +137,26 @@ impl CapturePlan {
             PromptRows::Last => 1,
             PromptRows::All => max_tokens,
         };
-        let buffers = layers
-            .iter()
-            .map(|l| gpu.storage_buffer(&format!("capture.layer.{l}"), max_rows * c.hidden))
-            .collect::<Result<Vec<_>>>()?;
+        let region_bytes = (max_rows * c.hidden * 4) as u64;
+        let alignment = gpu.device.limits().min_storage_buffer_offset_alignment as u64;
+        let region_stride = region_bytes.next_multiple_of(alignment.max(16));
+        let buffer = gpu.storage_buffer_bytes("capture", layers.len() as u64 * region_stride)?;
         let mut copies: Vec<Option<Dispatch>> = vec![None; c.layers];
-        for (&layer, buffer) in layers.iter().zip(&buffers) {
-            copies[layer] = Some(model.kernels.copy.plan_rows(gpu, c.hidden, max_rows, step, x, buffer));
+        for (slot, &layer) in layers.iter().enumerate() {
+            let region = wgpu::BufferBinding {
+                buffer: &buffer,
+                offset: slot as u64 * region_stride,
+                size: wgpu::BufferSize::new(region_bytes),
+            };
+            copies[layer] = Some(model.kernels.copy.plan_rows(gpu, c.hidden, max_rows, step, x, region));
         }
-        let readback_bytes = (layers.len() * max_rows * c.hidden * 4) as u64;
-        let readback = Readback::new(gpu, "capture.readback", readback_bytes);
+        let readback = Readback::new(gpu, "capture.readback", layers.len() as u64 * region_stride);
         gpu.check("creating the residual capture")?;
         Ok(CapturePlan {
             prompt_rows: options.prompt_rows,
             copies,
-            buffers,
+            buffer,
+            region_stride,
             readback,
             max_rows,
             captured: Capture {
@@ -170,12 +178,21 @@ impl CapturePlan {
         n_tokens.min(self.max_rows)
     }
 
-    /// Records the copy of every captured layer's `rows` rows into the
-    /// staging buffer, layer after layer.
+    fn slots(&self) -> u64 {
+        self.captured.layers.len() as u64
+    }
+
+    /// Records the copy of the first `rows` rows of every region into the
+    /// staging buffer, at the same offsets.
     pub fn record_readback(&self, encoder: &mut wgpu::CommandEncoder, rows: usize) {
         let bytes = (rows * self.captured.hidden * 4) as u64;
-        for (slot, buffer) in self.buffers.iter().enumerate() {
-            self.readback.record_at(encoder, buffer, 0, slot as u64 * bytes, bytes);
+        if rows == self.max_rows {
+            self.readback.record(encoder, &self.buffer, 0, self.slots() * self.region_stride);
+        } else {
+            for slot in 0..self.slots() {
+                let offset = slot * self.region_stride;
+                self.readback.record_at(encoder, &self.buffer, offset, offset, bytes);
+            }
         }
     }
 
@@ -183,9 +200,11 @@ impl CapturePlan {
     /// `first_position..first_position + rows`.
     pub fn read(&mut self, gpu: &Gpu, rows: usize, first_position: usize) -> Result<()> {
         let per_layer = rows * self.captured.hidden;
-        let values: Vec<f32> = self.readback.read(gpu, (self.buffers.len() * per_layer * 4) as u64)?;
+        let stride = (self.region_stride / 4) as usize;
+        let used = (self.slots() - 1) * self.region_stride + per_layer as u64 * 4;
+        let values: Vec<f32> = self.readback.read(gpu, used)?;
         for (slot, layer_rows) in self.captured.rows.iter_mut().enumerate() {
-            layer_rows.extend_from_slice(&values[slot * per_layer..(slot + 1) * per_layer]);
+            layer_rows.extend_from_slice(&values[slot * stride..slot * stride + per_layer]);
         }
         self.captured.positions.extend(first_position..first_position + rows);
         Ok(())

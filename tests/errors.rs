@@ -280,7 +280,8 @@ fn control_vector_bad_files() {
     let arch = |w: &mut GgufWriter, a: &str| {
         w.meta("general.architecture", MetaValue::Str(a.into()));
     };
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut GgufWriter)>, P)> = vec![
+    type Build<'a> = Box<dyn FnOnce(&mut GgufWriter) + 'a>;
+    let cases: Vec<(&str, Build, P)> = vec![
         (
             "wrong_architecture",
             Box::new(|w| {
@@ -407,7 +408,8 @@ fn control_vector_that_does_not_fit_the_model() {
     assert_eq!(problem(&short), P::WrongLength { layer: 1, found: hidden - 4, expected: hidden });
 
     let fits = vector("fits", &[(1, vec![0.1; hidden])]);
-    let err = Steering::new(&model.config, &[(fits, 1.0)], Some(1..=0)).unwrap_err();
+    let (start, end) = (1, 0);
+    let err = Steering::new(&model.config, &[(fits, 1.0)], Some(start..=end)).unwrap_err();
     assert!(matches!(err, Error::InvalidLayerRange { start: 1, end: 0 }), "{err}");
 
     // Steering made for another model.

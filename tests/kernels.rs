@@ -575,7 +575,11 @@ fn copy_rows_takes_the_last_rows_in_flight() {
         for (tokens, rows) in [(9, 9), (7, 1), (1, 1), (4, 9)] {
             let dst = gpu.storage_buffer("dst", max_tokens * n).unwrap();
             let step = step_buffer(gpu, 0, tokens);
-            run(gpu, &[copy.plan_rows(gpu, n, rows, &step, &src, &dst)], tokens as u32);
+            run(
+                gpu,
+                &[copy.plan_rows(gpu, n, rows, &step, &src, dst.as_entire_buffer_binding())],
+                tokens as u32,
+            );
             let count = tokens.min(rows);
             let got = gpu.read_buffer::<f32>(&dst, max_tokens * n).unwrap();
             let want = &data[(tokens - count) * n..tokens * n];

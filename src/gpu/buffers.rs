@@ -129,9 +129,24 @@ impl Gpu {
         pipeline: &wgpu::ComputePipeline,
         buffers: &[(u32, &wgpu::Buffer)],
     ) -> wgpu::BindGroup {
-        let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+        let ranges: Vec<(u32, wgpu::BufferBinding<'_>)> =
+            buffers.iter().map(|(i, b)| (*i, b.as_entire_buffer_binding())).collect();
+        self.bind_ranges(label, pipeline, &ranges)
+    }
+
+    /// Binds buffer ranges at the given binding indices.
+    pub fn bind_ranges(
+        &self,
+        label: &str,
+        pipeline: &wgpu::ComputePipeline,
+        ranges: &[(u32, wgpu::BufferBinding<'_>)],
+    ) -> wgpu::BindGroup {
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = ranges
             .iter()
-            .map(|(i, b)| wgpu::BindGroupEntry { binding: *i, resource: b.as_entire_binding() })
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: *i,
+                resource: wgpu::BindingResource::Buffer(b.clone()),
+            })
             .collect();
         self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(label),

@@ -41,8 +41,9 @@ impl Copy {
     }
 
     /// Copies the last `min(tokens, rows)` rows of `src` (packed
-    /// `[tokens, n]`) to the start of `dst`. With `rows == 1` the grid is
-    /// one row whatever the tokens in flight.
+    /// `[tokens, n]`) to the start of `dst` (a range of at least `rows * n`
+    /// f32). With `rows == 1` the grid is one row whatever the tokens in
+    /// flight.
     pub fn plan_rows(
         &self,
         gpu: &Gpu,
@@ -50,20 +51,22 @@ impl Copy {
         rows: usize,
         step: &wgpu::Buffer,
         src: &wgpu::Buffer,
-        dst: &wgpu::Buffer,
+        dst: wgpu::BufferBinding<'_>,
     ) -> Dispatch {
         let params = ParamsBuffer::new(
             gpu,
             "copy.rows.params",
             &Params { n: n as u32, rows: rows as u32, _pad: [0; 2] },
         );
+        let bindings = [
+            (0, params.0.as_entire_buffer_binding()),
+            (3, step.as_entire_buffer_binding()),
+            (4, src.as_entire_buffer_binding()),
+            (5, dst),
+        ];
         Dispatch {
             label: "copy.rows",
-            bind_group: gpu.bind_at(
-                "copy.rows",
-                &self.rows_pipeline,
-                &[(0, &params.0), (3, step), (4, src), (5, dst)],
-            ),
+            bind_group: gpu.bind_ranges("copy.rows", &self.rows_pipeline, &bindings),
             pipeline: self.rows_pipeline.clone(),
             workgroups: [(n as u32).div_ceil(256), 1, 1],
             tokens_per_workgroup: if rows == 1 { 0 } else { 1 },
