@@ -1,0 +1,90 @@
+//! The GGUF reader and writer: what the writer puts in comes back out of
+//! the reader, tensor data lands at aligned offsets, and malformed headers
+//! are rejected with the file named. (Real llama.cpp files are read by the
+//! control vector tests and the SmolLM2 import.)
+
+mod common;
+
+use common::checkpoint::temp_dir;
+use wgspark::Error;
+use wgspark::gguf::{GgmlType, Gguf, GgufWriter, Meta, MetaValue};
+
+#[test]
+fn writer_and_reader_round_trip() {
+    let path = temp_dir("gguf_round_trip").join("t.gguf");
+    let a: Vec<f32> = (0..70).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let b: Vec<f32> = (0..6).map(|i| -(i as f32)).collect();
+    let h: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+    GgufWriter::new()
+        .meta("general.architecture", MetaValue::Str("test".into()))
+        .meta("u32", MetaValue::U32(7))
+        .meta("i32", MetaValue::I32(-7))
+        .meta("u64", MetaValue::U64(1 << 40))
+        .meta("f32", MetaValue::F32(0.25))
+        .meta("bool", MetaValue::Bool(true))
+        .tensor_f32("a", &[70], &a)
+        .tensor_f32("b", &[3, 2], &b)
+        .tensor_bytes("h", &[2], GgmlType::F16, h)
+        .write(&path)
+        .unwrap();
+    let g = Gguf::open(&path).unwrap();
+    assert_eq!(g.version, 3);
+    assert_eq!(g.meta_str("general.architecture").unwrap(), "test");
+    assert_eq!(g.metadata["u32"], Meta::Int(7));
+    assert_eq!(g.metadata["i32"], Meta::Int(-7));
+    assert_eq!(g.metadata["u64"], Meta::Int(1 << 40));
+    assert_eq!(g.metadata["f32"], Meta::Float(0.25));
+    assert_eq!(g.metadata["bool"], Meta::Bool(true));
+    let names: Vec<&str> = g.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["a", "b", "h"]);
+    let tb = g.tensor("b").unwrap();
+    assert_eq!(
+        (tb.dims.clone(), tb.shape(), tb.ty, tb.elements()),
+        (vec![3, 2], vec![2, 3], GgmlType::F32, 6)
+    );
+    assert_eq!(g.dequantize(g.tensor("a").unwrap()).unwrap(), a);
+    assert_eq!(g.dequantize(tb).unwrap(), b);
+    assert_eq!(g.dequantize(g.tensor("h").unwrap()).unwrap(), [1.5, -2.0]);
+    // Every tensor's data starts on the default 32-byte alignment.
+    let bytes = std::fs::read(&path).unwrap();
+    for t in &g.tensors {
+        let data = g.data(t);
+        let offset = data.as_ptr() as usize - g.data(&g.tensors[0]).as_ptr() as usize;
+        assert_eq!(offset % 32, 0, "{}", t.name);
+        assert!(bytes.windows(data.len()).any(|w| w == data));
+    }
+}
+
+#[test]
+fn malformed_headers_are_rejected_with_the_file_named() {
+    let dir = temp_dir("gguf_malformed");
+    let valid = GgufWriter::new().meta("k", MetaValue::U32(1)).tensor_f32("t", &[4], &[1.0; 4]).to_bytes();
+    let mut bad_version = valid.clone();
+    bad_version[4] = 9;
+    let mut bad_type = valid.clone();
+    // The tensor's type id follows its name ("t"), dim count (1) and dim (4).
+    let before_type = [&1u64.to_le_bytes()[..], b"t", &1u32.to_le_bytes(), &4u64.to_le_bytes()].concat();
+    let type_at =
+        valid.windows(before_type.len()).position(|w| w == before_type).unwrap() + before_type.len();
+    bad_type[type_at] = 99;
+    let mut duplicate_key = GgufWriter::new();
+    duplicate_key.meta("k", MetaValue::U32(1)).meta("k", MetaValue::U32(2));
+    for (name, bytes, needle) in [
+        ("bad_magic", b"GGUX....".to_vec(), "bad magic"),
+        ("bad_version", bad_version, "version 9"),
+        ("unknown_type", bad_type, "unsupported ggml type 99"),
+        ("duplicate_key", duplicate_key.to_bytes(), "appears twice"),
+        ("truncated", valid[..valid.len() - 3].to_vec(), "truncated"),
+    ] {
+        let path = dir.join(format!("{name}.gguf"));
+        std::fs::write(&path, bytes).unwrap();
+        match Gguf::open(&path) {
+            Err(Error::Gguf { path: p, message }) => {
+                assert_eq!(p, path);
+                assert!(message.contains(needle), "{name}: {message}");
+            }
+            Err(other) => panic!("{name}: {other}"),
+            Ok(_) => panic!("{name}: opened"),
+        }
+    }
+}
