@@ -76,8 +76,9 @@ struct Args {
     /// Add a control vector (llama.cpp GGUF) at strength 1. Repeatable.
     #[arg(long, value_name = "FILE")]
     control_vector: Vec<PathBuf>,
-    /// Add a control vector times STRENGTH. Repeatable; vectors sum.
-    #[arg(long, value_name = "FILE:STRENGTH")]
+    /// Add a control vector times STRENGTH (`FILE:STRENGTH`, or
+    /// `FILE STRENGTH` as in llama.cpp). Repeatable; vectors sum.
+    #[arg(long, value_name = "FILE:STRENGTH", num_args = 1..=2, allow_negative_numbers = true)]
     control_vector_scaled: Vec<String>,
     /// Steer only layers START..=END.
     #[arg(long, num_args = 2, value_names = ["START", "END"])]
@@ -98,17 +99,25 @@ struct Args {
 
 /// `--control-vector` and `--control-vector-scaled` as (file, strength).
 fn control_vectors(args: &Args) -> Result<Vec<(PathBuf, f32)>, String> {
+    let number = |s: &str| s.parse::<f32>().ok().filter(|v| v.is_finite());
     let mut out: Vec<(PathBuf, f32)> = args.control_vector.iter().map(|p| (p.clone(), 1.0)).collect();
-    for value in &args.control_vector_scaled {
-        // The last colon: a path may hold colons, a number does not.
-        let (file, strength) = value
-            .rsplit_once(':')
-            .ok_or_else(|| format!("--control-vector-scaled {value:?}: expected FILE:STRENGTH"))?;
-        let strength: f32 = strength
-            .parse()
-            .ok()
-            .filter(|s: &f32| s.is_finite())
-            .ok_or_else(|| format!("--control-vector-scaled: strength {strength:?} is not a number"))?;
+    let mut values = args.control_vector_scaled.iter().peekable();
+    while let Some(value) = values.next() {
+        // FILE:STRENGTH at the last colon (a path may hold colons, a
+        // number does not), else FILE STRENGTH as llama.cpp spells it.
+        let joined = value.rsplit_once(':').and_then(|(file, s)| Some((file, number(s)?)));
+        let (file, strength) = match joined {
+            Some(pair) => pair,
+            None => match values.next_if(|next| number(next).is_some()) {
+                Some(s) => (value.as_str(), number(s).expect("checked by next_if")),
+                None => {
+                    return Err(format!(
+                        "--control-vector-scaled {value:?}: expected FILE:STRENGTH or FILE STRENGTH, \
+                         STRENGTH a finite number"
+                    ));
+                }
+            },
+        };
         out.push((PathBuf::from(file), strength));
     }
     Ok(out)

@@ -244,12 +244,13 @@ impl<'m> Session<'m> {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback.record(rec.encoder(), &self.activations.logits, 0, bytes);
         }
-        let captured_rows = capture.map(|c| c.rows_for(tokens.len()));
-        if let (Some(c), Some(rows)) = (capture, captured_rows) {
+        let captured_rows = capture.map(|c| {
+            let rows = c.rows_for(tokens.len());
             c.record_readback(rec.encoder(), rows);
-        }
+            rows
+        });
         rec.finish()?;
-        if let (Some(c), Some(rows)) = (self.capture.as_mut(), captured_rows) {
+        if let (Some(rows), Some(c)) = (captured_rows, self.capture.as_mut()) {
             c.read(gpu, rows, self.len + tokens.len() - rows)?;
             self.stats.capture_readbacks += 1;
         }

@@ -70,6 +70,9 @@ fn control_vector_flags_and_capture_file() {
                 let path = case.dir.join(file).display().to_string();
                 if *strength == 1.0 {
                     steer_args.extend(["--control-vector".into(), path]);
+                } else if *strength < 0.0 {
+                    // llama.cpp's spelling, a negative number as its own value.
+                    steer_args.extend(["--control-vector-scaled".into(), path, strength.to_string()]);
                 } else {
                     steer_args.extend(["--control-vector-scaled".into(), format!("{path}:{strength}")]);
                 }
@@ -143,7 +146,7 @@ fn bad_input_exits_with_a_message() {
                 "--control-vector-scaled".into(),
                 format!("{}:strong", cvec.display()),
             ],
-            "not a number",
+            "expected FILE:STRENGTH",
         ),
         (
             // Made for a model of another width and depth.
