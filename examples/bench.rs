@@ -91,8 +91,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     println!("adapter: {}", gpu.describe());
     let copy = gpu.copy_bandwidth(256 << 20, 20)?;
     println!("copy bandwidth: {:.3} TB/s (read + write)", copy / 1e12);
-    let round_trip = gpu.readback_round_trip(50)?;
+    let round_trip = gpu.readback_round_trip(4, 50)?;
     println!("readback round trip (submit, map, read 4 bytes): {:.3} ms", round_trip.as_secs_f64() * 1e3);
+    for bytes in [128 << 10, 512 << 10, 4 << 20] {
+        let t = gpu.readback_round_trip(bytes, 20)?.as_secs_f64();
+        println!(
+            "readback round trip of {} KiB: {:.3} ms ({:.2} GB/s beyond the 4-byte trip)",
+            bytes >> 10,
+            t * 1e3,
+            bytes as f64 / (t - round_trip.as_secs_f64()).max(1e-9) / 1e9
+        );
+    }
 
     let mut models: Vec<(String, Model)> = Vec::new();
     for name in &args.shape {
@@ -174,13 +183,17 @@ fn measure(
     let vector = ControlVector { path: "bench".into(), model_hint: None, directions };
     session.set_steering(Some(&Steering::new(c, &[(vector, 1.0)], None)?))?;
     let steered = decode_per_token(&mut session, args.prompt, next, args.decode)?;
+    let one_layer = CaptureOptions { layers: Some(vec![c.layers / 2]), ..Default::default() };
+    session.set_capture(Some(&one_layer))?;
+    let captured_one = decode_per_token(&mut session, args.prompt, next, args.decode)?;
     session.set_capture(Some(&CaptureOptions::default()))?;
     let captured = decode_per_token(&mut session, args.prompt, next, args.decode)?;
     println!(
-        "  decode steering {} layers: {:.3} ms/token ({:.3}x plain); and capturing all {} layers: {:.3} ms/token ({:.3}x plain)",
+        "  decode steering {} layers: {:.3} ms/token ({:.3}x plain); and capturing 1 layer: {:.3}x, all {} layers: {:.3} ms/token ({:.3}x plain)",
         c.layers - 1,
         steered * 1e3,
         steered / per_token,
+        captured_one / per_token,
         c.layers,
         captured * 1e3,
         captured / per_token

@@ -47,18 +47,20 @@ impl Gpu {
         Ok(times.into_iter().min().unwrap())
     }
 
-    /// One submission of a 4-byte copy, mapped and read on the host: the
-    /// fixed cost of every routing readback. Median of `reps`.
-    pub fn readback_round_trip(&self, reps: usize) -> Result<Duration> {
-        let src = self.storage_buffer("round_trip.src", 1)?;
-        let readback = Readback::new(self, "round_trip.readback", 4);
+    /// One submission of a `bytes`-byte copy (a multiple of 4), mapped
+    /// and read on the host. With 4 bytes: the fixed cost of every routing
+    /// readback; with a vocabulary of logits: what a decode step pays to
+    /// bring them back. Median of `reps`.
+    pub fn readback_round_trip(&self, bytes: u64, reps: usize) -> Result<Duration> {
+        let src = self.storage_buffer_bytes("round_trip.src", bytes)?;
+        let readback = Readback::new(self, "round_trip.readback", bytes);
         let mut times: Vec<Duration> = (0..reps.max(1))
             .map(|_| {
                 let start = Instant::now();
                 let mut encoder = self.device.create_command_encoder(&Default::default());
-                readback.record(&mut encoder, &src, 0, 4);
+                readback.record(&mut encoder, &src, 0, bytes);
                 self.queue.submit([encoder.finish()]);
-                readback.read::<u32>(self, 4)?;
+                readback.read::<u32>(self, bytes)?;
                 Ok(start.elapsed())
             })
             .collect::<Result<_>>()?;
