@@ -28,7 +28,8 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::gpu::{Dispatch, Gpu, Readback};
+use crate::gpu::{Gpu, Readback};
+use crate::kernels::residual::CaptureTarget;
 use crate::model::Model;
 
 /// Which prompt rows are recorded. Every decoded token's row always is.
@@ -97,14 +98,15 @@ impl Capture {
     }
 }
 
-/// The capture of a session. Each captured layer's rows are copied, as the
-/// layer ends, into its own region of one buffer; the regions are read back
-/// together, in one copy when they are full.
+/// The capture of a session. Each captured layer's output add writes its
+/// rows into the layer's own region of one buffer; the regions are read
+/// back together, in one copy when they are full.
 #[derive(Debug)]
 pub(crate) struct CapturePlan {
     pub prompt_rows: PromptRows,
-    /// `[layer]`: the copy into that layer's region, if it is captured.
-    copies: Vec<Option<Dispatch>>,
+    /// `[layer]`: the layer's region (by index into the captured layers).
+    slots: Vec<Option<usize>>,
+    step: wgpu::Buffer,
     buffer: wgpu::Buffer,
     /// Bytes from one layer's region to the next (a storage binding offset
     /// must be a multiple of the adapter's alignment).
@@ -116,14 +118,13 @@ pub(crate) struct CapturePlan {
 }
 
 impl CapturePlan {
-    /// `x` is the residual stream `[max_tokens, hidden]`, `step` the uniform
-    /// holding the tokens in flight.
+    /// Room for `max_tokens` rows per layer when every prompt row is
+    /// captured; `step` is the uniform holding the tokens in flight.
     pub fn new(
         model: &Model,
         options: &CaptureOptions,
         max_tokens: usize,
         step: &wgpu::Buffer,
-        x: &wgpu::Buffer,
     ) -> Result<Self> {
         let c = &model.config;
         let gpu: &Gpu = &model.gpu;
@@ -141,20 +142,16 @@ impl CapturePlan {
         let alignment = gpu.device.limits().min_storage_buffer_offset_alignment as u64;
         let region_stride = region_bytes.next_multiple_of(alignment.max(16));
         let buffer = gpu.storage_buffer_bytes("capture", layers.len() as u64 * region_stride)?;
-        let mut copies: Vec<Option<Dispatch>> = vec![None; c.layers];
+        let mut slots = vec![None; c.layers];
         for (slot, &layer) in layers.iter().enumerate() {
-            let region = wgpu::BufferBinding {
-                buffer: &buffer,
-                offset: slot as u64 * region_stride,
-                size: wgpu::BufferSize::new(region_bytes),
-            };
-            copies[layer] = Some(model.kernels.copy.plan_rows(gpu, c.hidden, max_rows, step, x, region));
+            slots[layer] = Some(slot);
         }
         let readback = Readback::new(gpu, "capture.readback", layers.len() as u64 * region_stride);
         gpu.check("creating the residual capture")?;
         Ok(CapturePlan {
             prompt_rows: options.prompt_rows,
-            copies,
+            slots,
+            step: step.clone(),
             buffer,
             region_stride,
             readback,
@@ -168,9 +165,15 @@ impl CapturePlan {
         })
     }
 
-    /// The copy to encode at `layer`'s output, if it is captured.
-    pub fn layer(&self, layer: usize) -> Option<&Dispatch> {
-        self.copies.get(layer)?.as_ref()
+    /// Where `layer`'s output add writes its rows, if it is captured.
+    pub fn target(&self, layer: usize) -> Option<CaptureTarget<'_>> {
+        let slot = (*self.slots.get(layer)?)? as u64;
+        let region = wgpu::BufferBinding {
+            buffer: &self.buffer,
+            offset: slot * self.region_stride,
+            size: wgpu::BufferSize::new((self.max_rows * self.captured.hidden * 4) as u64),
+        };
+        Some(CaptureTarget { region, rows: self.max_rows, step: &self.step })
     }
 
     /// Rows a submission of `n_tokens` records.

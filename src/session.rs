@@ -3,7 +3,7 @@
 
 use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
-use crate::flow::{Activations, ChunkMatmul, LayerOutputs, PhaseTimer, Plan, Recorder, RoutingMode};
+use crate::flow::{Activations, ChunkMatmul, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::Readback;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
@@ -123,9 +123,10 @@ impl<'m> Session<'m> {
     /// KV cache keep the steering they were computed with.
     pub fn set_steering(&mut self, steering: Option<&Steering>) -> Result<()> {
         self.steering = match steering {
-            Some(s) => Some(s.plan(self.model, &self.activations.x)?),
+            Some(s) => Some(s.upload(self.model)?),
             None => None,
         };
+        self.rebuild_layer_outputs();
         Ok(())
     }
 
@@ -134,16 +135,18 @@ impl<'m> Session<'m> {
     /// (rows not yet taken are dropped).
     pub fn set_capture(&mut self, options: Option<&CaptureOptions>) -> Result<()> {
         self.capture = match options {
-            Some(o) => Some(CapturePlan::new(
-                self.model,
-                o,
-                self.activations.max_tokens,
-                &self.activations.step,
-                &self.activations.x,
-            )?),
+            Some(o) => {
+                Some(CapturePlan::new(self.model, o, self.activations.max_tokens, &self.activations.step)?)
+            }
             None => None,
         };
+        self.rebuild_layer_outputs();
         Ok(())
+    }
+
+    fn rebuild_layer_outputs(&mut self) {
+        let (steering, capture) = (self.steering.as_ref(), self.capture.as_ref());
+        self.plan.set_layer_outputs(self.model, &self.activations, steering, capture);
     }
 
     /// The rows captured since capture started or was last taken; `None`
@@ -227,23 +230,15 @@ impl<'m> Session<'m> {
             moe: self.activations.moe.as_ref(),
         };
         let n_tokens = tokens.len() as u32;
-        // The decoded token and the prompt's last position are always
-        // captured; earlier prompt chunks only when every row is asked for.
-        let capture = self.capture.as_ref().filter(|c| with_head || c.prompt_rows == PromptRows::All);
-        let outputs = LayerOutputs { steering: self.steering.as_ref(), capture };
-        self.plan.forward(
-            &mut rec,
-            &self.activations,
-            n_tokens,
-            with_head,
-            &mut routing,
-            outputs,
-            &mut self.stats,
-        )?;
+        self.plan.forward(&mut rec, &self.activations, n_tokens, with_head, &mut routing, &mut self.stats)?;
         if with_head {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback.record(rec.encoder(), &self.activations.logits, 0, bytes);
         }
+        // Every submission writes the captured layers' rows; they are read
+        // back for the decoded token and the prompt's last position, and
+        // for earlier prompt chunks when every prompt row is asked for.
+        let capture = self.capture.as_ref().filter(|c| with_head || c.prompt_rows == PromptRows::All);
         let captured_rows = capture.map(|c| {
             let rows = c.rows_for(tokens.len());
             c.record_readback(rec.encoder(), rows);

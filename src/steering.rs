@@ -30,7 +30,6 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{ControlVectorProblem, Error, Result};
 use crate::gguf::{GgmlType, Gguf, GgufWriter, MetaValue};
-use crate::gpu::Dispatch;
 use crate::model::{Model, ModelConfig};
 
 pub const ARCHITECTURE_KEY: &str = "general.architecture";
@@ -199,8 +198,8 @@ impl Steering {
         self.layers.iter().enumerate().filter_map(|(i, row)| row.as_ref().map(|_| i))
     }
 
-    /// The steering as dispatches for `model`, adding into `x` (`[tokens, hidden]`).
-    pub(crate) fn plan(&self, model: &Model, x: &wgpu::Buffer) -> Result<SteeringPlan> {
+    /// The steering's rows on `model`'s device.
+    pub(crate) fn upload(&self, model: &Model) -> Result<SteeringPlan> {
         let c = &model.config;
         if self.layers.len() != c.layers || self.hidden != c.hidden {
             return Err(Error::SteeringMismatch {
@@ -211,31 +210,28 @@ impl Steering {
             });
         }
         let gpu = &model.gpu;
-        let layers = self
+        let rows = self
             .layers
             .iter()
             .enumerate()
             .map(|(i, row)| {
-                row.as_ref().map(|row| {
-                    let direction = gpu.storage_buffer_init(&format!("steering.layer.{i}"), row);
-                    model.kernels.residual.plan_broadcast(gpu, c.hidden, 1.0, &direction, x)
-                })
+                row.as_ref().map(|row| gpu.storage_buffer_init(&format!("steering.layer.{i}"), row))
             })
             .collect();
         gpu.check("uploading the steering")?;
-        Ok(SteeringPlan { layers })
+        Ok(SteeringPlan { rows })
     }
 }
 
-/// The steering of a session: per layer, the dispatch adding its row to the
-/// residual stream of every token in flight. Unsteered layers encode nothing.
+/// The steering of a session: per layer, the row its output add adds to
+/// every token in flight. Unsteered layers have none and add nothing.
 #[derive(Debug)]
 pub(crate) struct SteeringPlan {
-    layers: Vec<Option<Dispatch>>,
+    rows: Vec<Option<wgpu::Buffer>>,
 }
 
 impl SteeringPlan {
-    pub fn layer(&self, layer: usize) -> Option<&Dispatch> {
-        self.layers.get(layer)?.as_ref()
+    pub fn layer(&self, layer: usize) -> Option<&wgpu::Buffer> {
+        self.rows.get(layer)?.as_ref()
     }
 }

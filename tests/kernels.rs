@@ -323,18 +323,61 @@ fn residual_adds_scaled() {
 }
 
 #[test]
-fn residual_adds_one_row_to_every_token() {
+fn residual_at_a_layer_output_steers_and_captures() {
+    use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
     on_each_backend(|gpu| {
         let mut rng = Rng::new(15);
-        let (n, tokens) = (93, 5);
-        let x = rng.vec(tokens * n, 1.0);
-        let row = rng.vec(n, 1.0);
-        let xb = gpu.storage_buffer_init("x", &x);
-        let rb = gpu.storage_buffer_init("row", &row);
         let residual = Residual::new(gpu).unwrap();
-        run(gpu, &[residual.plan_broadcast(gpu, n, -0.75, &rb, &xb)], tokens as u32);
-        let want: Vec<f32> = x.iter().enumerate().map(|(i, a)| a - 0.75 * row[i % n]).collect();
-        assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, "broadcast residual");
+        let (n, k) = (93, 3);
+        // (tokens in flight, rows captured, weighted): every row, only the
+        // last, and a chunk shorter than the rows kept.
+        for (tokens, rows, weighted) in [(5, 5, false), (5, 1, true), (3, 8, false), (1, 1, true)] {
+            let k = if weighted { k } else { 1 };
+            let x = rng.vec(tokens * n, 1.0);
+            let y = rng.vec(tokens * k * n, 1.0);
+            let w = rng.vec(tokens * k, 1.0);
+            let steer = rng.vec(n, 1.0);
+            let (xb, yb, wb) = (
+                gpu.storage_buffer_init("x", &x),
+                gpu.storage_buffer_init("y", &y),
+                gpu.storage_buffer_init("w", &w),
+            );
+            let sb = gpu.storage_buffer_init("steer", &steer);
+            // The region sits at an offset, as layer regions do.
+            let offset = gpu.device.limits().min_storage_buffer_offset_alignment as u64;
+            let capture = gpu.storage_buffer_bytes("capture", offset + (rows * n * 4) as u64).unwrap();
+            let step = step_buffer(gpu, 0, tokens);
+            let region = wgpu::BufferBinding {
+                buffer: &capture,
+                offset,
+                size: wgpu::BufferSize::new((rows * n * 4) as u64),
+            };
+            let output =
+                LayerOutput { steer: Some(&sb), capture: Some(CaptureTarget { region, rows, step: &step }) };
+            let d = if weighted {
+                residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, output)
+            } else {
+                residual.plan_output(gpu, n, 1.0, &yb, &xb, output)
+            };
+            run(gpu, &[d], tokens as u32);
+            let want: Vec<f32> = (0..tokens * n)
+                .map(|e| {
+                    let (t, i) = (e / n, e % n);
+                    let s: f32 = (0..k)
+                        .map(|j| if weighted { w[t * k + j] } else { 1.0 } * y[(t * k + j) * n + i])
+                        .sum();
+                    x[e] + s + steer[i]
+                })
+                .collect();
+            let what = format!("tokens {tokens}, rows {rows}, weighted {weighted}");
+            assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, &what);
+            let count = tokens.min(rows);
+            let all = gpu.read_buffer::<f32>(&capture, offset as usize / 4 + rows * n).unwrap();
+            let got = &all[offset as usize / 4..];
+            assert_close(&got[..count * n], &want[(tokens - count) * n..], 1e-6, &what);
+            assert!(got[count * n..].iter().all(|&v| v == 0.0), "{what}: wrote past the captured rows");
+            assert!(all[..offset as usize / 4].iter().all(|&v| v == 0.0), "{what}: wrote before the region");
+        }
     });
 }
 
@@ -446,7 +489,7 @@ fn weighted_residual_sums_the_routed_outputs() {
         let yb = gpu.storage_buffer_init("y", &y);
         let wb = gpu.storage_buffer_init("w", &w);
         let residual = Residual::new(gpu).unwrap();
-        run(gpu, &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb)], tokens as u32);
+        run(gpu, &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, Default::default())], tokens as u32);
         let want: Vec<f32> = (0..tokens * n)
             .map(|ti| {
                 let (t, i) = (ti / n, ti % n);
@@ -560,34 +603,5 @@ fn copy_kernel_copies() {
         let copy = wgspark::kernels::copy::Copy::new(gpu).unwrap();
         run(gpu, &[copy.plan(gpu, &src, &dst, 4000)], 1);
         assert_eq!(gpu.read_buffer::<f32>(&dst, 1000).unwrap(), data);
-    });
-}
-
-#[test]
-fn copy_rows_takes_the_last_rows_in_flight() {
-    on_each_backend(|gpu| {
-        let (n, max_tokens) = (301, 9);
-        let data: Vec<f32> = Rng::new(16).vec(max_tokens * n, 1.0);
-        let src = gpu.storage_buffer_init("src", &data);
-        let copy = wgspark::kernels::copy::Copy::new(gpu).unwrap();
-        // (tokens in flight, rows kept): every row, only the last, and a
-        // chunk shorter than the rows kept.
-        for (tokens, rows) in [(9, 9), (7, 1), (1, 1), (4, 9)] {
-            let dst = gpu.storage_buffer("dst", max_tokens * n).unwrap();
-            let step = step_buffer(gpu, 0, tokens);
-            run(
-                gpu,
-                &[copy.plan_rows(gpu, n, rows, &step, &src, dst.as_entire_buffer_binding())],
-                tokens as u32,
-            );
-            let count = tokens.min(rows);
-            let got = gpu.read_buffer::<f32>(&dst, max_tokens * n).unwrap();
-            let want = &data[(tokens - count) * n..tokens * n];
-            assert_eq!(&got[..count * n], want, "tokens {tokens}, rows {rows}");
-            assert!(
-                got[count * n..].iter().all(|&v| v == 0.0),
-                "tokens {tokens}, rows {rows}: wrote past the rows"
-            );
-        }
     });
 }

@@ -15,6 +15,7 @@
 //!        x = x + sum_j w_j * down_e(silu(gate_e h) * up_e h),  e = ids_j
 //! x      = x + steering[layer]                      // if a control vector steers it
 //! capture[layer] = x                                 // if the layer is captured
+//!                                  (both fused into the layer's last residual add)
 //! ```
 //! then `logits = rms_norm(x, norm) @ lm_head`, raw.
 
@@ -30,6 +31,7 @@ use crate::capture::CapturePlan;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, encode_all};
 use crate::kernels::attention::{AttentionBindings, SplitScratch};
+use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows;
 use crate::kernels::rope::RopeBindings;
 use crate::kv_cache::KvCache;
@@ -108,7 +110,6 @@ struct DensePlan {
     gate_up_proj: Projection,
     swiglu: Dispatch,
     down_proj: Projection,
-    ffn_residual: Dispatch,
 }
 
 #[derive(Debug)]
@@ -121,27 +122,9 @@ enum FfnPlan {
 struct LayerPlan {
     attention: AttentionPlan,
     ffn: FfnPlan,
-}
-
-/// What runs at each layer's output, after the FFN's residual add:
-/// steering first, then capture, so that captured rows are what the next
-/// layer reads. Layers with neither encode nothing.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct LayerOutputs<'a> {
-    pub steering: Option<&'a SteeringPlan>,
-    /// Set only for submissions whose rows are captured.
-    pub capture: Option<&'a CapturePlan>,
-}
-
-impl LayerOutputs<'_> {
-    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, layer: usize, n_tokens: u32) {
-        if let Some(steer) = self.steering.and_then(|s| s.layer(layer)) {
-            steer.encode(pass, n_tokens);
-        }
-        if let Some(copy) = self.capture.and_then(|c| c.layer(layer)) {
-            copy.encode(pass, n_tokens);
-        }
-    }
+    /// `x += ffn output` (dense) or `x += sum_j w_j expert_j` (MoE), with
+    /// the layer's steering and capture when they are set.
+    output: Dispatch,
 }
 
 /// The whole forward pass for up to `Activations::max_tokens` tokens.
@@ -172,10 +155,10 @@ impl Plan {
                         gate_up_proj: Projection::new(model, gate_up, act, &act.h, &act.gate_up),
                         swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
                         down_proj: Projection::new(model, down, act, &act.ffn_act, &act.ffn_out),
-                        ffn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.ffn_out, &act.x),
                     }),
                     FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw)),
                 },
+                output: layer_output(model, act, i, LayerOutput::default()),
             })
             .collect();
 
@@ -187,11 +170,28 @@ impl Plan {
         }
     }
 
+    /// Rebuilds every layer's output add with the session's steering and
+    /// capture (either may be unset: that layer's add then does only the add).
+    pub(crate) fn set_layer_outputs(
+        &mut self,
+        model: &Model,
+        act: &Activations,
+        steering: Option<&SteeringPlan>,
+        capture: Option<&CapturePlan>,
+    ) {
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let output = LayerOutput {
+                steer: steering.and_then(|s| s.layer(i)),
+                capture: capture.and_then(|c| c.target(i)),
+            };
+            layer.output = layer_output(model, act, i, output);
+        }
+    }
+
     /// Records (and, at routing readbacks, submits) the forward pass of
     /// `n_tokens` tokens whose ids and first position are already written
     /// to the activations. The head runs only when `with_head`, on the last
     /// token. The caller records its readbacks and finishes `rec`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         rec: &mut Recorder<'_>,
@@ -199,7 +199,6 @@ impl Plan {
         n_tokens: u32,
         with_head: bool,
         routing: &mut moe::RoutingContext<'_>,
-        outputs: LayerOutputs<'_>,
         stats: &mut Stats,
     ) -> Result<()> {
         encode_all(&self.embed, rec.pass(Phase::Attention), n_tokens);
@@ -215,7 +214,7 @@ impl Plan {
                     Phase::Routed
                 }
             };
-            outputs.encode(rec.pass(ffn_phase), i, n_tokens);
+            layer.output.encode(rec.pass(ffn_phase), n_tokens);
         }
         if with_head {
             let row = 4 * act.hidden as u64;
@@ -310,7 +309,22 @@ impl DensePlan {
         self.gate_up_proj.encode(pass, n_tokens);
         self.swiglu.encode(pass, n_tokens);
         self.down_proj.encode(pass, n_tokens);
-        self.ffn_residual.encode(pass, n_tokens);
+    }
+}
+
+/// The add that ends layer `i`: the dense FFN's output, or the routed
+/// experts' outputs weighted by the router, into the residual stream.
+fn layer_output(model: &Model, act: &Activations, i: usize, output: LayerOutput<'_>) -> Dispatch {
+    let (gpu, c, residual) = (&model.gpu, &model.config, &model.kernels.residual);
+    match (&model.weights.layers[i].ffn, &act.moe) {
+        (FfnWeights::Dense { .. }, _) => {
+            residual.plan_output(gpu, c.hidden, 1.0, &act.ffn_out, &act.x, output)
+        }
+        (FfnWeights::Moe(_), Some(a)) => {
+            let top_k = c.moe.as_ref().expect("MoE layers come with a MoE config").top_k;
+            residual.plan_weighted(gpu, c.hidden, top_k, &a.route_weights, &a.expert_out, &act.x, output)
+        }
+        (FfnWeights::Moe(_), None) => unreachable!("MoE activations exist for MoE models"),
     }
 }
 

@@ -49,7 +49,6 @@ pub struct MoePlan {
     swiglu: Dispatch,
     /// `[slot][part]`
     down: Vec<Vec<Dispatch>>,
-    weighted_residual: Dispatch,
     /// Prefill, `[expert][part]`: the expert's GEMM over its grouped tokens.
     grouped_gate_up: Vec<Vec<Dispatch>>,
     grouped_down: Vec<Vec<Dispatch>>,
@@ -105,14 +104,6 @@ impl MoePlan {
                     k.gemv.plan_expert(gpu, &w.down, down_layout, slot, b)
                 })
                 .collect(),
-            weighted_residual: k.residual.plan_weighted(
-                gpu,
-                h,
-                top_k,
-                &a.route_weights,
-                &a.expert_out,
-                &act.x,
-            ),
             grouped_gate_up: (0..m.experts)
                 .map(|e| {
                     let b = GroupedBuffers {
@@ -144,7 +135,8 @@ impl MoePlan {
         }
     }
 
-    /// Router, selection, and the selected experts of the tokens in flight.
+    /// Router, selection, and the selected experts of the tokens in flight
+    /// (their weighted sum is the layer's output add, encoded by the flow).
     pub fn run(
         &self,
         rec: &mut Recorder<'_>,
@@ -223,7 +215,6 @@ impl MoePlan {
                 encode_slots(&self.down, &self.down_parts, self.down_rows, pass);
             }
         }
-        self.weighted_residual.encode(rec.pass(Phase::Routed), n_tokens);
         Ok(())
     }
 

@@ -13,7 +13,6 @@ pub mod router;
 pub mod swiglu;
 
 pub use attention::Attention;
-pub use copy::Copy;
 pub use embed::Embed;
 pub use gemm::Gemm;
 pub use gemv::Gemv;
@@ -165,7 +164,6 @@ pub struct Kernels {
     pub swiglu: Swiglu,
     pub residual: Residual,
     pub router: Router,
-    pub copy: Copy,
 }
 
 impl Kernels {
@@ -180,7 +178,6 @@ impl Kernels {
             swiglu: Swiglu::new(gpu)?,
             residual: Residual::new(gpu)?,
             router: Router::new(gpu)?,
-            copy: Copy::new(gpu)?,
         })
     }
 }

@@ -1,9 +1,10 @@
-//! `wgsl/residual.wgsl`: the residual add, plain (scaled), as the weighted
-//! sum of the routed experts' outputs, or of one row added to every token
-//! (a control vector).
+//! `wgsl/residual.wgsl`: the residual add, plain (scaled) or as the
+//! weighted sum of the routed experts' outputs; at a layer's output it also
+//! adds the steering row and writes the capture.
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
+use crate::kernels::Step;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -12,38 +13,82 @@ struct Params {
     k: u32,
     weighted: u32,
     scale: f32,
-    y_token_stride: u32,
-    _pad: [u32; 3],
+    steer: u32,
+    capture_rows: u32,
+    _pad: [u32; 2],
+}
+
+/// What the add at a layer's output also does: add `steer` (one row of
+/// `n`) to every token, then copy the last `capture.rows` tokens' results.
+#[derive(Debug, Clone, Default)]
+pub struct LayerOutput<'a> {
+    pub steer: Option<&'a wgpu::Buffer>,
+    pub capture: Option<CaptureTarget<'a>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct CaptureTarget<'a> {
+    /// Room for `rows * n` f32.
+    pub region: wgpu::BufferBinding<'a>,
+    pub rows: usize,
+    /// The [`Step`] uniform: how many tokens are in flight.
+    pub step: &'a wgpu::Buffer,
 }
 
 #[derive(Debug)]
 pub struct Residual {
     pipeline: wgpu::ComputePipeline,
-    /// Bound as `weights` by unweighted adds, which never read it.
-    no_weights: wgpu::Buffer,
+    /// Bound in place of the inputs an add does not read.
+    unused_input: wgpu::Buffer,
+    unused_capture: wgpu::Buffer,
+    unused_step: wgpu::Buffer,
 }
 
 impl Residual {
     pub fn new(gpu: &Gpu) -> Result<Self> {
+        use wgpu::util::DeviceExt;
         Ok(Residual {
             pipeline: super::pipeline(gpu, "residual", &[])?,
-            no_weights: gpu.storage_buffer("residual.no_weights", 1)?,
+            unused_input: gpu.storage_buffer("residual.unused_input", 1)?,
+            unused_capture: gpu.storage_buffer("residual.unused_capture", 1)?,
+            unused_step: gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("residual.unused_step"),
+                contents: bytemuck::bytes_of(&Step { pos0: 0, n_tokens: 0, _pad: [0; 2] }),
+                usage: wgpu::BufferUsages::UNIFORM,
+            }),
         })
     }
 
     fn dispatch(
         &self,
         gpu: &Gpu,
-        params: Params,
+        mut params: Params,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
-        weights: &wgpu::Buffer,
+        weights: Option<&wgpu::Buffer>,
+        output: LayerOutput<'_>,
     ) -> Dispatch {
+        params.steer = output.steer.is_some() as u32;
+        params.capture_rows = output.capture.as_ref().map_or(0, |c| c.rows as u32);
         let n = params.n;
         let params = ParamsBuffer::new(gpu, "residual.params", &params);
+        let unused = &self.unused_input;
+        let (capture, step) = match output.capture {
+            Some(c) => (c.region, c.step),
+            None => (self.unused_capture.as_entire_buffer_binding(), &self.unused_step),
+        };
+        let bindings = [
+            (0, params.0.as_entire_buffer_binding()),
+            (1, y.as_entire_buffer_binding()),
+            (2, x.as_entire_buffer_binding()),
+            (3, weights.unwrap_or(unused).as_entire_buffer_binding()),
+            (4, output.steer.unwrap_or(unused).as_entire_buffer_binding()),
+            (5, capture),
+            (6, step.as_entire_buffer_binding()),
+        ];
         Dispatch {
             label: "residual",
-            bind_group: gpu.bind("residual", &self.pipeline, &[&params.0, y, x, weights]),
+            bind_group: gpu.bind_ranges("residual", &self.pipeline, &bindings),
             pipeline: self.pipeline.clone(),
             workgroups: [n.div_ceil(64), 1, 1],
             tokens_per_workgroup: 1,
@@ -52,24 +97,27 @@ impl Residual {
 
     /// `x[t] += scale * y[t]`, both packed `[tokens, n]`.
     pub fn plan(&self, gpu: &Gpu, n: usize, scale: f32, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Dispatch {
-        let params = Params { n: n as u32, k: 1, weighted: 0, scale, y_token_stride: n as u32, _pad: [0; 3] };
-        self.dispatch(gpu, params, y, x, &self.no_weights)
+        self.plan_output(gpu, n, scale, y, x, LayerOutput::default())
     }
 
-    /// `x[t] += scale * y` for every token, `y` one row of `n`.
-    pub fn plan_broadcast(
+    /// As [`Self::plan`], at a layer's output.
+    pub fn plan_output(
         &self,
         gpu: &Gpu,
         n: usize,
         scale: f32,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
+        output: LayerOutput<'_>,
     ) -> Dispatch {
-        let params = Params { n: n as u32, k: 1, weighted: 0, scale, y_token_stride: 0, _pad: [0; 3] };
-        self.dispatch(gpu, params, y, x, &self.no_weights)
+        let params =
+            Params { n: n as u32, k: 1, weighted: 0, scale, steer: 0, capture_rows: 0, _pad: [0; 2] };
+        self.dispatch(gpu, params, y, x, None, output)
     }
 
-    /// `x[t] += sum_j weights[t, j] * y[t, j]`, y packed `[tokens, k, n]`.
+    /// `x[t] += sum_j weights[t, j] * y[t, j]`, y packed `[tokens, k, n]`,
+    /// at a layer's output.
+    #[allow(clippy::too_many_arguments)]
     pub fn plan_weighted(
         &self,
         gpu: &Gpu,
@@ -78,15 +126,17 @@ impl Residual {
         weights: &wgpu::Buffer,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
+        output: LayerOutput<'_>,
     ) -> Dispatch {
         let params = Params {
             n: n as u32,
             k: k as u32,
             weighted: 1,
             scale: 0.0,
-            y_token_stride: (k * n) as u32,
-            _pad: [0; 3],
+            steer: 0,
+            capture_rows: 0,
+            _pad: [0; 2],
         };
-        self.dispatch(gpu, params, y, x, weights)
+        self.dispatch(gpu, params, y, x, Some(weights), output)
     }
 }
