@@ -202,13 +202,18 @@ impl CapturePlan {
     /// After the submission: appends the rows, whose positions are
     /// `first_position..first_position + rows`.
     pub fn read(&mut self, gpu: &Gpu, rows: usize, first_position: usize) -> Result<()> {
-        let per_layer = rows * self.captured.hidden;
-        let stride = (self.region_stride / 4) as usize;
-        let used = (self.slots() - 1) * self.region_stride + per_layer as u64 * 4;
-        let values: Vec<f32> = self.readback.read(gpu, used)?;
-        for (slot, layer_rows) in self.captured.rows.iter_mut().enumerate() {
-            layer_rows.extend_from_slice(&values[slot * stride..slot * stride + per_layer]);
-        }
+        let per_layer = rows * self.captured.hidden * 4;
+        let stride = self.region_stride as usize;
+        let used = (self.slots() - 1) * self.region_stride + per_layer as u64;
+        let captured = &mut self.captured.rows;
+        // Straight from the mapped staging buffer into the kept rows: no
+        // intermediate copy of every layer's rows.
+        self.readback.read_with(gpu, used, |mapped| {
+            for (slot, layer_rows) in captured.iter_mut().enumerate() {
+                let region = &mapped[slot * stride..slot * stride + per_layer];
+                layer_rows.extend(region.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
+            }
+        })?;
         self.captured.positions.extend(first_position..first_position + rows);
         Ok(())
     }

@@ -43,6 +43,12 @@ impl Readback {
     /// Maps the staging buffer after the submission that recorded the copy,
     /// waits for it and returns its first `bytes` bytes as `T`s.
     pub fn read<T: bytemuck::Pod>(&self, gpu: &Gpu, bytes: u64) -> Result<Vec<T>> {
+        self.read_with(gpu, bytes, |mapped| bytemuck::pod_collect_to_vec(mapped))
+    }
+
+    /// As [`Self::read`], handing the mapped bytes to `f` instead of
+    /// copying them into a new vector first.
+    pub fn read_with<R>(&self, gpu: &Gpu, bytes: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let slice = self.staging.slice(0..bytes);
         let (sender, receiver) = futures_intrusive::channel::shared::oneshot_channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
@@ -55,7 +61,7 @@ impl Readback {
         mapped.map_err(|e| Error::Gpu(format!("map_async failed: {e}")))?;
         let out = {
             let view = slice.get_mapped_range().map_err(|e| Error::Gpu(format!("mapped range: {e}")))?;
-            bytemuck::pod_collect_to_vec(&view)
+            f(&view)
         };
         self.staging.unmap();
         Ok(out)
