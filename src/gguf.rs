@@ -48,109 +48,54 @@ pub enum GgmlType {
     Q8K,
 }
 
+/// Every type the reader knows: the type, its ggml id, its name, and its
+/// elements and bytes per block.
+const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 20] = [
+    (GgmlType::F32, 0, "F32", 1, 4),
+    (GgmlType::F16, 1, "F16", 1, 2),
+    (GgmlType::Q4_0, 2, "Q4_0", 32, 18),
+    (GgmlType::Q4_1, 3, "Q4_1", 32, 20),
+    (GgmlType::Q5_0, 6, "Q5_0", 32, 22),
+    (GgmlType::Q5_1, 7, "Q5_1", 32, 24),
+    (GgmlType::Q8_0, 8, "Q8_0", 32, 34),
+    (GgmlType::Q8_1, 9, "Q8_1", 32, 36),
+    (GgmlType::Q2K, 10, "Q2_K", 256, 84),
+    (GgmlType::Q3K, 11, "Q3_K", 256, 110),
+    (GgmlType::Q4K, 12, "Q4_K", 256, 144),
+    (GgmlType::Q5K, 13, "Q5_K", 256, 176),
+    (GgmlType::Q6K, 14, "Q6_K", 256, 210),
+    (GgmlType::Q8K, 15, "Q8_K", 256, 292),
+    (GgmlType::I8, 24, "I8", 1, 1),
+    (GgmlType::I16, 25, "I16", 1, 2),
+    (GgmlType::I32, 26, "I32", 1, 4),
+    (GgmlType::I64, 27, "I64", 1, 8),
+    (GgmlType::F64, 28, "F64", 1, 8),
+    (GgmlType::BF16, 30, "BF16", 1, 2),
+];
+
 impl GgmlType {
+    fn entry(self) -> &'static (GgmlType, u32, &'static str, usize, usize) {
+        GGML_TYPES.iter().find(|e| e.0 == self).expect("every type has a row in GGML_TYPES")
+    }
+
     pub fn from_id(id: u32) -> Option<Self> {
-        use GgmlType::*;
-        Some(match id {
-            0 => F32,
-            1 => F16,
-            2 => Q4_0,
-            3 => Q4_1,
-            6 => Q5_0,
-            7 => Q5_1,
-            8 => Q8_0,
-            9 => Q8_1,
-            10 => Q2K,
-            11 => Q3K,
-            12 => Q4K,
-            13 => Q5K,
-            14 => Q6K,
-            15 => Q8K,
-            24 => I8,
-            25 => I16,
-            26 => I32,
-            27 => I64,
-            28 => F64,
-            30 => BF16,
-            _ => return None,
-        })
+        GGML_TYPES.iter().find(|e| e.1 == id).map(|e| e.0)
     }
 
     pub fn id(self) -> u32 {
-        use GgmlType::*;
-        match self {
-            F32 => 0,
-            F16 => 1,
-            Q4_0 => 2,
-            Q4_1 => 3,
-            Q5_0 => 6,
-            Q5_1 => 7,
-            Q8_0 => 8,
-            Q8_1 => 9,
-            Q2K => 10,
-            Q3K => 11,
-            Q4K => 12,
-            Q5K => 13,
-            Q6K => 14,
-            Q8K => 15,
-            I8 => 24,
-            I16 => 25,
-            I32 => 26,
-            I64 => 27,
-            F64 => 28,
-            BF16 => 30,
-        }
+        self.entry().1
     }
 
     /// Elements per block and bytes per block.
     fn block(self) -> (usize, usize) {
-        use GgmlType::*;
-        match self {
-            F32 | I32 => (1, 4),
-            F16 | BF16 | I16 => (1, 2),
-            F64 | I64 => (1, 8),
-            I8 => (1, 1),
-            Q4_0 => (32, 18),
-            Q4_1 => (32, 20),
-            Q5_0 => (32, 22),
-            Q5_1 => (32, 24),
-            Q8_0 => (32, 34),
-            Q8_1 => (32, 36),
-            Q2K => (256, 84),
-            Q3K => (256, 110),
-            Q4K => (256, 144),
-            Q5K => (256, 176),
-            Q6K => (256, 210),
-            Q8K => (256, 292),
-        }
+        let e = self.entry();
+        (e.3, e.4)
     }
 }
 
 impl fmt::Display for GgmlType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use GgmlType::*;
-        f.write_str(match self {
-            F32 => "F32",
-            F16 => "F16",
-            BF16 => "BF16",
-            F64 => "F64",
-            I8 => "I8",
-            I16 => "I16",
-            I32 => "I32",
-            I64 => "I64",
-            Q4_0 => "Q4_0",
-            Q4_1 => "Q4_1",
-            Q5_0 => "Q5_0",
-            Q5_1 => "Q5_1",
-            Q8_0 => "Q8_0",
-            Q8_1 => "Q8_1",
-            Q2K => "Q2_K",
-            Q3K => "Q3_K",
-            Q4K => "Q4_K",
-            Q5K => "Q5_K",
-            Q6K => "Q6_K",
-            Q8K => "Q8_K",
-        })
+        f.write_str(self.entry().2)
     }
 }
 

@@ -127,6 +127,10 @@ fn bad_input_exits_with_a_message() {
     let bin = generate_bin();
     let fixture = common::checkpoint::fixture_dir("llama_untied");
     let cvec = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/steering/mixtral_deep/llama_cpp.gguf");
+    let on_fixture = |extra: &[&str]| -> Vec<String> {
+        let base = ["--model", &fixture.display().to_string(), "--prompt-ids", "1"].map(String::from);
+        base.into_iter().chain(extra.iter().map(|s| s.to_string())).collect()
+    };
     for (args, needle) in [
         (
             vec!["--model".to_string(), "/nonexistent/model".into(), "--prompt-ids".into(), "1".into()],
@@ -138,37 +142,13 @@ fn bad_input_exits_with_a_message() {
         ),
         (vec!["--backend".into(), "cuda".into(), "--prompt-ids".into(), "1".into()], "unknown backend"),
         (
-            vec![
-                "--model".into(),
-                fixture.display().to_string(),
-                "--prompt-ids".into(),
-                "1".into(),
-                "--control-vector-scaled".into(),
-                format!("{}:strong", cvec.display()),
-            ],
+            on_fixture(&["--control-vector-scaled", &format!("{}:strong", cvec.display())]),
             "expected FILE:STRENGTH",
         ),
+        // Made for a model of another width and depth.
+        (on_fixture(&["--control-vector", &cvec.display().to_string()]), "invalid control vector"),
         (
-            // Made for a model of another width and depth.
-            vec![
-                "--model".into(),
-                fixture.display().to_string(),
-                "--prompt-ids".into(),
-                "1".into(),
-                "--control-vector".into(),
-                cvec.display().to_string(),
-            ],
-            "invalid control vector",
-        ),
-        (
-            vec![
-                "--model".into(),
-                fixture.display().to_string(),
-                "--prompt-ids".into(),
-                "1".into(),
-                "--control-vector".into(),
-                fixture.join("config.json").display().to_string(),
-            ],
+            on_fixture(&["--control-vector", &fixture.join("config.json").display().to_string()]),
             "malformed GGUF",
         ),
     ] {

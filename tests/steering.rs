@@ -147,13 +147,20 @@ fn strength_zero_equals_unsteered() {
     });
 }
 
-#[test]
-fn capture_of_chosen_layers_and_safetensors_file() {
-    let case = steering_cases().into_iter().find(|c| c.base == "mixtral_deep").unwrap();
-    let gpu = common::gpu(common::backends()[0]);
-    let model = Model::load(case.model_dir(), &gpu).unwrap();
+/// A steering case on the first backend under test: the case, its model,
+/// and the steering of its first run (both files, every layer).
+fn first_run(base: &str) -> (SteeringCase, Model, Steering) {
+    let case = steering_cases().into_iter().find(|c| c.base == base).unwrap();
+    let model = Model::load(case.model_dir(), &common::gpu(common::backends()[0])).unwrap();
     let run = &case.runs[0];
     let steering = case.steering(&model, &run.vectors, run.layer_range);
+    (case, model, steering)
+}
+
+#[test]
+fn capture_of_chosen_layers_and_safetensors_file() {
+    let (case, model, steering) = first_run("mixtral_deep");
+    let run = &case.runs[0];
     let options = CaptureOptions { layers: Some(vec![3, 1, 3]), prompt_rows: PromptRows::Last };
     let (_, capture, _) = replay_steered(
         &model,
@@ -190,11 +197,8 @@ fn capture_of_chosen_layers_and_safetensors_file() {
 
 #[test]
 fn steering_is_set_and_cleared_between_steps() {
-    let case = steering_cases().into_iter().find(|c| c.base == "mistral_window").unwrap();
-    let gpu = common::gpu(common::backends()[0]);
-    let model = Model::load(case.model_dir(), &gpu).unwrap();
+    let (case, model, steering) = first_run("mistral_window");
     let run = &case.runs[0];
-    let steering = case.steering(&model, &run.vectors, run.layer_range);
     let mut session = model.session(&SessionOptions::default()).unwrap();
     session.set_steering(Some(&steering)).unwrap();
     let steered = session.prefill(&case.prompt_ids).unwrap();
