@@ -62,6 +62,10 @@ pub struct Capture {
 }
 
 impl Capture {
+    fn empty(hidden: usize, layers: Vec<usize>) -> Self {
+        Capture { hidden, rows: vec![Vec::new(); layers.len()], layers, positions: Vec::new() }
+    }
+
     /// Layer `layer`'s rows, `[rows, hidden]` row-major, if it was captured.
     pub fn layer(&self, layer: usize) -> Option<&[f32]> {
         let slot = self.layers.iter().position(|&l| l == layer)?;
@@ -104,8 +108,8 @@ impl Capture {
 #[derive(Debug)]
 pub(crate) struct CapturePlan {
     pub prompt_rows: PromptRows,
-    /// `[layer]`: the layer's region (by index into the captured layers).
-    slots: Vec<Option<usize>>,
+    /// `[layer]`: the index of the layer's region, if it is captured.
+    region_of_layer: Vec<Option<usize>>,
     step: wgpu::Buffer,
     buffer: wgpu::Buffer,
     /// Bytes from one layer's region to the next (a storage binding offset
@@ -142,35 +146,30 @@ impl CapturePlan {
         let alignment = gpu.device.limits().min_storage_buffer_offset_alignment as u64;
         let region_stride = region_bytes.next_multiple_of(alignment.max(16));
         let buffer = gpu.storage_buffer_bytes("capture", layers.len() as u64 * region_stride)?;
-        let mut slots = vec![None; c.layers];
-        for (slot, &layer) in layers.iter().enumerate() {
-            slots[layer] = Some(slot);
+        let mut region_of_layer = vec![None; c.layers];
+        for (region, &layer) in layers.iter().enumerate() {
+            region_of_layer[layer] = Some(region);
         }
         let readback = Readback::new(gpu, "capture.readback", layers.len() as u64 * region_stride);
         gpu.check("creating the residual capture")?;
         Ok(CapturePlan {
             prompt_rows: options.prompt_rows,
-            slots,
+            region_of_layer,
             step: step.clone(),
             buffer,
             region_stride,
             readback,
             max_rows,
-            captured: Capture {
-                hidden: c.hidden,
-                rows: vec![Vec::new(); layers.len()],
-                layers,
-                positions: vec![],
-            },
+            captured: Capture::empty(c.hidden, layers),
         })
     }
 
     /// Where `layer`'s output add writes its rows, if it is captured.
     pub fn target(&self, layer: usize) -> Option<CaptureTarget<'_>> {
-        let slot = (*self.slots.get(layer)?)? as u64;
+        let index = (*self.region_of_layer.get(layer)?)? as u64;
         let region = wgpu::BufferBinding {
             buffer: &self.buffer,
-            offset: slot * self.region_stride,
+            offset: index * self.region_stride,
             size: wgpu::BufferSize::new((self.max_rows * self.captured.hidden * 4) as u64),
         };
         Some(CaptureTarget { region, rows: self.max_rows, step: &self.step })
@@ -181,7 +180,7 @@ impl CapturePlan {
         n_tokens.min(self.max_rows)
     }
 
-    fn slots(&self) -> u64 {
+    fn n_regions(&self) -> u64 {
         self.captured.layers.len() as u64
     }
 
@@ -190,10 +189,10 @@ impl CapturePlan {
     pub fn record_readback(&self, encoder: &mut wgpu::CommandEncoder, rows: usize) {
         let bytes = (rows * self.captured.hidden * 4) as u64;
         if rows == self.max_rows {
-            self.readback.record(encoder, &self.buffer, 0, self.slots() * self.region_stride);
+            self.readback.record(encoder, &self.buffer, 0, self.n_regions() * self.region_stride);
         } else {
-            for slot in 0..self.slots() {
-                let offset = slot * self.region_stride;
+            for region in 0..self.n_regions() {
+                let offset = region * self.region_stride;
                 self.readback.record_at(encoder, &self.buffer, offset, offset, bytes);
             }
         }
@@ -204,13 +203,13 @@ impl CapturePlan {
     pub fn read(&mut self, gpu: &Gpu, rows: usize, first_position: usize) -> Result<()> {
         let per_layer = rows * self.captured.hidden * 4;
         let stride = self.region_stride as usize;
-        let used = (self.slots() - 1) * self.region_stride + per_layer as u64;
+        let used = (self.n_regions() - 1) * self.region_stride + per_layer as u64;
         let captured = &mut self.captured.rows;
         // Straight from the mapped staging buffer into the kept rows: no
         // intermediate copy of every layer's rows.
         self.readback.read_with(gpu, used, |mapped| {
-            for (slot, layer_rows) in captured.iter_mut().enumerate() {
-                let region = &mapped[slot * stride..slot * stride + per_layer];
+            for (index, layer_rows) in captured.iter_mut().enumerate() {
+                let region = &mapped[index * stride..index * stride + per_layer];
                 layer_rows.extend(region.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
             }
         })?;
@@ -220,12 +219,7 @@ impl CapturePlan {
 
     /// The rows captured so far; the capture goes on from empty.
     pub fn take(&mut self) -> Capture {
-        let empty = Capture {
-            hidden: self.captured.hidden,
-            layers: self.captured.layers.clone(),
-            positions: Vec::new(),
-            rows: vec![Vec::new(); self.captured.layers.len()],
-        };
+        let empty = Capture::empty(self.captured.hidden, self.captured.layers.clone());
         std::mem::replace(&mut self.captured, empty)
     }
 }
