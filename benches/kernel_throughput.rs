@@ -1,22 +1,30 @@
 //! Kernel throughput on the current adapter (`WGSPARK_BACKEND`): GEMV
-//! bandwidth as a fraction of the copy bandwidth measured in the same run,
-//! GEMM TFLOP/s, and attention time. `cargo bench --bench kernel_throughput`.
+//! bandwidth (plain and fused, over workgroup shapes) as a fraction of the
+//! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
+//! time by depth and cache format. `cargo bench --bench kernel_throughput`.
 
 use std::time::Instant;
 
+use wgspark::KvFormat;
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
-use wgspark::kernels::attention::{AttentionBindings, SplitScratch};
-use wgspark::kernels::rope::RopeBindings;
-use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Rope, Step};
+use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output};
+use wgspark::kernels::residual::LayerOutput;
+use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
 
 /// Seconds per repetition of `dispatches`, `reps` repetitions in one submission.
-fn time(gpu: &Gpu, dispatches: &[Dispatch], n_tokens: u32, reps: usize) -> f64 {
+fn time(gpu: &Gpu, dispatches: &[Dispatch], grid_y: Option<u32>, n_tokens: u32, reps: usize) -> f64 {
     let run = |reps: usize| {
         let mut encoder = gpu.device.create_command_encoder(&Default::default());
         {
             let mut pass = encoder.begin_compute_pass(&Default::default());
             for _ in 0..reps {
-                wgspark::gpu::encode_all(dispatches, &mut pass, n_tokens);
+                for d in dispatches {
+                    match grid_y {
+                        Some(y) => d.encode_grid(&mut pass, [d.workgroups[0], y, d.workgroups[2]]),
+                        None => d.encode(&mut pass, n_tokens),
+                    }
+                }
             }
         }
         let start = Instant::now();
@@ -43,8 +51,8 @@ fn random_tensor(gpu: &Gpu, rows: usize, cols: usize) -> GpuTensor {
     t
 }
 
-fn step(gpu: &Gpu, pos0: u32, n_tokens: u32) -> wgpu::Buffer {
-    let s = Step { pos0, n_tokens, _pad: [0; 2] };
+fn step(gpu: &Gpu, pos0: u32, n_tokens: u32, attn_splits: u32) -> wgpu::Buffer {
+    let s = Step { pos0, n_tokens, attn_splits, _pad: 0 };
     let b = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("step"),
         size: 16,
@@ -59,32 +67,85 @@ fn main() {
     let gpu = Gpu::from_env().expect("an adapter");
     println!("adapter: {}", gpu.describe());
     let cpu = gpu.caps.is_cpu;
-    let copy = gpu.copy_bandwidth(if cpu { 16 << 20 } else { 256 << 20 }, if cpu { 2 } else { 20 }).unwrap();
+    let copy = gpu.copy_bandwidth(if cpu { 16 << 20 } else { 1 << 30 }, if cpu { 2 } else { 10 }).unwrap();
     println!("copy bandwidth: {:.3} TB/s (read + write)", copy / 1e12);
+    let reps = if cpu { 2 } else { 50 };
 
-    let gemv = Gemv::new(&gpu).unwrap();
     let gemm = Gemm::new(&gpu).unwrap();
-    let shapes: &[(usize, usize)] = if cpu {
+    let default_shape = GemvShape::for_gpu(&gpu);
+    let mut shapes = vec![default_shape];
+    if !cpu {
+        let lanes = default_shape.threads_per_row;
+        shapes.extend([2, 4, 16].map(|r| GemvShape { rows_per_workgroup: r, threads_per_row: lanes }));
+    }
+    let sizes: &[(usize, usize)] = if cpu {
         &[(1536, 576), (49152, 576)]
     } else {
-        &[(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (2048, 8192), (16384, 2048)]
+        &[
+            (6144, 4096),
+            (4096, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (128256, 4096),
+            (3072, 2048),
+            (16384, 2048),
+            (1536, 2048),
+        ]
     };
-    for &(rows, cols) in shapes {
+    let norm = random_tensor(&gpu, 1, 16384);
+    for &(rows, cols) in sizes {
         let w = random_tensor(&gpu, rows, cols);
-        let x = gpu.storage_buffer_init("x", &vec![0.01f32; 512 * cols]);
-        let y = gpu.storage_buffer("y", 512 * rows).unwrap();
-        let secs = time(&gpu, &gemv.plan(&gpu, &w, &x, &y), 1, if cpu { 2 } else { 50 });
+        let norm_w = GpuTensor { cols, ..norm.clone() };
+        let x = gpu.storage_buffer_init("x", &vec![0.01f32; 512 * cols.max(rows)]);
+        let y = gpu.storage_buffer("y", 512 * rows.max(cols)).unwrap();
         let bytes = (rows * cols * 2) as f64;
-        println!(
-            "gemv {rows:>6} x {cols:>5}: {:8.3} ms, {:.3} TB/s = {:5.1}% of copy bandwidth",
-            secs * 1e3,
-            bytes / secs / 1e12,
-            100.0 * bytes / secs / copy
-        );
+        for shape in &shapes {
+            let gemv = Gemv::with_shape(&gpu, *shape);
+            let variants = [
+                ("plain", GemvSpec::plain(&w, &x, &y)),
+                (
+                    "norm",
+                    GemvSpec {
+                        input: Input::RmsNorm { weight: &norm_w, eps: 1e-5 },
+                        ..GemvSpec::plain(&w, &x, &y)
+                    },
+                ),
+                (
+                    "norm+swiglu",
+                    GemvSpec {
+                        input: Input::RmsNorm { weight: &norm_w, eps: 1e-5 },
+                        output: Output::Swiglu,
+                        ..GemvSpec::plain(&w, &x, &y)
+                    },
+                ),
+                (
+                    "add",
+                    GemvSpec { output: Output::Add(LayerOutput::default()), ..GemvSpec::plain(&w, &x, &y) },
+                ),
+            ];
+            for (name, spec) in variants {
+                if shape != &default_shape && name != "plain" {
+                    continue;
+                }
+                let secs = time(&gpu, &gemv.plan(&gpu, &spec).unwrap(), None, 1, reps);
+                println!(
+                    "gemv {rows:>6} x {cols:>5} {name:<12} {:>2} rows/wg: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
+                    shape.rows_per_workgroup,
+                    secs * 1e3,
+                    bytes / secs / 1e12,
+                    100.0 * bytes / secs / copy
+                );
+            }
+        }
         let tokens = if cpu { 16 } else { 512 };
-        let s = step(&gpu, 0, tokens);
-        let secs =
-            time(&gpu, &gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y), tokens, if cpu { 1 } else { 10 });
+        let s = step(&gpu, 0, tokens, 1);
+        let secs = time(
+            &gpu,
+            &gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y),
+            None,
+            tokens,
+            if cpu { 1 } else { 10 },
+        );
         let flops = 2.0 * (rows * cols) as f64 * tokens as f64;
         println!(
             "gemm {tokens:>4} x {rows:>6} x {cols:>5}: {:8.3} ms, {:.2} TFLOP/s",
@@ -93,37 +154,73 @@ fn main() {
         );
     }
 
-    // Attention of Llama-3.1-8B's geometry over 1024 cached positions.
+    // Attention of Llama-3.1-8B's geometry by depth and cache format.
     let heads = Heads { q: 32, kv: 8, dim: 128 };
-    let ctx = if cpu { 64 } else { 1024 };
-    let attention = Attention::new(&gpu).unwrap();
-    let rope = Rope::new(&gpu).unwrap();
-    let kv = gpu.storage_buffer_init("kv", &vec![0.01f32; ctx * heads.kv_width()]);
-    let v = gpu.storage_buffer_init("v", &vec![0.02f32; ctx * heads.kv_width()]);
-    let cos_sin = gpu.storage_buffer_init("cos_sin", &vec![0.5f32; ctx * heads.dim]);
-    for tokens in [1u32, if cpu { 8 } else { 512 }] {
-        let qkv = gpu.storage_buffer_init("qkv", &vec![0.01f32; tokens as usize * heads.qkv_width()]);
-        let out = gpu.storage_buffer("out", tokens as usize * heads.q * heads.dim).unwrap();
-        let pos0 = ctx as u32 - tokens;
-        let s = step(&gpu, pos0, tokens);
-        let splits = if tokens == 1 { Attention::decode_splits(ctx) } else { 1 };
-        let acc = gpu.storage_buffer("split_acc", heads.q * splits * heads.dim).unwrap();
-        let max_sum = gpu.storage_buffer("split_max_sum", heads.q * splits * 2).unwrap();
-        let split = (splits > 1).then(|| (splits, SplitScratch { acc: &acc, max_sum: &max_sum }));
-        let b = AttentionBindings { step: &s, qkv: &qkv, k_cache: &kv, v_cache: &v, out: &out };
-        let d = attention.plan(&gpu, heads, 0.088, 0, b, split);
-        let secs = time(&gpu, &d, tokens, if cpu { 1 } else { 20 });
-        let r = rope.plan(
-            &gpu,
-            heads,
-            heads.dim,
-            RopeBindings { step: &s, qkv: &qkv, cos_sin: &cos_sin, k_cache: &kv, v_cache: &v },
-        );
-        let rope_secs = time(&gpu, &[r], tokens, if cpu { 1 } else { 20 });
-        println!(
-            "attention 32/8 heads x 128, {tokens} tokens ending at {ctx}: {:.3} ms (rope and KV store {:.3} ms)",
-            secs * 1e3,
-            rope_secs * 1e3
-        );
+    let attention = Attention::new(&gpu);
+    let depths: &[usize] = if cpu { &[64] } else { &[512, 4096, 16384] };
+    for format in [KvFormat::F16, KvFormat::F32] {
+        for &ctx in depths {
+            let k_cache = gpu.storage_buffer_init("k_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
+            let v_cache = gpu.storage_buffer_init("v_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
+            let cos_sin = gpu.storage_buffer_init("cos_sin", &vec![0.5f32; ctx * heads.dim]);
+            let shape = AttentionShape {
+                heads,
+                rotary_dim: heads.dim,
+                scale: 0.088,
+                window: 0,
+                qk_norm: None,
+                kv_format: format,
+            };
+            let max_splits = Attention::max_splits(ctx, heads.kv);
+            let acc = gpu.storage_buffer("split_acc", heads.q * max_splits * heads.dim).unwrap();
+            let max_sum = gpu.storage_buffer("split_max_sum", heads.q * max_splits * 2).unwrap();
+            for tokens in [1u32, if cpu { 8 } else { 512 }] {
+                let qkv = gpu.storage_buffer_init("qkv", &vec![0.01f32; tokens as usize * heads.qkv_width()]);
+                let out = gpu.storage_buffer("out", tokens as usize * heads.q * heads.dim).unwrap();
+                let pos0 = ctx as u32 - tokens;
+                let splits =
+                    if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
+                let s = step(&gpu, pos0, tokens, splits as u32);
+                let b = AttentionBindings {
+                    step: &s,
+                    qkv: &qkv,
+                    cos_sin: &cos_sin,
+                    k_cache: &k_cache,
+                    v_cache: &v_cache,
+                    out: &out,
+                };
+                let secs = if tokens == 1 {
+                    let d = attention
+                        .plan_decode(&gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
+                        .unwrap();
+                    let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(splits as u32), 1, reps);
+                    let combine = if splits > 1 {
+                        time(&gpu, std::slice::from_ref(&d.combine), None, 1, reps)
+                    } else {
+                        0.0
+                    };
+                    attend + combine
+                } else {
+                    time(
+                        &gpu,
+                        &attention.plan_chunk(&gpu, &shape, &b).unwrap(),
+                        None,
+                        tokens,
+                        if cpu { 1 } else { 5 },
+                    )
+                };
+                let kv_bytes = (2 * ctx * heads.kv_width() * format.bytes_per_value()) as f64;
+                // (f32 caches read the same words as f16 values: only the timing matters here.)
+                println!(
+                    "attention {format:?} 32/8 heads x 128, {tokens} tokens ending at {ctx} ({splits} splits): {:.4} ms{}",
+                    secs * 1e3,
+                    if tokens == 1 {
+                        format!(", {:.1}% of copy bandwidth", 100.0 * kv_bytes / secs / copy)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
     }
 }

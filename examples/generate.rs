@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use clap::Parser;
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, Gpu, GpuOptions, Model, PromptRows, RoutingMode, Sampler,
-    Sampling, SessionOptions, Stats, Steering,
+    Backend, CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, PromptRows,
+    RoutingMode, Sampler, Sampling, SessionOptions, Stats, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -61,7 +61,14 @@ struct Args {
     /// KV cache positions (default: the model's, at most 8192).
     #[arg(long)]
     context: Option<usize>,
-    /// Print one JSON object {prompt_ids, generated_ids, logits} on stdout.
+    /// KV cache format: f16 (default) or f32.
+    #[arg(long, default_value = "f16")]
+    kv_cache: KvFormat,
+    /// Decode steps kept running ahead of the tokens printed.
+    #[arg(long, default_value_t = wgspark::session::DEFAULT_IN_FLIGHT)]
+    in_flight: usize,
+    /// Print one JSON object {prompt_ids, generated_ids, logits} on stdout
+    /// (reads every step's logits back and samples on the host: slower).
     #[arg(long)]
     json: bool,
     /// Print per-phase time and each MoE layer's router histogram.
@@ -168,6 +175,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
         timing: args.stats,
         prefill_chunk: args.prefill_chunk,
+        kv_format: args.kv_cache,
         ..Default::default()
     })?;
     let vectors = control_vectors(&args)?;
@@ -196,54 +204,48 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let prompt_rows = if args.capture_all_prompt { PromptRows::All } else { PromptRows::Last };
         session.set_capture(Some(&CaptureOptions { layers: args.capture_layers.clone(), prompt_rows }))?;
     }
-    let mut sampler = if args.greedy || args.temperature == 0.0 {
-        Sampler::greedy()
+    let sampling = if args.greedy || args.temperature == 0.0 {
+        Sampling::Greedy
     } else {
-        Sampler::new(
-            Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p },
-            args.seed,
-        )?
+        Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p }
     };
-
-    if !args.json {
+    let eos: &[u32] = if args.ignore_eos { &[] } else { &model.config.eos_token_ids };
+    let (generated, rows, prefill_secs, decode_secs) = if args.json {
+        with_logits(&mut session, &prompt_ids, sampling, &args, eos)?
+    } else {
         if let Some(tok) = &tokenizer {
             print!("{}", tok.decode(&prompt_ids, false)?);
             std::io::stdout().flush()?;
         }
-    }
-    let prefill_start = Instant::now();
-    let mut logits = session.prefill(&prompt_ids)?;
-    let prefill_secs = prefill_start.elapsed().as_secs_f64();
-
-    let eos = &model.config.eos_token_ids;
-    let mut generated: Vec<u32> = Vec::new();
-    let mut rows: Vec<Vec<f32>> = Vec::new();
-    let mut printed = String::new();
-    let decode_start = Instant::now();
-    while generated.len() < args.max_new_tokens {
-        let next = sampler.sample(&logits);
-        generated.push(next);
-        if args.json {
-            rows.push(std::mem::take(&mut logits));
-        } else if let Some(tok) = &tokenizer {
-            // Decode the whole continuation so multi-token characters come out whole.
-            let text = tok.decode(&generated, false)?;
-            if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
-                print!("{}", &text[printed.len()..]);
-                std::io::stdout().flush()?;
-                printed = text;
+        let options = GenerateOptions {
+            sampling,
+            seed: args.seed,
+            max_tokens: args.max_new_tokens,
+            stop_tokens: eos.to_vec(),
+            in_flight: args.in_flight,
+        };
+        let start = Instant::now();
+        let mut generated: Vec<u32> = Vec::new();
+        let mut printed = String::new();
+        let mut first_id_at = None;
+        for id in session.generate(&prompt_ids, &options)? {
+            generated.push(id?);
+            first_id_at.get_or_insert_with(Instant::now);
+            if let Some(tok) = &tokenizer {
+                // Decode the whole continuation so multi-token characters come out whole.
+                let text = tok.decode(&generated, false)?;
+                if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
+                    print!("{}", &text[printed.len()..]);
+                    std::io::stdout().flush()?;
+                    printed = text;
+                }
             }
         }
-        let stop = !args.ignore_eos && eos.contains(&next);
-        if stop || generated.len() == args.max_new_tokens {
-            break;
-        }
-        logits = session.step(next, session.position())?;
-    }
-    let decode_secs = decode_start.elapsed().as_secs_f64();
-    if !args.json {
         println!();
-    }
+        // The first id comes with the prompt; the rest are decode steps.
+        let first = first_id_at.unwrap_or(start);
+        (generated, Vec::new(), (first - start).as_secs_f64(), first.elapsed().as_secs_f64())
+    };
 
     let decode_steps = generated.len().saturating_sub(1);
     eprintln!(
@@ -280,8 +282,41 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     Ok(())
 }
 
+/// The prompt, then one step per token with its logits read back and the
+/// next token sampled on the host: what `--json` prints.
+type WithLogits = (Vec<u32>, Vec<Vec<f32>>, f64, f64);
+
+fn with_logits(
+    session: &mut wgspark::Session<'_>,
+    prompt_ids: &[u32],
+    sampling: Sampling,
+    args: &Args,
+    eos: &[u32],
+) -> Result<WithLogits, Box<dyn std::error::Error + Send + Sync>> {
+    let mut sampler = Sampler::new(sampling, args.seed)?;
+    let prefill_start = Instant::now();
+    let mut logits = session.prefill(prompt_ids)?;
+    let prefill_secs = prefill_start.elapsed().as_secs_f64();
+    let mut generated = Vec::new();
+    let mut rows = Vec::new();
+    let decode_start = Instant::now();
+    while generated.len() < args.max_new_tokens {
+        let next = sampler.sample(&logits);
+        generated.push(next);
+        rows.push(std::mem::take(&mut logits));
+        if eos.contains(&next) || generated.len() == args.max_new_tokens {
+            break;
+        }
+        logits = session.step(next, session.position())?;
+    }
+    Ok((generated, rows, prefill_secs, decode_start.elapsed().as_secs_f64()))
+}
+
 fn print_stats(stats: &Stats) {
     eprintln!("forward passes: {}", stats.forward_passes);
+    if stats.decode_dispatches > 0 {
+        eprintln!("dispatches per token: {}", stats.decode_dispatches);
+    }
     if let (Some(p), Some(source)) = (&stats.phases, stats.timing_source) {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         eprintln!(

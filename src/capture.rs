@@ -217,6 +217,17 @@ impl CapturePlan {
         Ok(())
     }
 
+    /// Drops the rows of positions from `position` on (steps computed past
+    /// the end of a generation).
+    pub fn drop_from_position(&mut self, position: usize) {
+        let keep = self.captured.positions.iter().take_while(|&&p| p < position).count();
+        self.captured.positions.truncate(keep);
+        let hidden = self.captured.hidden;
+        for rows in &mut self.captured.rows {
+            rows.truncate(keep * hidden);
+        }
+    }
+
     /// The rows captured so far; the capture goes on from empty.
     pub fn take(&mut self) -> Capture {
         let empty = Capture::empty(self.captured.hidden, self.captured.layers.clone());

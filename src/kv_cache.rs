@@ -1,37 +1,78 @@
-//! The KV cache: per layer, f32 K and V rows `[context_len, nkv * head_dim]`,
-//! written by the rope kernel after q/k norm and RoPE, read by attention.
+//! The KV cache: per layer a K and a V buffer of `[context_len, nkv *
+//! head_dim]`, written after q/k norm and RoPE, read by attention. f16 by
+//! default: half the bytes of every attention read, which is what long
+//! contexts pay for.
 
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 use crate::kernels::Heads;
 
+/// How the cache stores its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvFormat {
+    /// IEEE half precision, two per 32-bit word (`pack2x16float`, so
+    /// adapters without SHADER_F16 run it too).
+    #[default]
+    F16,
+    /// f32: exact, twice the bytes.
+    F32,
+}
+
+impl KvFormat {
+    pub fn bytes_per_value(self) -> usize {
+        match self {
+            KvFormat::F16 => 2,
+            KvFormat::F32 => 4,
+        }
+    }
+}
+
+impl std::str::FromStr for KvFormat {
+    type Err = Error;
+    fn from_str(name: &str) -> Result<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "f16" => Ok(KvFormat::F16),
+            "f32" => Ok(KvFormat::F32),
+            _ => Err(Error::Unsupported { what: "KV cache format", value: format!("{name:?} (f16 or f32)") }),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct KvCache {
+    /// Per layer.
     pub k: Vec<wgpu::Buffer>,
     pub v: Vec<wgpu::Buffer>,
     pub context_len: usize,
+    pub format: KvFormat,
 }
 
 impl KvCache {
-    pub fn new(gpu: &Gpu, layers: usize, heads: Heads, context_len: usize) -> Result<Self> {
-        let layer_bytes = (context_len * heads.kv_width() * 4) as u64;
+    /// Bytes of every layer's cache for `context_len` positions.
+    pub fn bytes(layers: usize, heads: Heads, context_len: usize, format: KvFormat) -> u64 {
+        (2 * layers * Self::layer_bytes(heads, context_len, format)) as u64
+    }
+
+    /// Bytes of one layer's K (or V).
+    fn layer_bytes(heads: Heads, context_len: usize, format: KvFormat) -> usize {
+        context_len * heads.kv_width() * format.bytes_per_value()
+    }
+
+    pub fn new(gpu: &Gpu, layers: usize, heads: Heads, context_len: usize, format: KvFormat) -> Result<Self> {
+        let layer_bytes = Self::layer_bytes(heads, context_len, format) as u64;
         if layer_bytes > gpu.caps.max_storage_binding {
             return Err(Error::Unsupported {
                 what: "context length",
                 value: format!(
-                    "{context_len} positions need {layer_bytes} bytes of K per layer, more than one \
-                     storage binding may hold on this adapter ({} bytes)",
+                    "{context_len} positions need {layer_bytes} bytes of {format:?} K per layer, more than \
+                     one storage binding may hold on this adapter ({} bytes)",
                     gpu.caps.max_storage_binding
                 ),
             });
         }
-        let alloc = |kind: &str, layer: usize| {
-            gpu.storage_buffer(&format!("{kind}_cache.{layer}"), context_len * heads.kv_width())
+        let alloc = |kind: &str| -> Result<Vec<wgpu::Buffer>> {
+            (0..layers).map(|l| gpu.storage_buffer_bytes(&format!("{kind}_cache.{l}"), layer_bytes)).collect()
         };
-        Ok(KvCache {
-            k: (0..layers).map(|l| alloc("k", l)).collect::<Result<_>>()?,
-            v: (0..layers).map(|l| alloc("v", l)).collect::<Result<_>>()?,
-            context_len,
-        })
+        Ok(KvCache { k: alloc("k")?, v: alloc("v")?, context_len, format })
     }
 }

@@ -35,9 +35,10 @@ pub use capture::{Capture, CaptureOptions, PromptRows};
 pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, RoutingMode};
 pub use gpu::{Backend, Gpu, GpuOptions};
+pub use kv_cache::KvFormat;
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};
-pub use session::{Session, SessionOptions};
+pub use session::{GenerateOptions, Generation, Session, SessionOptions, StopReason};
 pub use stats::Stats;
 pub use steering::{ControlVector, Steering};
 

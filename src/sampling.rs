@@ -13,19 +13,11 @@ pub enum Sampling {
     Random { temperature: f32, top_k: Option<usize>, top_p: Option<f32> },
 }
 
-#[derive(Debug, Clone)]
-pub struct Sampler {
-    sampling: Sampling,
-    rng: Xoshiro256,
-}
-
-impl Sampler {
-    pub fn greedy() -> Self {
-        Sampler { sampling: Sampling::Greedy, rng: Xoshiro256::new(0) }
-    }
-
-    pub fn new(sampling: Sampling, seed: u64) -> Result<Self> {
-        if let Sampling::Random { temperature, top_k, top_p } = sampling {
+impl Sampling {
+    /// Fails with `InvalidSampling` unless temperature is positive and
+    /// finite, top_k at least 1 and top_p in (0, 1].
+    pub fn validate(&self) -> Result<()> {
+        if let Sampling::Random { temperature, top_k, top_p } = *self {
             if !(temperature.is_finite() && temperature > 0.0) {
                 return Err(Error::InvalidSampling(format!(
                     "temperature must be positive and finite, got {temperature} (use greedy for 0)"
@@ -40,6 +32,25 @@ impl Sampler {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// Token selection on the host from logits read back (the GPU's own is
+/// `kernels::sample`, which [`crate::Session::generate`] uses).
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    sampling: Sampling,
+    rng: Xoshiro256,
+}
+
+impl Sampler {
+    pub fn greedy() -> Self {
+        Sampler { sampling: Sampling::Greedy, rng: Xoshiro256::new(0) }
+    }
+
+    pub fn new(sampling: Sampling, seed: u64) -> Result<Self> {
+        sampling.validate()?;
         Ok(Sampler { sampling, rng: Xoshiro256::new(seed) })
     }
 

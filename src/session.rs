@@ -1,12 +1,18 @@
 //! A decoding session: one sequence's KV cache and the flow's bindings,
-//! advanced one position at a time.
+//! advanced one position at a time ([`Session::step`], which hands the
+//! logits back) or generating with the next token chosen on the GPU and
+//! several steps in flight ([`Session::generate`]).
+
+use std::collections::VecDeque;
 
 use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
-use crate::flow::{Activations, ChunkMatmul, PhaseTimer, Plan, Recorder, RoutingMode};
+use crate::flow::moe::RoutingContext;
+use crate::flow::{Activations, ChunkMatmul, Head, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::Readback;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvFormat};
 use crate::model::Model;
+use crate::sampling::Sampling;
 use crate::stats::Stats;
 use crate::steering::{Steering, SteeringPlan};
 
@@ -18,6 +24,10 @@ pub const DEFAULT_CONTEXT_CAP: usize = 8192;
 /// Prompt tokens per prefill submission: enough to fill the GEMM's 64-token
 /// tiles many times over and read each weight once per 512 tokens.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// Decode steps [`Session::generate`] keeps submitted ahead of the ids it
+/// has read: the host records step N + 1 while the GPU runs step N.
+pub const DEFAULT_IN_FLIGHT: usize = 3;
 
 #[derive(Debug, Clone, Default)]
 pub struct SessionOptions {
@@ -32,9 +42,54 @@ pub struct SessionOptions {
     pub prefill_chunk: Option<usize>,
     /// Which kernel runs the projections of a prompt chunk.
     pub chunk_matmul: ChunkMatmul,
+    /// How the KV cache stores K and V (f16 unless asked otherwise).
+    pub kv_format: KvFormat,
     /// Measure per-phase time (GPU timestamps where the adapter has them,
-    /// else wall clock with a submission at every phase boundary).
+    /// else wall clock with a submission at every phase boundary). Each
+    /// submission is then waited for.
     pub timing: bool,
+}
+
+/// How [`Session::generate`] chooses and stops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOptions {
+    pub sampling: Sampling,
+    /// Seeds the draws of [`Sampling::Random`]; a seed gives the same
+    /// tokens on the same backend and adapter.
+    pub seed: u64,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Generation stops after yielding any of these (end-of-sequence ids).
+    pub stop_tokens: Vec<u32>,
+    /// Decode steps submitted ahead of the ids read (at least 1).
+    pub in_flight: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            sampling: Sampling::Greedy,
+            seed: 0,
+            max_tokens: 128,
+            stop_tokens: Vec::new(),
+            in_flight: DEFAULT_IN_FLIGHT,
+        }
+    }
+}
+
+/// Why a [`Generation`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// One of the stop tokens was generated (and yielded).
+    StopToken(u32),
+    /// The KV cache is full.
+    ContextFull,
+    /// The caller ended it ([`Generation::cancel`], or dropping it).
+    Cancelled,
+    /// A step failed; its error was yielded.
+    Failed,
 }
 
 pub struct Session<'m> {
@@ -44,6 +99,10 @@ pub struct Session<'m> {
     plan: Plan,
     logits_readback: Readback,
     routing_readback: Readback,
+    /// Where generated ids come back, one slot per step in flight.
+    id_readbacks: Vec<Readback>,
+    /// The token selection the plan was built with.
+    sampling: Option<(Sampling, u64)>,
     routing: RoutingMode,
     timer: Option<PhaseTimer>,
     steering: Option<SteeringPlan>,
@@ -60,16 +119,16 @@ impl<'m> Session<'m> {
             return Err(Error::ContextOverflow { position: 0, context_len });
         }
         let gpu = &model.gpu;
-        let kv_bytes = (2 * c.layers * context_len * c.heads.kv_width() * 4) as u64;
+        let kv_bytes = KvCache::bytes(c.layers, c.heads, context_len, options.kv_format);
         gpu.check_budget(
             &format!("model weights and a KV cache of {context_len} positions"),
             c.weight_bytes() + kv_bytes,
         )?;
-        let kv = KvCache::new(gpu, c.layers, c.heads, context_len)?;
+        let kv = KvCache::new(gpu, c.layers, c.heads, context_len, options.kv_format)?;
         let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));
         let chunk_gemm = options.chunk_matmul.uses_gemm(gpu);
         let activations = Activations::new(gpu, c, chunk, context_len, chunk_gemm)?;
-        let plan = Plan::new(model, &activations, &kv);
+        let plan = Plan::new(model, &activations, &kv)?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
         let routing_readback = Readback::new(gpu, "routing.readback", (chunk * top_k * 4) as u64);
@@ -89,6 +148,8 @@ impl<'m> Session<'m> {
             plan,
             logits_readback,
             routing_readback,
+            id_readbacks: Vec::new(),
+            sampling: None,
             routing: options.routing,
             timer,
             steering: None,
@@ -111,7 +172,11 @@ impl<'m> Session<'m> {
         self.kv.context_len
     }
 
-    /// Router histogram, routing readbacks and phase times so far.
+    pub fn kv_format(&self) -> KvFormat {
+        self.kv.format
+    }
+
+    /// Router histogram, routing readbacks, dispatches and phase times so far.
     pub fn stats(&self) -> Stats {
         let mut stats = self.stats.clone();
         stats.phases = self.timer.as_ref().map(|t| t.totals.clone());
@@ -126,8 +191,7 @@ impl<'m> Session<'m> {
             Some(s) => Some(s.upload(self.model)?),
             None => None,
         };
-        self.rebuild_layer_outputs();
-        Ok(())
+        self.rebuild_layer_outputs()
     }
 
     /// Starts recording the residual stream at layer outputs (after
@@ -140,13 +204,12 @@ impl<'m> Session<'m> {
             }
             None => None,
         };
-        self.rebuild_layer_outputs();
-        Ok(())
+        self.rebuild_layer_outputs()
     }
 
-    fn rebuild_layer_outputs(&mut self) {
+    fn rebuild_layer_outputs(&mut self) -> Result<()> {
         let (steering, capture) = (self.steering.as_ref(), self.capture.as_ref());
-        self.plan.set_layer_outputs(self.model, &self.activations, steering, capture);
+        self.plan.set_layer_outputs(self.model, &self.activations, steering, capture)
     }
 
     /// The rows captured since capture started or was last taken; `None`
@@ -165,8 +228,7 @@ impl<'m> Session<'m> {
     /// returns the raw next-token logits, `vocab` f32 values.
     pub fn step(&mut self, token: u32, position: usize) -> Result<Vec<f32>> {
         self.check_next(token, position)?;
-        self.submit(&[token], true)?;
-        self.len += 1;
+        self.submit(Some(&[token]), 1, Head::Logits, None)?;
         self.read_logits()
     }
 
@@ -174,6 +236,65 @@ impl<'m> Session<'m> {
     /// [`Self::prefill_chunk`] tokens, and returns the logits of its last
     /// token (the only position that runs the head).
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.run_prompt(tokens, Head::Logits, None)?;
+        self.read_logits()
+    }
+
+    /// Runs `prompt` from the current position and generates from it, the
+    /// next token chosen on the GPU: the first from the prompt's logits,
+    /// each next from the step that takes the previous. Ids stream from the
+    /// returned iterator as they are read back, while further steps run;
+    /// when it stops (a stop token, `max_tokens`, the end of the context,
+    /// or the caller's cancel) the steps computed past the stop are
+    /// dropped and the position is left after the last token fed (the
+    /// last id yielded is not yet in the cache).
+    pub fn generate(&mut self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation<'_, 'm>> {
+        options.sampling.validate()?;
+        if options.max_tokens == 0 {
+            return Err(Error::InvalidSampling("max_tokens must be at least 1".into()));
+        }
+        let key = (options.sampling, options.seed);
+        if self.sampling != Some(key) {
+            self.plan.set_sampling(self.model, &self.activations, options.sampling, options.seed)?;
+            self.sampling = Some(key);
+        }
+        let depth = options.in_flight.max(1);
+        while self.id_readbacks.len() < depth + 1 {
+            let slot = Readback::new(&self.model.gpu, "generated_id.readback", 4);
+            self.id_readbacks.push(slot);
+        }
+        let first = self.run_prompt(prompt, Head::Sample, Some(0))?;
+        let prompt_end = self.len;
+        // A step takes the id yielded before it: the last id needs no step.
+        let steps = (options.max_tokens - 1).min(self.kv.context_len - prompt_end);
+        Ok(Generation {
+            session: self,
+            max_tokens: options.max_tokens,
+            stop_tokens: options.stop_tokens.clone(),
+            depth,
+            prompt_end,
+            steps,
+            submitted: 0,
+            yielded: 0,
+            in_flight: VecDeque::from([(0, first)]),
+            next_slot: 1,
+            stopped: None,
+        })
+    }
+
+    /// Most prompt tokens one prefill submission carries.
+    pub fn prefill_chunk(&self) -> usize {
+        self.activations.max_tokens
+    }
+
+    /// Runs a prompt in chunks; the last one ends with `head`. Returns its
+    /// submission.
+    fn run_prompt(
+        &mut self,
+        tokens: &[u32],
+        head: Head,
+        id_slot: Option<usize>,
+    ) -> Result<wgpu::SubmissionIndex> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -186,19 +307,14 @@ impl<'m> Session<'m> {
             return Err(Error::TokenOutOfRange { token: bad, vocab });
         }
         let chunks: Vec<&[u32]> = tokens.chunks(self.activations.max_tokens).collect();
+        let mut last = None;
         for (i, chunk) in chunks.iter().enumerate() {
             // Queue writes land between submissions in order, so chunks need
             // no wait between them: the GPU runs them back to back.
-            let last = i + 1 == chunks.len();
-            self.submit(chunk, last)?;
-            self.len += chunk.len();
+            let (head, slot) = if i + 1 == chunks.len() { (head, id_slot) } else { (Head::None, None) };
+            last = Some(self.submit(Some(chunk), chunk.len(), head, slot)?);
         }
-        self.read_logits()
-    }
-
-    /// Most prompt tokens one prefill submission carries.
-    pub fn prefill_chunk(&self) -> usize {
-        self.activations.max_tokens
+        Ok(last.expect("a prompt has at least one chunk"))
     }
 
     fn check_next(&self, token: u32, position: usize) -> Result<()> {
@@ -220,35 +336,163 @@ impl<'m> Session<'m> {
         self.logits_readback.read(&self.model.gpu, bytes)
     }
 
-    fn submit(&mut self, tokens: &[u32], with_head: bool) -> Result<()> {
+    /// Records and submits the forward pass of `n_tokens` tokens at the
+    /// current position (`tokens`: their ids; `None`: the id the GPU chose
+    /// last, already in place), ending with `head`; with `id_slot`, the
+    /// chosen id is copied to that readback slot and its map started.
+    /// Advances the position.
+    fn submit(
+        &mut self,
+        tokens: Option<&[u32]>,
+        n_tokens: usize,
+        head: Head,
+        id_slot: Option<usize>,
+    ) -> Result<wgpu::SubmissionIndex> {
         let gpu = &self.model.gpu;
-        self.activations.write_step(gpu, tokens, self.len);
-        let mut rec = Recorder::new(gpu, self.timer.as_mut());
-        let mut routing = crate::flow::moe::RoutingContext {
-            mode: self.routing,
-            readback: &self.routing_readback,
-            moe: self.activations.moe.as_ref(),
-        };
-        let n_tokens = tokens.len() as u32;
-        self.plan.forward(&mut rec, &self.activations, n_tokens, with_head, &mut routing, &mut self.stats)?;
-        if with_head {
+        let act = &self.activations;
+        if let Some(tokens) = tokens {
+            act.write_tokens(gpu, tokens);
+        }
+        let step = act.write_step(gpu, self.len, n_tokens, &self.model.config);
+        let mut rec = Recorder::new(gpu, self.timer.as_mut(), &mut self.stats);
+        let routing = RoutingContext { mode: self.routing, readback: &self.routing_readback };
+        self.plan.forward(&mut rec, act, &step, head, &routing)?;
+        if head == Head::Logits {
             let bytes = (self.model.config.vocab * 4) as u64;
-            self.logits_readback.record(rec.encoder(), &self.activations.logits, 0, bytes);
+            self.logits_readback.record(rec.encoder(), &act.logits, 0, bytes);
+        }
+        if let Some(slot) = id_slot {
+            self.id_readbacks[slot].record(rec.encoder(), &act.tokens, 0, 4);
         }
         // Every submission writes the captured layers' rows; they are read
         // back for the decoded token and the prompt's last position, and
         // for earlier prompt chunks when every prompt row is asked for.
-        let capture = self.capture.as_ref().filter(|c| with_head || c.prompt_rows == PromptRows::All);
+        let capture =
+            self.capture.as_ref().filter(|c| head != Head::None || c.prompt_rows == PromptRows::All);
         let captured_rows = capture.map(|c| {
-            let rows = c.rows_for(tokens.len());
+            let rows = c.rows_for(n_tokens);
             c.record_readback(rec.encoder(), rows);
             rows
         });
-        rec.finish()?;
+        let dispatches = rec.dispatches();
+        let index = rec.finish()?;
+        if let Some(slot) = id_slot {
+            self.id_readbacks[slot].start_map(4);
+        }
+        if n_tokens == 1 {
+            self.stats.decode_dispatches = dispatches;
+        }
         if let (Some(rows), Some(c)) = (captured_rows, self.capture.as_mut()) {
-            c.read(gpu, rows, self.len + tokens.len() - rows)?;
+            c.read(gpu, rows, self.len + n_tokens - rows)?;
             self.stats.capture_readbacks += 1;
         }
+        self.len += n_tokens;
+        Ok(index)
+    }
+}
+
+/// Generated ids as they come back from the GPU, with the steps after them
+/// already running. See [`Session::generate`].
+pub struct Generation<'s, 'm> {
+    session: &'s mut Session<'m>,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    depth: usize,
+    /// The position after the prompt.
+    prompt_end: usize,
+    /// Decode steps this generation may run.
+    steps: usize,
+    submitted: usize,
+    yielded: usize,
+    /// (id readback slot, submission) of every id not yet read, oldest first.
+    in_flight: VecDeque<(usize, wgpu::SubmissionIndex)>,
+    next_slot: usize,
+    stopped: Option<StopReason>,
+}
+
+impl Generation<'_, '_> {
+    /// Why generation ended, once it has.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stopped
+    }
+
+    /// Ids yielded so far.
+    pub fn generated(&self) -> usize {
+        self.yielded
+    }
+
+    /// Ends generation here: the steps in flight are dropped and the
+    /// session's position rolled back (as dropping the iterator does).
+    pub fn cancel(&mut self) {
+        self.stop(StopReason::Cancelled);
+    }
+
+    /// Ends generation: waits for the steps in flight (their ids are
+    /// dropped) and leaves the position after the last token fed.
+    fn stop(&mut self, reason: StopReason) {
+        if self.stopped.is_some() {
+            return;
+        }
+        self.stopped = Some(reason);
+        let gpu = self.session.model.gpu.clone();
+        for (slot, index) in std::mem::take(&mut self.in_flight) {
+            // A failed wait leaves the slot mapped or pending; the session's
+            // next submission reports the device error.
+            let _ = self.session.id_readbacks[slot].finish_map(&gpu, Some(index), |_| ());
+        }
+        let fed = self.prompt_end + self.yielded.max(1) - 1;
+        self.session.len = fed;
+        if let Some(capture) = self.session.capture.as_mut() {
+            capture.drop_from_position(fed);
+        }
+    }
+
+    fn submit_step(&mut self) -> Result<()> {
+        let slot = self.next_slot;
+        self.next_slot = (self.next_slot + 1) % self.session.id_readbacks.len();
+        let index = self.session.submit(None, 1, Head::Sample, Some(slot))?;
+        self.submitted += 1;
+        self.in_flight.push_back((slot, index));
         Ok(())
+    }
+
+    fn next_id(&mut self) -> Result<u32> {
+        while self.in_flight.len() < self.depth + 1 && self.submitted < self.steps {
+            self.submit_step()?;
+        }
+        let (slot, index) = self.in_flight.pop_front().expect("an id is in flight while not stopped");
+        let gpu = self.session.model.gpu.clone();
+        let id = self.session.id_readbacks[slot]
+            .finish_map(&gpu, Some(index), |m| u32::from_le_bytes(m[..4].try_into().unwrap()))?;
+        self.yielded += 1;
+        if self.stop_tokens.contains(&id) {
+            self.stop(StopReason::StopToken(id));
+        } else if self.yielded == self.max_tokens {
+            self.stop(StopReason::MaxTokens);
+        } else if self.yielded > self.steps {
+            self.stop(StopReason::ContextFull);
+        }
+        Ok(id)
+    }
+}
+
+impl Iterator for Generation<'_, '_> {
+    type Item = Result<u32>;
+
+    fn next(&mut self) -> Option<Result<u32>> {
+        if self.stopped.is_some() {
+            return None;
+        }
+        let id = self.next_id();
+        if id.is_err() {
+            self.stop(StopReason::Failed);
+        }
+        Some(id)
+    }
+}
+
+impl Drop for Generation<'_, '_> {
+    fn drop(&mut self) {
+        self.stop(StopReason::Cancelled);
     }
 }

@@ -54,6 +54,8 @@ pub struct Stats {
     /// Host time from submitting the work that ends with a router to
     /// having its selection mapped: GPU work plus the round trip.
     pub routing_wait: Duration,
+    /// Dispatches of the last one-token forward pass (a decode step).
+    pub decode_dispatches: u64,
     /// Residual capture readbacks: one per submission that captured rows,
     /// however many layers it captured.
     pub capture_readbacks: u64,

@@ -1,28 +1,38 @@
 //! Every fixture case (tests/fixtures and `WGSPARK_FIXTURES`) on every
 //! backend under test: greedy ids identical to transformers', and every
-//! logits row within 1e-3 of transformers' float32 logits.
+//! logits row within 1e-3 of transformers' float32 logits with an f32 KV
+//! cache, and with the default f16 one within 0.4% of the row's largest
+//! |logit| (what rounding K and V to 11 significant bits costs; the errors
+//! are printed).
 
 mod common;
 
-use common::fixtures::{Case, cases, replay};
+use common::fixtures::{Case, cases, exact, replay_with};
 use common::{max_abs_diff, on_each_backend};
 use wgspark::sampling::argmax;
-use wgspark::{Gpu, Model};
+use wgspark::{Gpu, KvFormat, Model, SessionOptions};
 
-const TOLERANCE: f32 = 1e-3;
+/// (cache format, absolute tolerance, tolerance relative to the row's
+/// largest |logit|): the larger applies.
+const FORMATS: [(KvFormat, f32, f32); 2] = [(KvFormat::F32, 1e-3, 0.0), (KvFormat::F16, 0.0, 4e-3)];
 
 /// Compares every row of the case; returns the worst row error, or what
 /// went wrong first.
-fn run_case(gpu: &Gpu, case: &Case) -> Result<f32, String> {
+fn run_case(
+    model: &Model,
+    case: &Case,
+    options: &SessionOptions,
+    (abs, rel): (f32, f32),
+) -> Result<f32, String> {
     let e = &case.expected;
-    let model = Model::load(&case.dir, gpu).map_err(|e| e.to_string())?;
-    let rows = replay(&model, e).map_err(|e| e.to_string())?;
+    let rows = replay_with(model, e, options).map_err(|e| e.to_string())?;
     let mut worst = 0.0f32;
     for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
+        let tolerance = abs.max(rel * want.iter().fold(0.0f32, |m, v| m.max(v.abs())));
         let err = max_abs_diff(got, want);
         worst = worst.max(err);
-        if err > TOLERANCE {
-            return Err(format!("row {row}: max |logit error| {err:.3e} > {TOLERANCE:e}"));
+        if err > tolerance {
+            return Err(format!("row {row}: max |logit error| {err:.3e} > {tolerance:e}"));
         }
         let id = argmax(got);
         if id != e.generated_ids[row] {
@@ -36,14 +46,25 @@ fn run_case(gpu: &Gpu, case: &Case) -> Result<f32, String> {
 fn fixtures_match_transformers() {
     let cases = cases();
     let mut failures = Vec::new();
-    on_each_backend(|gpu| {
+    on_each_backend(|gpu: &Gpu| {
         for case in &cases {
-            match run_case(gpu, case) {
-                Ok(err) => {
-                    eprintln!("{:<28} {:<8?} max |logit error| {err:.2e}", case.name, gpu.info.backend)
+            let model = match Model::load(&case.dir, gpu) {
+                Ok(m) => m,
+                Err(e) => {
+                    failures.push(format!("{} on {:?}: {e}", case.name, gpu.info.backend));
+                    continue;
                 }
-                Err(why) => failures.push(format!("{} on {:?}: {why}", case.name, gpu.info.backend)),
+            };
+            let mut line = format!("{:<28} {:<8?}", case.name, gpu.info.backend);
+            for (format, abs, rel) in FORMATS {
+                let options = SessionOptions { kv_format: format, ..exact() };
+                match run_case(&model, case, &options, (abs, rel)) {
+                    Ok(err) => line.push_str(&format!(" {format:?} cache: max |logit error| {err:.2e}")),
+                    Err(why) => failures
+                        .push(format!("{} on {:?}, {format:?} cache: {why}", case.name, gpu.info.backend)),
+                }
             }
+            eprintln!("{line}");
         }
     });
     assert!(failures.is_empty(), "{} failing:\n{}", failures.len(), failures.join("\n"));

@@ -35,7 +35,7 @@ fn json_output_matches_every_fixture() {
                 .arg(&case.dir)
                 .args(["--prompt-ids", &ids.join(",")])
                 .args(["--max-new-tokens", &e.generated_ids.len().to_string()])
-                .args(["--ignore-eos", "--json", "--backend", &format!("{backend:?}")])
+                .args(["--ignore-eos", "--json", "--kv-cache", "f32", "--backend", &format!("{backend:?}")])
                 .output()
                 .unwrap();
             let stderr = String::from_utf8_lossy(&out.stderr);
@@ -90,7 +90,7 @@ fn control_vector_flags_and_capture_file() {
                 .arg(case.model_dir())
                 .args(["--prompt-ids", &ids.join(",")])
                 .args(["--max-new-tokens", &run.generated_ids.len().to_string()])
-                .args(["--ignore-eos", "--json", "--backend", &format!("{backend:?}")])
+                .args(["--ignore-eos", "--json", "--kv-cache", "f32", "--backend", &format!("{backend:?}")])
                 .args(&steer_args)
                 .arg("--capture")
                 .arg(&capture)

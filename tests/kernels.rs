@@ -5,15 +5,19 @@ mod common;
 
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference};
 use wgspark::gpu::{Dispatch, Gpu, GpuOptions, GpuTensor};
-use wgspark::kernels::attention::{AttentionBindings, SplitScratch};
+use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
 use wgspark::kernels::gemm::{GroupedBuffers, Tiling};
-use wgspark::kernels::gemv::{ExpertBuffers, ExpertLayout, GemvShape};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
+use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
 use wgspark::kernels::rms_norm::Rows;
-use wgspark::kernels::rope::RopeBindings;
 use wgspark::kernels::router::RouterBindings;
-use wgspark::kernels::{Attention, Embed, Gemm, Gemv, Heads, Residual, RmsNorm, Rope, Router, Step, Swiglu};
-use wgspark::model::Routing;
+use wgspark::kernels::sample::{SampleBindings, SampleScratch};
+use wgspark::kernels::{
+    Attention, Embed, Gemm, Gemv, Heads, Residual, RmsNorm, Router, Sample, Step, Swiglu,
+};
+use wgspark::model::{QkNorm, Routing};
 use wgspark::model::{RopeConfig, RopeScaling};
+use wgspark::{KvFormat, Sampling};
 
 fn upload(gpu: &Gpu, name: &str, rows: usize, cols: usize, values: &[f32]) -> GpuTensor {
     let t = GpuTensor::alloc(gpu, name, rows, cols).unwrap();
@@ -32,13 +36,14 @@ fn run(gpu: &Gpu, dispatches: &[Dispatch], n_tokens: u32) {
     gpu.check("test dispatch").unwrap();
 }
 
-fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize) -> wgpu::Buffer {
+fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize, attn_splits: usize) -> wgpu::Buffer {
     use wgpu::util::DeviceExt;
-    let step = Step { pos0: pos0 as u32, n_tokens: n_tokens as u32, _pad: [0; 2] };
+    let step =
+        Step { pos0: pos0 as u32, n_tokens: n_tokens as u32, attn_splits: attn_splits as u32, _pad: 0 };
     gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some("step"),
         contents: bytemuck::bytes_of(&step),
-        usage: wgpu::BufferUsages::UNIFORM,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
     })
 }
 
@@ -48,7 +53,7 @@ fn check_gemv(gpu: &Gpu, gemv: &Gemv, rng: &mut Rng, rows: usize, cols: usize, t
     let weight = upload(gpu, "w", rows, cols, &w);
     let xb = gpu.storage_buffer_init("x", &x);
     let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
-    run(gpu, &gemv.plan(gpu, &weight, &xb, &yb), tokens as u32);
+    run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);
     let got: Vec<f32> = gpu.read_buffer(&yb, tokens * rows).unwrap();
     let want: Vec<f32> =
         (0..tokens).flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols])).collect();
@@ -57,16 +62,22 @@ fn check_gemv(gpu: &Gpu, gemv: &Gemv, rng: &mut Rng, rows: usize, cols: usize, t
 
 const GEMV_SIZES: &[(usize, usize, usize)] = &[(1, 2, 1), (37, 100, 1), (130, 258, 3), (65, 1030, 2)];
 
+/// The GEMV shapes every fused test runs: one output per invocation, a
+/// workgroup reduction, and the adapter's own.
+fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
+    vec![
+        GemvShape { rows_per_workgroup: 64, threads_per_row: 1 },
+        GemvShape { rows_per_workgroup: 4, threads_per_row: 16 },
+        GemvShape::for_gpu(gpu),
+    ]
+}
+
 #[test]
-fn gemv_matches_cpu_in_both_shapes() {
+fn gemv_matches_cpu_in_every_shape() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(1);
-        for shape in [
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1 },
-            GemvShape { rows_per_workgroup: 4, threads_per_row: 16 },
-            GemvShape::for_gpu(gpu),
-        ] {
-            let gemv = Gemv::with_shape(gpu, shape).unwrap();
+        for shape in gemv_shapes(gpu) {
+            let gemv = Gemv::with_shape(gpu, shape);
             for &(rows, cols, tokens) in GEMV_SIZES {
                 check_gemv(gpu, &gemv, &mut rng, rows, cols, tokens);
             }
@@ -84,9 +95,190 @@ fn gemv_and_embed_work_on_tensors_split_across_bindings() {
         let mut rng = Rng::new(2);
         let weight = upload(&gpu, "w", 37, 100, &bf16_round(&rng.vec(37 * 100, 1.0)));
         assert_eq!(weight.parts.len(), 13);
-        let gemv = Gemv::new(&gpu).unwrap();
+        let gemv = Gemv::new(&gpu);
         check_gemv(&gpu, &gemv, &mut rng, 37, 100, 2);
         check_embed(&gpu, &mut rng, 37, 100);
+    }
+}
+
+/// The fused forms against their unfused references: the RMSNorm before
+/// the product, the SwiGLU of interleaved gate/up rows after it, and the
+/// residual add with steering and capture; on split tensors too.
+#[test]
+fn fused_gemv_matches_norm_then_product_then_gate_or_add() {
+    for backend in common::backends() {
+        for limit in [None, Some(1200)] {
+            let gpu =
+                Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
+            let mut rng = Rng::new(16);
+            for shape in gemv_shapes(&gpu) {
+                let gemv = Gemv::with_shape(&gpu, shape);
+                for &(rows, cols, tokens) in &[(6, 8, 1), (38, 100, 2), (64, 264, 3), (10, 290, 1)] {
+                    let what = format!("{rows}x{cols} x{tokens}, {shape:?}, binding limit {limit:?}");
+                    let w = bf16_round(&rng.vec(rows * cols, 1.0));
+                    let weight = GpuTensor::alloc_grouped(&gpu, "w", rows, cols, rows).unwrap();
+                    weight.write_rows(&gpu, 0, &bf16_bytes(&w));
+                    let nw = bf16_round(&rng.vec(cols, 1.5));
+                    let norm = upload(&gpu, "norm", 1, cols, &nw);
+                    let x = rng.vec(tokens * cols, 2.0);
+                    let xb = gpu.storage_buffer_init("x", &x);
+                    let h: Vec<f32> = (0..tokens)
+                        .flat_map(|t| reference::rms_norm(&x[t * cols..(t + 1) * cols], &nw, 1e-5))
+                        .collect();
+                    let product: Vec<f32> = (0..tokens)
+                        .flat_map(|t| reference::gemv(&w, rows, cols, &h[t * cols..(t + 1) * cols]))
+                        .collect();
+                    let tol = 2e-5 * (cols as f32).sqrt();
+                    let input = Input::RmsNorm { weight: &norm, eps: 1e-5 };
+
+                    let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+                    run(
+                        &gpu,
+                        &gemv.plan(&gpu, &GemvSpec { input, ..GemvSpec::plain(&weight, &xb, &yb) }).unwrap(),
+                        tokens as u32,
+                    );
+                    assert_close(
+                        &gpu.read_buffer(&yb, product.len()).unwrap(),
+                        &product,
+                        tol,
+                        &format!("norm {what}"),
+                    );
+
+                    // Rows 2i and 2i + 1 are the gate and up rows of output i.
+                    let act = gpu.storage_buffer("act", tokens * rows / 2).unwrap();
+                    let spec =
+                        GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(&weight, &xb, &act) };
+                    run(&gpu, &gemv.plan(&gpu, &spec).unwrap(), tokens as u32);
+                    let gated: Vec<f32> =
+                        product.chunks_exact(2).map(|gu| reference::silu(gu[0]) * gu[1]).collect();
+                    assert_close(
+                        &gpu.read_buffer(&act, gated.len()).unwrap(),
+                        &gated,
+                        tol,
+                        &format!("swiglu {what}"),
+                    );
+
+                    // y = layer_output(y + W a): a residual of `rows` per token.
+                    let resid = rng.vec(tokens * rows, 1.0);
+                    let steer = rng.vec(rows, 1.0);
+                    let (rb, sb) =
+                        (gpu.storage_buffer_init("resid", &resid), gpu.storage_buffer_init("steer", &steer));
+                    let capture = gpu.storage_buffer("capture", 2 * rows).unwrap();
+                    let step = step_buffer(&gpu, 0, tokens, 1);
+                    let region = capture.as_entire_buffer_binding();
+                    let output = LayerOutput {
+                        steer: Some(&sb),
+                        capture: Some(CaptureTarget { region, rows: 2, step: &step }),
+                    };
+                    let spec = GemvSpec { output: Output::Add(output), ..GemvSpec::plain(&weight, &xb, &rb) };
+                    run(&gpu, &gemv.plan(&gpu, &spec).unwrap(), tokens as u32);
+                    let plain: Vec<f32> = (0..tokens)
+                        .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
+                        .collect();
+                    let added: Vec<f32> =
+                        (0..tokens * rows).map(|e| resid[e] + plain[e] + steer[e % rows]).collect();
+                    assert_close(
+                        &gpu.read_buffer(&rb, added.len()).unwrap(),
+                        &added,
+                        tol,
+                        &format!("add {what}"),
+                    );
+                    let kept = tokens.min(2);
+                    let got: Vec<f32> = gpu.read_buffer(&capture, kept * rows).unwrap();
+                    assert_close(&got, &added[(tokens - kept) * rows..], tol, &format!("capture {what}"));
+                }
+            }
+        }
+    }
+}
+
+/// Experts chosen on the GPU: every slot's gate/up + SwiGLU in one
+/// dispatch, and the router-weighted sum of their down projections added
+/// to the residual in another, with experts straddling binding parts.
+#[test]
+fn expert_gemv_runs_every_slot_and_sums_them_across_split_parts() {
+    for backend in common::backends() {
+        for limit in [None, Some(1000)] {
+            // 1000-byte bindings: 5 rows of 100 bf16 per part, so experts of
+            // 8 or 7 rows straddle part boundaries.
+            let gpu =
+                Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
+            let gemv = Gemv::new(&gpu);
+            let mut rng = Rng::new(10);
+            let (experts, inter, hidden, k, tokens) = (6, 4, 100, 3, 2);
+            let ids: Vec<u32> = vec![5, 0, 3, 2, 1, 4];
+            let route_w = rng.vec(tokens * k, 1.0);
+            let (idb, rwb) = (gpu.storage_buffer_init("ids", &ids), gpu.storage_buffer_init("w", &route_w));
+            let what = format!("binding limit {limit:?}");
+
+            // gate/up: [experts * 2 inter, hidden], interleaved per expert.
+            let gu = bf16_round(&rng.vec(experts * 2 * inter * hidden, 1.0));
+            let gate_up =
+                GpuTensor::alloc_grouped(&gpu, "gate_up", experts * 2 * inter, hidden, 2 * inter).unwrap();
+            gate_up.write_rows(&gpu, 0, &bf16_bytes(&gu));
+            let nw = bf16_round(&rng.vec(hidden, 1.5));
+            let norm = upload(&gpu, "norm", 1, hidden, &nw);
+            let x = rng.vec(tokens * hidden, 1.0);
+            let xb = gpu.storage_buffer_init("x", &x);
+            let act = gpu.storage_buffer("act", tokens * k * inter).unwrap();
+            let spec = GemvSpec {
+                input: Input::RmsNorm { weight: &norm, eps: 1e-5 },
+                output: Output::Swiglu,
+                rows: GemvRows::Slots { ids: &idb, top_k: k, expert_rows: 2 * inter },
+                ..GemvSpec::plain(&gate_up, &xb, &act)
+            };
+            run(&gpu, &gemv.plan(&gpu, &spec).unwrap(), tokens as u32);
+            let mut want_act = Vec::new();
+            for t in 0..tokens {
+                let h = reference::rms_norm(&x[t * hidden..(t + 1) * hidden], &nw, 1e-5);
+                for j in 0..k {
+                    let e = ids[t * k + j] as usize;
+                    let rows = &gu[e * 2 * inter * hidden..(e + 1) * 2 * inter * hidden];
+                    let y = reference::gemv(rows, 2 * inter, hidden, &h);
+                    want_act.extend(y.chunks_exact(2).map(|p| reference::silu(p[0]) * p[1]));
+                }
+            }
+            let got_act: Vec<f32> = gpu.read_buffer(&act, want_act.len()).unwrap();
+            assert_close(&got_act, &want_act, 1e-4, &format!("expert gate/up, {what}"));
+
+            // down: [experts * hidden', inter'] with inter' = 100 columns so
+            // that its parts split too; inputs per (token, slot).
+            let (rows, cols) = (7, 100);
+            let dw = bf16_round(&rng.vec(experts * rows * cols, 1.0));
+            let down = GpuTensor::alloc_grouped(&gpu, "down", experts * rows, cols, rows).unwrap();
+            down.write_rows(&gpu, 0, &bf16_bytes(&dw));
+            let a = rng.vec(tokens * k * cols, 1.0);
+            let ab = gpu.storage_buffer_init("a", &a);
+            let resid = rng.vec(tokens * rows, 1.0);
+            let rb = gpu.storage_buffer_init("resid", &resid);
+            let spec = GemvSpec {
+                output: Output::Add(LayerOutput::default()),
+                rows: GemvRows::Sum { ids: &idb, weights: &rwb, top_k: k, expert_rows: rows },
+                ..GemvSpec::plain(&down, &ab, &rb)
+            };
+            run(&gpu, &gemv.plan(&gpu, &spec).unwrap(), tokens as u32);
+            let mut want = resid.clone();
+            for t in 0..tokens {
+                for j in 0..k {
+                    let e = ids[t * k + j] as usize;
+                    let y = reference::gemv(
+                        &dw[e * rows * cols..(e + 1) * rows * cols],
+                        rows,
+                        cols,
+                        &a[(t * k + j) * cols..(t * k + j + 1) * cols],
+                    );
+                    for (o, v) in y.iter().enumerate() {
+                        want[t * rows + o] += route_w[t * k + j] * v;
+                    }
+                }
+            }
+            assert_close(
+                &gpu.read_buffer(&rb, want.len()).unwrap(),
+                &want,
+                1e-4,
+                &format!("expert down sum, {what}"),
+            );
+        }
     }
 }
 
@@ -152,142 +344,174 @@ fn rms_norm_matches_cpu_for_vectors_heads_and_whole_projections() {
     });
 }
 
-#[test]
-fn rope_rotates_q_and_k_and_stores_the_cache() {
-    on_each_backend(|gpu| {
-        let mut rng = Rng::new(5);
-        let rope = Rope::new(gpu).unwrap();
-        for (heads, rotary_dim, scaling) in [
-            (Heads { q: 3, kv: 1, dim: 10 }, 10, RopeScaling::None),
-            (Heads { q: 4, kv: 2, dim: 12 }, 6, RopeScaling::None),
-            (
-                Heads { q: 2, kv: 2, dim: 64 },
-                64,
-                RopeScaling::Llama3 {
-                    factor: 8.0,
-                    low_freq_factor: 1.0,
-                    high_freq_factor: 4.0,
-                    original_max_position_embeddings: 16,
-                },
-            ),
-        ] {
-            let config = RopeConfig { theta: 10_000.0, rotary_dim, scaling };
-            let (ctx, pos0, tokens) = (40, 29, 3);
-            let width = heads.qkv_width();
-            let qkv: Vec<f32> = rng.vec(tokens * width, 1.0);
-            let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
-            let table = gpu.storage_buffer_init("cos_sin", &config.cos_sin_table(ctx));
-            let k_cache = gpu.storage_buffer("k", ctx * heads.kv_width()).unwrap();
-            let v_cache = gpu.storage_buffer("v", ctx * heads.kv_width()).unwrap();
-            let step = step_buffer(gpu, pos0, tokens);
-            let d = rope.plan(
-                gpu,
-                heads,
-                rotary_dim,
-                RopeBindings {
-                    step: &step,
-                    qkv: &qkv_b,
-                    cos_sin: &table,
-                    k_cache: &k_cache,
-                    v_cache: &v_cache,
-                },
-            );
-            run(gpu, &[d], tokens as u32);
+/// A K or V cache (rows of positions) as the kernels store it.
+fn cache_words(rows: &[Vec<f32>], format: KvFormat) -> Vec<u32> {
+    let values: Vec<f32> = rows.concat();
+    match format {
+        KvFormat::F32 => values.iter().map(|x| x.to_bits()).collect(),
+        KvFormat::F16 => values
+            .chunks_exact(2)
+            .map(|p| {
+                let lo = half::f16::from_f32(p[0]).to_bits() as u32;
+                let hi = half::f16::from_f32(p[1]).to_bits() as u32;
+                lo | hi << 16
+            })
+            .collect(),
+    }
+}
 
-            let inv_freq = config.inv_freq();
-            let hd = heads.dim;
-            let mut want_qkv = qkv.clone();
-            let mut want_k = vec![0.0f32; ctx * heads.kv_width()];
-            let mut want_v = want_k.clone();
+fn cache_values(words: &[u32], format: KvFormat) -> Vec<f32> {
+    match format {
+        KvFormat::F32 => words.iter().map(|&w| f32::from_bits(w)).collect(),
+        KvFormat::F16 => words
+            .iter()
+            .flat_map(|&w| {
+                [half::f16::from_bits(w as u16).to_f32(), half::f16::from_bits((w >> 16) as u16).to_f32()]
+            })
+            .collect(),
+    }
+}
+
+/// q/k norm, RoPE, the cache store and attention, for a chunk (rope_store
+/// + prefill) and for one token (decode, split over the keys and combined):
+/// outputs and stored K/V against the CPU, in both cache formats.
+#[test]
+fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(6);
+        let attention = Attention::new(gpu);
+        use KvFormat::{F16, F32};
+        use QkNorm::{None as NoNorm, PerHead, WholeProjection};
+        // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format)
+        for (heads, ctx, pos0, tokens, window, splits, norm, rot, format) in [
+            (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32),
+            (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16),
+            (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16),
+            (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32),
+            (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16),
+            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32),
+            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16),
+            (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32),
+            (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16),
+        ] {
+            let what = format!(
+                "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?}"
+            );
+            let (hd, kvw, width) = (heads.dim, heads.kv_width(), heads.qkv_width());
+            let rope = RopeConfig { theta: 10_000.0, rotary_dim: rot, scaling: RopeScaling::None };
+            let inv_freq = rope.inv_freq();
+            let eps = 1e-6;
+            let (qn_len, kn_len) = match norm {
+                WholeProjection => (heads.q * hd, kvw),
+                _ => (hd, hd),
+            };
+            let (qn, kn) = (bf16_round(&rng.vec(qn_len, 1.5)), bf16_round(&rng.vec(kn_len, 1.5)));
+            let (qn_t, kn_t) = (upload(gpu, "q_norm", 1, qn_len, &qn), upload(gpu, "k_norm", 1, kn_len, &kn));
+            let qkv = rng.vec(tokens * width, 1.0);
+            let round = |v: Vec<f32>| if format == F16 { reference::f16_round(&v) } else { v };
+            let mut k: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
+            let mut v: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
+            let k_b = gpu.storage_buffer_init("k_cache", &cache_words(&k, format));
+            let v_b = gpu.storage_buffer_init("v_cache", &cache_words(&v, format));
+
+            // The reference: norm and rotate q and the new k, store k and v.
+            let normed = |x: &[f32], w: &[f32]| match norm {
+                NoNorm => x.to_vec(),
+                _ => reference::rms_norm(x, w, eps),
+            };
+            let mut q_rot = vec![0.0f32; tokens * heads.q * hd];
             for t in 0..tokens {
                 let pos = pos0 + t;
                 let row = &qkv[t * width..(t + 1) * width];
+                let (q_all, k_all) = (&row[..heads.q * hd], &row[heads.q * hd..(heads.q + heads.kv) * hd]);
+                let (q_n, k_n) = match norm {
+                    WholeProjection => (normed(q_all, &qn), normed(k_all, &kn)),
+                    _ => (
+                        q_all.chunks(hd).flat_map(|h| normed(h, &qn)).collect(),
+                        k_all.chunks(hd).flat_map(|h| normed(h, &kn)).collect::<Vec<f32>>(),
+                    ),
+                };
                 for h in 0..heads.q {
-                    let r = reference::rope(&row[h * hd..(h + 1) * hd], pos, rotary_dim, &inv_freq);
-                    want_qkv[t * width + h * hd..t * width + (h + 1) * hd].copy_from_slice(&r);
+                    let r = reference::rope(&q_n[h * hd..(h + 1) * hd], pos, rot, &inv_freq);
+                    q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd].copy_from_slice(&r);
                 }
-                for h in 0..heads.kv {
-                    let k_off = (heads.q + h) * hd;
-                    let v_off = (heads.q + heads.kv + h) * hd;
-                    let r = reference::rope(&row[k_off..k_off + hd], pos, rotary_dim, &inv_freq);
-                    let dst = pos * heads.kv_width() + h * hd;
-                    want_k[dst..dst + hd].copy_from_slice(&r);
-                    want_v[dst..dst + hd].copy_from_slice(&row[v_off..v_off + hd]);
-                }
+                k[pos] =
+                    round(k_n.chunks(hd).flat_map(|h| reference::rope(h, pos, rot, &inv_freq)).collect());
+                v[pos] = round(row[(heads.q + heads.kv) * hd..].to_vec());
             }
-            let what = format!("rope {heads:?} rot {rotary_dim}");
-            // q rows are rotated in place; k and v rows of qkv are left as
-            // they were (only q is read from qkv afterwards).
-            let got_qkv: Vec<f32> = gpu.read_buffer(&qkv_b, qkv.len()).unwrap();
-            for t in 0..tokens {
-                let q = t * width..t * width + heads.q * hd;
-                assert_close(&got_qkv[q.clone()], &want_qkv[q], 1e-5, &what);
-            }
-            assert_close(&gpu.read_buffer(&k_cache, want_k.len()).unwrap(), &want_k, 1e-5, &what);
-            assert_eq!(gpu.read_buffer::<f32>(&v_cache, want_v.len()).unwrap(), want_v, "{what}: v stored");
-        }
-    });
-}
-
-#[test]
-fn attention_matches_cpu_across_tiles_groups_windows_and_splits() {
-    on_each_backend(|gpu| {
-        let mut rng = Rng::new(6);
-        let attention = Attention::new(gpu).unwrap();
-        // (heads, context, first position, tokens, window, key splits)
-        for (heads, ctx, pos0, tokens, window, splits) in [
-            (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1),
-            (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1),
-            (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 1),
-            (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7),
-            (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3),
-            (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 32),
-            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1),
-            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5),
-            (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1),
-        ] {
-            let kvw = heads.kv_width();
-            let width = heads.qkv_width();
-            let qkv = rng.vec(tokens * width, 1.0);
-            let k: Vec<Vec<f32>> = (0..ctx).map(|_| rng.vec(kvw, 1.0)).collect();
-            let v: Vec<Vec<f32>> = (0..ctx).map(|_| rng.vec(kvw, 1.0)).collect();
-            let scale = (heads.dim as f32).powf(-0.5);
-            let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
-            let k_b = gpu.storage_buffer_init("k", &k.concat());
-            let v_b = gpu.storage_buffer_init("v", &v.concat());
-            let out = gpu.storage_buffer("out", tokens * heads.q * heads.dim).unwrap();
-            let acc = gpu.storage_buffer("split_acc", heads.q * splits * heads.dim).unwrap();
-            let max_sum = gpu.storage_buffer("split_max_sum", heads.q * splits * 2).unwrap();
-            let step = step_buffer(gpu, pos0, tokens);
-            let split = (splits > 1).then(|| (splits, SplitScratch { acc: &acc, max_sum: &max_sum }));
-            let d = attention.plan(
-                gpu,
-                heads,
-                scale,
-                window,
-                AttentionBindings { step: &step, qkv: &qkv_b, k_cache: &k_b, v_cache: &v_b, out: &out },
-                split,
-            );
-            run(gpu, &d, tokens as u32);
             let mut want = Vec::new();
             for t in 0..tokens {
                 let pos = pos0 + t;
                 let start = if window > 0 && pos + 1 > window { pos + 1 - window } else { 0 };
                 for h in 0..heads.q {
-                    let q = &qkv[t * width + h * heads.dim..t * width + (h + 1) * heads.dim];
-                    let kv_head = h / (heads.q / heads.kv);
-                    want.extend(reference::attention(q, &k[start..=pos], &v[start..=pos], kv_head, scale));
+                    let q = &q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd];
+                    let kv_head = h / heads.group();
+                    want.extend(reference::attention(
+                        q,
+                        &k[start..=pos],
+                        &v[start..=pos],
+                        kv_head,
+                        (hd as f32).powf(-0.5),
+                    ));
                 }
             }
-            let got: Vec<f32> = gpu.read_buffer(&out, want.len()).unwrap();
-            let what = format!("attention {heads:?} pos0 {pos0} x{tokens} window {window} splits {splits}");
-            assert_close(&got, &want, 1e-5, &what);
+
+            let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
+            let cos_sin = gpu.storage_buffer_init("cos_sin", &rope.cos_sin_table(ctx));
+            let out = gpu.storage_buffer("out", tokens * heads.q * hd).unwrap();
+            let acc = gpu.storage_buffer("split_acc", heads.q * splits * hd).unwrap();
+            let max_sum = gpu.storage_buffer("split_max_sum", heads.q * splits * 2).unwrap();
+            let step = step_buffer(gpu, pos0, tokens, splits);
+            let shape = AttentionShape {
+                heads,
+                rotary_dim: rot,
+                scale: (hd as f32).powf(-0.5),
+                window,
+                qk_norm: (norm != NoNorm).then_some(QkNormWeights { mode: norm, q: &qn_t, k: &kn_t, eps }),
+                kv_format: format,
+            };
+            let b = AttentionBindings {
+                step: &step,
+                qkv: &qkv_b,
+                cos_sin: &cos_sin,
+                k_cache: &k_b,
+                v_cache: &v_b,
+                out: &out,
+            };
+            if tokens == 1 {
+                let d = attention
+                    .plan_decode(gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
+                    .unwrap();
+                let mut encoder = gpu.device.create_command_encoder(&Default::default());
+                d.encode(&mut encoder.begin_compute_pass(&Default::default()), splits as u32);
+                gpu.queue.submit([encoder.finish()]);
+            } else {
+                run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
+            }
+            let tol = if format == F16 { 2e-3 } else { 1e-5 };
+            assert_close(
+                &gpu.read_buffer(&out, want.len()).unwrap(),
+                &want,
+                tol,
+                &format!("attention {what}"),
+            );
+            let words = match format {
+                F32 => ctx * kvw,
+                F16 => ctx * kvw / 2,
+            };
+            let stored_k = cache_values(&gpu.read_buffer(&k_b, words).unwrap(), format);
+            let stored_v = cache_values(&gpu.read_buffer(&v_b, words).unwrap(), format);
+            for pos in pos0..pos0 + tokens {
+                let row = pos * kvw..(pos + 1) * kvw;
+                assert_close(&stored_k[row.clone()], &k[pos], tol, &format!("stored k at {pos}, {what}"));
+                assert_close(&stored_v[row], &v[pos], tol, &format!("stored v at {pos}, {what}"));
+            }
         }
     });
 }
 
 #[test]
-fn swiglu_matches_cpu() {
+fn swiglu_gates_interleaved_pairs() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(7);
         let (n, tokens) = (131, 3);
@@ -295,13 +519,8 @@ fn swiglu_matches_cpu() {
         let gb = gpu.storage_buffer_init("gate_up", &gate_up);
         let out = gpu.storage_buffer("act", tokens * n).unwrap();
         let swiglu = Swiglu::new(gpu).unwrap();
-        run(gpu, &[swiglu.plan(gpu, n, &gb, &out)], tokens as u32);
-        let want: Vec<f32> = (0..tokens)
-            .flat_map(|t| {
-                let row = &gate_up[t * 2 * n..(t + 1) * 2 * n];
-                (0..n).map(|i| reference::silu(row[i]) * row[n + i]).collect::<Vec<_>>()
-            })
-            .collect();
+        run(gpu, &[swiglu.plan(gpu, n, 1, &gb, &out)], tokens as u32);
+        let want: Vec<f32> = gate_up.chunks_exact(2).map(|gu| reference::silu(gu[0]) * gu[1]).collect();
         assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, 1e-5, "swiglu");
     });
 }
@@ -315,8 +534,8 @@ fn residual_adds_scaled() {
         let y = rng.vec(tokens * n, 1.0);
         let xb = gpu.storage_buffer_init("x", &x);
         let yb = gpu.storage_buffer_init("y", &y);
-        let residual = Residual::new(gpu).unwrap();
-        run(gpu, &[residual.plan(gpu, n, 0.5, &yb, &xb)], tokens as u32);
+        let residual = Residual::new();
+        run(gpu, &[residual.plan(gpu, n, 0.5, &yb, &xb, &LayerOutput::default()).unwrap()], tokens as u32);
         let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + 0.5 * b).collect();
         assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, "residual");
     });
@@ -324,10 +543,9 @@ fn residual_adds_scaled() {
 
 #[test]
 fn residual_at_a_layer_output_steers_and_captures() {
-    use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
     on_each_backend(|gpu| {
         let mut rng = Rng::new(15);
-        let residual = Residual::new(gpu).unwrap();
+        let residual = Residual::new();
         let (n, k) = (93, 3);
         // (tokens in flight, rows captured, weighted): every row, only the
         // last, and a chunk shorter than the rows kept.
@@ -346,7 +564,7 @@ fn residual_at_a_layer_output_steers_and_captures() {
             // The region sits at an offset, as layer regions do.
             let offset = gpu.device.limits().min_storage_buffer_offset_alignment as u64;
             let capture = gpu.storage_buffer_bytes("capture", offset + (rows * n * 4) as u64).unwrap();
-            let step = step_buffer(gpu, 0, tokens);
+            let step = step_buffer(gpu, 0, tokens, 1);
             let region = wgpu::BufferBinding {
                 buffer: &capture,
                 offset,
@@ -355,11 +573,11 @@ fn residual_at_a_layer_output_steers_and_captures() {
             let output =
                 LayerOutput { steer: Some(&sb), capture: Some(CaptureTarget { region, rows, step: &step }) };
             let d = if weighted {
-                residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, output)
+                residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, &output)
             } else {
-                residual.plan_output(gpu, n, 1.0, &yb, &xb, output)
+                residual.plan(gpu, n, 1.0, &yb, &xb, &output)
             };
-            run(gpu, &[d], tokens as u32);
+            run(gpu, &[d.unwrap()], tokens as u32);
             let want: Vec<f32> = (0..tokens * n)
                 .map(|e| {
                     let (t, i) = (e / n, e % n);
@@ -430,54 +648,6 @@ fn router_selects_and_weighs_like_each_family() {
 }
 
 #[test]
-fn expert_gemv_reads_the_expert_from_the_gpu_across_split_parts() {
-    for backend in common::backends() {
-        for limit in [None, Some(1000)] {
-            // 1000-byte bindings: 5 rows of 100 bf16 per part, so experts of
-            // 7 rows straddle part boundaries.
-            let gpu =
-                Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
-            let mut rng = Rng::new(10);
-            let (experts, rows, cols, k, tokens) = (6, 7, 100, 3, 2);
-            let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
-            let weight = GpuTensor::alloc_grouped(&gpu, "experts", experts * rows, cols, rows).unwrap();
-            weight.write_rows(&gpu, 0, &bf16_bytes(&w));
-            // Per-slot inputs, as the down projection reads them.
-            let x = rng.vec(tokens * k * cols, 1.0);
-            let ids: Vec<u32> = vec![5, 0, 3, 2, 2, 4];
-            let xb = gpu.storage_buffer_init("x", &x);
-            let yb = gpu.storage_buffer("y", tokens * k * rows).unwrap();
-            let idb = gpu.storage_buffer_init("ids", &ids);
-            let gemv = Gemv::new(&gpu).unwrap();
-            let layout =
-                ExpertLayout { top_k: k, expert_rows: rows, x_stride: k * cols, x_slot_stride: cols };
-            let mut dispatches = Vec::new();
-            for slot in 0..k {
-                dispatches.extend(gemv.plan_expert(
-                    &gpu,
-                    &weight,
-                    layout,
-                    slot,
-                    ExpertBuffers { x: &xb, y: &yb, ids: &idb },
-                ));
-            }
-            run(&gpu, &dispatches, tokens as u32);
-            let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
-            let mut want = Vec::new();
-            for t in 0..tokens {
-                for slot in 0..k {
-                    let e = ids[t * k + slot] as usize;
-                    let we = &w[e * rows * cols..(e + 1) * rows * cols];
-                    let xs = &x[(t * k + slot) * cols..(t * k + slot + 1) * cols];
-                    want.extend(reference::gemv(we, rows, cols, xs));
-                }
-            }
-            assert_close(&got, &want, 1e-4, &format!("expert gemv, binding limit {limit:?}"));
-        }
-    }
-}
-
-#[test]
 fn weighted_residual_sums_the_routed_outputs() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(11);
@@ -488,8 +658,12 @@ fn weighted_residual_sums_the_routed_outputs() {
         let xb = gpu.storage_buffer_init("x", &x);
         let yb = gpu.storage_buffer_init("y", &y);
         let wb = gpu.storage_buffer_init("w", &w);
-        let residual = Residual::new(gpu).unwrap();
-        run(gpu, &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, Default::default())], tokens as u32);
+        let residual = Residual::new();
+        run(
+            gpu,
+            &[residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, &LayerOutput::default()).unwrap()],
+            tokens as u32,
+        );
         let want: Vec<f32> = (0..tokens * n)
             .map(|ti| {
                 let (t, i) = (ti / n, ti % n);
@@ -519,7 +693,7 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     let weight = upload(&gpu, "w", rows, cols, &w);
                     let xb = gpu.storage_buffer_init("x", &x);
                     let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
-                    let step = step_buffer(&gpu, 0, tokens);
+                    let step = step_buffer(&gpu, 0, tokens, 1);
                     run(&gpu, &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb), tokens as u32);
                     let want: Vec<f32> = (0..tokens)
                         .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
@@ -561,7 +735,7 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
                 let yb = gpu.storage_buffer_init("y", &vec![0.0f32; tokens * k * rows]);
                 let gb = gpu.storage_buffer_init("groups", &groups);
                 let pb = gpu.storage_buffer_init("pairs", &pairs);
-                let step = step_buffer(&gpu, 0, tokens);
+                let step = step_buffer(&gpu, 0, tokens, 1);
                 for e in 0..experts {
                     let count = groups[2 * e + 1];
                     if count == 0 {
@@ -597,11 +771,97 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
 #[test]
 fn copy_kernel_copies() {
     on_each_backend(|gpu| {
-        let data: Vec<f32> = Rng::new(14).vec(1000, 1.0);
+        // Not a multiple of the 1024 vec4s a workgroup copies.
+        let data: Vec<f32> = Rng::new(14).vec(5000, 1.0);
         let src = gpu.storage_buffer_init("src", &data);
-        let dst = gpu.storage_buffer("dst", 1000).unwrap();
-        let copy = wgspark::kernels::copy::Copy::new(gpu).unwrap();
-        run(gpu, &[copy.plan(gpu, &src, &dst, 4000)], 1);
-        assert_eq!(gpu.read_buffer::<f32>(&dst, 1000).unwrap(), data);
+        let dst = gpu.storage_buffer("dst", 5000).unwrap();
+        run(gpu, &[wgspark::kernels::copy::plan(gpu, &src, &dst, 20_000).unwrap()], 1);
+        assert_eq!(gpu.read_buffer::<f32>(&dst, 5000).unwrap(), data);
+    });
+}
+
+/// Runs token selection `draws` times, one submission each at successive
+/// positions (the random stream is keyed by position), and returns the ids.
+fn sample_many(gpu: &Gpu, logits: &[f32], sampling: Sampling, seed: u64, draws: usize) -> Vec<u32> {
+    let lb = gpu.storage_buffer_init("logits", logits);
+    let tokens = gpu.storage_buffer("tokens", 1).unwrap();
+    let results = gpu.storage_buffer("results", draws).unwrap();
+    let scratch = SampleScratch::new(gpu, logits.len()).unwrap();
+    let step = step_buffer(gpu, 0, 1, 1);
+    let b = SampleBindings { step: &step, logits: &lb, tokens: &tokens, scratch: &scratch };
+    let d = Sample::new(gpu).plan(gpu, logits.len(), sampling, seed, &b).unwrap();
+    for i in 0..draws {
+        let s = Step { pos0: i as u32, n_tokens: 1, attn_splits: 1, _pad: 0 };
+        gpu.queue.write_buffer(&step, 0, bytemuck::bytes_of(&s));
+        let mut encoder = gpu.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = encoder.begin_compute_pass(&Default::default());
+            wgspark::gpu::encode_all(&d, &mut pass, 1);
+        }
+        encoder.copy_buffer_to_buffer(&tokens, 0, &results, 4 * i as u64, 4);
+        gpu.queue.submit([encoder.finish()]);
+    }
+    gpu.read_buffer(&results, draws).unwrap()
+}
+
+#[test]
+fn gpu_greedy_is_the_host_argmax() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(20);
+        // Several partial blocks of 1024, a tie across blocks (the lower id
+        // wins), NaN (never wins), and a vocabulary of one.
+        for vocab in [1, 50, 3000, 5000] {
+            let mut logits = rng.vec(vocab, 10.0);
+            if vocab > 2000 {
+                let best = logits.iter().copied().fold(f32::MIN, f32::max) + 1.0;
+                logits[2500] = best;
+                logits[1500] = best;
+                logits[7] = f32::NAN;
+            }
+            let got = sample_many(gpu, &logits, Sampling::Greedy, 0, 1);
+            assert_eq!(got[0], wgspark::sampling::argmax(&logits), "greedy over {vocab}");
+        }
+    });
+}
+
+/// Draws from the GPU against the host sampler's probabilities: every id
+/// drawn is one the host would allow, and frequencies are within 4.5
+/// standard deviations (and 0.01) of its probabilities.
+#[test]
+fn gpu_sampling_follows_the_host_samplers_distribution() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(21);
+        let draws = if gpu.caps.is_cpu { 3000 } else { 20000 };
+        for (vocab, temperature, top_k, top_p) in [
+            (40, 1.0, None, None),
+            (40, 0.5, Some(5), None),
+            (40, 2.0, None, Some(0.7)),
+            (2500, 0.8, Some(30), Some(0.9)),
+            (2500, 1.0, None, Some(0.5)),
+        ] {
+            let logits = rng.vec(vocab, 3.0);
+            let sampling = Sampling::Random { temperature, top_k, top_p };
+            let want = reference::sampling_distribution(&logits, temperature, top_k, top_p);
+            let got = sample_many(gpu, &logits, sampling, 7, draws);
+            let mut counts = vec![0usize; vocab];
+            for &id in &got {
+                counts[id as usize] += 1;
+            }
+            for (id, (&c, &p)) in counts.iter().zip(&want).enumerate() {
+                let f = c as f64 / draws as f64;
+                let sigma = (p * (1.0 - p) / draws as f64).sqrt();
+                assert!(
+                    p > 0.0 || c == 0,
+                    "{sampling:?}: id {id} drawn {c} times, outside the host's candidates"
+                );
+                assert!(
+                    (f - p).abs() <= (4.5 * sigma).max(0.01),
+                    "{sampling:?}: id {id} frequency {f:.4}, host probability {p:.4}"
+                );
+            }
+            // The same seed draws the same ids; another seed others.
+            assert_eq!(sample_many(gpu, &logits, sampling, 7, 50), got[..50]);
+            assert_ne!(sample_many(gpu, &logits, sampling, 8, 50), got[..50]);
+        }
     });
 }

@@ -71,7 +71,7 @@ fn experts_split_across_bindings_match_the_fixture() {
             Gpu::new(&GpuOptions { backend, max_storage_binding: Some(8192), ..Default::default() }).unwrap();
         let model = Model::load(fixture_dir("mixtral_8x2"), &gpu).unwrap();
         let e = expected(&fixture_dir("mixtral_8x2"));
-        let options = SessionOptions { context_len: Some(32), ..Default::default() };
+        let options = SessionOptions { context_len: Some(32), ..common::fixtures::exact() };
         let (rows, _) = replay_with(&model, "mixtral_8x2", &options);
         for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
             let err = max_abs_diff(got, want);

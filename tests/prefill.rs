@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fixtures::cases;
+use common::fixtures::{cases, exact};
 use common::max_abs_diff;
 use wgspark::sampling::argmax;
 use wgspark::{ChunkMatmul, Model, SessionOptions};
@@ -30,8 +30,7 @@ fn every_chunk_size_matches_the_fixture() {
             for (chunk, matmul) in
                 chunks.into_iter().flat_map(|c| [(c, ChunkMatmul::Gemm), (c, ChunkMatmul::Gemv)])
             {
-                let options =
-                    SessionOptions { prefill_chunk: Some(chunk), chunk_matmul: matmul, ..Default::default() };
+                let options = SessionOptions { prefill_chunk: Some(chunk), chunk_matmul: matmul, ..exact() };
                 let mut session = model.session(&options).unwrap();
                 assert_eq!(session.prefill_chunk(), chunk);
                 let mut logits = session.prefill(&e.prompt_ids).unwrap();

@@ -1,32 +1,32 @@
-//! Every kernel family's WGSL (with each of its variants) parses and
-//! validates with naga, the baseline without optional capabilities, and
-//! every entry point translates to MSL, HLSL and SPIR-V: a shader that
-//! would break Metal or DX12 fails here.
+//! Every specialisation of every kernel family (each flag set the flow
+//! may build) parses and validates with naga, without optional
+//! capabilities unless it uses subgroups, and every entry point translates
+//! to MSL, HLSL and SPIR-V: a shader that would break Metal or DX12 fails
+//! here.
 
 use naga::back::pipeline_constants::process_overrides;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
-use wgspark::kernels::{SHADERS, VARIANTS, shader_source};
+use wgspark::kernels::{FAMILIES, builds, preprocess, shader_source};
 
-/// Every (family, variant) build: `(label, source, capabilities it may use)`.
-fn builds() -> Vec<(String, String, Capabilities)> {
-    let mut out = Vec::new();
-    for (family, _) in SHADERS {
-        let variants: Vec<_> = VARIANTS.iter().filter(|v| v.family == *family).collect();
-        if variants.is_empty() {
-            out.push((family.to_string(), shader_source(family, None).unwrap(), Capabilities::empty()));
-        }
-        for v in variants {
-            let caps = if v.subgroups { Capabilities::SUBGROUP } else { Capabilities::empty() };
-            out.push((format!("{family}.{}", v.name), shader_source(family, Some(v.name)).unwrap(), caps));
-        }
-    }
-    out
+/// Every build: `(label, source, capabilities it may use)`.
+fn sources() -> Vec<(String, String, Capabilities)> {
+    builds()
+        .into_iter()
+        .map(|b| {
+            let mut caps = Capabilities::empty();
+            caps.set(Capabilities::SUBGROUP, b.uses_subgroups());
+            caps.set(Capabilities::SHADER_FLOAT16_IN_FLOAT32, b.uses_f16_in_f32());
+            (format!("{}{:?}", b.family, b.flags), shader_source(b.family, &b.flags).unwrap(), caps)
+        })
+        .collect()
 }
 
 #[test]
 fn every_kernel_translates_to_msl_hlsl_and_spirv() {
-    assert!(SHADERS.len() >= 9);
-    for (name, source, caps) in builds() {
+    assert!(FAMILIES.len() >= 10);
+    let sources = sources();
+    assert!(sources.len() > 40, "every flag set of gemv, attention, residual and sample is built");
+    for (name, source, caps) in sources {
         let module = naga::front::wgsl::parse_str(&source)
             .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
         let info = Validator::new(ValidationFlags::all(), caps).validate(&module).unwrap_or_else(|e| {
@@ -66,15 +66,42 @@ fn every_kernel_translates_to_msl_hlsl_and_spirv() {
 }
 
 #[test]
-fn every_wgsl_file_is_a_registered_kernel_or_variant() {
+fn every_wgsl_file_is_a_registered_kernel() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl");
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         let file = path.file_name().unwrap().to_string_lossy().into_owned();
         let stem = file.trim_end_matches(".wgsl");
-        let registered = stem == "common"
-            || SHADERS.iter().any(|(n, _)| *n == stem)
-            || VARIANTS.iter().any(|v| format!("{}.{}", v.family, v.name) == stem);
-        assert!(registered, "{} is not listed in kernels::SHADERS or VARIANTS", path.display());
+        let registered = stem == "common" || FAMILIES.iter().any(|f| f.name == stem);
+        assert!(registered, "{} is not listed in kernels::FAMILIES", path.display());
+    }
+}
+
+#[test]
+fn preprocessing_keeps_the_sections_whose_flags_are_set() {
+    let source = "a\n#if X\nb\n#if !Y\nc\n#else\nd\n#endif\n#else\ne\n#endif\nf\n";
+    let kept = |flags: &[&str]| -> Vec<String> {
+        preprocess(source, flags).lines().filter(|l| !l.is_empty()).map(String::from).collect()
+    };
+    assert_eq!(kept(&[]), ["a", "e", "f"]);
+    assert_eq!(kept(&["X"]), ["a", "b", "c", "f"]);
+    assert_eq!(kept(&["X", "Y"]), ["a", "b", "d", "f"]);
+    assert_eq!(kept(&["Y"]), ["a", "e", "f"]);
+    // Dropped lines stay as empty lines, so naga's line numbers are the file's.
+    assert_eq!(preprocess(source, &[]).lines().count(), source.lines().count());
+}
+
+#[test]
+fn parameter_structs_are_declared_from_their_rust_definition() {
+    use wgspark::kernels::WgslStruct;
+    use wgspark::kernels::gemv::GemvParams;
+    assert!(GemvParams::WGSL.starts_with("struct GemvParams {"));
+    assert_eq!(GemvParams::WGSL.matches(": u32").count() + GemvParams::WGSL.matches(": f32").count(), 9);
+    assert_eq!(std::mem::size_of::<GemvParams>(), 9 * 4);
+    // No shader declares a parameter struct of its own.
+    for f in FAMILIES {
+        for line in f.source.lines() {
+            assert!(!line.trim_start().starts_with("struct "), "{}.wgsl declares {line:?}", f.name);
+        }
     }
 }

@@ -38,8 +38,9 @@ fn smollm2_matches_transformers_greedy_ids() {
     on_each_backend(|gpu| {
         let model = Model::load(&dir, gpu).unwrap();
         for case in &reference.cases {
-            let mut session =
-                model.session(&SessionOptions { context_len: Some(64), ..Default::default() }).unwrap();
+            let mut session = model
+                .session(&SessionOptions { context_len: Some(64), ..common::fixtures::exact() })
+                .unwrap();
             let mut logits = session.prefill(&case.prompt_ids).unwrap();
             let first_row_error = max_abs_diff(&logits, &case.first_row_logits);
             let mut ids = Vec::new();

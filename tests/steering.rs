@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::fixtures::exact;
+
 use common::steering::{SteeringCase, replay_steered, steering_cases};
 use common::{max_abs_diff, on_each_backend};
 use wgspark::sampling::argmax;
@@ -50,16 +52,12 @@ fn variants() -> [(&'static str, SessionOptions, CaptureOptions); 2] {
     [
         (
             "one chunk, all prompt rows",
-            SessionOptions::default(),
+            exact(),
             CaptureOptions { layers: None, prompt_rows: PromptRows::All },
         ),
         (
             "5-token chunks, device routing, last prompt row",
-            SessionOptions {
-                prefill_chunk: Some(5),
-                routing: RoutingMode::DeviceResident,
-                ..Default::default()
-            },
+            SessionOptions { prefill_chunk: Some(5), routing: RoutingMode::DeviceResident, ..exact() },
             CaptureOptions { layers: None, prompt_rows: PromptRows::Last },
         ),
     ]
@@ -124,7 +122,7 @@ fn strength_zero_equals_unsteered() {
                 case.runs[0].vectors.iter().map(|(f, _)| (f.clone(), 0.0)).collect();
             let zero = case.steering(&model, &all_files, None);
             let capture = CaptureOptions { layers: None, prompt_rows: PromptRows::All };
-            let options = SessionOptions::default();
+            let options = exact();
             let (plain, plain_capture, _) =
                 replay_steered(&model, &options, None, &capture, &case.prompt_ids, &base.generated_ids)
                     .unwrap();
@@ -162,15 +160,9 @@ fn capture_of_chosen_layers_and_safetensors_file() {
     let (case, model, steering) = first_run("mixtral_deep");
     let run = &case.runs[0];
     let options = CaptureOptions { layers: Some(vec![3, 1, 3]), prompt_rows: PromptRows::Last };
-    let (_, capture, _) = replay_steered(
-        &model,
-        &SessionOptions::default(),
-        Some(&steering),
-        &options,
-        &case.prompt_ids,
-        &run.generated_ids,
-    )
-    .unwrap();
+    let (_, capture, _) =
+        replay_steered(&model, &exact(), Some(&steering), &options, &case.prompt_ids, &run.generated_ids)
+            .unwrap();
     assert_eq!(capture.layers, [1, 3]);
     let first_row = case.prompt_ids.len() - 1;
     assert!(capture_error(&capture, &run.capture, first_row, case.prompt_ids.len()) <= TOLERANCE);
@@ -199,7 +191,7 @@ fn capture_of_chosen_layers_and_safetensors_file() {
 fn steering_is_set_and_cleared_between_steps() {
     let (case, model, steering) = first_run("mistral_window");
     let run = &case.runs[0];
-    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let mut session = model.session(&exact()).unwrap();
     session.set_steering(Some(&steering)).unwrap();
     let steered = session.prefill(&case.prompt_ids).unwrap();
     assert!(max_abs_diff(&steered, &run.logits[0]) <= TOLERANCE);

@@ -1,75 +1,177 @@
-// Causal grouped-query attention over the KV cache. For query head h of
-// token t (position pos = step.pos0 + t):
+// Causal grouped-query attention over the KV cache, with the q/k norm,
+// RoPE and the cache store before it. For query head h of token t
+// (position pos = step.pos0 + t):
 //   out[t, h] = softmax_j(scale * q[t, h] . K[j, g]) V[j, g],  g = h / (nq / nkv)
 // over keys j in [start, pos], start = pos + 1 - window when a sliding
 // window is set (window = 0: none).
-// main: one workgroup per (KV head g, block of tokens_per_wg tokens, split
-//   s). Its query rows, (token, query head of the group), share every K and
-//   V tile, which is loaded once into workgroup memory (rows padded by one
-//   float against bank conflicts); scores and an online softmax run per
-//   tile, keys outside a row's causal range masked. The keys are divided among `splits`
-//   workgroups: with one split the result is written to out, otherwise each
-//   writes its unnormalised partial sum with its running max and sum, and
-//   `combine` merges them (flash decoding, for one token in flight).
-// q: f32 rows of the qkv buffer (already rotated). K, V: f32 [ctx, nkv * hd].
-// Limits: tokens_per_wg * (nq / nkv) * head_dim <= 2048, head_dim <= 256,
-// tokens_per_wg * (nq / nkv) <= 32.
+// q, k, v: f32 rows of the qkv buffer as the projection wrote them. Before
+// use, q and k are normalised (QK_NORM: RMSNorm per head with a [hd]
+// weight, or with QK_NORM_WHOLE over the whole q or k projection with an
+// [n * hd] weight) and rotated: dimension i < half_rot pairs with
+// i + half_rot; dims from 2 half_rot to hd pass through (partial rotary).
+// cos_sin: f32 [positions, 2 * half_rot], cos then sin (scaling already
+// applied by the host). The caches, K and V: [positions, nkv * hd], in
+// f32 words, or with KV_F16 as f16 pairs (pack2x16float
+// with F16_NATIVE, else the same conversion in integer arithmetic).
+// Entry points:
+//   rope_store  (a chunk) one workgroup per (KV head, token): k heads
+//               normalised, rotated and stored, v heads copied, into the cache.
+//   prefill     (a chunk, after rope_store) one workgroup per (KV head,
+//               block of tokens_per_wg tokens): its query rows, normalised
+//               and rotated into workgroup memory, share every K/V tile,
+//               loaded once into workgroup memory (rows padded by one float
+//               against bank conflicts); scores and an online softmax run
+//               per tile, keys outside a row's range masked.
+// qkv is only read: a whole-projection q norm reads every q head, so no
+// head may be rewritten in place while others are normalised.
+//   decode      (one token) one workgroup per (KV head, key split of
+//               step.attn_splits): the group's q heads normalised and
+//               rotated in workgroup memory; the split that holds the new
+//               position also stores its k and v; then per tile of WG keys
+//               one invocation per key scores it against every query row,
+//               and one per (dimension pair, key subset) accumulates V.
+//               With several splits each writes its unnormalised sums and
+//               (max, sum) per row, and `combine` merges them.
+// Limits: head_dim <= 256 (even), nq / nkv <= 16, (nq / nkv) * head_dim
+// <= 2048, tokens_per_wg * (nq / nkv) <= 32.
 
 const WG: u32 = 128u;
 const Q_FLOATS: u32 = 2048u;
 const KV_FLOATS: u32 = 4112u;
 const SCORE_FLOATS: u32 = 1024u;
 const MAX_ROWS: u32 = 32u;
+const MAX_GROUP: u32 = 16u;
+const MAX_HEAD_DIM: u32 = 256u;
 const OUT_PER_THREAD: u32 = 16u; // Q_FLOATS / WG
 const NEG_BIG: f32 = -3.0e38;
 
-struct Params {
-    n_q_heads: u32,
-    n_kv_heads: u32,
-    head_dim: u32,
-    q_stride: u32,
-    out_stride: u32,
-    window: u32,
-    scale: f32,
-    splits: u32,
-    tokens_per_wg: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+@group(0) @binding(0) var<uniform> p: AttentionParams;
+@group(0) @binding(1) var<uniform> step: Step;
+@group(0) @binding(2) var<storage, read> qkv: array<f32>;
+@group(0) @binding(3) var<storage, read> cos_sin: array<f32>;
+@group(0) @binding(4) var<storage, read_write> k_cache: array<u32>;
+@group(0) @binding(5) var<storage, read_write> v_cache: array<u32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+// Partials of split attention, per (query head, split): head_dim sums,
+// then (max, sum) pairs.
+@group(0) @binding(7) var<storage, read_write> part_acc: array<f32>;
+@group(0) @binding(8) var<storage, read_write> part_ml: array<f32>;
+#if QK_NORM
+@group(0) @binding(9) var<storage, read> q_norm: array<u32>;
+@group(0) @binding(10) var<storage, read> k_norm: array<u32>;
+#endif
+
+#if KV_F16
+#if F16_NATIVE
+fn unpack_f16(w: u32) -> vec2<f32> {
+    return unpack2x16float(w);
 }
 
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<uniform> step: Step;
-@group(0) @binding(2) var<storage, read> q: array<f32>;
-@group(0) @binding(3) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(4) var<storage, read> v_cache: array<f32>;
-@group(0) @binding(5) var<storage, read_write> out: array<f32>;
-// Partials of split attention, per (token, query head, split): head_dim sums,
-// then (max, sum) pairs.
-@group(0) @binding(6) var<storage, read_write> part_acc: array<f32>;
-@group(0) @binding(7) var<storage, read_write> part_ml: array<f32>;
-
-var<workgroup> q_sh: array<f32, Q_FLOATS>;
-var<workgroup> kv_sh: array<f32, KV_FLOATS>;
-var<workgroup> scores: array<f32, SCORE_FLOATS>;
-var<workgroup> row_max: array<f32, MAX_ROWS>;
-var<workgroup> row_sum: array<f32, MAX_ROWS>;
-var<workgroup> row_rescale: array<f32, MAX_ROWS>;
-
-// Copies keys [k0, k0 + n) of one cache into kv_sh, rows of hd + 1.
-fn load_tile(from_k: bool, k0: u32, n: u32, kv_off: u32, kv_row: u32, hd: u32, l: u32) {
-    for (var i = l; i < n * hd; i += WG) {
-        let j = i / hd;
-        let d = i % hd;
-        let src = (k0 + j) * kv_row + kv_off + d;
-        var v: f32;
-        if (from_k) {
-            v = k_cache[src];
-        } else {
-            v = v_cache[src];
-        }
-        kv_sh[j * (hd + 1u) + d] = v;
+fn pack_f16(v: vec2<f32>) -> u32 {
+    return pack2x16float(v);
+}
+#else
+// The same conversions in integer arithmetic, for adapters whose shaders
+// lack pack2x16float (round to nearest even; inf and NaN kept).
+fn f16_bits_to_f32(h: u32) -> f32 {
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if (e == 0u) {
+        return bitcast<f32>(sign | bitcast<u32>(f32(m) * 5.9604645e-8));
     }
+    if (e == 31u) {
+        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
+    }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}
+
+fn f32_to_f16_bits(f: f32) -> u32 {
+    let b = bitcast<u32>(f);
+    let sign = (b >> 16u) & 0x8000u;
+    let abs = b & 0x7fffffffu;
+    if (abs > 0x7f800000u) {
+        return sign | 0x7e00u;
+    }
+    let e = i32(abs >> 23u) - 112;
+    if (e >= 31) {
+        return sign | 0x7c00u;
+    }
+    var m = abs & 0x7fffffu;
+    var shift = 13u;
+    var r = 0u;
+    if (e <= 0) {
+        if (e < -10) {
+            return sign;
+        }
+        m |= 0x800000u;
+        shift = u32(14 - e);
+    } else {
+        r = u32(e) << 10u;
+    }
+    r |= m >> shift;
+    let rest = m & ((1u << shift) - 1u);
+    let halfway = 1u << (shift - 1u);
+    // A carry into the exponent is the right rounding (up to inf).
+    if (rest > halfway || (rest == halfway && (r & 1u) == 1u)) {
+        r += 1u;
+    }
+    return sign | r;
+}
+
+fn unpack_f16(w: u32) -> vec2<f32> {
+    return vec2<f32>(f16_bits_to_f32(w & 0xffffu), f16_bits_to_f32(w >> 16u));
+}
+
+fn pack_f16(v: vec2<f32>) -> u32 {
+    return f32_to_f16_bits(v.x) | (f32_to_f16_bits(v.y) << 16u);
+}
+#endif
+#endif
+
+// Word w of the K cache (V with `values`).
+fn cache_word(values: bool, w: u32) -> u32 {
+    if (values) {
+        return v_cache[w];
+    }
+    return k_cache[w];
+}
+
+// Elements e and e + 1 (e even) of the K cache (V with `values`).
+fn kv_load2(values: bool, e: u32) -> vec2<f32> {
+#if KV_F16
+    return unpack_f16(cache_word(values, e >> 1u));
+#else
+    return vec2<f32>(bitcast<f32>(cache_word(values, e)), bitcast<f32>(cache_word(values, e + 1u)));
+#endif
+}
+
+// Element e of the K cache (V with `values`).
+fn kv_load(values: bool, e: u32) -> f32 {
+    let pair = kv_load2(values, e & ~1u);
+    return select(pair.x, pair.y, (e & 1u) == 1u);
+}
+
+fn cache_store(values: bool, w: u32, word: u32) {
+    if (values) {
+        v_cache[w] = word;
+    } else {
+        k_cache[w] = word;
+    }
+}
+
+fn kv_store2(values: bool, e: u32, v: vec2<f32>) {
+#if KV_F16
+    cache_store(values, e >> 1u, pack_f16(v));
+#else
+    cache_store(values, e, bitcast<u32>(v.x));
+    cache_store(values, e + 1u, bitcast<u32>(v.y));
+#endif
+}
+
+// Cache element of dimension d of KV head g at position j.
+fn kv_index(j: u32, g: u32, d: u32) -> u32 {
+    return j * p.n_kv_heads * p.head_dim + g * p.head_dim + d;
 }
 
 // First attended key of the token at `pos`.
@@ -80,32 +182,154 @@ fn first_key(pos: u32) -> u32 {
     return 0u;
 }
 
+// ---- q/k norm and RoPE of one head, shared by rope_store and decode ----
+
+var<workgroup> head_sh: array<f32, MAX_HEAD_DIM>;
+var<workgroup> red: array<f32, WG>;
+
+// The sum of every invocation's v (all must call it).
+fn workgroup_sum(v: f32, l: u32) -> f32 {
+    workgroupBarrier();
+    red[l] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (l < s) {
+            red[l] += red[l + s];
+        }
+        workgroupBarrier();
+    }
+    return red[0];
+}
+
+fn rotated(d: u32, pos: u32) -> f32 {
+    let half = p.half_rot;
+    if (d >= 2u * half) {
+        return head_sh[d];
+    }
+    let table = pos * 2u * half;
+    if (d < half) {
+        return head_sh[d] * cos_sin[table + d] - head_sh[d + half] * cos_sin[table + half + d];
+    }
+    let i = d - half;
+    return head_sh[d] * cos_sin[table + i] + head_sh[i] * cos_sin[table + half + i];
+}
+
+// Head `head` of token t (q heads, then k heads) into head_sh[0 .. hd],
+// normalised and rotated for position step.pos0 + t. All invocations call it.
+fn load_rotated_head(t: u32, head: u32, l: u32) {
+    let hd = p.head_dim;
+    let src = t * p.qkv_stride + head * hd;
+    let is_k = head >= p.n_q_heads;
+#if QK_NORM
+#if QK_NORM_WHOLE
+    let n = select(p.n_q_heads, p.n_kv_heads, is_k) * hd;
+    let norm_from = t * p.qkv_stride + select(0u, p.n_q_heads * hd, is_k);
+    let w0 = head * hd - select(0u, p.n_q_heads * hd, is_k);
+#else
+    let n = hd;
+    let norm_from = src;
+    let w0 = 0u;
+#endif
+    var ss = 0.0;
+    for (var i = l; i < n; i += WG) {
+        let v = qkv[norm_from + i];
+        ss += v * v;
+    }
+    let scale = inverseSqrt(workgroup_sum(ss, l) / f32(n) + p.eps);
+#endif
+    for (var d = l; d < hd; d += WG) {
+        var v = qkv[src + d];
+#if QK_NORM
+        let i = w0 + d;
+        var w: f32;
+        if (is_k) {
+            w = bf16_at(k_norm[i >> 1u], i);
+        } else {
+            w = bf16_at(q_norm[i >> 1u], i);
+        }
+        v = w * (v * scale);
+#endif
+        head_sh[d] = v;
+    }
+    workgroupBarrier();
+    let pos = step.pos0 + t;
+    var r: array<f32, 2>; // hd <= 2 * WG
+    for (var c = 0u; c < 2u; c++) {
+        let d = l + c * WG;
+        if (d < hd) {
+            r[c] = rotated(d, pos);
+        }
+    }
+    workgroupBarrier();
+    for (var c = 0u; c < 2u; c++) {
+        let d = l + c * WG;
+        if (d < hd) {
+            head_sh[d] = r[c];
+        }
+    }
+    workgroupBarrier();
+}
+
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    // K heads first, then V heads (qkv heads nq + c).
+    let c = wid.x;
+    let t = wid.y;
+    let hd = p.head_dim;
+    let pos = step.pos0 + t;
+    let head = p.n_q_heads + c;
+    let nkv = p.n_kv_heads;
+    if (c >= nkv) {
+        let src = t * p.qkv_stride + head * hd;
+        for (var i = l; i < hd / 2u; i += WG) {
+            let s = src + 2u * i;
+            kv_store2(true, kv_index(pos, c - nkv, 2u * i), vec2<f32>(qkv[s], qkv[s + 1u]));
+        }
+        return;
+    }
+    load_rotated_head(t, head, l);
+    for (var i = l; i < hd / 2u; i += WG) {
+        kv_store2(false, kv_index(pos, c, 2u * i), vec2<f32>(head_sh[2u * i], head_sh[2u * i + 1u]));
+    }
+}
+
+// ---- prefill: a chunk of tokens, K/V tiles shared by the query rows ----
+
+var<workgroup> q_sh: array<f32, Q_FLOATS>;
+var<workgroup> kv_sh: array<f32, KV_FLOATS>;
+var<workgroup> scores: array<f32, SCORE_FLOATS>;
+var<workgroup> row_max: array<f32, MAX_ROWS>;
+var<workgroup> row_sum: array<f32, MAX_ROWS>;
+var<workgroup> row_rescale: array<f32, MAX_ROWS>;
+
+// Copies keys [k0, k0 + n) of KV head g into kv_sh, rows of hd + 1; V
+// instead of K when `values`.
+fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
+    for (var i = l; i < n * hd; i += WG) {
+        let j = i / hd;
+        let d = i % hd;
+        kv_sh[j * (hd + 1u) + d] = kv_load(values, kv_index(k0 + j, g, d));
+    }
+}
+
+@compute @workgroup_size(WG)
+fn prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let g = wid.x;
     let t0 = wid.y * p.tokens_per_wg;
-    let split = wid.z;
     let hd = p.head_dim;
     let group = p.n_q_heads / p.n_kv_heads;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * group;
-    let kv_row = p.n_kv_heads * hd;
-    let kv_off = g * hd;
     let tile = min(KV_FLOATS / (hd + 1u), SCORE_FLOATS / (p.tokens_per_wg * group));
-
-    // Keys any row of the block attends, divided among the splits.
-    let start = first_key(step.pos0 + t0);
-    let end = step.pos0 + t0 + n_tok;
-    let n_keys = end - start;
-    let chunk = (n_keys + p.splits - 1u) / p.splits;
-    let lo = start + min(split * chunk, n_keys);
-    let hi = start + min((split + 1u) * chunk, n_keys);
+    let lo = first_key(step.pos0 + t0);
+    let hi = step.pos0 + t0 + n_tok;
 
     // Row r is token t0 + r / group, query head g * group + r % group.
-    for (var i = l; i < rows * hd; i += WG) {
-        let r = i / hd;
-        let t = t0 + r / group;
-        q_sh[i] = q[t * p.q_stride + (g * group + r % group) * hd + i % hd];
+    for (var r = 0u; r < rows; r++) {
+        load_rotated_head(t0 + r / group, g * group + r % group, l);
+        for (var d = l; d < hd; d += WG) {
+            q_sh[r * hd + d] = head_sh[d];
+        }
     }
     if (l < rows) {
         row_max[l] = NEG_BIG;
@@ -119,7 +343,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var k0 = lo; k0 < hi; k0 += tile) {
         let n = min(tile, hi - k0);
         workgroupBarrier();
-        load_tile(true, k0, n, kv_off, kv_row, hd, l);
+        load_tile(false, k0, n, g, hd, l);
         workgroupBarrier();
         for (var i = l; i < rows * tile; i += WG) {
             let r = i / tile;
@@ -158,7 +382,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             row_sum[r] = row_sum[r] * rescale + sum;
             row_max[r] = m;
         }
-        load_tile(false, k0, n, kv_off, kv_row, hd, l);
+        load_tile(true, k0, n, g, hd, l);
         workgroupBarrier();
         for (var c = 0u; c < OUT_PER_THREAD; c++) {
             let o = l + c * WG;
@@ -179,43 +403,175 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let o = l + c * WG;
         if (o < rows * hd) {
             let r = o / hd;
-            let d = o % hd;
             let t = t0 + r / group;
-            let qh = g * group + r % group;
-            if (p.splits == 1u) {
-                out[t * p.out_stride + qh * hd + d] = acc[c] / row_sum[r];
-            } else {
-                let slot = (t * p.n_q_heads + qh) * p.splits + split;
-                part_acc[slot * hd + d] = acc[c];
-                if (d == 0u) {
-                    part_ml[2u * slot] = row_max[r];
-                    part_ml[2u * slot + 1u] = row_sum[r];
+            out[t * p.out_stride + (g * group + r % group) * hd + o % hd] = acc[c] / row_sum[r];
+        }
+    }
+}
+
+// ---- decode: one token, keys split over workgroups ----
+
+// Query rows [0, 2048), then scores [2048, 4096) as [row, key of tile];
+// at the end the key subsets' partial sums [subset, row, hd].
+var<workgroup> dec_sh: array<f32, 4096>;
+var<workgroup> dec_max: array<f32, MAX_GROUP>;
+var<workgroup> dec_sum: array<f32, MAX_GROUP>;
+var<workgroup> dec_rescale: array<f32, MAX_GROUP>;
+const SCORES: u32 = 2048u;
+
+@compute @workgroup_size(WG)
+fn decode(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let g = wid.x;
+    let split = wid.y;
+    let splits = step.attn_splits;
+    let hd = p.head_dim;
+    let nq = p.n_q_heads;
+    let nkv = p.n_kv_heads;
+    let group = nq / nkv;
+    let pos = step.pos0;
+
+    let start = first_key(pos);
+    let n_keys = pos + 1u - start;
+    let chunk = (n_keys + splits - 1u) / splits;
+    let lo = start + min(split * chunk, n_keys);
+    let hi = start + min((split + 1u) * chunk, n_keys);
+
+    for (var r = 0u; r < group; r++) {
+        load_rotated_head(0u, g * group + r, l);
+        for (var d = l; d < hd; d += WG) {
+            dec_sh[r * hd + d] = head_sh[d];
+        }
+    }
+    // The new position's k and v, stored by the one split that reads them.
+    if (lo <= pos && pos < hi) {
+        load_rotated_head(0u, nq + g, l);
+        for (var i = l; i < hd / 2u; i += WG) {
+            kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(head_sh[2u * i], head_sh[2u * i + 1u]));
+            let v = (nq + nkv + g) * hd + 2u * i;
+            kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(qkv[v], qkv[v + 1u]));
+        }
+        storageBarrier();
+    }
+    if (l < group) {
+        dec_max[l] = NEG_BIG;
+        dec_sum[l] = 0.0;
+    }
+
+    // PV roles: dimension pair `pair`, keys j = subset (mod subsets).
+    let pairs = hd / 2u;
+    let subsets = max(1u, WG / pairs);
+    let pair = l % pairs;
+    let subset = l / pairs;
+    var acc: array<vec2<f32>, MAX_GROUP>;
+    for (var r = 0u; r < MAX_GROUP; r++) {
+        acc[r] = vec2<f32>(0.0);
+    }
+
+    for (var k0 = lo; k0 < hi; k0 += WG) {
+        let n = min(WG, hi - k0);
+        workgroupBarrier();
+        if (l < n) {
+            let kb = kv_index(k0 + l, g, 0u);
+            var s: array<f32, MAX_GROUP>;
+            for (var r = 0u; r < group; r++) {
+                s[r] = 0.0;
+            }
+            for (var i = 0u; i < pairs; i++) {
+                let k2 = kv_load2(false, kb + 2u * i);
+                for (var r = 0u; r < group; r++) {
+                    s[r] += dec_sh[r * hd + 2u * i] * k2.x + dec_sh[r * hd + 2u * i + 1u] * k2.y;
                 }
+            }
+            for (var r = 0u; r < group; r++) {
+                dec_sh[SCORES + r * WG + l] = s[r] * p.scale;
+            }
+        }
+        workgroupBarrier();
+        if (l < group) {
+            var m = dec_max[l];
+            for (var j = 0u; j < n; j++) {
+                m = max(m, dec_sh[SCORES + l * WG + j]);
+            }
+            dec_rescale[l] = exp(dec_max[l] - m);
+            dec_max[l] = m;
+        }
+        workgroupBarrier();
+        if (l < n) {
+            for (var r = 0u; r < group; r++) {
+                let i = SCORES + r * WG + l;
+                dec_sh[i] = exp(dec_sh[i] - dec_max[r]);
+            }
+        }
+        workgroupBarrier();
+        if (l < group) {
+            var sum = 0.0;
+            for (var j = 0u; j < n; j++) {
+                sum += dec_sh[SCORES + l * WG + j];
+            }
+            dec_sum[l] = dec_sum[l] * dec_rescale[l] + sum;
+        }
+        if (subset < subsets) {
+            for (var r = 0u; r < group; r++) {
+                acc[r] *= dec_rescale[r];
+            }
+            for (var j = subset; j < n; j += subsets) {
+                let v2 = kv_load2(true, kv_index(k0 + j, g, 2u * pair));
+                for (var r = 0u; r < group; r++) {
+                    acc[r] += dec_sh[SCORES + r * WG + j] * v2;
+                }
+            }
+        }
+    }
+    workgroupBarrier();
+    if (subset < subsets) {
+        for (var r = 0u; r < group; r++) {
+            let at = (subset * group + r) * hd + 2u * pair;
+            dec_sh[at] = acc[r].x;
+            dec_sh[at + 1u] = acc[r].y;
+        }
+    }
+    workgroupBarrier();
+    for (var o = l; o < group * hd; o += WG) {
+        let r = o / hd;
+        let d = o % hd;
+        var a = 0.0;
+        for (var s = 0u; s < subsets; s++) {
+            a += dec_sh[(s * group + r) * hd + d];
+        }
+        let qh = g * group + r;
+        if (splits == 1u) {
+            out[qh * hd + d] = a / dec_sum[r];
+        } else {
+            let slot = qh * splits + split;
+            part_acc[slot * hd + d] = a;
+            if (d == 0u) {
+                part_ml[2u * slot] = dec_max[r];
+                part_ml[2u * slot + 1u] = dec_sum[r];
             }
         }
     }
 }
 
-// Merges the splits of one (query head, token): one workgroup each.
+// Merges the splits of one query head: one workgroup each.
 @compute @workgroup_size(WG)
 fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let qh = wid.x;
-    let t = wid.y;
     let hd = p.head_dim;
-    let base = (t * p.n_q_heads + qh) * p.splits;
+    let splits = step.attn_splits;
+    let base = qh * splits;
     var m = NEG_BIG;
-    for (var s = 0u; s < p.splits; s++) {
+    for (var s = 0u; s < splits; s++) {
         m = max(m, part_ml[2u * (base + s)]);
     }
     var sum = 0.0;
-    for (var s = 0u; s < p.splits; s++) {
+    for (var s = 0u; s < splits; s++) {
         sum += exp(part_ml[2u * (base + s)] - m) * part_ml[2u * (base + s) + 1u];
     }
     for (var d = l; d < hd; d += WG) {
         var a = 0.0;
-        for (var s = 0u; s < p.splits; s++) {
+        for (var s = 0u; s < splits; s++) {
             a += exp(part_ml[2u * (base + s)] - m) * part_acc[(base + s) * hd + d];
         }
-        out[t * p.out_stride + qh * hd + d] = a / sum;
+        out[qh * hd + d] = a / sum;
     }
 }

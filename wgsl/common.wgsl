@@ -1,16 +1,45 @@
-// Shared by every kernel (prepended at pipeline creation).
+// Shared by every kernel (prepended at pipeline creation, after the
+// parameter structs that kernels/*.rs declare with wgsl_struct!).
 // bf16 weights are stored two per u32: element 2i in the low half, 2i+1 in
 // the high half. A bf16 is the top 16 bits of an f32, so unpacking is a shift.
 fn bf16_lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
 fn bf16_hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
 // Element `e` of a packed bf16 array whose word is `w`.
 fn bf16_at(w: u32, e: u32) -> f32 { return select(bf16_lo(w), bf16_hi(w), (e & 1u) == 1u); }
+// Elements 0..3 and 4..7 of eight packed bf16 values.
+fn bf16x4_lo(w: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+}
+fn bf16x4_hi(w: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w));
+}
 
-// Per submission (the kernels::Step uniform): the first position and the
-// number of tokens in flight.
-struct Step {
-    pos0: u32,
-    n_tokens: u32,
-    _pad0: u32,
-    _pad1: u32,
+// The end of a decoder layer (DESIGN.md section 7), fused into whichever
+// kernel does the layer's last residual add (gemv ADD, residual):
+//   STEER:   a control vector's row is added to every token;
+//   CAPTURE: the last min(n_tokens, CAPTURE_ROWS) tokens' results are
+//            copied to the capture region, row (t - first) * n.
+#if STEER
+@group(0) @binding(10) var<storage, read> steer_row: array<f32>;
+#endif
+#if CAPTURE
+override CAPTURE_ROWS: u32 = 1u;
+@group(0) @binding(11) var<storage, read_write> capture: array<f32>;
+@group(0) @binding(12) var<uniform> capture_step: Step;
+#endif
+
+// Element i (of n) of token t at the layer's output, whose residual sum is v.
+fn layer_output(t: u32, i: u32, n: u32, v: f32) -> f32 {
+    var out = v;
+#if STEER
+    out += steer_row[i];
+#endif
+#if CAPTURE
+    let count = min(capture_step.n_tokens, CAPTURE_ROWS);
+    let first = capture_step.n_tokens - count;
+    if (t >= first) {
+        capture[(t - first) * n + i] = out;
+    }
+#endif
+    return out;
 }

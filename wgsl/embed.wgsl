@@ -4,14 +4,7 @@
 //        left to the dispatch of the part that holds them.
 // Grid: x covers hidden in workgroups of 64, y = token.
 
-struct Params {
-    hidden: u32,
-    first_row: u32,
-    rows: u32,
-    _pad: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(0) var<uniform> p: EmbedParams;
 @group(0) @binding(1) var<storage, read> table: array<u32>;
 @group(0) @binding(2) var<storage, read> tokens: array<u32>;
 @group(0) @binding(3) var<storage, read_write> x: array<f32>;

@@ -28,18 +28,7 @@ override X_FLOATS: u32 = 16u / X_THREADS;
 override W_THREADS: u32 = 256u / TILE_N;
 override W_WORDS: u32 = 8u / W_THREADS;
 
-struct Params {
-    rows: u32,
-    cols: u32,
-    first_row: u32,
-    expert_rows: u32,
-    expert: u32,
-    x_div: u32,
-    y_stride: u32,
-    _pad: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
 @group(0) @binding(2) var<storage, read> weight: array<u32>;
 @group(0) @binding(3) var<storage, read> x: array<f32>;

@@ -1,46 +1,128 @@
-// Matrix-vector product with bf16 weights, for every token t in flight:
-//   y[t * y_stride + y_offset + r] = sum_c W[row(r), c] * x[t * x_stride + x_offset + c]
-// W: bf16 [rows, cols] (one row range, a "part" starting at global row
-// first_row, of a tensor that may be split across bindings); cols even.
-// Plain mode (expert_rows = 0): r covers the part's rows, row(r) = r.
-// Expert mode: W stacks experts of expert_rows rows each, and the expert is
-// read from the GPU, e = ids[t * top_k + slot]; r covers one expert's rows,
-// global row e * expert_rows + r, computed only where this part holds it.
-// ROWS_PER_WG rows per workgroup, THREADS_PER_ROW invocations per row: one
-// row per invocation (THREADS_PER_ROW = 1) suits CPU rasterisers; a
-// subgroup (or workgroup reduction) per row suits GPUs. reduce_row comes
-// from the variant prepended at pipeline creation (gemv.reduce_*.wgsl).
-// When cols % 8 == 0, rows are 16-byte aligned and read 8 weights at a time.
-// Grid: row blocks folded over x and z, y = token.
+// Matrix-vector products with bf16 weights, for every token t in flight,
+// with what comes before and after the product fused in, so that a
+// projection is one pass over its weights and one dispatch per weight part:
+//   (plain)  y[t, o] = W[o] . x[t]
+//   NORM     x[t] is first replaced by rms_norm(x[t]) * norm_w, computed here:
+//            W[o] . (norm_w * x[t]) * rsqrt(mean(x[t]^2) + eps)
+//   SWIGLU   W holds gate and up rows interleaved (row 2o gate, 2o+1 up):
+//            y[t, o] = silu(W[2o] . x[t]) * (W[2o+1] . x[t])
+//   ADD      y[t, o] = layer_output(y[t, o] + result): the residual add,
+//            steered and captured where STEER / CAPTURE are set (common.wgsl)
+//   EXPERTS  W stacks experts of expert_rows rows; ids / route_weights
+//            [tokens, top_k] are the router's choice, read on the GPU:
+//     SLOTS  grid y = t * top_k + j: the rows of expert ids[t, j];
+//            output row (t * top_k + j)
+//     SUM    (with ADD) y[t, o] += sum_j route_weights[t, j] * W_{ids[t, j]}[o] . x[t * top_k + j]
+// Outputs o run over [0, outputs) and are written at out_offset + o. W is
+// one part (rows first_row .. first_row + rows) of a tensor that may be
+// split over bindings; an output whose rows this part does not hold is
+// left to the part that does (SUM: each part adds the slots it holds).
+// ROWS_PER_WG outputs per workgroup, THREADS_PER_ROW invocations per
+// output: one per invocation suits CPU rasterisers; a subgroup (SUBGROUPS)
+// or a workgroup reduction per output suits GPUs. Rows of 8k columns are
+// read 8 weights at a time; other widths (even) one word at a time.
+// Grid: output blocks folded over x and z, y = token (SLOTS: token * top_k + slot).
 
 override ROWS_PER_WG: u32 = 64u;
 override THREADS_PER_ROW: u32 = 1u;
 override WG: u32 = 64u; // = ROWS_PER_WG * THREADS_PER_ROW, set by the host
 
-struct Params {
-    rows: u32,
-    cols: u32,
-    first_row: u32,
-    expert_rows: u32,
-    top_k: u32,
-    slot: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(0) var<uniform> p: GemvParams;
 @group(0) @binding(1) var<storage, read> weight: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read> ids: array<u32>;
+#if NORM
+@group(0) @binding(4) var<storage, read> norm_w: array<vec4<u32>>;
+#endif
+#if EXPERTS
+@group(0) @binding(5) var<storage, read> ids: array<u32>;
+#endif
+#if SUM
+@group(0) @binding(6) var<storage, read> route_weights: array<f32>;
+#endif
 
 fn x_at(i: u32) -> f32 {
     return x[i >> 2u][i & 3u];
 }
+
+fn weight_word(i: u32) -> u32 {
+    return weight[i >> 2u][i & 3u];
+}
+
+// This lane's share of W[row] . x[xb ..] in .x (and of W[row + 1] . x in .y
+// with SWIGLU), x multiplied by norm_w with NORM, and of x . x in .z.
+fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
+    var r = vec3<f32>(0.0);
+    if (p.cols % 8u == 0u && xb % 4u == 0u) {
+        let per_row = p.cols / 8u;
+        let wb = row * per_row;
+        let xv = xb / 4u;
+        for (var k = lane; k < per_row; k += THREADS_PER_ROW) {
+            var a = x[xv + 2u * k];
+            var b = x[xv + 2u * k + 1u];
+#if NORM
+            r.z += dot(a, a) + dot(b, b);
+            let n = norm_w[k];
+            a *= bf16x4_lo(n);
+            b *= bf16x4_hi(n);
+#endif
+            let w = weight[wb + k];
+            r.x += dot(bf16x4_lo(w), a) + dot(bf16x4_hi(w), b);
+#if SWIGLU
+            let w2 = weight[wb + per_row + k];
+            r.y += dot(bf16x4_lo(w2), a) + dot(bf16x4_hi(w2), b);
+#endif
+        }
+    } else {
+        let words = p.cols / 2u;
+        let wb = row * words;
+        for (var k = lane; k < words; k += THREADS_PER_ROW) {
+            var a = x_at(xb + 2u * k);
+            var b = x_at(xb + 2u * k + 1u);
+#if NORM
+            r.z += a * a + b * b;
+            let n = norm_w[k >> 2u][k & 3u];
+            a *= bf16_lo(n);
+            b *= bf16_hi(n);
+#endif
+            let w = weight_word(wb + k);
+            r.x += bf16_lo(w) * a + bf16_hi(w) * b;
+#if SWIGLU
+            let w2 = weight_word(wb + words + k);
+            r.y += bf16_lo(w2) * a + bf16_hi(w2) * b;
+#endif
+        }
+    }
+    return r;
+}
+
+#if SUBGROUPS
+// The lanes of an output are exactly one subgroup.
+fn reduce_row(v: f32, l: u32, lane: u32) -> f32 {
+    return subgroupAdd(v);
+}
+#else
+var<workgroup> partial: array<f32, WG>;
+
+// Sum over the lanes of an output through workgroup memory. Every
+// invocation must call it (it has barriers).
+fn reduce_row(v: f32, l: u32, lane: u32) -> f32 {
+    if (THREADS_PER_ROW == 1u) {
+        return v;
+    }
+    // The previous reduction's result may still be being read.
+    workgroupBarrier();
+    partial[l] = v;
+    workgroupBarrier();
+    for (var s = THREADS_PER_ROW / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            partial[l] += partial[l + s];
+        }
+        workgroupBarrier();
+    }
+    return partial[l - lane];
+}
+#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -50,42 +132,61 @@ fn main(
 ) {
     let block = wid.x + wid.z * nwg.x;
     let lane = lid.x % THREADS_PER_ROW;
-    let r = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
+    let o = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
+    let live = o < p.outputs;
+#if SUM
     let t = wid.y;
-    var n_rows = p.rows;
-    var local_row = r;
-    if (p.expert_rows > 0u) {
-        n_rows = p.expert_rows;
-        // Wraps to a huge value (skipped) when the row is before this part.
-        local_row = ids[t * p.top_k + p.slot] * p.expert_rows + r - p.first_row;
-    }
-    let in_part = r < n_rows && local_row < p.rows;
+    let y_row = t;
     var acc = 0.0;
-    if (in_part) {
-        let xb = t * p.x_stride + p.x_offset;
-        if (p.cols % 8u == 0u && xb % 4u == 0u) {
-            let per_row = p.cols / 8u;
-            let wb = local_row * per_row;
-            let xv = xb / 4u;
-            for (var k = lane; k < per_row; k += THREADS_PER_ROW) {
-                let w = weight[wb + k];
-                let a = x[xv + 2u * k];
-                let b = x[xv + 2u * k + 1u];
-                acc += dot(vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y)), a)
-                    + dot(vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w)), b);
-            }
-        } else {
-            let words = p.cols / 2u;
-            let wb = local_row * words;
-            for (var k = lane; k < words; k += THREADS_PER_ROW) {
-                let i = wb + k;
-                let w = weight[i >> 2u][i & 3u];
-                acc += bf16_lo(w) * x_at(xb + 2u * k) + bf16_hi(w) * x_at(xb + 2u * k + 1u);
-            }
+    for (var j = 0u; j < p.top_k; j++) {
+        let pair = t * p.top_k + j;
+        // Wraps to a huge value (skipped) when the row is before this part.
+        let row = ids[pair] * p.expert_rows + o - p.first_row;
+        if (live && row < p.rows) {
+            acc += route_weights[pair] * lane_dots(row, pair * p.cols, lane).x;
         }
     }
-    acc = reduce_row(acc, lid.x, lane);
-    if (in_part && lane == 0u) {
-        y[t * p.y_stride + p.y_offset + r] = acc;
+    let v = reduce_row(acc, lid.x, lane);
+    let written = live;
+#else
+#if SWIGLU
+    let rows_per_output = 2u;
+#else
+    let rows_per_output = 1u;
+#endif
+#if SLOTS
+    let t = wid.y / p.top_k;
+    let y_row = wid.y;
+    let first = ids[wid.y] * p.expert_rows;
+#else
+    let t = wid.y;
+    let y_row = t;
+    let first = p.first_row;
+#endif
+    let row = first + o * rows_per_output - p.first_row;
+    let written = live && row < p.rows;
+    var d = vec3<f32>(0.0);
+    if (written) {
+        d = lane_dots(row, t * p.cols, lane);
+    }
+#if NORM
+    let scale = inverseSqrt(reduce_row(d.z, lid.x, lane) / f32(p.cols) + p.eps);
+#else
+    let scale = 1.0;
+#endif
+    var v = reduce_row(d.x, lid.x, lane) * scale;
+#if SWIGLU
+    let up = reduce_row(d.y, lid.x, lane) * scale;
+    v = v / (1.0 + exp(-v)) * up;
+#endif
+#endif
+    if (written && lane == 0u) {
+        let i = p.out_offset + o;
+        let at = y_row * p.y_stride + i;
+#if ADD
+        y[at] = layer_output(t, i, p.y_stride, y[at] + v);
+#else
+        y[at] = v;
+#endif
     }
 }

@@ -9,18 +9,7 @@
 
 override WG: u32 = 64u;
 
-struct Params {
-    n: u32,
-    head_stride: u32,
-    token_stride: u32,
-    offset: u32,
-    eps: f32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(0) var<uniform> p: RmsNormParams;
 @group(0) @binding(1) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read_write> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;

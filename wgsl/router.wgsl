@@ -10,14 +10,7 @@
 const WG: u32 = 64u;
 const MAX_EXPERTS: u32 = 512u;
 
-struct Params {
-    n_experts: u32,
-    top_k: u32,
-    scoring: u32,
-    renormalize: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(0) var<uniform> p: RouterParams;
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read> bias: array<f32>;
 @group(0) @binding(3) var<storage, read_write> ids: array<u32>;

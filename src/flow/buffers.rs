@@ -4,6 +4,8 @@
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::kernels::Step;
+use crate::kernels::attention::Attention;
+use crate::kernels::sample::SampleScratch;
 use crate::model::ModelConfig;
 
 #[derive(Debug)]
@@ -11,9 +13,10 @@ pub struct Activations {
     pub max_tokens: usize,
     /// Prompt chunks run their projections through the GEMM.
     pub chunk_gemm: bool,
-    /// Token ids in flight, u32.
+    /// Token ids in flight, u32. Token selection on the GPU writes the next
+    /// step's id to element 0.
     pub tokens: wgpu::Buffer,
-    /// The uniform [`Step`]: first position and token count.
+    /// The uniform [`Step`]: first position, token count, attention splits.
     pub step: wgpu::Buffer,
     /// cos/sin of every position's rotary angles.
     pub cos_sin: wgpu::Buffer,
@@ -22,19 +25,23 @@ pub struct Activations {
     pub x: wgpu::Buffer,
     /// The last token's row of `x`, input of the head.
     pub x_last: wgpu::Buffer,
-    /// A normalised copy of `x`, input of the projections and the head.
+    /// A normalised copy of `x`, input of a chunk's GEMMs (GEMVs normalise
+    /// `x` themselves).
     pub h: wgpu::Buffer,
     pub qkv: wgpu::Buffer,
     pub attn: wgpu::Buffer,
     /// Split attention of one token: partial sums and (max, sum) pairs.
     pub attn_split_acc: wgpu::Buffer,
     pub attn_split_max_sum: wgpu::Buffer,
-    pub attn_splits: usize,
+    /// Most key splits of one token's attention.
+    pub max_splits: usize,
+    /// Outputs of a chunk's GEMMs before their residual add or gate.
     pub attn_out: wgpu::Buffer,
     pub gate_up: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
     pub ffn_out: wgpu::Buffer,
     pub logits: wgpu::Buffer,
+    pub sample: SampleScratch,
     pub moe: Option<MoeActivations>,
 }
 
@@ -42,6 +49,7 @@ pub struct Activations {
 /// selection `[tokens, k]`, and per-slot expert activations `[tokens, k, w]`.
 #[derive(Debug)]
 pub struct MoeActivations {
+    pub top_k: usize,
     pub router_logits: wgpu::Buffer,
     pub route_ids: wgpu::Buffer,
     pub route_weights: wgpu::Buffer,
@@ -74,10 +82,11 @@ impl Activations {
         chunk_gemm: bool,
     ) -> Result<Self> {
         let t = max_tokens;
-        let splits = crate::kernels::Attention::decode_splits(context_len);
+        let splits = Attention::max_splits(context_len, c.heads.kv);
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
         let moe = match &c.moe {
             Some(m) => Some(MoeActivations {
+                top_k: m.top_k,
                 router_logits: buf("router_logits", m.experts)?,
                 route_ids: buf("route_ids", m.top_k)?,
                 route_weights: buf("route_weights", m.top_k)?,
@@ -108,21 +117,40 @@ impl Activations {
             attn: buf("attn", c.heads.q * c.heads.dim)?,
             attn_split_acc: gpu.storage_buffer("attn_split_acc", c.heads.q * splits * c.heads.dim)?,
             attn_split_max_sum: gpu.storage_buffer("attn_split_max_sum", c.heads.q * splits * 2)?,
-            attn_splits: splits,
+            max_splits: splits,
             attn_out: buf("attn_out", c.hidden)?,
             gate_up: buf("gate_up", 2 * c.intermediate)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
             ffn_out: buf("ffn_out", c.hidden)?,
             logits: gpu.storage_buffer("logits", c.vocab)?,
+            sample: SampleScratch::new(gpu, c.vocab)?,
             moe,
         })
     }
 
-    /// Sets the token ids and first position of the next submission.
-    pub fn write_step(&self, gpu: &Gpu, tokens: &[u32], pos0: usize) {
+    /// Sets the token ids of the next submission.
+    pub fn write_tokens(&self, gpu: &Gpu, tokens: &[u32]) {
         debug_assert!(tokens.len() <= self.max_tokens);
         gpu.queue.write_buffer(&self.tokens, 0, bytemuck::cast_slice(tokens));
-        let step = Step { pos0: pos0 as u32, n_tokens: tokens.len() as u32, _pad: [0; 2] };
+    }
+
+    /// Sets the first position and token count of the next submission
+    /// (queue writes land between submissions, in order, so the next one
+    /// can be written while the current one runs) and returns it.
+    pub fn write_step(&self, gpu: &Gpu, pos0: usize, n_tokens: usize, c: &ModelConfig) -> Step {
+        debug_assert!(n_tokens <= self.max_tokens);
+        let attn_splits = if n_tokens == 1 {
+            let first_key = match c.sliding_window {
+                Some(w) if pos0 + 1 > w => pos0 + 1 - w,
+                _ => 0,
+            };
+            Attention::decode_splits(pos0 + 1 - first_key, c.heads.kv, self.max_splits)
+        } else {
+            1
+        };
+        let step =
+            Step { pos0: pos0 as u32, n_tokens: n_tokens as u32, attn_splits: attn_splits as u32, _pad: 0 };
         gpu.queue.write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
+        step
     }
 }

@@ -1,23 +1,29 @@
 //! The layer flow: the dispatches of one forward pass, built once per
 //! session with every binding fixed, and replayed for each submission.
 //!
-//! One decoder layer (DESIGN.md section 1):
+//! One decoder layer (DESIGN.md section 1), as one token runs it: six
+//! dispatches for a dense layer, each a pass over its weights or the cache.
 //! ```text
-//! h      = rms_norm(x, input_layernorm)
-//! qkv    = h @ [q_proj; k_proj; v_proj]
-//! q,k    = family_qk_norm(q, k)                     // before RoPE
-//! q,k    = rope(q, k, pos); K[pos], V[pos] = k, v    // cached after norm + RoPE
-//! attn   = attention(q, K[..=pos], V[..=pos])
-//! x      = x + attn @ o_proj
-//! h      = rms_norm(x, post_attention_layernorm)
-//! dense: x = x + down(silu(gate h) * up h)
-//! moe:   ids, w = family_topk(h @ router)           // read back: ends the submission
-//!        x = x + sum_j w_j * down_e(silu(gate_e h) * up_e h),  e = ids_j
-//! x      = x + steering[layer]                      // if a control vector steers it
-//! capture[layer] = x                                 // if the layer is captured
-//!                                  (both fused into the layer's last residual add)
+//! qkv    = rms_norm(x, input_layernorm) @ [q; k; v]    gemv NORM
+//! attn   = attention(rope(qk_norm(q)), K[..=pos], V[..=pos])
+//!          with K[pos], V[pos] = rope(qk_norm(k)), v   attention decode
+//!                                                      (+ combine when split)
+//! x     += attn @ o_proj                               gemv ADD
+//! dense: act = silu(h @ gate) * (h @ up),              gemv NORM SWIGLU
+//!              h = rms_norm(x, post_attention_layernorm)
+//!        x  += act @ down                              gemv ADD (+ steering, capture)
+//! moe:   ids, w = family_topk(h @ router)              gemv NORM, router
+//!                                    (readback: the host reads ids before the experts run)
+//!        act_j = silu(h @ gate_e) * (h @ up_e), e = ids_j   gemv NORM SWIGLU SLOTS
+//!        x  += sum_j w_j act_j @ down_e                gemv ADD SUM (+ steering, capture)
 //! ```
-//! then `logits = rms_norm(x, norm) @ lm_head`, raw.
+//! then `logits = rms_norm(x, norm) @ lm_head` (gemv NORM), raw, and where
+//! the session asks, the next token chosen on the GPU.
+//!
+//! A prompt chunk runs the same steps with kernels for many tokens: on
+//! GPUs the projections are `rms_norm` + GEMM (+ the residual add or the
+//! SwiGLU), attention is `rope_store` + `prefill`; MoE readback groups the
+//! chunk's tokens by expert.
 
 mod buffers;
 pub(crate) mod moe;
@@ -29,14 +35,19 @@ pub use recorder::{PhaseTimer, Recorder};
 
 use crate::capture::CapturePlan;
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, GpuTensor, encode_all};
-use crate::kernels::attention::{AttentionBindings, SplitScratch};
+use crate::gpu::{Dispatch, Gpu, GpuTensor};
+use crate::kernels::Step;
+use crate::kernels::attention::{
+    AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
+};
+use crate::kernels::gemv::{GemvSpec, Input, Output};
 use crate::kernels::residual::LayerOutput;
-use crate::kernels::rms_norm::Rows;
-use crate::kernels::rope::RopeBindings;
+use crate::kernels::rms_norm::Rows as NormRows;
+use crate::kernels::sample::SampleBindings;
 use crate::kv_cache::KvCache;
-use crate::model::{FfnWeights, Model, QkNorm};
-use crate::stats::{Phase, Stats};
+use crate::model::{FfnWeights, Model};
+use crate::sampling::Sampling;
+use crate::stats::Phase;
 use crate::steering::SteeringPlan;
 use moe::MoePlan;
 
@@ -63,53 +74,134 @@ impl ChunkMatmul {
     }
 }
 
-/// A projection by a weight matrix: a GEMV for one token in flight, a
-/// tiled GEMM (when the plan uses it) for a chunk.
+/// What a forward pass ends with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    /// No head (a prompt chunk before the last).
+    None,
+    /// The last token's logits.
+    Logits,
+    /// The logits, and the next token chosen from them into `tokens[0]`.
+    Sample,
+}
+
+/// A projection: the fused GEMV (any token count), and for chunks, when
+/// the plan uses the GEMM, the unfused GEMM sequence (norm, GEMM, then the
+/// add or the gate).
 #[derive(Debug)]
-pub(crate) struct Projection {
+struct Projection {
     gemv: Vec<Dispatch>,
-    gemm: Option<Vec<Dispatch>>,
+    chunk: Option<Vec<Dispatch>>,
 }
 
 impl Projection {
-    fn new(model: &Model, weight: &GpuTensor, act: &Activations, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Self {
-        let (gpu, k) = (&model.gpu, &model.kernels);
-        Projection {
-            gemv: k.gemv.plan(gpu, weight, x, y),
-            gemm: act.chunk_gemm.then(|| k.gemm.plan(gpu, weight, act.max_tokens, &act.step, x, y)),
-        }
-    }
-
-    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
-        let dispatches = match &self.gemm {
-            Some(gemm) if n_tokens > 1 => gemm,
+    fn encode(&self, rec: &mut Recorder<'_>, phase: Phase, n_tokens: u32) {
+        let dispatches = match &self.chunk {
+            Some(chunk) if n_tokens > 1 => chunk,
             _ => &self.gemv,
         };
-        encode_all(dispatches, pass, n_tokens);
+        rec.encode(phase, dispatches, n_tokens);
     }
 }
 
-/// The attention half of a layer and the FFN norm, in flow order.
+/// Builds projections for one model and session.
+struct Builder<'a> {
+    model: &'a Model,
+    act: &'a Activations,
+}
+
+impl<'a> Builder<'a> {
+    fn gemv(&self, spec: GemvSpec<'_>) -> Result<Vec<Dispatch>> {
+        self.model.kernels.gemv.plan(&self.model.gpu, &spec)
+    }
+
+    /// `y = W norm(x)` (norm = None: `W x`), written to `y`.
+    fn project(
+        &self,
+        weight: &GpuTensor,
+        norm: Option<&GpuTensor>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+    ) -> Result<Projection> {
+        let (gpu, k, act, eps) = (&self.model.gpu, &self.model.kernels, self.act, self.model.config.rms_eps);
+        let input = norm.map_or(Input::Plain, |n| Input::RmsNorm { weight: n, eps });
+        let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
+        let chunk = self.chunk(|| {
+            let mut d = Vec::new();
+            let x = match norm {
+                Some(n) => {
+                    d.push(k.rms_norm.plan(gpu, n, eps, x, &act.h, NormRows::vector(weight.cols)));
+                    &act.h
+                }
+                None => x,
+            };
+            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, x, y));
+            Ok(d)
+        })?;
+        Ok(Projection { gemv, chunk })
+    }
+
+    /// `x = layer_output(x + W a)`; a chunk's GEMM goes through `scratch`.
+    fn add_into(
+        &self,
+        weight: &GpuTensor,
+        a: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        scratch: &wgpu::Buffer,
+        output: &LayerOutput<'_>,
+    ) -> Result<Projection> {
+        let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
+        let gemv =
+            self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
+        let chunk = self.chunk(|| {
+            let mut d = k.gemm.plan(gpu, weight, act.max_tokens, &act.step, a, scratch);
+            d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
+            Ok(d)
+        })?;
+        Ok(Projection { gemv, chunk })
+    }
+
+    /// `act = silu(h W_gate) * (h W_up)`, h = rms_norm(x), W gate/up interleaved.
+    fn gated(
+        &self,
+        weight: &GpuTensor,
+        norm: &GpuTensor,
+        x: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+    ) -> Result<Projection> {
+        let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
+        let eps = self.model.config.rms_eps;
+        let input = Input::RmsNorm { weight: norm, eps };
+        let gemv =
+            self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
+        let chunk = self.chunk(|| {
+            let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
+            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, &act.gate_up));
+            d.push(k.swiglu.plan(gpu, weight.rows / 2, 1, &act.gate_up, out));
+            Ok(d)
+        })?;
+        Ok(Projection { gemv, chunk })
+    }
+
+    fn chunk(&self, f: impl FnOnce() -> Result<Vec<Dispatch>>) -> Result<Option<Vec<Dispatch>>> {
+        if self.act.chunk_gemm { f().map(Some) } else { Ok(None) }
+    }
+}
+
+/// The attention half of a layer, in flow order.
 #[derive(Debug)]
 struct AttentionPlan {
-    attn_norm: Dispatch,
-    qkv_proj: Projection,
-    qk_norm: Vec<Dispatch>,
-    rope_and_store: Dispatch,
-    /// One token: split over the keys and merged. A chunk: one workgroup
-    /// per (KV head, token).
-    attention_decode: Vec<Dispatch>,
-    attention_prefill: Vec<Dispatch>,
+    qkv: Projection,
+    decode: DecodeAttention,
+    /// rope_store, prefill.
+    chunk: Vec<Dispatch>,
     o_proj: Projection,
-    attn_residual: Dispatch,
-    ffn_norm: Dispatch,
 }
 
 #[derive(Debug)]
 struct DensePlan {
-    gate_up_proj: Projection,
-    swiglu: Dispatch,
-    down_proj: Projection,
+    gate_up: Projection,
+    down: Projection,
 }
 
 #[derive(Debug)]
@@ -122,9 +214,6 @@ enum FfnPlan {
 struct LayerPlan {
     attention: AttentionPlan,
     ffn: FfnPlan,
-    /// `x += ffn output` (dense) or `x += sum_j w_j expert_j` (MoE), with
-    /// the layer's steering and capture when they are set.
-    output: Dispatch,
 }
 
 /// The whole forward pass for up to `Activations::max_tokens` tokens.
@@ -132,45 +221,53 @@ struct LayerPlan {
 pub struct Plan {
     embed: Vec<Dispatch>,
     layers: Vec<LayerPlan>,
-    final_norm: Dispatch,
-    lm_head: Vec<Dispatch>,
+    /// One token: the head reads `x` itself.
+    head: Vec<Dispatch>,
+    /// A chunk: the head reads the last token's row, copied to `x_last`.
+    head_last: Vec<Dispatch>,
+    /// Token selection, once the session sets it.
+    sample: Vec<Dispatch>,
 }
 
 impl Plan {
-    pub fn new(model: &Model, act: &Activations, kv: &KvCache) -> Plan {
-        let gpu: &Gpu = &model.gpu;
-        let c = &model.config;
-        let k = &model.kernels;
+    pub fn new(model: &Model, act: &Activations, kv: &KvCache) -> Result<Plan> {
+        let b = Builder { model, act };
         let w = &model.weights;
-        let hidden = Rows::vector(c.hidden);
-
-        let layers = w
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, lw)| LayerPlan {
-                attention: AttentionPlan::new(model, act, kv, i),
-                ffn: match &lw.ffn {
-                    FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
-                        gate_up_proj: Projection::new(model, gate_up, act, &act.h, &act.gate_up),
-                        swiglu: k.swiglu.plan(gpu, c.intermediate, &act.gate_up, &act.ffn_act),
-                        down_proj: Projection::new(model, down, act, &act.ffn_act, &act.ffn_out),
-                    }),
-                    FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw)),
-                },
-                output: layer_output(model, act, i, LayerOutput::default()),
+        let gpu: &Gpu = &model.gpu;
+        let head = |x: &wgpu::Buffer| {
+            let input = Input::RmsNorm { weight: &w.final_norm, eps: model.config.rms_eps };
+            b.gemv(GemvSpec { input, ..GemvSpec::plain(w.head(), x, &act.logits) })
+        };
+        let layers = (0..model.config.layers)
+            .map(|i| {
+                Ok(LayerPlan {
+                    attention: AttentionPlan::new(&b, kv, i)?,
+                    ffn: match &w.layers[i].ffn {
+                        FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
+                            gate_up: b.gated(gate_up, &w.layers[i].ffn_norm, &act.x, &act.ffn_act)?,
+                            down: b.add_into(
+                                down,
+                                &act.ffn_act,
+                                &act.x,
+                                &act.ffn_out,
+                                &LayerOutput::default(),
+                            )?,
+                        }),
+                        FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw, i)?),
+                    },
+                })
             })
-            .collect();
-
-        Plan {
-            embed: k.embed.plan(gpu, &w.embed, &act.tokens, &act.x),
+            .collect::<Result<_>>()?;
+        Ok(Plan {
+            embed: model.kernels.embed.plan(gpu, &w.embed, &act.tokens, &act.x),
             layers,
-            final_norm: k.rms_norm.plan(gpu, &w.final_norm, c.rms_eps, &act.x_last, &act.h, hidden),
-            lm_head: k.gemv.plan(gpu, w.head(), &act.h, &act.logits),
-        }
+            head: head(&act.x)?,
+            head_last: head(&act.x_last)?,
+            sample: Vec::new(),
+        })
     }
 
-    /// Rebuilds every layer's output add with the session's steering and
+    /// Rebuilds every layer's last add with the session's steering and
     /// capture (either may be unset: that layer's add then does only the add).
     pub(crate) fn set_layer_outputs(
         &mut self,
@@ -178,165 +275,126 @@ impl Plan {
         act: &Activations,
         steering: Option<&SteeringPlan>,
         capture: Option<&CapturePlan>,
-    ) {
+    ) -> Result<()> {
+        let b = Builder { model, act };
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let output = LayerOutput {
                 steer: steering.and_then(|s| s.layer(i)),
                 capture: capture.and_then(|c| c.target(i)),
             };
-            layer.output = layer_output(model, act, i, output);
+            match (&mut layer.ffn, &model.weights.layers[i].ffn) {
+                (FfnPlan::Dense(dense), FfnWeights::Dense { down, .. }) => {
+                    dense.down = b.add_into(down, &act.ffn_act, &act.x, &act.ffn_out, &output)?;
+                }
+                (FfnPlan::Moe(moe), FfnWeights::Moe(mw)) => moe.set_output(model, act, mw, &output)?,
+                _ => unreachable!("a layer's plan follows its weights"),
+            }
         }
+        Ok(())
+    }
+
+    /// Sets how [`Head::Sample`] chooses the next token.
+    pub(crate) fn set_sampling(
+        &mut self,
+        model: &Model,
+        act: &Activations,
+        sampling: Sampling,
+        seed: u64,
+    ) -> Result<()> {
+        let b = SampleBindings {
+            step: &act.step,
+            logits: &act.logits,
+            tokens: &act.tokens,
+            scratch: &act.sample,
+        };
+        self.sample = model.kernels.sample.plan(&model.gpu, model.config.vocab, sampling, seed, &b)?;
+        Ok(())
     }
 
     /// Records (and, at routing readbacks, submits) the forward pass of
-    /// `n_tokens` tokens whose ids and first position are already written
-    /// to the activations. The head runs only when `with_head`, on the last
-    /// token. The caller records its readbacks and finishes `rec`.
-    pub(crate) fn forward(
+    /// the tokens `step` describes, whose ids are already in `tokens`. The
+    /// caller records its readbacks and finishes `rec`.
+    pub(crate) fn forward<'a>(
         &self,
-        rec: &mut Recorder<'_>,
+        rec: &mut Recorder<'a>,
         act: &Activations,
-        n_tokens: u32,
-        with_head: bool,
-        routing: &mut moe::RoutingContext<'_>,
-        stats: &mut Stats,
+        step: &Step,
+        head: Head,
+        routing: &moe::RoutingContext<'a>,
     ) -> Result<()> {
-        encode_all(&self.embed, rec.pass(Phase::Attention), n_tokens);
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.attention.encode(rec.pass(Phase::Attention), n_tokens);
-            let ffn_phase = match &layer.ffn {
+        let n = step.n_tokens;
+        rec.encode(Phase::Attention, &self.embed, n);
+        for layer in &self.layers {
+            layer.attention.encode(rec, step);
+            match &layer.ffn {
                 FfnPlan::Dense(dense) => {
-                    dense.encode(rec.pass(Phase::Attention), n_tokens);
-                    Phase::Attention
+                    dense.gate_up.encode(rec, Phase::Attention, n);
+                    dense.down.encode(rec, Phase::Attention, n);
                 }
-                FfnPlan::Moe(moe) => {
-                    moe.run(rec, n_tokens, i, routing, stats)?;
-                    Phase::Routed
-                }
-            };
-            layer.output.encode(rec.pass(ffn_phase), n_tokens);
+                FfnPlan::Moe(moe) => moe.run(rec, n, routing)?,
+            }
         }
-        if with_head {
-            let row = 4 * act.hidden as u64;
-            rec.encoder().copy_buffer_to_buffer(&act.x, (n_tokens as u64 - 1) * row, &act.x_last, 0, row);
-            let pass = rec.pass(Phase::Head);
-            self.final_norm.encode(pass, 1);
-            encode_all(&self.lm_head, pass, 1);
+        if head != Head::None {
+            if n == 1 {
+                rec.encode(Phase::Head, &self.head, 1);
+            } else {
+                let row = 4 * act.hidden as u64;
+                rec.encoder().copy_buffer_to_buffer(&act.x, (n as u64 - 1) * row, &act.x_last, 0, row);
+                rec.encode(Phase::Head, &self.head_last, 1);
+            }
         }
-        stats.forward_passes += 1;
+        if head == Head::Sample {
+            assert!(!self.sample.is_empty(), "set_sampling before sampling on the GPU");
+            rec.encode(Phase::Head, &self.sample, 1);
+        }
+        rec.stats().forward_passes += 1;
         Ok(())
     }
 }
 
 impl AttentionPlan {
-    fn new(model: &Model, act: &Activations, kv: &KvCache, i: usize) -> Self {
-        let gpu: &Gpu = &model.gpu;
-        let c = &model.config;
-        let k = &model.kernels;
+    fn new(b: &Builder<'_>, kv: &KvCache, i: usize) -> Result<Self> {
+        let (model, act) = (b.model, b.act);
+        let (gpu, c, k) = (&model.gpu, &model.config, &model.kernels);
         let lw = &model.weights.layers[i];
-        let heads = c.heads;
-        let hidden = Rows::vector(c.hidden);
-        let scale = (heads.dim as f32).powf(-0.5);
-        let window = c.sliding_window.unwrap_or(0);
-        let attention_bindings = || AttentionBindings {
+        let qk_norm = match (&lw.q_norm, &lw.k_norm) {
+            (Some(q), Some(k)) => Some(QkNormWeights { mode: c.family.qk_norm, q, k, eps: c.rms_eps }),
+            _ => None,
+        };
+        let shape = AttentionShape {
+            heads: c.heads,
+            rotary_dim: c.rope.rotary_dim,
+            scale: (c.heads.dim as f32).powf(-0.5),
+            window: c.sliding_window.unwrap_or(0),
+            qk_norm,
+            kv_format: kv.format,
+        };
+        let bindings = AttentionBindings {
             step: &act.step,
             qkv: &act.qkv,
+            cos_sin: &act.cos_sin,
             k_cache: &kv.k[i],
             v_cache: &kv.v[i],
             out: &act.attn,
         };
-        let qk_norm = match (c.family.qk_norm, &lw.q_norm, &lw.k_norm) {
-            (QkNorm::None, _, _) => Vec::new(),
-            (norm, Some(qn), Some(kn)) => {
-                // Rows of q heads, then of k heads, in place in the qkv buffer.
-                let (q_rows, k_rows) = qk_norm_rows(norm, heads);
-                vec![
-                    k.rms_norm.plan(gpu, qn, c.rms_eps, &act.qkv, &act.qkv, q_rows),
-                    k.rms_norm.plan(gpu, kn, c.rms_eps, &act.qkv, &act.qkv, k_rows),
-                ]
-            }
-            _ => unreachable!("q/k norm weights are loaded whenever the family has them"),
-        };
-        AttentionPlan {
-            attn_norm: k.rms_norm.plan(gpu, &lw.attn_norm, c.rms_eps, &act.x, &act.h, hidden),
-            qkv_proj: Projection::new(model, &lw.qkv, act, &act.h, &act.qkv),
-            qk_norm,
-            rope_and_store: k.rope.plan(
-                gpu,
-                heads,
-                c.rope.rotary_dim,
-                RopeBindings {
-                    step: &act.step,
-                    qkv: &act.qkv,
-                    cos_sin: &act.cos_sin,
-                    k_cache: &kv.k[i],
-                    v_cache: &kv.v[i],
-                },
-            ),
-            attention_decode: k.attention.plan(
-                gpu,
-                heads,
-                scale,
-                window,
-                attention_bindings(),
-                Some((
-                    act.attn_splits,
-                    SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum },
-                )),
-            ),
-            attention_prefill: k.attention.plan(gpu, heads, scale, window, attention_bindings(), None),
-            o_proj: Projection::new(model, &lw.o_proj, act, &act.attn, &act.attn_out),
-            attn_residual: k.residual.plan(gpu, c.hidden, 1.0, &act.attn_out, &act.x),
-            ffn_norm: k.rms_norm.plan(gpu, &lw.ffn_norm, c.rms_eps, &act.x, &act.h, hidden),
+        let scratch = SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum };
+        Ok(AttentionPlan {
+            qkv: b.project(&lw.qkv, Some(&lw.attn_norm), &act.x, &act.qkv)?,
+            decode: k.attention.plan_decode(gpu, &shape, &bindings, &scratch)?,
+            chunk: k.attention.plan_chunk(gpu, &shape, &bindings)?,
+            o_proj: b.add_into(&lw.o_proj, &act.attn, &act.x, &act.attn_out, &LayerOutput::default())?,
+        })
+    }
+
+    fn encode(&self, rec: &mut Recorder<'_>, step: &Step) {
+        let n = step.n_tokens;
+        self.qkv.encode(rec, Phase::Attention, n);
+        if n == 1 {
+            let count = self.decode.encode(rec.pass(Phase::Attention), step.attn_splits);
+            rec.count(count);
+        } else {
+            rec.encode(Phase::Attention, &self.chunk, n);
         }
+        self.o_proj.encode(rec, Phase::Attention, n);
     }
-
-    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
-        self.attn_norm.encode(pass, n_tokens);
-        self.qkv_proj.encode(pass, n_tokens);
-        encode_all(&self.qk_norm, pass, n_tokens);
-        self.rope_and_store.encode(pass, n_tokens);
-        let attention = if n_tokens == 1 { &self.attention_decode } else { &self.attention_prefill };
-        encode_all(attention, pass, n_tokens);
-        self.o_proj.encode(pass, n_tokens);
-        self.attn_residual.encode(pass, n_tokens);
-        self.ffn_norm.encode(pass, n_tokens);
-    }
-}
-
-impl DensePlan {
-    fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
-        self.gate_up_proj.encode(pass, n_tokens);
-        self.swiglu.encode(pass, n_tokens);
-        self.down_proj.encode(pass, n_tokens);
-    }
-}
-
-/// The add that ends layer `i`: the dense FFN's output, or the routed
-/// experts' outputs weighted by the router, into the residual stream.
-fn layer_output(model: &Model, act: &Activations, i: usize, output: LayerOutput<'_>) -> Dispatch {
-    let (gpu, c, residual) = (&model.gpu, &model.config, &model.kernels.residual);
-    match (&model.weights.layers[i].ffn, &act.moe) {
-        (FfnWeights::Dense { .. }, _) => {
-            residual.plan_output(gpu, c.hidden, 1.0, &act.ffn_out, &act.x, output)
-        }
-        (FfnWeights::Moe(_), Some(a)) => {
-            let top_k = c.moe.as_ref().expect("MoE layers come with a MoE config").top_k;
-            residual.plan_weighted(gpu, c.hidden, top_k, &a.route_weights, &a.expert_out, &act.x, output)
-        }
-        (FfnWeights::Moe(_), None) => unreachable!("MoE activations exist for MoE models"),
-    }
-}
-
-/// Where the q and k heads sit in a token's qkv row, for the family's norm.
-fn qk_norm_rows(norm: QkNorm, heads: crate::kernels::Heads) -> (Rows, Rows) {
-    let stride = heads.qkv_width();
-    let q_width = heads.q * heads.dim;
-    let (n_q, n_k, heads_q, heads_k, head_stride) = match norm {
-        QkNorm::PerHead => (heads.dim, heads.dim, heads.q, heads.kv, heads.dim),
-        QkNorm::WholeProjection => (q_width, heads.kv_width(), 1, 1, 0),
-        QkNorm::None => unreachable!("no rows to normalise"),
-    };
-    let rows = |n, heads, offset| Rows { n, heads, head_stride, token_stride: stride, offset };
-    (rows(n_q, heads_q, 0), rows(n_k, heads_k, q_width))
 }

@@ -1,35 +1,32 @@
-//! The routed FFN of a MoE layer. The router and its top-k run on the GPU;
-//! in readback mode the k ids of every token in flight are copied to a
-//! mapped buffer, which ends the submission, and the next one encodes only
-//! the chosen experts: for one token, a GEMV per slot over the parts that
-//! hold the expert; for a prefill chunk, the tokens grouped by expert and
-//! one GEMM per chosen expert, so each expert's weights are read once per
-//! chunk. In device-resident mode nothing is read back: every part is
-//! encoded and the expert kernels, which read the ids from the GPU either
-//! way, skip the rows of experts that were not chosen.
-
-use std::ops::Range;
-use std::time::Instant;
+//! The routed FFN of a MoE layer. The router and its top-k run on the GPU,
+//! and the expert kernels read the choice there: one dispatch for every
+//! slot's gate/up and one for the weighted sum of their down projections.
+//! In readback mode the choice is also copied to the host, which ends the
+//! submission: for one token the host records what follows while the GPU
+//! runs and reads the choice before submitting it; a prompt chunk waits for
+//! it, groups its tokens by expert and runs one GEMM per chosen expert, so
+//! each expert's weights are read once per chunk.
 
 use super::{Activations, Recorder};
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, Readback};
 use crate::kernels::gemm::GroupedBuffers;
-use crate::kernels::gemv::{ExpertBuffers, ExpertLayout};
+use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
+use crate::kernels::residual::LayerOutput;
+use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::router::RouterBindings;
 use crate::model::{Model, MoeWeights};
-use crate::stats::{Phase, Stats};
+use crate::stats::Phase;
 
 /// How a MoE layer's expert selection reaches the expert kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RoutingMode {
     /// Read the selection back to the host (one round trip per MoE layer)
-    /// and encode only the selected experts. Needed when experts may live
-    /// off the GPU; gives the router histogram.
+    /// before the experts run. Needed when experts may live off the GPU;
+    /// gives the router histogram.
     #[default]
     Readback,
-    /// Keep the selection on the GPU: no mid-layer submission, every
-    /// expert part is dispatched and unselected rows are skipped.
+    /// Keep the selection on the GPU: no mid-layer submission.
     DeviceResident,
 }
 
@@ -37,48 +34,80 @@ pub enum RoutingMode {
 pub struct RoutingContext<'a> {
     pub mode: RoutingMode,
     pub readback: &'a Readback,
-    pub moe: Option<&'a super::MoeActivations>,
 }
 
 #[derive(Debug)]
 pub struct MoePlan {
-    router_proj: Vec<Dispatch>,
+    layer: usize,
+    router: Vec<Dispatch>,
     top_k: Dispatch,
-    /// `[slot][part]`
+    /// Every slot's expert, chosen on the GPU: gate/up + SwiGLU, then the
+    /// weighted down projections added to the residual.
+    gate_up: Vec<Dispatch>,
+    down: Vec<Dispatch>,
+    /// A chunk grouped by expert (readback with the GEMM): norm, then per
+    /// expert `[part]` the GEMM over its tokens, SwiGLU, the weighted add.
+    grouped: Option<Grouped>,
+    ids: wgpu::Buffer,
+    top_k_slots: usize,
+    n_experts: usize,
+}
+
+#[derive(Debug)]
+struct Grouped {
+    norm: Dispatch,
     gate_up: Vec<Vec<Dispatch>>,
     swiglu: Dispatch,
-    /// `[slot][part]`
     down: Vec<Vec<Dispatch>>,
-    /// Prefill, `[expert][part]`: the expert's GEMM over its grouped tokens.
-    grouped_gate_up: Vec<Vec<Dispatch>>,
-    grouped_down: Vec<Vec<Dispatch>>,
-    gate_up_parts: Vec<Range<usize>>,
-    down_parts: Vec<Range<usize>>,
-    k: usize,
-    n_experts: usize,
-    /// Rows of one expert in `gate_up` and in `down`.
-    gate_up_rows: usize,
-    down_rows: usize,
+    output: Dispatch,
+    groups: wgpu::Buffer,
+    pairs: wgpu::Buffer,
 }
 
 impl MoePlan {
-    pub fn new(model: &Model, act: &Activations, w: &MoeWeights) -> Self {
+    pub fn new(model: &Model, act: &Activations, w: &MoeWeights, layer: usize) -> Result<Self> {
         let gpu: &Gpu = &model.gpu;
         let c = &model.config;
         let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
         let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
         let k = &model.kernels;
+        let ffn_norm = &model.weights.layers[layer].ffn_norm;
         let (h, i, top_k) = (c.hidden, m.intermediate, m.top_k);
-        let ids = &a.route_ids;
-        let gate_up_layout = ExpertLayout { top_k, expert_rows: 2 * i, x_stride: h, x_slot_stride: 0 };
-        let down_layout = ExpertLayout { top_k, expert_rows: h, x_stride: top_k * i, x_slot_stride: i };
-        let ranges =
-            |t: &crate::gpu::GpuTensor| t.parts.iter().map(|p| p.first_row..p.first_row + p.rows).collect();
-        let mut swiglu = k.swiglu.plan(gpu, i, &a.expert_gate_up, &a.expert_act);
-        // One swiglu row per (token, slot).
-        swiglu.workgroups[1] = top_k as u32;
-        MoePlan {
-            router_proj: k.gemv.plan(gpu, &w.router, &act.h, &a.router_logits),
+        let normed = Input::RmsNorm { weight: ffn_norm, eps: c.rms_eps };
+        let grouped = act.chunk_gemm.then(|| -> Result<Grouped> {
+            let b = |x, y| GroupedBuffers { x, y, groups: &a.groups, pairs: &a.pairs };
+            Ok(Grouped {
+                norm: k.rms_norm.plan(gpu, ffn_norm, c.rms_eps, &act.x, &act.h, NormRows::vector(h)),
+                gate_up: (0..m.experts)
+                    .map(|e| {
+                        k.gemm.plan_expert(
+                            gpu,
+                            &w.gate_up,
+                            e,
+                            2 * i,
+                            top_k,
+                            &act.step,
+                            b(&act.h, &a.expert_gate_up),
+                        )
+                    })
+                    .collect(),
+                swiglu: k.swiglu.plan(gpu, i, top_k, &a.expert_gate_up, &a.expert_act),
+                down: (0..m.experts)
+                    .map(|e| {
+                        k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b(&a.expert_act, &a.expert_out))
+                    })
+                    .collect(),
+                output: Self::grouped_output(model, act, &LayerOutput::default())?,
+                groups: a.groups.clone(),
+                pairs: a.pairs.clone(),
+            })
+        });
+        Ok(MoePlan {
+            layer,
+            router: k.gemv.plan(
+                gpu,
+                &GemvSpec { input: normed, ..GemvSpec::plain(&w.router, &act.x, &a.router_logits) },
+            )?,
             top_k: k.router.plan(
                 gpu,
                 m.routing,
@@ -87,147 +116,131 @@ impl MoePlan {
                 RouterBindings {
                     logits: &a.router_logits,
                     bias: w.score_bias.as_ref(),
-                    ids,
+                    ids: &a.route_ids,
                     weights: &a.route_weights,
                 },
             ),
-            gate_up: (0..top_k)
-                .map(|slot| {
-                    let b = ExpertBuffers { x: &act.h, y: &a.expert_gate_up, ids };
-                    k.gemv.plan_expert(gpu, &w.gate_up, gate_up_layout, slot, b)
-                })
-                .collect(),
-            swiglu,
-            down: (0..top_k)
-                .map(|slot| {
-                    let b = ExpertBuffers { x: &a.expert_act, y: &a.expert_out, ids };
-                    k.gemv.plan_expert(gpu, &w.down, down_layout, slot, b)
-                })
-                .collect(),
-            grouped_gate_up: (0..m.experts)
-                .map(|e| {
-                    let b = GroupedBuffers {
-                        x: &act.h,
-                        y: &a.expert_gate_up,
-                        groups: &a.groups,
-                        pairs: &a.pairs,
-                    };
-                    k.gemm.plan_expert(gpu, &w.gate_up, e, 2 * i, top_k, &act.step, b)
-                })
-                .collect(),
-            grouped_down: (0..m.experts)
-                .map(|e| {
-                    let b = GroupedBuffers {
-                        x: &a.expert_act,
-                        y: &a.expert_out,
-                        groups: &a.groups,
-                        pairs: &a.pairs,
-                    };
-                    k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b)
-                })
-                .collect(),
-            gate_up_parts: ranges(&w.gate_up),
-            down_parts: ranges(&w.down),
-            k: top_k,
+            gate_up: k.gemv.plan(
+                gpu,
+                &GemvSpec {
+                    input: normed,
+                    output: Output::Swiglu,
+                    rows: Rows::Slots { ids: &a.route_ids, top_k, expert_rows: 2 * i },
+                    ..GemvSpec::plain(&w.gate_up, &act.x, &a.expert_act)
+                },
+            )?,
+            down: Self::down(model, act, w, &LayerOutput::default())?,
+            grouped: grouped.transpose()?,
+            ids: a.route_ids.clone(),
+            top_k_slots: top_k,
             n_experts: m.experts,
-            gate_up_rows: 2 * i,
-            down_rows: h,
-        }
+        })
     }
 
-    /// Router, selection, and the selected experts of the tokens in flight
-    /// (their weighted sum is the layer's output add, encoded by the flow).
-    pub fn run(
-        &self,
-        rec: &mut Recorder<'_>,
-        n_tokens: u32,
-        layer: usize,
-        routing: &mut RoutingContext<'_>,
-        stats: &mut Stats,
-    ) -> Result<()> {
-        {
-            let pass = rec.pass(Phase::Attention);
-            crate::gpu::encode_all(&self.router_proj, pass, n_tokens);
-            self.top_k.encode(pass, n_tokens);
-        }
-        let a = routing.moe.expect("MoE activations exist for MoE models");
-        let chosen: Option<Vec<u32>> = match routing.mode {
-            RoutingMode::DeviceResident => None,
-            RoutingMode::Readback => {
-                let bytes = (n_tokens as usize * self.k * 4) as u64;
-                routing.readback.record(rec.encoder(), &a.route_ids, 0, bytes);
-                let start = Instant::now();
-                rec.submit()?;
-                let ids: Vec<u32> = routing.readback.read(rec.gpu(), bytes)?;
-                stats.routing_wait += start.elapsed();
-                stats.routing_readbacks += 1;
-                let histogram = &mut stats.router_histogram[layer];
-                histogram.resize(self.n_experts, 0);
-                for &e in &ids {
-                    histogram[e as usize] += 1;
-                }
-                Some(ids)
-            }
-        };
+    fn down(
+        model: &Model,
+        act: &Activations,
+        w: &MoeWeights,
+        output: &LayerOutput<'_>,
+    ) -> Result<Vec<Dispatch>> {
+        let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
+        let (top_k, h) = (a.top_k, model.config.hidden);
+        model.kernels.gemv.plan(
+            &model.gpu,
+            &GemvSpec {
+                output: Output::Add(output.clone()),
+                rows: Rows::Sum { ids: &a.route_ids, weights: &a.route_weights, top_k, expert_rows: h },
+                ..GemvSpec::plain(&w.down, &a.expert_act, &act.x)
+            },
+        )
+    }
 
-        match &chosen {
-            Some(ids) if n_tokens > 1 => {
-                let counts = self.group_by_expert(rec.gpu(), a, ids);
-                let pass = rec.pass(Phase::Routed);
-                for (e, &count) in counts.iter().enumerate() {
-                    if count > 0 {
-                        crate::gpu::encode_all(&self.grouped_gate_up[e], pass, count);
-                    }
-                }
-                self.swiglu.encode(pass, n_tokens);
-                for (e, &count) in counts.iter().enumerate() {
-                    if count > 0 {
-                        crate::gpu::encode_all(&self.grouped_down[e], pass, count);
-                    }
-                }
-            }
-            _ => {
-                let pass = rec.pass(Phase::Routed);
-                // One token: only the parts holding each slot's expert.
-                // Device-resident: every part, for every token.
-                let encode_slots =
-                    |plans: &[Vec<Dispatch>],
-                     parts: &[Range<usize>],
-                     rows: usize,
-                     pass: &mut wgpu::ComputePass<'static>| {
-                        for (slot, slot_plans) in plans.iter().enumerate() {
-                            for (part, range) in parts.iter().enumerate() {
-                                let needed = match &chosen {
-                                    None => true,
-                                    Some(ids) => {
-                                        let e = ids[slot] as usize;
-                                        range.start < (e + 1) * rows && e * rows < range.end
-                                    }
-                                };
-                                if needed {
-                                    slot_plans[part].encode(pass, n_tokens);
-                                }
-                            }
-                        }
-                    };
-                encode_slots(&self.gate_up, &self.gate_up_parts, self.gate_up_rows, pass);
-                self.swiglu.encode(pass, n_tokens);
-                encode_slots(&self.down, &self.down_parts, self.down_rows, pass);
-            }
+    fn grouped_output(model: &Model, act: &Activations, output: &LayerOutput<'_>) -> Result<Dispatch> {
+        let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
+        let h = model.config.hidden;
+        model.kernels.residual.plan_weighted(
+            &model.gpu,
+            h,
+            a.top_k,
+            &a.route_weights,
+            &a.expert_out,
+            &act.x,
+            output,
+        )
+    }
+
+    /// Rebuilds the layer's last add with its steering and capture.
+    pub fn set_output(
+        &mut self,
+        model: &Model,
+        act: &Activations,
+        w: &MoeWeights,
+        output: &LayerOutput<'_>,
+    ) -> Result<()> {
+        self.down = Self::down(model, act, w, output)?;
+        if let Some(g) = &mut self.grouped {
+            g.output = Self::grouped_output(model, act, output)?;
         }
         Ok(())
+    }
+
+    /// Router, selection, and the selected experts of the tokens in
+    /// flight, added to the residual.
+    pub fn run<'a>(&self, rec: &mut Recorder<'a>, n_tokens: u32, routing: &RoutingContext<'a>) -> Result<()> {
+        rec.encode(Phase::Attention, &self.router, n_tokens);
+        rec.encode(Phase::Attention, std::slice::from_ref(&self.top_k), n_tokens);
+        let bytes = (n_tokens as usize * self.top_k_slots * 4) as u64;
+        match (routing.mode, &self.grouped) {
+            (RoutingMode::Readback, Some(grouped)) if n_tokens > 1 => {
+                let ids = rec.submit_routing_and_wait(
+                    routing.readback,
+                    &self.ids,
+                    bytes,
+                    self.layer,
+                    self.n_experts,
+                )?;
+                grouped.encode(rec, n_tokens, &ids, self.n_experts);
+                return Ok(());
+            }
+            (RoutingMode::Readback, _) => {
+                rec.submit_routing(routing.readback, &self.ids, bytes, self.layer, self.n_experts)?;
+            }
+            (RoutingMode::DeviceResident, _) => {}
+        }
+        rec.encode(Phase::Routed, &self.gate_up, n_tokens);
+        rec.encode(Phase::Routed, &self.down, n_tokens);
+        Ok(())
+    }
+}
+
+impl Grouped {
+    fn encode(&self, rec: &mut Recorder<'_>, n_tokens: u32, ids: &[u32], n_experts: usize) {
+        let counts = self.group_by_expert(rec.gpu(), ids, n_experts);
+        rec.encode(Phase::Routed, std::slice::from_ref(&self.norm), n_tokens);
+        for (e, &count) in counts.iter().enumerate() {
+            if count > 0 {
+                rec.encode(Phase::Routed, &self.gate_up[e], count);
+            }
+        }
+        rec.encode(Phase::Routed, std::slice::from_ref(&self.swiglu), n_tokens);
+        for (e, &count) in counts.iter().enumerate() {
+            if count > 0 {
+                rec.encode(Phase::Routed, &self.down[e], count);
+            }
+        }
+        rec.encode(Phase::Routed, std::slice::from_ref(&self.output), n_tokens);
     }
 
     /// Writes the chunk's (token, slot) pairs grouped by expert for the
     /// grouped GEMMs; returns each expert's count. The queue writes land
     /// before the next submission, which is the one that reads them.
-    fn group_by_expert(&self, gpu: &Gpu, a: &super::MoeActivations, ids: &[u32]) -> Vec<u32> {
-        let mut counts = vec![0u32; self.n_experts];
+    fn group_by_expert(&self, gpu: &Gpu, ids: &[u32], n_experts: usize) -> Vec<u32> {
+        let mut counts = vec![0u32; n_experts];
         for &e in ids {
             counts[e as usize] += 1;
         }
-        let mut offsets = vec![0u32; self.n_experts];
-        let mut groups = Vec::with_capacity(2 * self.n_experts);
+        let mut offsets = vec![0u32; n_experts];
+        let mut groups = Vec::with_capacity(2 * n_experts);
         let mut next = 0;
         for (e, &count) in counts.iter().enumerate() {
             offsets[e] = next;
@@ -239,8 +252,8 @@ impl MoePlan {
             pairs[offsets[e as usize] as usize] = pair as u32;
             offsets[e as usize] += 1;
         }
-        gpu.queue.write_buffer(&a.groups, 0, bytemuck::cast_slice(&groups));
-        gpu.queue.write_buffer(&a.pairs, 0, bytemuck::cast_slice(&pairs));
+        gpu.queue.write_buffer(&self.groups, 0, bytemuck::cast_slice(&groups));
+        gpu.queue.write_buffer(&self.pairs, 0, bytemuck::cast_slice(&pairs));
         counts
     }
 }

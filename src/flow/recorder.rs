@@ -1,12 +1,27 @@
 //! Recording a forward pass into command encoders: one compute pass per
 //! phase, a new submission wherever the host must read something back, and
 //! the phase timing (GPU timestamps or wall clock) when it is asked for.
+//!
+//! A routing readback (one token) does not stall recording: the submission
+//! ends with the copy of the router's choice, its map starts, and the host
+//! goes on recording the work after it (which reads the choice on the GPU)
+//! while the GPU runs; the map is waited for just before the next
+//! submission, so the host still knows each choice before the work that
+//! follows it runs.
 
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
-use crate::gpu::{Gpu, Readback};
-use crate::stats::{Phase, PhaseTimes, TimingSource};
+use crate::gpu::{Dispatch, Gpu, Readback};
+use crate::stats::{Phase, PhaseTimes, Stats, TimingSource};
+
+/// A routing readback whose map is in flight.
+struct PendingRouting<'a> {
+    readback: &'a Readback,
+    layer: usize,
+    bytes: u64,
+    experts: usize,
+}
 
 /// Records into the current encoder, in one compute pass per phase.
 pub struct Recorder<'a> {
@@ -16,15 +31,37 @@ pub struct Recorder<'a> {
     /// The phase of the work recorded last.
     phase: Option<Phase>,
     timer: Option<&'a mut PhaseTimer>,
+    stats: &'a mut Stats,
+    routing: Option<PendingRouting<'a>>,
+    dispatches: u64,
 }
 
 impl<'a> Recorder<'a> {
-    pub fn new(gpu: &'a Gpu, timer: Option<&'a mut PhaseTimer>) -> Self {
-        Recorder { gpu, encoder: None, pass: None, phase: None, timer }
+    pub fn new(gpu: &'a Gpu, timer: Option<&'a mut PhaseTimer>, stats: &'a mut Stats) -> Self {
+        Recorder { gpu, encoder: None, pass: None, phase: None, timer, stats, routing: None, dispatches: 0 }
     }
 
     pub fn gpu(&self) -> &'a Gpu {
         self.gpu
+    }
+
+    /// Dispatches recorded so far.
+    pub fn dispatches(&self) -> u64 {
+        self.dispatches
+    }
+
+    /// Encodes `dispatches` for `n_tokens` tokens in the pass of `phase`.
+    pub fn encode(&mut self, phase: Phase, dispatches: &[Dispatch], n_tokens: u32) {
+        let pass = self.pass(phase);
+        for d in dispatches {
+            d.encode(pass, n_tokens);
+        }
+        self.dispatches += dispatches.len() as u64;
+    }
+
+    /// Counts dispatches a caller encoded into [`Self::pass`] itself.
+    pub fn count(&mut self, dispatches: u32) {
+        self.dispatches += dispatches as u64;
     }
 
     /// The compute pass of `phase`, ending the current one if it belongs
@@ -72,31 +109,85 @@ impl<'a> Recorder<'a> {
         self.encoder.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()))
     }
 
-    /// Submits what was recorded.
-    pub fn submit(&mut self) -> Result<()> {
+    /// Submits what was recorded, once the routing readback in flight (if
+    /// any) has been read.
+    pub fn submit(&mut self) -> Result<Option<wgpu::SubmissionIndex>> {
         self.end_pass();
-        if let Some(encoder) = self.encoder.take() {
-            self.gpu.queue.submit([encoder.finish()]);
+        self.finish_routing()?;
+        let index = self.encoder.take().map(|encoder| self.gpu.queue.submit([encoder.finish()]));
+        self.gpu.check("running the layer flow")?;
+        Ok(index)
+    }
+
+    /// Ends the submission with the copy of `bytes` of a MoE layer's
+    /// router choice (`ids`) into `readback`, submits it and starts the
+    /// map; recording goes on while it runs. Its ids reach the stats
+    /// before the next submission.
+    pub fn submit_routing(
+        &mut self,
+        readback: &'a Readback,
+        ids: &wgpu::Buffer,
+        bytes: u64,
+        layer: usize,
+        experts: usize,
+    ) -> Result<()> {
+        readback.record(self.encoder(), ids, 0, bytes);
+        self.submit()?;
+        readback.start_map(bytes);
+        self.routing = Some(PendingRouting { readback, layer, bytes, experts });
+        self.stats.routing_readbacks += 1;
+        Ok(())
+    }
+
+    /// As [`Self::submit_routing`], and waits for the ids: a prompt chunk
+    /// needs them to group its tokens by expert.
+    pub fn submit_routing_and_wait(
+        &mut self,
+        readback: &'a Readback,
+        ids: &wgpu::Buffer,
+        bytes: u64,
+        layer: usize,
+        experts: usize,
+    ) -> Result<Vec<u32>> {
+        self.submit_routing(readback, ids, bytes, layer, experts)?;
+        Ok(self.finish_routing()?.expect("a routing readback is in flight"))
+    }
+
+    /// Waits for the routing readback in flight, counts its choices in the
+    /// router histogram and returns them.
+    fn finish_routing(&mut self) -> Result<Option<Vec<u32>>> {
+        let Some(r) = self.routing.take() else { return Ok(None) };
+        let start = Instant::now();
+        let ids: Vec<u32> = r.readback.finish_map(self.gpu, None, |m| bytemuck::pod_collect_to_vec(m))?;
+        self.stats.routing_wait += start.elapsed();
+        let histogram = &mut self.stats.router_histogram[r.layer];
+        histogram.resize(r.experts, 0);
+        for &e in &ids[..(r.bytes / 4) as usize] {
+            histogram[e as usize] += 1;
         }
-        self.gpu.check("running the layer flow")
+        Ok(Some(ids))
+    }
+
+    pub fn stats(&mut self) -> &mut Stats {
+        self.stats
     }
 
     /// Ends the forward pass: resolves GPU timestamps into the timer's
     /// readback (before the final submission) or closes the last wall-clock
-    /// phase (after it, by waiting).
-    pub fn finish(mut self) -> Result<()> {
+    /// phase (after it, by waiting). Returns the final submission.
+    pub fn finish(mut self) -> Result<wgpu::SubmissionIndex> {
         self.end_pass();
         let gpu = self.gpu;
+        let encoder =
+            self.encoder.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()));
         if let Some(timer) = self.timer.as_deref_mut() {
-            timer.before_final_submit(
-                self.encoder.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default())),
-            );
+            timer.before_final_submit(encoder);
         }
-        self.submit()?;
+        let index = self.submit()?.expect("the encoder was created above");
         if let Some(timer) = self.timer.take() {
             timer.after_final_submit(self.gpu)?;
         }
-        Ok(())
+        Ok(index)
     }
 }
 

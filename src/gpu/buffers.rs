@@ -26,6 +26,12 @@ impl Dispatch {
             0 => y,
             n => y * n_tokens.div_ceil(n),
         };
+        self.encode_grid(pass, [x, y, z]);
+    }
+
+    /// Encodes over a grid the caller sizes (one that depends on more
+    /// than the tokens in flight).
+    pub fn encode_grid(&self, pass: &mut wgpu::ComputePass<'_>, [x, y, z]: [u32; 3]) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind_group, &[]);
         pass.dispatch_workgroups(x, y, z);
@@ -44,9 +50,12 @@ pub struct ParamsBuffer(pub wgpu::Buffer);
 
 impl ParamsBuffer {
     pub fn new<T: bytemuck::Pod>(gpu: &Gpu, label: &str, params: &T) -> Self {
+        // Uniform buffers are sized in 16-byte multiples.
+        let mut contents = bytemuck::bytes_of(params).to_vec();
+        contents.resize(contents.len().next_multiple_of(16), 0);
         ParamsBuffer(gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
-            contents: bytemuck::bytes_of(params),
+            contents: &contents,
             usage: wgpu::BufferUsages::UNIFORM,
         }))
     }

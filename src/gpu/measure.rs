@@ -16,8 +16,8 @@ impl Gpu {
         let bytes = bytes.min(self.caps.max_buffer_size).min(self.caps.max_storage_binding) / 16 * 16;
         let a = self.storage_buffer_bytes("copy.a", bytes)?;
         let b = self.storage_buffer_bytes("copy.b", bytes)?;
-        let kernel = crate::kernels::copy::Copy::new(self)?;
-        let by_kernel = [kernel.plan(self, &a, &b, bytes), kernel.plan(self, &b, &a, bytes)];
+        let copy = crate::kernels::copy::plan;
+        let by_kernel = [copy(self, &a, &b, bytes)?, copy(self, &b, &a, bytes)?];
         let api = self.time_copies(reps, |encoder, i| {
             let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
             encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);

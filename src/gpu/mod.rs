@@ -85,6 +85,9 @@ impl Default for GpuOptions {
 #[derive(Debug, Clone)]
 pub struct Caps {
     pub shader_f16: bool,
+    /// `pack2x16float` / `unpack2x16float` work (all but some Mesa Vulkan
+    /// drivers without SHADER_F16).
+    pub f16_in_f32: bool,
     pub subgroups: bool,
     pub timestamps: bool,
     /// A CPU rasteriser (lavapipe, llvmpipe, WARP): favours one row per
@@ -108,6 +111,8 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     pub caps: Caps,
     errors: Arc<Mutex<Vec<wgpu::Error>>>,
+    /// Every specialised pipeline built on this device.
+    pub(crate) pipelines: Arc<crate::kernels::PipelineCache>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -156,6 +161,7 @@ impl Gpu {
         })?;
 
         let info = adapter.get_info();
+        let downlevel = adapter.get_downlevel_capabilities().flags;
         let features = adapter.features() & WANTED_FEATURES;
         let limits = adapter.limits();
         let (device, queue) = adapter
@@ -182,6 +188,7 @@ impl Gpu {
         }
         let caps = Caps {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
+            f16_in_f32: downlevel.contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32),
             subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             is_cpu: info.device_type == wgpu::DeviceType::Cpu || is_software_renderer(&info.name),
@@ -192,7 +199,7 @@ impl Gpu {
             subgroup_max_size: info.subgroup_max_size,
             memory_budget: options.memory_budget,
         };
-        Ok(Gpu { device, queue, info, features, limits, caps, errors })
+        Ok(Gpu { device, queue, info, features, limits, caps, errors, pipelines: Arc::default() })
     }
 
     async fn best_adapter(backends: wgpu::Backends) -> Option<wgpu::Adapter> {

@@ -1,13 +1,23 @@
 //! Bringing GPU results to the host: copy into a `MAP_READ` staging buffer
-//! at the end of a submission, map it, wait, read.
+//! at the end of a submission, map it, wait, read. The map can start right
+//! after the submission and be waited on later, so the host records more
+//! work while the GPU runs.
+
+use std::sync::{Arc, Mutex};
 
 use super::Gpu;
 use crate::error::{Error, Result};
+
+type MapResult = Arc<Mutex<Option<std::result::Result<(), wgpu::BufferAsyncError>>>>;
 
 /// A reusable staging buffer for reading back up to `capacity` bytes.
 #[derive(Debug)]
 pub struct Readback {
     staging: wgpu::Buffer,
+    /// Set by the map callback.
+    mapped: MapResult,
+    /// Bytes of the map in progress.
+    pending: Mutex<Option<u64>>,
 }
 
 impl Readback {
@@ -19,6 +29,8 @@ impl Readback {
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
+            mapped: Arc::default(),
+            pending: Mutex::new(None),
         }
     }
 
@@ -40,6 +52,46 @@ impl Readback {
         encoder.copy_buffer_to_buffer(src, offset, &self.staging, staging_offset, bytes);
     }
 
+    /// Starts mapping the first `bytes` bytes, after the submission that
+    /// recorded the copy. Does not wait.
+    pub fn start_map(&self, bytes: u64) {
+        *self.mapped.lock().unwrap() = None;
+        *self.pending.lock().unwrap() = Some(bytes);
+        let mapped = self.mapped.clone();
+        self.staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |r| {
+            *mapped.lock().unwrap() = Some(r);
+        });
+    }
+
+    /// Waits for the map [`Self::start_map`] started (until `submission`
+    /// is done, or all submitted work when `None`), hands the mapped bytes
+    /// to `f` and unmaps.
+    pub fn finish_map<R>(
+        &self,
+        gpu: &Gpu,
+        submission: Option<wgpu::SubmissionIndex>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        let bytes = self.pending.lock().unwrap().take().expect("finish_map after start_map");
+        let poll = wgpu::PollType::Wait { submission_index: submission, timeout: None };
+        gpu.device.poll(poll).map_err(|e| Error::Gpu(e.to_string()))?;
+        gpu.check("readback")?;
+        // The poll ran the callbacks of everything it waited for; a map can
+        // still be queued behind them on some backends.
+        while self.mapped.lock().unwrap().is_none() {
+            gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| Error::Gpu(e.to_string()))?;
+        }
+        let mapped = self.mapped.lock().unwrap().take().expect("checked above");
+        mapped.map_err(|e| Error::Gpu(format!("map_async failed: {e}")))?;
+        let slice = self.staging.slice(0..bytes);
+        let out = {
+            let view = slice.get_mapped_range().map_err(|e| Error::Gpu(format!("mapped range: {e}")))?;
+            f(&view)
+        };
+        self.staging.unmap();
+        Ok(out)
+    }
+
     /// Maps the staging buffer after the submission that recorded the copy,
     /// waits for it and returns its first `bytes` bytes as `T`s.
     pub fn read<T: bytemuck::Pod>(&self, gpu: &Gpu, bytes: u64) -> Result<Vec<T>> {
@@ -49,22 +101,8 @@ impl Readback {
     /// As [`Self::read`], handing the mapped bytes to `f` instead of
     /// copying them into a new vector first.
     pub fn read_with<R>(&self, gpu: &Gpu, bytes: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        let slice = self.staging.slice(0..bytes);
-        let (sender, receiver) = futures_intrusive::channel::shared::oneshot_channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            sender.send(r).ok();
-        });
-        gpu.wait()?;
-        gpu.check("readback")?;
-        let mapped = pollster::block_on(receiver.receive())
-            .ok_or_else(|| Error::Gpu("readback callback was dropped".into()))?;
-        mapped.map_err(|e| Error::Gpu(format!("map_async failed: {e}")))?;
-        let out = {
-            let view = slice.get_mapped_range().map_err(|e| Error::Gpu(format!("mapped range: {e}")))?;
-            f(&view)
-        };
-        self.staging.unmap();
-        Ok(out)
+        self.start_map(bytes);
+        self.finish_map(gpu, None, f)
     }
 }
 

@@ -31,13 +31,17 @@ impl GpuTensor {
 
     /// As [`Self::alloc`], for a stack of groups of `group_rows` rows (the
     /// experts of a MoE layer): parts hold whole groups whenever one group
-    /// fits a binding, so an expert is usually one dispatch.
+    /// fits a binding, so an expert is usually one dispatch. Otherwise,
+    /// when groups have an even number of rows, parts hold whole pairs of
+    /// rows (interleaved gate/up rows stay together).
     pub fn alloc_grouped(gpu: &Gpu, name: &str, rows: usize, cols: usize, group_rows: usize) -> Result<Self> {
         let row_bytes = (cols * 2) as u64;
         let limit = gpu.caps.max_storage_binding.min(gpu.caps.max_buffer_size);
         let mut rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
         if rows_per_part >= group_rows && group_rows > 1 {
             rows_per_part -= rows_per_part % group_rows;
+        } else if group_rows % 2 == 0 && rows_per_part >= 2 {
+            rows_per_part -= rows_per_part % 2;
         }
         let mut parts = Vec::new();
         let mut first_row = 0;

@@ -1,139 +1,279 @@
-//! `wgsl/attention.wgsl`: causal grouped-query attention over the KV cache,
-//! optionally split over the keys and merged (flash decoding).
+//! `wgsl/attention.wgsl`: the q/k norm, RoPE and KV-cache store, and
+//! causal grouped-query attention over the cache: for a chunk of tokens
+//! (`rope_store` then `prefill`) or, all fused, for one token split over the
+//! keys (`decode`, merged by `combine` when split).
 
 use super::Heads;
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
+use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+use crate::kv_cache::KvFormat;
+use crate::model::QkNorm;
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    n_q_heads: u32,
-    n_kv_heads: u32,
-    head_dim: u32,
-    q_stride: u32,
-    out_stride: u32,
-    window: u32,
-    scale: f32,
-    splits: u32,
-    tokens_per_wg: u32,
-    _pad: [u32; 3],
+crate::wgsl_struct! {
+    pub struct AttentionParams {
+        n_q_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        /// Rotary dimensions / 2.
+        half_rot: u32,
+        qkv_stride: u32,
+        out_stride: u32,
+        window: u32,
+        scale: f32,
+        tokens_per_wg: u32,
+        /// Of the q/k norm.
+        eps: f32,
+    }
 }
 
-/// Largest head width the kernel supports.
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![AttentionParams::WGSL]
+}
+
+/// Largest head width the kernels support.
 pub const MAX_HEAD_DIM: usize = 256;
 /// Largest number of query heads per KV head.
 pub const MAX_GROUP: usize = 16;
 /// Largest `group * head_dim` (the workgroup's copy of its queries).
 pub const MAX_GROUP_WIDTH: usize = 2048;
-/// Most query rows (token, head) one workgroup holds.
+/// Most query rows (token, head) one prefill workgroup holds.
 const MAX_ROWS: usize = 32;
 /// Most key splits of one token's attention.
-pub const MAX_SPLITS: usize = 32;
+pub const MAX_SPLITS: usize = 64;
+/// Fewest keys worth a split of their own.
+const MIN_KEYS_PER_SPLIT: usize = 64;
+/// Workgroups (KV heads x splits) that keep a large GPU busy.
+const TARGET_WORKGROUPS: usize = 256;
 
+/// The family's q/k norm: mode, weights and epsilon.
+#[derive(Debug, Clone, Copy)]
+pub struct QkNormWeights<'a> {
+    pub mode: QkNorm,
+    pub q: &'a GpuTensor,
+    pub k: &'a GpuTensor,
+    pub eps: f32,
+}
+
+/// Everything one layer's attention reads and writes.
 pub struct AttentionBindings<'a> {
     pub step: &'a wgpu::Buffer,
     pub qkv: &'a wgpu::Buffer,
+    pub cos_sin: &'a wgpu::Buffer,
+    /// The layer's caches.
     pub k_cache: &'a wgpu::Buffer,
     pub v_cache: &'a wgpu::Buffer,
     pub out: &'a wgpu::Buffer,
 }
 
-/// Scratch of split attention for one token: `[nq, splits, head_dim]`
-/// partial sums and `[nq, splits, 2]` (max, sum) pairs.
+/// Scratch of split attention: `[nq, splits, head_dim]` partial sums and
+/// `[nq, splits, 2]` (max, sum) pairs.
 pub struct SplitScratch<'a> {
     pub acc: &'a wgpu::Buffer,
     pub max_sum: &'a wgpu::Buffer,
 }
 
-#[derive(Debug)]
-pub struct Attention {
-    main: wgpu::ComputePipeline,
-    combine: wgpu::ComputePipeline,
-    no_scratch: wgpu::Buffer,
+/// The geometry of one layer's attention.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape<'a> {
+    pub heads: Heads,
+    pub rotary_dim: usize,
+    pub scale: f32,
+    /// Sliding window (0: none).
+    pub window: usize,
+    pub qk_norm: Option<QkNormWeights<'a>>,
+    pub kv_format: KvFormat,
 }
 
+/// One token's attention: `decode`, then `combine` when it is split.
+#[derive(Debug)]
+pub struct DecodeAttention {
+    pub attend: Dispatch,
+    pub combine: Dispatch,
+    kv_heads: u32,
+}
+
+impl DecodeAttention {
+    /// Encodes the attention of the token at a position with `n_keys`
+    /// keys in view, over `splits` workgroups per KV head (the value
+    /// written to the step's `attn_splits`).
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, splits: u32) -> u32 {
+        self.attend.encode_grid(pass, [self.kv_heads, splits, 1]);
+        if splits > 1 {
+            self.combine.encode(pass, 1);
+            2
+        } else {
+            1
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Attention;
+
 impl Attention {
-    pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Attention {
-            main: super::pipeline_entry(gpu, "attention", "main", &[])?,
-            combine: super::pipeline_entry(gpu, "attention", "combine", &[])?,
-            no_scratch: gpu.storage_buffer("attention.no_scratch", 1)?,
+    pub fn new(_gpu: &Gpu) -> Self {
+        Attention
+    }
+
+    /// Key splits for one token with `n_keys` keys in view: enough
+    /// workgroups to fill a large GPU, at least [`MIN_KEYS_PER_SPLIT`] keys
+    /// each, at most `max_splits`.
+    pub fn decode_splits(n_keys: usize, kv_heads: usize, max_splits: usize) -> usize {
+        n_keys.div_ceil(MIN_KEYS_PER_SPLIT).min(TARGET_WORKGROUPS.div_ceil(kv_heads)).clamp(1, max_splits)
+    }
+
+    /// The most splits a cache of `context_len` positions uses.
+    pub fn max_splits(context_len: usize, kv_heads: usize) -> usize {
+        Self::decode_splits(context_len, kv_heads, MAX_SPLITS)
+    }
+
+    fn params(shape: &AttentionShape<'_>, tokens_per_wg: usize) -> AttentionParams {
+        let h = shape.heads;
+        AttentionParams {
+            n_q_heads: h.q as u32,
+            n_kv_heads: h.kv as u32,
+            head_dim: h.dim as u32,
+            half_rot: (shape.rotary_dim / 2) as u32,
+            qkv_stride: h.qkv_width() as u32,
+            out_stride: (h.q * h.dim) as u32,
+            window: shape.window as u32,
+            scale: shape.scale,
+            tokens_per_wg: tokens_per_wg as u32,
+            eps: shape.qk_norm.map_or(0.0, |n| n.eps),
+        }
+    }
+
+    fn flags(gpu: &Gpu, shape: &AttentionShape<'_>) -> Vec<&'static str> {
+        let mut flags = vec![];
+        if shape.kv_format == KvFormat::F16 {
+            flags.push("KV_F16");
+            if gpu.caps.f16_in_f32 {
+                flags.push(super::F16_NATIVE);
+            }
+        }
+        match shape.qk_norm.map(|n| n.mode) {
+            None | Some(QkNorm::None) => {}
+            Some(QkNorm::PerHead) => flags.push("QK_NORM"),
+            Some(QkNorm::WholeProjection) => flags.extend(["QK_NORM", "QK_NORM_WHOLE"]),
+        }
+        flags
+    }
+
+    /// Binds `entry` with the given bindings (plus the q/k norm weights
+    /// where the entry reads them).
+    fn dispatch(
+        &self,
+        gpu: &Gpu,
+        shape: &AttentionShape<'_>,
+        entry: &'static str,
+        params: &ParamsBuffer,
+        buffers: &[(u32, &wgpu::Buffer)],
+        workgroups: [u32; 3],
+        tokens_per_workgroup: u32,
+    ) -> Result<Dispatch> {
+        let flags = Self::flags(gpu, shape);
+        let pipeline = super::pipeline(gpu, "attention", entry, &flags, &[])?;
+        let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
+        bound.extend_from_slice(buffers);
+        let rotates = entry != "combine";
+        if let (true, Some(n)) = (rotates, shape.qk_norm.filter(|n| n.mode != QkNorm::None)) {
+            bound.extend([(9, &n.q.parts[0].buffer), (10, &n.k.parts[0].buffer)]);
+        }
+        Ok(Dispatch {
+            label: entry,
+            bind_group: gpu.bind_at(entry, &pipeline, &bound),
+            pipeline,
+            workgroups,
+            tokens_per_workgroup,
         })
     }
 
-    /// Key splits worth using for one token over a cache of `context_len`.
-    pub fn decode_splits(context_len: usize) -> usize {
-        context_len.div_ceil(64).clamp(1, MAX_SPLITS)
-    }
-
-    /// `out[t, h] = softmax(scale q k^T) v` for every query head of every
-    /// token in flight, keys limited to a trailing `window` when it is
-    /// non-zero. With `split` (one token at a time), the keys are divided
-    /// among that many workgroups per KV head and merged by a second
-    /// dispatch.
-    pub fn plan(
+    /// A chunk of tokens: k norm and RoPE, K/V stored, then, with q norm
+    /// and RoPE, `out[t, h] = softmax(scale q k^T) v` for every query head
+    /// of every token, keys limited to a trailing window when one is set.
+    pub fn plan_chunk(
         &self,
         gpu: &Gpu,
-        heads: Heads,
-        scale: f32,
-        window: usize,
-        b: AttentionBindings<'_>,
-        split: Option<(usize, SplitScratch<'_>)>,
-    ) -> Vec<Dispatch> {
-        let group = heads.q / heads.kv;
-        debug_assert!(
-            heads.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * heads.dim <= MAX_GROUP_WIDTH
-        );
-        let splits = split.as_ref().map_or(1, |(n, _)| *n);
-        // A chunk of tokens shares each K/V tile among as many query rows as
-        // fit; split attention runs one token.
-        let tokens_per_wg = if split.is_some() {
-            1
-        } else {
-            (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * heads.dim)).max(1)
-        };
-        let params = ParamsBuffer::new(
+        shape: &AttentionShape<'_>,
+        b: &AttentionBindings<'_>,
+    ) -> Result<Vec<Dispatch>> {
+        let h = shape.heads;
+        let group = h.group();
+        debug_assert!(h.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * h.dim <= MAX_GROUP_WIDTH);
+        // The chunk's tokens share each K/V tile among as many query rows as fit.
+        let tokens_per_wg = (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1);
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, tokens_per_wg));
+        let rope = self.dispatch(
             gpu,
-            "attention.params",
-            &Params {
-                n_q_heads: heads.q as u32,
-                n_kv_heads: heads.kv as u32,
-                head_dim: heads.dim as u32,
-                q_stride: heads.qkv_width() as u32,
-                out_stride: (heads.q * heads.dim) as u32,
-                window: window as u32,
-                scale,
-                splits: splits as u32,
-                tokens_per_wg: tokens_per_wg as u32,
-                _pad: [0; 3],
-            },
-        );
-        let (acc, max_sum) = match &split {
-            Some((_, s)) => (s.acc, s.max_sum),
-            None => (&self.no_scratch, &self.no_scratch),
-        };
-        let buffers = [&params.0, b.step, b.qkv, b.k_cache, b.v_cache, b.out, acc, max_sum];
-        let mut dispatches = vec![Dispatch {
-            label: "attention",
-            bind_group: gpu.bind("attention", &self.main, &buffers),
-            pipeline: self.main.clone(),
-            workgroups: [heads.kv as u32, 1, splits as u32],
-            tokens_per_workgroup: tokens_per_wg as u32,
-        }];
-        if splits > 1 {
-            dispatches.push(Dispatch {
-                label: "attention.combine",
-                bind_group: gpu.bind_at(
-                    "attention.combine",
-                    &self.combine,
-                    &[(0, &params.0), (5, b.out), (6, acc), (7, max_sum)],
-                ),
-                pipeline: self.combine.clone(),
-                workgroups: [heads.q as u32, 1, 1],
-                tokens_per_workgroup: 1,
-            });
-        }
-        dispatches
+            shape,
+            "rope_store",
+            &params,
+            &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache)],
+            [(2 * h.kv) as u32, 1, 1],
+            1,
+        )?;
+        let attend = self.dispatch(
+            gpu,
+            shape,
+            "prefill",
+            &params,
+            &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)],
+            [h.kv as u32, 1, 1],
+            tokens_per_wg as u32,
+        )?;
+        Ok(vec![rope, attend])
     }
+
+    /// One token: q/k norm, RoPE, the K/V store and the attention in one
+    /// dispatch per split count, merged by a second when split.
+    pub fn plan_decode(
+        &self,
+        gpu: &Gpu,
+        shape: &AttentionShape<'_>,
+        b: &AttentionBindings<'_>,
+        scratch: &SplitScratch<'_>,
+    ) -> Result<DecodeAttention> {
+        let h = shape.heads;
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, 1));
+        let attend = self.dispatch(
+            gpu,
+            shape,
+            "decode",
+            &params,
+            &[
+                (1, b.step),
+                (2, b.qkv),
+                (3, b.cos_sin),
+                (4, b.k_cache),
+                (5, b.v_cache),
+                (6, b.out),
+                (7, scratch.acc),
+                (8, scratch.max_sum),
+            ],
+            [h.kv as u32, 1, 1],
+            0,
+        )?;
+        let combine = self.dispatch(
+            gpu,
+            shape,
+            "combine",
+            &params,
+            &[(1, b.step), (6, b.out), (7, scratch.acc), (8, scratch.max_sum)],
+            [h.q as u32, 1, 1],
+            0,
+        )?;
+        Ok(DecodeAttention { attend, combine, kv_heads: h.kv as u32 })
+    }
+}
+
+/// The flag sets of every attention build.
+pub fn flag_sets() -> Vec<Vec<&'static str>> {
+    let mut out = Vec::new();
+    for kv in [&[][..], &["KV_F16"], &["KV_F16", super::F16_NATIVE]] {
+        for norm in [&[][..], &["QK_NORM"], &["QK_NORM", "QK_NORM_WHOLE"]] {
+            out.push([norm, kv].concat());
+        }
+    }
+    out
 }

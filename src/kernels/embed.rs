@@ -3,13 +3,17 @@
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    hidden: u32,
-    first_row: u32,
-    rows: u32,
-    _pad: u32,
+crate::wgsl_struct! {
+    pub struct EmbedParams {
+        hidden: u32,
+        first_row: u32,
+        rows: u32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![EmbedParams::WGSL]
 }
 
 #[derive(Debug)]
@@ -19,7 +23,7 @@ pub struct Embed {
 
 impl Embed {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Embed { pipeline: super::pipeline(gpu, "embed", &[])? })
+        Ok(Embed { pipeline: super::pipeline(gpu, "embed", "main", &[], &[])? })
     }
 
     /// `x[t] = table[tokens[t]]`, one dispatch per part of the table.
@@ -37,11 +41,10 @@ impl Embed {
                 let params = ParamsBuffer::new(
                     gpu,
                     "embed.params",
-                    &Params {
+                    &EmbedParams {
                         hidden: table.cols as u32,
                         first_row: part.first_row as u32,
                         rows: part.rows as u32,
-                        _pad: 0,
                     },
                 );
                 Dispatch {

@@ -4,17 +4,21 @@
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    rows: u32,
-    cols: u32,
-    first_row: u32,
-    expert_rows: u32,
-    expert: u32,
-    x_div: u32,
-    y_stride: u32,
-    _pad: u32,
+crate::wgsl_struct! {
+    pub struct GemmParams {
+        rows: u32,
+        cols: u32,
+        first_row: u32,
+        expert_rows: u32,
+        expert: u32,
+        x_div: u32,
+        y_stride: u32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![GemmParams::WGSL]
 }
 
 /// Tile shapes (tokens x weight rows per workgroup) the GEMM is built in.
@@ -61,8 +65,8 @@ impl Gemm {
     pub fn with_tiling(gpu: &Gpu, tiling: Tiling) -> Result<Self> {
         let tiles = |n: f64| [("TILE_M", n), ("TILE_N", n)];
         Ok(Gemm {
-            narrow: super::pipeline(gpu, "gemm", &tiles(64.0))?,
-            wide: super::pipeline(gpu, "gemm", &tiles(128.0))?,
+            narrow: super::pipeline(gpu, "gemm", "main", &[], &tiles(64.0))?,
+            wide: super::pipeline(gpu, "gemm", "main", &[], &tiles(128.0))?,
             tiling,
             no_groups: gpu.storage_buffer("gemm.no_groups", 2)?,
         })
@@ -72,7 +76,7 @@ impl Gemm {
         &self,
         gpu: &Gpu,
         part: &TensorPart,
-        params: Params,
+        params: GemmParams,
         (n_rows, max_tokens): (usize, usize),
         b: [&wgpu::Buffer; 5],
     ) -> Dispatch {
@@ -109,7 +113,7 @@ impl Gemm {
             .parts
             .iter()
             .map(|part| {
-                let params = Params {
+                let params = GemmParams {
                     rows: part.rows as u32,
                     cols: weight.cols as u32,
                     first_row: part.first_row as u32,
@@ -117,7 +121,6 @@ impl Gemm {
                     expert: 0,
                     x_div: 1,
                     y_stride: weight.rows as u32,
-                    _pad: 0,
                 };
                 let g = &self.no_groups;
                 self.dispatch(gpu, part, params, (part.rows, max_tokens), [step, x, y, g, g])
@@ -144,7 +147,7 @@ impl Gemm {
             .parts_overlapping(rows)
             .map(|i| {
                 let part = &weight.parts[i];
-                let params = Params {
+                let params = GemmParams {
                     rows: part.rows as u32,
                     cols: weight.cols as u32,
                     first_row: part.first_row as u32,
@@ -152,7 +155,6 @@ impl Gemm {
                     expert: expert as u32,
                     x_div: x_div as u32,
                     y_stride: expert_rows as u32,
-                    _pad: 0,
                 };
                 self.dispatch(
                     gpu,

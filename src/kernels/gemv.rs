@@ -1,57 +1,47 @@
-//! `wgsl/gemv.wgsl`: bf16 weight x f32 vector, one dispatch per weight part;
-//! in expert mode the rows are those of the expert the GPU-side routing
-//! chose for a slot.
+//! `wgsl/gemv.wgsl`: bf16 weight x f32 vector, one dispatch per weight
+//! part, with the RMSNorm before it, the residual add (and the layer's
+//! steering and capture) or the SwiGLU gate after it, and expert selection
+//! by the GPU's routing fused in as build flags.
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
+use crate::kernels::residual::LayerOutput;
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    rows: u32,
-    cols: u32,
-    first_row: u32,
-    expert_rows: u32,
-    top_k: u32,
-    slot: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    _pad: [u32; 2],
-}
-
-impl Params {
-    /// One part of a plain matrix: packed inputs, outputs at the part's rows.
-    fn plain(weight: &GpuTensor, part: &TensorPart) -> Self {
-        Params {
-            rows: part.rows as u32,
-            cols: weight.cols as u32,
-            first_row: part.first_row as u32,
-            expert_rows: 0,
-            top_k: 1,
-            slot: 0,
-            x_offset: 0,
-            x_stride: weight.cols as u32,
-            y_offset: part.first_row as u32,
-            y_stride: weight.rows as u32,
-            _pad: [0; 2],
-        }
+crate::wgsl_struct! {
+    pub struct GemvParams {
+        /// Weight rows in this part, and the global index of its first.
+        rows: u32,
+        cols: u32,
+        first_row: u32,
+        /// Outputs per token (per token and slot with SLOTS).
+        outputs: u32,
+        /// Where output 0 of this dispatch goes in a row of y.
+        out_offset: u32,
+        y_stride: u32,
+        top_k: u32,
+        /// Rows of one expert in the stacked weight.
+        expert_rows: u32,
+        eps: f32,
     }
 }
 
-/// How rows are spread over a workgroup.
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![GemvParams::WGSL]
+}
+
+/// How outputs are spread over a workgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemvShape {
     pub rows_per_workgroup: u32,
-    /// Must be a power of two; 1 means one row per invocation.
+    /// Must be a power of two; 1 means one output per invocation.
     pub threads_per_row: u32,
 }
 
 impl GemvShape {
-    /// CPU rasterisers do best with one row per invocation (no barriers);
-    /// GPUs with a subgroup (or else a workgroup) reduction per row, whose
-    /// lanes read consecutive weights.
+    /// CPU rasterisers do best with one output per invocation (no
+    /// barriers); GPUs with a subgroup (or else a workgroup) reduction per
+    /// output, whose lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
             GemvShape { rows_per_workgroup: 64, threads_per_row: 1 }
@@ -63,127 +53,203 @@ impl GemvShape {
 }
 
 /// The subgroup size when the adapter has subgroups of one fixed size
-/// (each row's lanes are then exactly one subgroup).
+/// (each output's lanes are then exactly one subgroup).
 fn subgroup_width(gpu: &Gpu) -> Option<u32> {
     let (min, max) = (gpu.caps.subgroup_min_size, gpu.caps.subgroup_max_size);
     (gpu.caps.subgroups && min == max && min.is_power_of_two() && (4..=128).contains(&min)).then_some(min)
 }
 
-/// Where an expert GEMV reads its input and writes its output, per token:
-/// slot `j` reads `x[t * x_stride + j * x_slot_stride ..]` and writes
-/// `y[t * y_stride + j * expert_rows ..]` with `y_stride = top_k * expert_rows`.
+/// What the product reads: `x` as it is, or its RMSNorm.
 #[derive(Debug, Clone, Copy)]
-pub struct ExpertLayout {
-    pub top_k: usize,
-    /// Rows of one expert in the stacked weight.
-    pub expert_rows: usize,
-    pub x_stride: usize,
-    /// 0 when every slot reads the same input row.
-    pub x_slot_stride: usize,
+pub enum Input<'a> {
+    Plain,
+    /// `x` normalised per token (`w * x * rsqrt(mean(x^2) + eps)`).
+    RmsNorm {
+        weight: &'a GpuTensor,
+        eps: f32,
+    },
+}
+
+/// What becomes of the product.
+#[derive(Debug, Clone)]
+pub enum Output<'a> {
+    /// `y = W x`.
+    Store,
+    /// `y += W x`, then the layer output (steering, capture) if any.
+    Add(LayerOutput<'a>),
+    /// `y[o] = silu(W[2o] x) * W[2o+1] x` (gate and up rows interleaved).
+    Swiglu,
+}
+
+/// Which rows each token multiplies.
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    /// The whole matrix.
+    Dense,
+    /// Per routing slot: the chosen expert's `expert_rows` rows, input
+    /// `x[t]`, output row `t * top_k + slot` (grid y = tokens x top_k).
+    Slots { ids: &'a wgpu::Buffer, top_k: usize, expert_rows: usize },
+    /// Summed over slots, weighted by the router: input row
+    /// `t * top_k + slot`, output row `t` (needs [`Output::Add`]).
+    Sum { ids: &'a wgpu::Buffer, weights: &'a wgpu::Buffer, top_k: usize, expert_rows: usize },
+}
+
+/// One projection: `y = out(W in(x))` for every token in flight.
+#[derive(Debug, Clone)]
+pub struct GemvSpec<'a> {
+    pub weight: &'a GpuTensor,
+    pub x: &'a wgpu::Buffer,
+    pub y: &'a wgpu::Buffer,
+    pub input: Input<'a>,
+    pub output: Output<'a>,
+    pub rows: Rows<'a>,
+}
+
+impl<'a> GemvSpec<'a> {
+    /// `y = W x`.
+    pub fn plain(weight: &'a GpuTensor, x: &'a wgpu::Buffer, y: &'a wgpu::Buffer) -> Self {
+        GemvSpec { weight, x, y, input: Input::Plain, output: Output::Store, rows: Rows::Dense }
+    }
 }
 
 #[derive(Debug)]
 pub struct Gemv {
-    pipeline: wgpu::ComputePipeline,
-    shape: GemvShape,
-    /// Bound as `ids` by plain GEMVs, which never read it.
-    no_ids: wgpu::Buffer,
+    pub shape: GemvShape,
+    subgroups: bool,
 }
 
 impl Gemv {
-    pub fn new(gpu: &Gpu) -> Result<Self> {
+    pub fn new(gpu: &Gpu) -> Self {
         Self::with_shape(gpu, GemvShape::for_gpu(gpu))
     }
 
-    pub fn with_shape(gpu: &Gpu, shape: GemvShape) -> Result<Self> {
+    pub fn with_shape(gpu: &Gpu, shape: GemvShape) -> Self {
         assert!(shape.threads_per_row.is_power_of_two());
-        let wg = shape.rows_per_workgroup * shape.threads_per_row;
-        let variant = if subgroup_width(gpu) == Some(shape.threads_per_row) {
-            "reduce_subgroup"
-        } else {
-            "reduce_workgroup"
-        };
-        let pipeline = super::pipeline_variant(
-            gpu,
-            "gemv",
-            variant,
-            &[
-                ("ROWS_PER_WG", shape.rows_per_workgroup as f64),
-                ("THREADS_PER_ROW", shape.threads_per_row as f64),
-                ("WG", wg as f64),
-            ],
-        )?;
-        Ok(Gemv { pipeline, shape, no_ids: gpu.storage_buffer("gemv.no_ids", 1)? })
+        Gemv { shape, subgroups: subgroup_width(gpu) == Some(shape.threads_per_row) }
+    }
+
+    /// The dispatches of `spec`, one per weight part, in part order.
+    pub fn plan(&self, gpu: &Gpu, spec: &GemvSpec<'_>) -> Result<Vec<Dispatch>> {
+        let w = spec.weight;
+        let pair = matches!(spec.output, Output::Swiglu);
+        let rows_per_output = if pair { 2 } else { 1 };
+        let last = w.parts.len() - 1;
+        w.parts
+            .iter()
+            .enumerate()
+            .map(|(i, part)| {
+                // Experts: every part covers all outputs (for the experts it
+                // holds), so only the last one finishes the layer output.
+                let output = match (&spec.output, spec.rows) {
+                    (Output::Add(_), Rows::Sum { .. }) if i != last => Output::Add(LayerOutput::default()),
+                    (o, _) => o.clone(),
+                };
+                self.dispatch(gpu, spec, part, output, rows_per_output)
+            })
+            .collect()
     }
 
     fn dispatch(
         &self,
         gpu: &Gpu,
+        spec: &GemvSpec<'_>,
         part: &TensorPart,
-        params: Params,
-        rows: usize,
-        buffers: [&wgpu::Buffer; 3],
-    ) -> Dispatch {
-        let params = ParamsBuffer::new(gpu, "gemv.params", &params);
-        let [x, y, ids] = buffers;
-        let blocks = (rows as u32).div_ceil(self.shape.rows_per_workgroup);
-        Dispatch {
-            label: "gemv",
-            bind_group: gpu.bind("gemv", &self.pipeline, &[&params.0, &part.buffer, x, y, ids]),
-            pipeline: self.pipeline.clone(),
-            workgroups: gpu.fold_grid(blocks),
-            tokens_per_workgroup: 1,
+        output: Output<'_>,
+        rows_per_output: usize,
+    ) -> Result<Dispatch> {
+        let w = spec.weight;
+        let mut flags = vec![];
+        let mut params = GemvParams {
+            rows: part.rows as u32,
+            cols: w.cols as u32,
+            first_row: part.first_row as u32,
+            top_k: 1,
+            ..Default::default()
+        };
+        let mut buffers: Vec<(u32, wgpu::BufferBinding<'_>)> = vec![
+            (1, part.buffer.as_entire_buffer_binding()),
+            (2, spec.x.as_entire_buffer_binding()),
+            (3, spec.y.as_entire_buffer_binding()),
+        ];
+        if let Input::RmsNorm { weight, eps } = spec.input {
+            flags.push("NORM");
+            params.eps = eps;
+            buffers.push((4, weight.parts[0].buffer.as_entire_buffer_binding()));
         }
-    }
-
-    /// `y[t] = W x[t]` with x packed `[tokens, W.cols]` and y packed
-    /// `[tokens, W.rows]`.
-    pub fn plan(&self, gpu: &Gpu, weight: &GpuTensor, x: &wgpu::Buffer, y: &wgpu::Buffer) -> Vec<Dispatch> {
-        weight
-            .parts
-            .iter()
-            .map(|part| {
-                self.dispatch(gpu, part, Params::plain(weight, part), part.rows, [x, y, &self.no_ids])
-            })
-            .collect()
-    }
-
-    /// For routing slot `slot`: `y[t, slot] = W_e x[t, slot]` where `e` is
-    /// read from `ids[t * top_k + slot]` on the GPU and `W_e` is rows
-    /// `[e * expert_rows, (e + 1) * expert_rows)` of the stacked `weight`.
-    /// One dispatch per part, in part order; each computes the rows its
-    /// part holds, so dispatching only the parts that overlap the chosen
-    /// expert (see [`GpuTensor::parts_overlapping`]) is enough.
-    pub fn plan_expert(
-        &self,
-        gpu: &Gpu,
-        weight: &GpuTensor,
-        layout: ExpertLayout,
-        slot: usize,
-        buffers: ExpertBuffers<'_>,
-    ) -> Vec<Dispatch> {
-        weight
-            .parts
-            .iter()
-            .map(|part| {
-                let params = Params {
-                    expert_rows: layout.expert_rows as u32,
-                    top_k: layout.top_k as u32,
-                    slot: slot as u32,
-                    x_offset: (slot * layout.x_slot_stride) as u32,
-                    x_stride: layout.x_stride as u32,
-                    y_offset: (slot * layout.expert_rows) as u32,
-                    y_stride: (layout.top_k * layout.expert_rows) as u32,
-                    ..Params::plain(weight, part)
-                };
-                self.dispatch(gpu, part, params, layout.expert_rows, [buffers.x, buffers.y, buffers.ids])
-            })
-            .collect()
+        let mut constants = vec![];
+        match &output {
+            Output::Store => {}
+            Output::Swiglu => flags.push("SWIGLU"),
+            Output::Add(layer) => {
+                flags.push("ADD");
+                layer.bind(&mut flags, &mut buffers, &mut constants);
+            }
+        }
+        let (outputs, grid_y) = match spec.rows {
+            Rows::Dense => {
+                params.out_offset = (part.first_row / rows_per_output) as u32;
+                params.y_stride = (w.rows / rows_per_output) as u32;
+                (part.rows / rows_per_output, 1)
+            }
+            Rows::Slots { ids, top_k, expert_rows } => {
+                flags.extend(["EXPERTS", "SLOTS"]);
+                buffers.push((5, ids.as_entire_buffer_binding()));
+                params.top_k = top_k as u32;
+                params.expert_rows = expert_rows as u32;
+                params.y_stride = (expert_rows / rows_per_output) as u32;
+                (expert_rows / rows_per_output, top_k as u32)
+            }
+            Rows::Sum { ids, weights, top_k, expert_rows } => {
+                assert!(matches!(output, Output::Add(_)), "a sum over slots adds into y");
+                flags.extend(["EXPERTS", "SUM"]);
+                buffers.push((5, ids.as_entire_buffer_binding()));
+                buffers.push((6, weights.as_entire_buffer_binding()));
+                params.top_k = top_k as u32;
+                params.expert_rows = expert_rows as u32;
+                params.y_stride = expert_rows as u32;
+                (expert_rows, 1)
+            }
+        };
+        params.outputs = outputs as u32;
+        if self.subgroups {
+            flags.push(super::SUBGROUPS);
+        }
+        let s = self.shape;
+        constants.extend([
+            ("ROWS_PER_WG", s.rows_per_workgroup as f64),
+            ("THREADS_PER_ROW", s.threads_per_row as f64),
+            ("WG", (s.rows_per_workgroup * s.threads_per_row) as f64),
+        ]);
+        let pipeline = super::pipeline(gpu, "gemv", "main", &flags, &constants)?;
+        let params = ParamsBuffer::new(gpu, "gemv.params", &params);
+        buffers.push((0, params.0.as_entire_buffer_binding()));
+        let blocks = (outputs as u32).div_ceil(s.rows_per_workgroup);
+        let mut workgroups = gpu.fold_grid(blocks);
+        workgroups[1] = grid_y;
+        Ok(Dispatch {
+            label: "gemv",
+            bind_group: gpu.bind_ranges("gemv", &pipeline, &buffers),
+            pipeline,
+            workgroups,
+            tokens_per_workgroup: 1,
+        })
     }
 }
 
-pub struct ExpertBuffers<'a> {
-    pub x: &'a wgpu::Buffer,
-    pub y: &'a wgpu::Buffer,
-    pub ids: &'a wgpu::Buffer,
+/// The flag sets of every GEMV the flow builds (for the shader test).
+pub fn flag_sets() -> Vec<Vec<&'static str>> {
+    let mut out = Vec::new();
+    for reduce in [None, Some(super::SUBGROUPS)] {
+        let mut sets: Vec<Vec<&'static str>> =
+            vec![vec![], vec!["NORM"], vec!["NORM", "SWIGLU"], vec!["NORM", "SWIGLU", "EXPERTS", "SLOTS"]];
+        for layer in LayerOutput::flag_sets() {
+            sets.push([&["ADD"][..], &layer].concat());
+            sets.push([&["ADD", "EXPERTS", "SUM"][..], &layer].concat());
+        }
+        out.extend(sets.into_iter().map(|mut s| {
+            s.extend(reduce);
+            s
+        }));
+    }
+    out
 }

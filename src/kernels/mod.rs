@@ -1,5 +1,19 @@
 //! One Rust wrapper per `wgsl/*.wgsl` kernel family: typed parameters and
 //! the construction of [`Dispatch`]es with their bindings fixed at load.
+//!
+//! A family is specialised at pipeline creation, never by runtime flags:
+//! - **flags** select `#if NAME` / `#else` / `#endif` sections of its
+//!   source (a binding that a build does not use is not declared, so no
+//!   placeholder buffer is ever bound);
+//! - **override constants** set workgroup and tile shapes.
+//!
+//! Pipelines are cached by (family, entry point, flags, constants) in a
+//! [`PipelineCache`], created once at load or when a session's plan asks
+//! for a new specialisation, never per token.
+//!
+//! Every parameter struct is declared once, in Rust, by [`wgsl_struct!`],
+//! which also writes its WGSL declaration; [`shader_source`] prepends the
+//! declarations a family names, so the two sides cannot disagree.
 
 pub mod attention;
 pub mod copy;
@@ -8,8 +22,8 @@ pub mod gemm;
 pub mod gemv;
 pub mod residual;
 pub mod rms_norm;
-pub mod rope;
 pub mod router;
+pub mod sample;
 pub mod swiglu;
 
 pub use attention::Attention;
@@ -18,104 +32,207 @@ pub use gemm::Gemm;
 pub use gemv::Gemv;
 pub use residual::Residual;
 pub use rms_norm::RmsNorm;
-pub use rope::Rope;
 pub use router::Router;
+pub use sample::Sample;
 pub use swiglu::Swiglu;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use crate::error::Result;
 use crate::gpu::Gpu;
 
-/// Every kernel family's WGSL, by file name (without `.wgsl`).
-pub const SHADERS: &[(&str, &str)] = &[
-    ("attention", include_str!("../../wgsl/attention.wgsl")),
-    ("copy", include_str!("../../wgsl/copy.wgsl")),
-    ("embed", include_str!("../../wgsl/embed.wgsl")),
-    ("gemm", include_str!("../../wgsl/gemm.wgsl")),
-    ("gemv", include_str!("../../wgsl/gemv.wgsl")),
-    ("residual", include_str!("../../wgsl/residual.wgsl")),
-    ("rms_norm", include_str!("../../wgsl/rms_norm.wgsl")),
-    ("rope", include_str!("../../wgsl/rope.wgsl")),
-    ("router", include_str!("../../wgsl/router.wgsl")),
-    ("swiglu", include_str!("../../wgsl/swiglu.wgsl")),
-];
-
-/// A feature-specialised piece of a kernel family (`wgsl/<family>.<name>.wgsl`),
-/// prepended to it at pipeline creation. A family with variants is always
-/// built with one of them; the first is the portable baseline.
-#[derive(Debug)]
-pub struct Variant {
-    pub family: &'static str,
-    pub name: &'static str,
-    pub source: &'static str,
-    /// Uses subgroup operations (needs the SUBGROUP feature).
-    pub subgroups: bool,
+/// A `#[repr(C)]` struct of 4-byte fields whose WGSL declaration is
+/// generated from the same definition.
+pub trait WgslStruct: bytemuck::Pod {
+    /// `struct Name { field: type, ... }`.
+    const WGSL: &'static str;
 }
 
-pub const VARIANTS: &[Variant] = &[
-    Variant {
-        family: "gemv",
-        name: "reduce_workgroup",
-        source: include_str!("../../wgsl/gemv.reduce_workgroup.wgsl"),
-        subgroups: false,
+/// Declares a parameter struct for Rust (Pod, `#[repr(C)]`) and WGSL at
+/// once. Fields are `u32`, `i32` or `f32`.
+#[macro_export]
+macro_rules! wgsl_struct {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident { $($(#[$fmeta:meta])* $fvis:vis $field:ident : $ty:ident),* $(,)? }) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+        $vis struct $name { $($(#[$fmeta])* $fvis $field: $ty,)* }
+
+        impl $crate::kernels::WgslStruct for $name {
+            const WGSL: &'static str =
+                concat!("struct ", stringify!($name), " {\n", $("    ", stringify!($field), ": ", stringify!($ty), ",\n",)* "}\n");
+        }
+    };
+}
+
+wgsl_struct! {
+    /// The per-submission values every position-dependent kernel reads,
+    /// written by the host before each submission.
+    pub struct Step {
+        /// Position of the first token in flight.
+        pub pos0: u32,
+        /// Tokens in flight.
+        pub n_tokens: u32,
+        /// Key splits of one token's attention (decode only).
+        pub attn_splits: u32,
+        pub _pad: u32,
+    }
+}
+
+/// A kernel family: its WGSL and the parameter structs it reads.
+pub struct Family {
+    pub name: &'static str,
+    pub source: &'static str,
+    /// WGSL declarations prepended to the source ([`WgslStruct::WGSL`]).
+    pub structs: fn() -> Vec<&'static str>,
+}
+
+/// Every kernel family, by file name (without `.wgsl`).
+pub const FAMILIES: &[Family] = &[
+    Family {
+        name: "attention",
+        source: include_str!("../../wgsl/attention.wgsl"),
+        structs: attention::structs,
     },
-    Variant {
-        family: "gemv",
-        name: "reduce_subgroup",
-        source: include_str!("../../wgsl/gemv.reduce_subgroup.wgsl"),
-        subgroups: true,
-    },
+    Family { name: "copy", source: include_str!("../../wgsl/copy.wgsl"), structs: copy::structs },
+    Family { name: "embed", source: include_str!("../../wgsl/embed.wgsl"), structs: embed::structs },
+    Family { name: "gemm", source: include_str!("../../wgsl/gemm.wgsl"), structs: gemm::structs },
+    Family { name: "gemv", source: include_str!("../../wgsl/gemv.wgsl"), structs: gemv::structs },
+    Family { name: "residual", source: include_str!("../../wgsl/residual.wgsl"), structs: residual::structs },
+    Family { name: "rms_norm", source: include_str!("../../wgsl/rms_norm.wgsl"), structs: rms_norm::structs },
+    Family { name: "router", source: include_str!("../../wgsl/router.wgsl"), structs: router::structs },
+    Family { name: "sample", source: include_str!("../../wgsl/sample.wgsl"), structs: sample::structs },
+    Family { name: "swiglu", source: include_str!("../../wgsl/swiglu.wgsl"), structs: swiglu::structs },
 ];
 
 const COMMON: &str = include_str!("../../wgsl/common.wgsl");
 
-/// The complete source of a kernel family as it is compiled: the shared
-/// helpers of `common.wgsl`, the variant (the family's baseline when
-/// `variant` is `None`), then the family's file.
-pub fn shader_source(name: &str, variant: Option<&str>) -> Option<String> {
-    let (_, src) = SHADERS.iter().find(|(n, _)| *n == name)?;
-    let mut variants = VARIANTS.iter().filter(|v| v.family == name);
-    let piece = match variant {
-        Some(v) => variants.find(|x| x.name == v)?.source,
-        None => variants.next().map_or("", |v| v.source),
-    };
-    Some(format!("{COMMON}\n{piece}\n{src}"))
+/// One specialisation the engine may build: a family with a set of flags.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Build {
+    pub family: &'static str,
+    pub flags: Vec<&'static str>,
 }
 
-/// The per-submission values every position-dependent kernel reads: the
-/// position of the first token in flight and how many tokens there are.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct Step {
-    pub pos0: u32,
-    pub n_tokens: u32,
-    pub _pad: [u32; 2],
+impl Build {
+    /// Uses subgroup operations (needs the SUBGROUP feature).
+    pub fn uses_subgroups(&self) -> bool {
+        self.flags.contains(&SUBGROUPS)
+    }
+
+    /// Uses `pack2x16float` / `unpack2x16float` (needs the adapter's
+    /// SHADER_F16_IN_F32 downlevel flag).
+    pub fn uses_f16_in_f32(&self) -> bool {
+        self.flags.contains(&F16_NATIVE)
+    }
 }
 
-/// Compiles a kernel family's entry point `main` with pipeline constants.
-pub(crate) fn pipeline(gpu: &Gpu, name: &str, constants: &[(&str, f64)]) -> Result<wgpu::ComputePipeline> {
-    pipeline_entry(gpu, name, "main", constants)
+/// The flag of builds that use subgroup operations.
+pub const SUBGROUPS: &str = "SUBGROUPS";
+/// The flag of builds that convert f16 with the WGSL builtins.
+pub const F16_NATIVE: &str = "F16_NATIVE";
+
+/// Every specialisation any session may build (the shader test translates
+/// each one for every backend).
+pub fn builds() -> Vec<Build> {
+    let mut out = Vec::new();
+    for family in FAMILIES {
+        let flag_sets = match family.name {
+            "gemv" => gemv::flag_sets(),
+            "attention" => attention::flag_sets(),
+            "residual" => residual::flag_sets(),
+            "sample" => sample::flag_sets(),
+            _ => vec![vec![]],
+        };
+        out.extend(flag_sets.into_iter().map(|flags| Build { family: family.name, flags }));
+    }
+    out
 }
 
-/// Compiles a variant of a kernel family's `main`.
-pub(crate) fn pipeline_variant(
+/// The complete source of a build as it is compiled: the shared helpers of
+/// `common.wgsl` and the family's file, with the family's parameter structs
+/// declared, and `#if` sections resolved by `flags`.
+pub fn shader_source(family: &str, flags: &[&str]) -> Option<String> {
+    let f = FAMILIES.iter().find(|f| f.name == family)?;
+    let structs: String = std::iter::once(Step::WGSL).chain((f.structs)()).collect();
+    Some(preprocess(&format!("{structs}\n{COMMON}\n{}", f.source), flags))
+}
+
+/// Resolves `#if NAME`, `#if !NAME`, `#else` and `#endif` lines (nesting
+/// allowed): a section is kept when its condition holds for `flags`.
+/// Dropped lines become empty lines, so naga's line numbers stay those of
+/// the file.
+pub fn preprocess(source: &str, flags: &[&str]) -> String {
+    // One entry per open #if: (this section is kept, the #if's condition held).
+    let mut stack: Vec<(bool, bool)> = Vec::new();
+    let mut out = String::with_capacity(source.len());
+    for line in source.lines() {
+        let trimmed = line.trim_start();
+        let enclosing = stack.last().is_none_or(|s| s.0);
+        if let Some(cond) = trimmed.strip_prefix("#if ") {
+            let cond = cond.trim();
+            let held = match cond.strip_prefix('!') {
+                Some(name) => !flags.contains(&name.trim()),
+                None => flags.contains(&cond),
+            };
+            stack.push((enclosing && held, held));
+        } else if trimmed.starts_with("#else") {
+            let (_, held) = stack.pop().expect("#else without #if");
+            let enclosing = stack.last().is_none_or(|s| s.0);
+            stack.push((enclosing && !held, !held));
+        } else if trimmed.starts_with("#endif") {
+            stack.pop().expect("#endif without #if");
+        } else if enclosing {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    assert!(stack.is_empty(), "#if without #endif");
+    out
+}
+
+/// The pipeline of `entry` in `family` built with `flags` and override
+/// `constants`, from the device's cache.
+pub(crate) fn pipeline(
     gpu: &Gpu,
-    name: &str,
-    variant: &str,
-    constants: &[(&str, f64)],
-) -> Result<wgpu::ComputePipeline> {
-    let source = shader_source(name, Some(variant)).expect("a registered variant");
-    compile(gpu, name, &source, "main", constants)
-}
-
-/// Compiles entry point `entry` of a kernel family with pipeline constants.
-pub(crate) fn pipeline_entry(
-    gpu: &Gpu,
-    name: &str,
+    family: &str,
     entry: &str,
+    flags: &[&str],
     constants: &[(&str, f64)],
 ) -> Result<wgpu::ComputePipeline> {
-    let source = shader_source(name, None).expect("kernel name is one of SHADERS");
-    compile(gpu, name, &source, entry, constants)
+    gpu.pipelines.get(gpu, family, entry, flags, constants)
+}
+
+/// Pipelines by (family, entry point, flags, constants), created on first
+/// request.
+#[derive(Debug, Default)]
+pub struct PipelineCache {
+    pipelines: Mutex<HashMap<String, wgpu::ComputePipeline>>,
+}
+
+impl PipelineCache {
+    /// The pipeline of `entry` in `family` built with `flags` and override
+    /// `constants`.
+    pub fn get(
+        &self,
+        gpu: &Gpu,
+        family: &str,
+        entry: &str,
+        flags: &[&str],
+        constants: &[(&str, f64)],
+    ) -> Result<wgpu::ComputePipeline> {
+        let mut sorted = flags.to_vec();
+        sorted.sort_unstable();
+        let key = format!("{family}:{entry}:{sorted:?}:{constants:?}");
+        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
+            return Ok(p.clone());
+        }
+        let source = shader_source(family, flags).expect("a registered kernel family");
+        let pipeline = compile(gpu, family, &source, entry, constants)?;
+        self.pipelines.lock().unwrap().insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
 }
 
 fn compile(
@@ -148,22 +265,23 @@ fn compile(
         },
         cache: None,
     });
-    gpu.check(&format!("compiling kernel {name}"))?;
+    gpu.check(&format!("compiling kernel {name}:{entry}"))?;
     Ok(pipeline)
 }
 
-/// All pipelines of the layer flow, created once per model.
+/// All kernels of the layer flow, created once per model; specialisations
+/// a session asks for later come from the device's pipeline cache.
 #[derive(Debug)]
 pub struct Kernels {
     pub embed: Embed,
     pub rms_norm: RmsNorm,
     pub gemv: Gemv,
     pub gemm: Gemm,
-    pub rope: Rope,
     pub attention: Attention,
     pub swiglu: Swiglu,
     pub residual: Residual,
     pub router: Router,
+    pub sample: Sample,
 }
 
 impl Kernels {
@@ -171,13 +289,13 @@ impl Kernels {
         Ok(Kernels {
             embed: Embed::new(gpu)?,
             rms_norm: RmsNorm::new(gpu)?,
-            gemv: Gemv::new(gpu)?,
+            gemv: Gemv::new(gpu),
             gemm: Gemm::new(gpu)?,
-            rope: Rope::new(gpu)?,
-            attention: Attention::new(gpu)?,
+            attention: Attention::new(gpu),
             swiglu: Swiglu::new(gpu)?,
-            residual: Residual::new(gpu)?,
+            residual: Residual::new(),
             router: Router::new(gpu)?,
+            sample: Sample::new(gpu),
         })
     }
 }
@@ -196,8 +314,13 @@ impl Heads {
         (self.q + 2 * self.kv) * self.dim
     }
 
-    /// Width of one position's row in the K (or V) cache.
+    /// Width of one position's K (or V) in the cache.
     pub fn kv_width(&self) -> usize {
         self.kv * self.dim
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.q / self.kv
     }
 }

@@ -1,21 +1,21 @@
 //! `wgsl/residual.wgsl`: the residual add, plain (scaled) or as the
-//! weighted sum of the routed experts' outputs; at a layer's output it also
-//! adds the steering row and writes the capture.
+//! weighted sum of the routed experts' outputs, and the layer output
+//! (steering and capture, `common.wgsl`) that any layer-ending add carries.
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
-use crate::kernels::Step;
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    n: u32,
-    k: u32,
-    weighted: u32,
-    scale: f32,
-    steer: u32,
-    capture_rows: u32,
-    _pad: [u32; 2],
+crate::wgsl_struct! {
+    pub struct ResidualParams {
+        n: u32,
+        k: u32,
+        scale: f32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![ResidualParams::WGSL]
 }
 
 /// What the add at a layer's output also does: add `steer` (one row of
@@ -31,92 +31,91 @@ pub struct CaptureTarget<'a> {
     /// Room for `rows * n` f32.
     pub region: wgpu::BufferBinding<'a>,
     pub rows: usize,
-    /// The [`Step`] uniform: how many tokens are in flight.
+    /// The [`super::Step`] uniform: how many tokens are in flight.
     pub step: &'a wgpu::Buffer,
 }
 
-#[derive(Debug)]
-pub struct Residual {
-    pipeline: wgpu::ComputePipeline,
-    /// Bound in place of the inputs an add does not read.
-    unused_input: wgpu::Buffer,
-    unused_capture: wgpu::Buffer,
-    unused_step: wgpu::Buffer,
+impl<'a> LayerOutput<'a> {
+    /// Adds the flags, bindings and constants of `common.wgsl`'s
+    /// `layer_output` for this output to a kernel's.
+    pub(crate) fn bind(
+        &self,
+        flags: &mut Vec<&'static str>,
+        buffers: &mut Vec<(u32, wgpu::BufferBinding<'a>)>,
+        constants: &mut Vec<(&'static str, f64)>,
+    ) {
+        if let Some(steer) = self.steer {
+            flags.push("STEER");
+            buffers.push((10, steer.as_entire_buffer_binding()));
+        }
+        if let Some(c) = &self.capture {
+            flags.push("CAPTURE");
+            buffers.push((11, c.region.clone()));
+            buffers.push((12, c.step.as_entire_buffer_binding()));
+            constants.push(("CAPTURE_ROWS", c.rows as f64));
+        }
+    }
+
+    /// Every combination of layer-output flags.
+    pub fn flag_sets() -> Vec<Vec<&'static str>> {
+        vec![vec![], vec!["STEER"], vec!["CAPTURE"], vec!["STEER", "CAPTURE"]]
+    }
 }
 
+#[derive(Debug, Default)]
+pub struct Residual;
+
 impl Residual {
-    pub fn new(gpu: &Gpu) -> Result<Self> {
-        use wgpu::util::DeviceExt;
-        Ok(Residual {
-            pipeline: super::pipeline(gpu, "residual", &[])?,
-            unused_input: gpu.storage_buffer("residual.unused_input", 1)?,
-            unused_capture: gpu.storage_buffer("residual.unused_capture", 1)?,
-            unused_step: gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("residual.unused_step"),
-                contents: bytemuck::bytes_of(&Step { pos0: 0, n_tokens: 0, _pad: [0; 2] }),
-                usage: wgpu::BufferUsages::UNIFORM,
-            }),
-        })
+    pub fn new() -> Self {
+        Residual
     }
 
     fn dispatch(
         &self,
         gpu: &Gpu,
-        mut params: Params,
+        params: ResidualParams,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
         weights: Option<&wgpu::Buffer>,
-        output: LayerOutput<'_>,
-    ) -> Dispatch {
-        params.steer = output.steer.is_some() as u32;
-        params.capture_rows = output.capture.as_ref().map_or(0, |c| c.rows as u32);
+        output: &LayerOutput<'_>,
+    ) -> Result<Dispatch> {
+        let mut flags = vec![];
+        let mut constants = vec![];
+        let mut buffers = vec![(1, y.as_entire_buffer_binding()), (2, x.as_entire_buffer_binding())];
+        if let Some(w) = weights {
+            flags.push("WEIGHTED");
+            buffers.push((3, w.as_entire_buffer_binding()));
+        }
+        output.bind(&mut flags, &mut buffers, &mut constants);
+        let pipeline = super::pipeline(gpu, "residual", "main", &flags, &constants)?;
         let n = params.n;
         let params = ParamsBuffer::new(gpu, "residual.params", &params);
-        let unused = &self.unused_input;
-        let (capture, step) = match output.capture {
-            Some(c) => (c.region, c.step),
-            None => (self.unused_capture.as_entire_buffer_binding(), &self.unused_step),
-        };
-        let bindings = [
-            (0, params.0.as_entire_buffer_binding()),
-            (1, y.as_entire_buffer_binding()),
-            (2, x.as_entire_buffer_binding()),
-            (3, weights.unwrap_or(unused).as_entire_buffer_binding()),
-            (4, output.steer.unwrap_or(unused).as_entire_buffer_binding()),
-            (5, capture),
-            (6, step.as_entire_buffer_binding()),
-        ];
-        Dispatch {
+        buffers.push((0, params.0.as_entire_buffer_binding()));
+        Ok(Dispatch {
             label: "residual",
-            bind_group: gpu.bind_ranges("residual", &self.pipeline, &bindings),
-            pipeline: self.pipeline.clone(),
+            bind_group: gpu.bind_ranges("residual", &pipeline, &buffers),
+            pipeline,
             workgroups: [n.div_ceil(64), 1, 1],
             tokens_per_workgroup: 1,
-        }
+        })
     }
 
-    /// `x[t] += scale * y[t]`, both packed `[tokens, n]`.
-    pub fn plan(&self, gpu: &Gpu, n: usize, scale: f32, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Dispatch {
-        self.plan_output(gpu, n, scale, y, x, LayerOutput::default())
-    }
-
-    /// As [`Self::plan`], at a layer's output.
-    pub fn plan_output(
+    /// `x[t] = layer_output(x[t] + scale * y[t])`, both packed `[tokens, n]`.
+    pub fn plan(
         &self,
         gpu: &Gpu,
         n: usize,
         scale: f32,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
-        output: LayerOutput<'_>,
-    ) -> Dispatch {
-        let params =
-            Params { n: n as u32, k: 1, weighted: 0, scale, steer: 0, capture_rows: 0, _pad: [0; 2] };
+        output: &LayerOutput<'_>,
+    ) -> Result<Dispatch> {
+        let params = ResidualParams { n: n as u32, k: 1, scale };
         self.dispatch(gpu, params, y, x, None, output)
     }
 
-    /// `x[t] += sum_j weights[t, j] * y[t, j]`, y packed `[tokens, k, n]`,
-    /// at a layer's output.
+    /// `x[t] = layer_output(x[t] + sum_j weights[t, j] * y[t, j])`, y
+    /// packed `[tokens, k, n]`.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_weighted(
         &self,
@@ -126,17 +125,19 @@ impl Residual {
         weights: &wgpu::Buffer,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
-        output: LayerOutput<'_>,
-    ) -> Dispatch {
-        let params = Params {
-            n: n as u32,
-            k: k as u32,
-            weighted: 1,
-            scale: 0.0,
-            steer: 0,
-            capture_rows: 0,
-            _pad: [0; 2],
-        };
+        output: &LayerOutput<'_>,
+    ) -> Result<Dispatch> {
+        let params = ResidualParams { n: n as u32, k: k as u32, scale: 0.0 };
         self.dispatch(gpu, params, y, x, Some(weights), output)
     }
+}
+
+/// The flag sets of every residual add the flow builds.
+pub fn flag_sets() -> Vec<Vec<&'static str>> {
+    let mut out = Vec::new();
+    for layer in LayerOutput::flag_sets() {
+        out.push(layer.clone());
+        out.push([&["WEIGHTED"][..], &layer].concat());
+    }
+    out
 }

@@ -3,15 +3,19 @@
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    n: u32,
-    head_stride: u32,
-    token_stride: u32,
-    offset: u32,
-    eps: f32,
-    _pad: [u32; 3],
+crate::wgsl_struct! {
+    pub struct RmsNormParams {
+        n: u32,
+        head_stride: u32,
+        token_stride: u32,
+        offset: u32,
+        eps: f32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![RmsNormParams::WGSL]
 }
 
 /// Where the rows to normalise are: `heads` rows of `n` elements per token,
@@ -41,7 +45,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let wg = if gpu.caps.is_cpu { 64.0 } else { 256.0 };
-        Ok(RmsNorm { pipeline: super::pipeline(gpu, "rms_norm", &[("WG", wg)])? })
+        Ok(RmsNorm { pipeline: super::pipeline(gpu, "rms_norm", "main", &[], &[("WG", wg)])? })
     }
 
     /// `out = w * x * rsqrt(mean(x^2) + eps)` per row; `x` and `out` may be
@@ -59,13 +63,12 @@ impl RmsNorm {
         let params = ParamsBuffer::new(
             gpu,
             "rms_norm.params",
-            &Params {
+            &RmsNormParams {
                 n: rows.n as u32,
                 head_stride: rows.head_stride as u32,
                 token_stride: rows.token_stride as u32,
                 offset: rows.offset as u32,
                 eps,
-                _pad: [0; 3],
             },
         );
         Dispatch {

@@ -8,13 +8,19 @@ use crate::model::config::Routing;
 pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    n_experts: u32,
-    top_k: u32,
-    scoring: u32,
-    renormalize: u32,
+crate::wgsl_struct! {
+    pub struct RouterParams {
+        n_experts: u32,
+        top_k: u32,
+        /// 0: softmax; 1: sigmoid with bias.
+        scoring: u32,
+        renormalize: u32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![RouterParams::WGSL]
 }
 
 pub struct RouterBindings<'a> {
@@ -35,7 +41,7 @@ pub struct Router {
 impl Router {
     pub fn new(gpu: &Gpu) -> Result<Self> {
         Ok(Router {
-            pipeline: super::pipeline(gpu, "router", &[])?,
+            pipeline: super::pipeline(gpu, "router", "main", &[], &[])?,
             no_bias: gpu.storage_buffer("router.no_bias", 1)?,
         })
     }
@@ -57,7 +63,7 @@ impl Router {
         let params = ParamsBuffer::new(
             gpu,
             "router.params",
-            &Params { n_experts: n_experts as u32, top_k: top_k as u32, scoring, renormalize },
+            &RouterParams { n_experts: n_experts as u32, top_k: top_k as u32, scoring, renormalize },
         );
         let bias = b.bias.unwrap_or(&self.no_bias);
         Dispatch {

@@ -1,13 +1,18 @@
-//! `wgsl/swiglu.wgsl`: the gated activation of the dense FFN.
+//! `wgsl/swiglu.wgsl`: the gated activation of a prompt chunk's FFN (one
+//! token's is fused into its gate/up GEMV).
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    n: u32,
-    _pad: [u32; 3],
+crate::wgsl_struct! {
+    pub struct SwigluParams {
+        n: u32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![SwigluParams::WGSL]
 }
 
 #[derive(Debug)]
@@ -17,17 +22,25 @@ pub struct Swiglu {
 
 impl Swiglu {
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Swiglu { pipeline: super::pipeline(gpu, "swiglu", &[])? })
+        Ok(Swiglu { pipeline: super::pipeline(gpu, "swiglu", "main", &[], &[])? })
     }
 
-    /// `act[t] = silu(gate_up[t, ..n]) * gate_up[t, n..]`.
-    pub fn plan(&self, gpu: &Gpu, n: usize, gate_up: &wgpu::Buffer, act: &wgpu::Buffer) -> Dispatch {
-        let params = ParamsBuffer::new(gpu, "swiglu.params", &Params { n: n as u32, _pad: [0; 3] });
+    /// `act[t, i] = silu(gate_up[t, 2i]) * gate_up[t, 2i + 1]` for `rows`
+    /// rows per token (routing slots: `top_k`).
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        rows: usize,
+        gate_up: &wgpu::Buffer,
+        act: &wgpu::Buffer,
+    ) -> Dispatch {
+        let params = ParamsBuffer::new(gpu, "swiglu.params", &SwigluParams { n: n as u32 });
         Dispatch {
             label: "swiglu",
             bind_group: gpu.bind("swiglu", &self.pipeline, &[&params.0, gate_up, act]),
             pipeline: self.pipeline.clone(),
-            workgroups: [(n as u32).div_ceil(64), 1, 1],
+            workgroups: [(n as u32).div_ceil(64), rows as u32, 1],
             tokens_per_workgroup: 1,
         }
     }

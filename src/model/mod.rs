@@ -34,7 +34,8 @@ pub struct LayerWeights {
 #[derive(Debug)]
 pub enum FfnWeights {
     Dense {
-        /// gate and up projections stacked: `[2 * intermediate, hidden]`.
+        /// gate and up projections, rows interleaved: `[2 * intermediate,
+        /// hidden]`, row `2i` gate row `i`, row `2i + 1` up row `i`.
         gate_up: GpuTensor,
         down: GpuTensor,
     },
@@ -42,9 +43,10 @@ pub enum FfnWeights {
 }
 
 /// A MoE layer's router and experts. Expert `e` owns rows
-/// `[e * 2I, (e + 1) * 2I)` of `gate_up` (its gate rows, then its up rows)
-/// and rows `[e * H, (e + 1) * H)` of `down`: the layout transformers 5's
-/// fused tensors already have, and the one per-expert tensors are stacked into.
+/// `[e * 2I, (e + 1) * 2I)` of `gate_up` (its gate and up rows
+/// interleaved, as a dense layer's) and rows `[e * H, (e + 1) * H)` of
+/// `down`: per-expert tensors and transformers 5's fused ones are both
+/// stacked into this layout.
 #[derive(Debug)]
 pub struct MoeWeights {
     /// `[experts, hidden]`.
@@ -143,14 +145,14 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
             ffn: match &c.moe {
                 Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
                 _ => FfnWeights::Dense {
-                    gate_up: up.stack(
+                    gate_up: up.gate_up(
                         &name("mlp.gate_up"),
                         &[
-                            (&name("mlp.gate_proj.weight"), c.intermediate),
-                            (&name("mlp.up_proj.weight"), c.intermediate),
+                            (&name("mlp.gate_proj.weight"), &[c.intermediate, hidden]),
+                            (&name("mlp.up_proj.weight"), &[c.intermediate, hidden]),
                         ],
+                        c.intermediate,
                         hidden,
-                        1,
                     )?,
                     down: up.matrix(&name("mlp.down_proj.weight"), hidden, c.intermediate)?,
                 },
@@ -172,17 +174,23 @@ fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: us
     let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
     let block = if up.contains(&fused) { "mlp" } else { names.block };
     let (gate_up, down) = if up.contains(&fused) {
-        (up.experts(&fused, e, 2 * i, h)?, up.experts(&name("mlp.experts.down_proj"), e, h, i)?)
+        (
+            up.gate_up(&fused, &[(&fused, &[e, 2 * i, h])], i, h)?,
+            up.experts(&name("mlp.experts.down_proj"), e, h, i)?,
+        )
     } else {
         let expert = |x: usize, which: &str| name(&format!("{block}.experts.{x}.{which}.weight"));
         let gate_up_names: Vec<(String, String)> =
             (0..e).map(|x| (expert(x, names.gate), expert(x, names.up))).collect();
-        let gate_up_sources: Vec<(&str, usize)> =
-            gate_up_names.iter().flat_map(|(g, u)| [(g.as_str(), i), (u.as_str(), i)]).collect();
+        let shape = [i, h];
+        let gate_up_sources: Vec<(&str, &[usize])> = gate_up_names
+            .iter()
+            .flat_map(|(g, u)| [(g.as_str(), &shape[..]), (u.as_str(), &shape[..])])
+            .collect();
         let down_names: Vec<String> = (0..e).map(|x| expert(x, names.down)).collect();
         let down_sources: Vec<(&str, usize)> = down_names.iter().map(|d| (d.as_str(), h)).collect();
         (
-            up.stack(&name(&format!("{block}.experts.gate_up")), &gate_up_sources, h, 2 * i)?,
+            up.gate_up(&name(&format!("{block}.experts.gate_up")), &gate_up_sources, i, h)?,
             up.stack(&name(&format!("{block}.experts.down")), &down_sources, i, h)?,
         )
     };

@@ -256,6 +256,56 @@ impl<'a> Uploader<'a> {
         self.upload(label, &sources, cols, group_rows)
     }
 
+    /// Gate and up projections with their rows interleaved (row `2i` gate
+    /// row `i`, row `2i + 1` up row `i`), so that one GEMV output reads
+    /// both rows of its SwiGLU. `sources` hold, in order, groups of
+    /// `2 * n` rows: `n` gate rows then `n` up rows (`[gate; up]` of a
+    /// dense layer, per-expert gate and up tensors one after the other, or
+    /// the fused 3-D `gate_up_proj` of transformers 5). Each group of `2n`
+    /// rows is written interleaved at the same place.
+    pub fn gate_up(
+        &mut self,
+        label: &str,
+        sources: &[(&str, &[usize])],
+        n: usize,
+        cols: usize,
+    ) -> Result<GpuTensor> {
+        for (name, shape) in sources {
+            self.checkpoint.check_shape(name, shape)?;
+        }
+        let total_rows: usize = sources.iter().map(|(_, s)| s.iter().product::<usize>() / cols).sum();
+        let tensor = GpuTensor::alloc_grouped(self.gpu, label, total_rows, cols, 2 * n)?;
+        let row_bytes = cols * 2;
+        let group_bytes = 2 * n * row_bytes;
+        let mut group: Vec<u8> = Vec::with_capacity(group_bytes);
+        let mut interleaved = vec![0u8; group_bytes];
+        let mut first_row = 0;
+        for (name, shape) in sources {
+            let bytes = self.checkpoint.bf16_bytes(name, shape)?;
+            let mut rest: &[u8] = &bytes;
+            while !rest.is_empty() {
+                let take = (group_bytes - group.len()).min(rest.len());
+                group.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                if group.len() == group_bytes {
+                    for (i, row) in group.chunks_exact(row_bytes).enumerate() {
+                        let (half, r) = (i / n, i % n);
+                        let to = (2 * r + half) * row_bytes;
+                        interleaved[to..to + row_bytes].copy_from_slice(row);
+                    }
+                    tensor.write_rows(self.gpu, first_row, &interleaved);
+                    first_row += 2 * n;
+                    group.clear();
+                }
+            }
+            self.pending_bytes += bytes.len() as u64;
+            if self.pending_bytes >= FLUSH_BYTES {
+                self.flush()?;
+            }
+        }
+        Ok(tensor)
+    }
+
     /// A small f32 vector kept in f32 (a router's score-correction bias,
     /// whose precision decides expert selection).
     pub fn f32_vector(&mut self, name: &str, len: usize) -> Result<wgpu::Buffer> {

@@ -54,7 +54,22 @@ pub fn cases() -> Vec<Case> {
 /// Runs a case as the fixture was made: the prompt, then each generated id
 /// fed back. Returns one logits row per expected row.
 pub fn replay(model: &wgspark::Model, e: &Expected) -> wgspark::Result<Vec<Vec<f32>>> {
-    let mut session = model.session(&wgspark::SessionOptions::default())?;
+    replay_with(model, e, &exact())
+}
+
+/// Session options whose logits are held to transformers' within 1e-3:
+/// an f32 KV cache (the default f16 one has its own tolerance).
+pub fn exact() -> wgspark::SessionOptions {
+    wgspark::SessionOptions { kv_format: wgspark::KvFormat::F32, ..Default::default() }
+}
+
+/// As [`replay`], with a session opened with `options`.
+pub fn replay_with(
+    model: &wgspark::Model,
+    e: &Expected,
+    options: &wgspark::SessionOptions,
+) -> wgspark::Result<Vec<Vec<f32>>> {
+    let mut session = model.session(options)?;
     let mut rows = vec![session.prefill(&e.prompt_ids)?];
     for &id in &e.generated_ids[..e.generated_ids.len() - 1] {
         let pos = session.position();

@@ -71,3 +71,44 @@ pub fn route(
     let norm = if renormalize || sigmoid_bias.is_some() { picked.iter().sum() } else { 1.0 };
     (ids, picked.iter().map(|w| w / norm).collect())
 }
+
+/// The probability the host sampler gives each id: softmax of
+/// `logits / temperature` over the `top_k` best (ties to the lower id),
+/// cut to the shortest run from the top whose probability reaches `top_p`,
+/// renormalised.
+pub fn sampling_distribution(
+    logits: &[f32],
+    temperature: f32,
+    top_k: Option<usize>,
+    top_p: Option<f32>,
+) -> Vec<f64> {
+    let mut ids: Vec<usize> = (0..logits.len()).collect();
+    ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    ids.truncate(top_k.unwrap_or(ids.len()));
+    let max = logits[ids[0]];
+    let mut p: Vec<f64> = ids.iter().map(|&i| (((logits[i] - max) / temperature) as f64).exp()).collect();
+    let total: f64 = p.iter().sum();
+    p.iter_mut().for_each(|v| *v /= total);
+    if let Some(top_p) = top_p {
+        let mut cumulative = 0.0;
+        let keep = p
+            .iter()
+            .position(|v| {
+                cumulative += v;
+                cumulative >= top_p as f64
+            })
+            .map_or(p.len(), |i| i + 1);
+        p.truncate(keep);
+    }
+    let total: f64 = p.iter().sum();
+    let mut out = vec![0.0; logits.len()];
+    for (&i, v) in ids.iter().zip(&p) {
+        out[i] = v / total;
+    }
+    out
+}
+
+/// Rounds to f16 and back, as an f16 KV cache stores values.
+pub fn f16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+}

@@ -1,0 +1,124 @@
+//! `wgsl/sample.wgsl`: the next token chosen on the GPU from the logits
+//! (greedy, or a seeded draw with temperature, top-k and top-p), written
+//! where the next decode step reads its input.
+
+use crate::error::Result;
+use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
+use crate::sampling::Sampling;
+
+crate::wgsl_struct! {
+    pub struct SampleParams {
+        vocab: u32,
+        temperature: f32,
+        /// 0: no top-k cut.
+        top_k: u32,
+        /// 1: no top-p cut.
+        top_p: f32,
+        seed_lo: u32,
+        seed_hi: u32,
+    }
+}
+
+pub fn structs() -> Vec<&'static str> {
+    use super::WgslStruct;
+    vec![SampleParams::WGSL]
+}
+
+/// Logits per `partial` workgroup (`PER_WG` in the shader).
+const PER_WG: usize = 1024;
+
+/// Scratch of a selection: the best of each block of logits, and the
+/// candidates' smallest key.
+#[derive(Debug)]
+pub struct SampleScratch {
+    pub partials: wgpu::Buffer,
+    pub candidate_floor: wgpu::Buffer,
+}
+
+impl SampleScratch {
+    pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        Ok(SampleScratch {
+            partials: gpu.storage_buffer("sample.partials", 2 * vocab.div_ceil(PER_WG))?,
+            candidate_floor: gpu.storage_buffer("sample.candidate_floor", 1)?,
+        })
+    }
+}
+
+pub struct SampleBindings<'a> {
+    pub step: &'a wgpu::Buffer,
+    pub logits: &'a wgpu::Buffer,
+    /// The chosen id goes to element 0.
+    pub tokens: &'a wgpu::Buffer,
+    pub scratch: &'a SampleScratch,
+}
+
+#[derive(Debug, Default)]
+pub struct Sample;
+
+impl Sample {
+    pub fn new(_gpu: &Gpu) -> Self {
+        Sample
+    }
+
+    /// The dispatches that choose a token from `vocab` logits: the
+    /// candidate threshold (top-k / top-p only), the best of each block,
+    /// the best of all.
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        vocab: usize,
+        sampling: Sampling,
+        seed: u64,
+        b: &SampleBindings<'_>,
+    ) -> Result<Vec<Dispatch>> {
+        let mut params = SampleParams {
+            vocab: vocab as u32,
+            seed_lo: seed as u32,
+            seed_hi: (seed >> 32) as u32,
+            ..Default::default()
+        };
+        let mut flags = vec![];
+        let mut filtered = false;
+        if let Sampling::Random { temperature, top_k, top_p } = sampling {
+            flags.push("RANDOM");
+            params.temperature = temperature;
+            params.top_k = top_k.filter(|&k| k < vocab).unwrap_or(0) as u32;
+            params.top_p = top_p.filter(|&p| p < 1.0).unwrap_or(1.0);
+            filtered = params.top_k > 0 || params.top_p < 1.0;
+        }
+        if filtered {
+            flags.push("FILTER");
+        }
+        let params = ParamsBuffer::new(gpu, "sample.params", &params);
+        let s = b.scratch;
+        let dispatch =
+            |entry: &'static str, buffers: &[(u32, &wgpu::Buffer)], blocks: u32| -> Result<Dispatch> {
+                let pipeline = super::pipeline(gpu, "sample", entry, &flags, &[])?;
+                let mut bound = vec![(0, &params.0)];
+                bound.extend_from_slice(buffers);
+                Ok(Dispatch {
+                    label: entry,
+                    bind_group: gpu.bind_at(entry, &pipeline, &bound),
+                    pipeline,
+                    workgroups: [blocks, 1, 1],
+                    tokens_per_workgroup: 0,
+                })
+            };
+        let mut dispatches = Vec::new();
+        if filtered {
+            dispatches.push(dispatch("threshold", &[(2, b.logits), (5, &s.candidate_floor)], 1)?);
+        }
+        let mut partial = vec![(1, b.step), (2, b.logits), (3, &s.partials)];
+        if filtered {
+            partial.push((5, &s.candidate_floor));
+        }
+        dispatches.push(dispatch("partial", &partial, vocab.div_ceil(PER_WG) as u32)?);
+        dispatches.push(dispatch("finish", &[(3, &s.partials), (4, b.tokens)], 1)?);
+        Ok(dispatches)
+    }
+}
+
+/// The flag sets of every selection build.
+pub fn flag_sets() -> Vec<Vec<&'static str>> {
+    vec![vec![], vec!["RANDOM"], vec!["RANDOM", "FILTER"]]
+}

@@ -1,0 +1,264 @@
+// Token selection on the GPU, writing the chosen id to tokens[0], where
+// the next decode step's embedding reads it.
+//   greedy:  the highest logit, the lowest id on ties; NaN never wins.
+//   RANDOM:  a draw from softmax(logits / temperature) by the Gumbel-max
+//            trick: argmax_i (l_i / T + G_i), G_i = -log(-log(u_i)), u_i a
+//            hash of (seed, position of the token drawn, i): reproducible for
+//            a seed on a backend, independent across positions.
+//   FILTER:  only candidates whose logit is at least the threshold that
+//            `threshold` found: the k-th largest logit (top_k > 0), then
+//            the smallest logit of the shortest run from the top whose
+//            probability reaches top_p (top_p < 1), the probabilities being
+//            those of the tempered softmax over the top-k candidates.
+//            Tokens tied with the threshold are all kept.
+// Entry points: `threshold` (one workgroup, FILTER), `partial` (one
+// workgroup per PER_WG logits: the best of its block), `finish` (one
+// workgroup: the best of the partials, into tokens[0]).
+// Logits are compared as order-preserving u32 keys (NaN lowest).
+// threshold's radix selection: 4 rounds of 8 bits, histograms of counts
+// (top-k) or of probability in 2^-31 units (top-p) in workgroup atomics.
+
+const WG: u32 = 256u;
+const PER_WG: u32 = 1024u;
+const NEG_INF: f32 = -3.4028235e38;
+
+@group(0) @binding(0) var<uniform> p: SampleParams;
+@group(0) @binding(1) var<uniform> step: Step;
+@group(0) @binding(2) var<storage, read> logits: array<f32>;
+// (score bits, id) of each partial block.
+@group(0) @binding(3) var<storage, read_write> partials: array<vec2<u32>>;
+@group(0) @binding(4) var<storage, read_write> tokens: array<u32>;
+// The smallest key a candidate may have (FILTER), written by `threshold`.
+@group(0) @binding(5) var<storage, read_write> candidate_floor: array<u32>;
+
+fn key(l: f32) -> u32 {
+    if (l != l) {
+        return 0u;
+    }
+    let b = bitcast<u32>(l);
+    return select(b | 0x80000000u, ~b, (b >> 31u) == 1u);
+}
+
+fn mix(h0: u32) -> u32 {
+    var h = h0;
+    h ^= h >> 16u;
+    h *= 0x7feb352du;
+    h ^= h >> 15u;
+    h *= 0x846ca68bu;
+    h ^= h >> 16u;
+    return h;
+}
+
+// Gumbel noise for candidate i of the token drawn at `pos`.
+fn gumbel(i: u32, pos: u32) -> f32 {
+    let h = mix(i ^ mix(pos ^ mix(p.seed_lo ^ mix(p.seed_hi + 0x9e3779b9u))));
+    let u = (f32(h >> 8u) + 0.5) / 16777216.0;
+    return -log(-log(u));
+}
+
+var<workgroup> best_score: array<f32, WG>;
+var<workgroup> best_id: array<u32, WG>;
+
+// Reduces (best_score, best_id) over the workgroup into slot 0: higher
+// score wins, then the lower id.
+fn reduce_best(l: u32) {
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        workgroupBarrier();
+        if (l < s) {
+            let os = best_score[l + s];
+            let oi = best_id[l + s];
+            if (os > best_score[l] || (os == best_score[l] && oi < best_id[l])) {
+                best_score[l] = os;
+                best_id[l] = oi;
+            }
+        }
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(WG)
+fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let pos = step.pos0 + step.n_tokens;
+#if FILTER
+    let floor_key = candidate_floor[0];
+#endif
+    var bs = NEG_INF;
+    var bi = 0xffffffffu;
+    for (var c = 0u; c < PER_WG / WG; c++) {
+        let i = wid.x * PER_WG + c * WG + l;
+        if (i < p.vocab) {
+            let logit = logits[i];
+#if FILTER
+            if (key(logit) < floor_key) {
+                continue;
+            }
+#endif
+#if RANDOM
+            let s = logit / p.temperature + gumbel(i, pos);
+#else
+            let s = logit;
+#endif
+            // Ids rise with c: a tie keeps the first.
+            if (s > bs) {
+                bs = s;
+                bi = i;
+            }
+        }
+    }
+    best_score[l] = bs;
+    best_id[l] = bi;
+    reduce_best(l);
+    if (l == 0u) {
+        partials[wid.x] = vec2<u32>(bitcast<u32>(best_score[0]), best_id[0]);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn finish(@builtin(local_invocation_index) l: u32) {
+    var bs = NEG_INF;
+    var bi = 0xffffffffu;
+    let n = (p.vocab + PER_WG - 1u) / PER_WG;
+    for (var i = l; i < n; i += WG) {
+        let s = bitcast<f32>(partials[i].x);
+        let id = partials[i].y;
+        if (s > bs || (s == bs && id < bi)) {
+            bs = s;
+            bi = id;
+        }
+    }
+    best_score[l] = bs;
+    best_id[l] = bi;
+    reduce_best(l);
+    if (l == 0u) {
+        // No candidate beat -inf (all NaN or -inf): id 0, as the CPU sampler.
+        tokens[0] = select(best_id[0], 0u, best_id[0] == 0xffffffffu);
+    }
+}
+
+var<workgroup> hist: array<atomic<u32>, 256>;
+var<workgroup> chosen: u32;
+var<workgroup> carried: u32;
+var<workgroup> red: array<f32, WG>;
+
+fn reduce_max(v: f32, l: u32) -> f32 {
+    workgroupBarrier();
+    red[l] = v;
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        workgroupBarrier();
+        if (l < s) {
+            red[l] = max(red[l], red[l + s]);
+        }
+    }
+    workgroupBarrier();
+    return red[0];
+}
+
+fn reduce_sum(v: f32, l: u32) -> f32 {
+    workgroupBarrier();
+    red[l] = v;
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        workgroupBarrier();
+        if (l < s) {
+            red[l] += red[l + s];
+        }
+    }
+    workgroupBarrier();
+    return red[0];
+}
+
+// One round of radix selection: among candidates (key >= floor_key) whose
+// key matches `prefix` in the bits above `shift + 8`, histograms the next 8 bits at `shift`
+// by count (mass_scale = 0) or by probability exp((l - m) / T) / z in
+// units of 2^-31; then picks, from the top bin down, the bin where
+// `carried` plus the bins above reach `goal`. Returns the extended prefix.
+fn radix_round(l: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, by_mass: bool, goal: u32) -> u32 {
+    // Bits above shift + 8 (none in the first round, where 2 << 31 wraps to 0).
+    let mask = ~((2u << (shift + 7u)) - 1u);
+    atomicStore(&hist[l], 0u);
+    workgroupBarrier();
+    for (var i = l; i < p.vocab; i += WG) {
+        let logit = logits[i];
+        let k = key(logit);
+        if (k >= floor_key && (k & mask) == prefix) {
+            var add = 1u;
+            if (by_mass) {
+                add = u32(exp((logit - m) / p.temperature) / z * 2147483648.0);
+            }
+            atomicAdd(&hist[(k >> shift) & 255u], add);
+        }
+    }
+    workgroupBarrier();
+    if (l == 0u) {
+        var sum = carried;
+        var pick = 0u;
+        var found = false;
+        for (var b = 255i; b >= 0i; b--) {
+            let c = atomicLoad(&hist[u32(b)]);
+            if (c > 0u) {
+                // The lowest non-empty bin, should rounding leave the target short.
+                pick = u32(b);
+                if (sum + c >= goal) {
+                    found = true;
+                    break;
+                }
+                sum += c;
+            }
+        }
+        if (!found) {
+            // Rounding fell short of the target: keep everything.
+            sum = carried;
+            for (var b = 255i; b > i32(pick); b--) {
+                sum += atomicLoad(&hist[u32(b)]);
+            }
+        }
+        chosen = pick;
+        carried = sum;
+    }
+    workgroupBarrier();
+    return prefix | (chosen << shift);
+}
+
+@compute @workgroup_size(WG)
+fn threshold(@builtin(local_invocation_index) l: u32) {
+    var floor_key = 0u;
+    if (p.top_k > 0u && p.top_k < p.vocab) {
+        if (l == 0u) {
+            carried = 0u;
+        }
+        var prefix = 0u;
+        for (var shift = 24i; shift >= 0i; shift -= 8i) {
+            prefix = radix_round(l, prefix, u32(shift), 0u, 0.0, 1.0, false, p.top_k);
+        }
+        floor_key = prefix;
+    }
+    if (p.top_p < 1.0) {
+        var m = NEG_INF;
+        for (var i = l; i < p.vocab; i += WG) {
+            let logit = logits[i];
+            if (key(logit) >= floor_key) {
+                m = max(m, logit);
+            }
+        }
+        m = reduce_max(m, l);
+        var z = 0.0;
+        for (var i = l; i < p.vocab; i += WG) {
+            let logit = logits[i];
+            if (key(logit) >= floor_key) {
+                z += exp((logit - m) / p.temperature);
+            }
+        }
+        z = reduce_sum(z, l);
+        if (l == 0u) {
+            carried = 0u;
+        }
+        let goal = u32(p.top_p * 2147483648.0);
+        var prefix = 0u;
+        for (var shift = 24i; shift >= 0i; shift -= 8i) {
+            prefix = radix_round(l, prefix, u32(shift), floor_key, m, z, true, goal);
+        }
+        floor_key = max(floor_key, prefix);
+    }
+    if (l == 0u) {
+        candidate_floor[0] = floor_key;
+    }
+}
