@@ -67,8 +67,14 @@ fn main() {
     let gpu = Gpu::from_env().expect("an adapter");
     println!("adapter: {}", gpu.describe());
     let cpu = gpu.caps.is_cpu;
-    let copy = gpu.copy_bandwidth(if cpu { 16 << 20 } else { 1 << 30 }, if cpu { 2 } else { 10 }).unwrap();
-    println!("copy bandwidth: {:.3} TB/s (read + write)", copy / 1e12);
+    let bandwidth = gpu.copy_bandwidth(if cpu { 16 << 20 } else { 1 << 30 }, if cpu { 2 } else { 10 }).unwrap();
+    let copy = bandwidth.best;
+    println!(
+        "copy bandwidth: {:.3} TB/s (read + write; buffer copy {:.3}, copy kernel {:.3})",
+        copy / 1e12,
+        bandwidth.api / 1e12,
+        bandwidth.kernel / 1e12
+    );
     let reps = if cpu { 2 } else { 50 };
 
     let gemm = Gemm::new(&gpu).unwrap();

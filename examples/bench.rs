@@ -1,78 +1,114 @@
 //! Prefill and decode throughput on full-size shapes with random bf16
 //! weights (or a real checkpoint), reported as ratios to the device's copy
-//! bandwidth measured in the same run.
+//! bandwidth measured in the same run. Decode runs as `generate` runs it:
+//! greedy on the GPU, steps in flight, ids read back as they come.
 //!
 //! ```text
 //! cargo run --release --example bench -- --shape llama-3.2-1b --shape llama-3.1-8b
+//! cargo run --release --example bench -- --shape qwen3-30b-a3b-16l --routing both
+//! cargo run --release --example bench -- --shape llama-3.1-8b --prompt 4096 --decode 64 --depth 0
 //! cargo run --release --example bench -- --model DIR
 //! ```
+//! Shapes match those `synth_gguf.py` writes for llama.cpp's `llama-bench`,
+//! so both engines measure the same sizes; `--depth D` is llama-bench's
+//! `-d D` (both measurements start after D cached positions).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use wgspark::sampling::argmax;
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, Gpu, GpuOptions, Model, ModelConfig, Session, SessionOptions,
-    Steering,
+    Backend, CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, ModelConfig,
+    RoutingMode, Session, SessionOptions, Steering,
 };
 
 #[derive(Parser, Debug)]
 #[command(about = "wgspark throughput benchmark")]
 struct Args {
-    /// Synthetic shapes: llama-3.2-1b, llama-3.1-8b, smollm2-135m, qwen3-moe-tiny.
+    /// Synthetic shapes (see SHAPES).
     #[arg(long)]
     shape: Vec<String>,
     /// A real Hugging Face checkpoint folder.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Prompt tokens of the prefill measurement (ppN).
+    /// Prompt tokens of the prefill measurement (ppN; 0 skips it).
     #[arg(long, default_value_t = 512)]
     prompt: usize,
-    /// Decoded tokens of the decode measurement (tgN).
+    /// Decoded tokens of the decode measurement (tgN; 0 skips it).
     #[arg(long, default_value_t = 128)]
     decode: usize,
-    /// Timed repetitions of the prefill (best is reported).
+    /// Positions already in the cache when both measurements start.
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
+    /// Timed repetitions (the best is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// MoE routing: readback, device, or both (compared).
+    #[arg(long, default_value = "both")]
+    routing: String,
+    #[arg(long, default_value = "f16")]
+    kv_cache: KvFormat,
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Also measure steering and capture against plain decode.
+    #[arg(long)]
+    steering: bool,
     #[arg(long)]
     backend: Option<String>,
 }
 
-const LLAMA_3_2_1B: &str = r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-  "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-  "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
-  "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+/// (name, config.json) of every synthetic shape.
+const SHAPES: &[(&str, &str)] = &[
+    ("llama-3.2-1b", r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+      "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+      "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
+      "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#),
+    ("llama-3.1-8b", r#"{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+      "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
+      "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#),
+    ("smollm2-135m", r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+      "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
+      "rope_theta": 100000.0}"#),
+    ("qwen3-moe-tiny", r#"{"model_type": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 3072,
+      "moe_intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+      "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": true,
+      "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+      "rope_theta": 1000000.0}"#),
+    ("qwen3-30b-a3b", QWEN3_30B_A3B),
+    ("qwen3-30b-a3b-16l", QWEN3_30B_A3B),
+    ("mixtral-8x7b", MIXTRAL_8X7B),
+    ("mixtral-8x7b-8l", MIXTRAL_8X7B),
+];
 
-const LLAMA_3_1_8B: &str = r#"{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-  "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
-  "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
-
-const SMOLLM2_135M: &str = r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-  "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-  "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
-  "rope_theta": 100000.0}"#;
-
-const QWEN3_MOE_TINY: &str = r#"{"model_type": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 3072,
-  "moe_intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
-  "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": true,
-  "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+const QWEN3_30B_A3B: &str = r#"{"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+  "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+  "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+  "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
   "rope_theta": 1000000.0}"#;
 
+const MIXTRAL_8X7B: &str = r#"{"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+  "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+  "rms_norm_eps": 1e-5, "tie_word_embeddings": false, "rope_theta": 1000000.0}"#;
+
+/// The config of a shape; `-Nl` suffixes keep the first N layers (the
+/// per-layer cost is what is compared, where a whole model would not fit
+/// llama.cpp's disk as a file).
 fn shape_config(name: &str) -> Result<ModelConfig, String> {
-    let json = match name {
-        "llama-3.2-1b" => LLAMA_3_2_1B,
-        "llama-3.1-8b" => LLAMA_3_1_8B,
-        "smollm2-135m" => SMOLLM2_135M,
-        "qwen3-moe-tiny" => QWEN3_MOE_TINY,
-        other => return Err(format!("unknown shape {other:?}")),
-    };
-    ModelConfig::parse(json, std::path::Path::new(name)).map_err(|e| e.to_string())
+    let (_, json) = SHAPES.iter().find(|(n, _)| *n == name).ok_or_else(|| {
+        let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
+        format!("unknown shape {name:?} (one of {})", names.join(", "))
+    })?;
+    let mut value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    if let Some(layers) = name.rsplit('-').next().and_then(|s| s.strip_suffix('l')).and_then(|n| n.parse::<u64>().ok())
+    {
+        value["num_hidden_layers"] = layers.into();
+    }
+    ModelConfig::parse(&value.to_string(), std::path::Path::new(name)).map_err(|e| e.to_string())
 }
 
 fn main() {
@@ -89,32 +125,25 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
     println!("adapter: {}", gpu.describe());
-    let copy = gpu.copy_bandwidth(256 << 20, 20)?;
-    println!("copy bandwidth: {:.3} TB/s (read + write)", copy / 1e12);
+    let copy = gpu.copy_bandwidth(1 << 30, 10)?;
+    println!(
+        "copy bandwidth: {:.3} TB/s (read + write; buffer copy {:.3}, copy kernel {:.3})",
+        copy.best / 1e12,
+        copy.api / 1e12,
+        copy.kernel / 1e12
+    );
     let round_trip = gpu.readback_round_trip(4, 50)?;
     println!("readback round trip (submit, map, read 4 bytes): {:.3} ms", round_trip.as_secs_f64() * 1e3);
-    for bytes in [128 << 10, 512 << 10, 4 << 20] {
-        let t = gpu.readback_round_trip(bytes, 20)?.as_secs_f64();
-        println!(
-            "readback round trip of {} KiB: {:.3} ms ({:.2} GB/s beyond the 4-byte trip)",
-            bytes >> 10,
-            t * 1e3,
-            bytes as f64 / (t - round_trip.as_secs_f64()).max(1e-9) / 1e9
-        );
-    }
 
-    let mut models: Vec<(String, Model)> = Vec::new();
     for name in &args.shape {
         let start = Instant::now();
         let model = Model::synthetic(shape_config(name)?, &gpu, 1)?;
         eprintln!("{name}: random weights uploaded in {:.1} s", start.elapsed().as_secs_f64());
-        models.push((name.clone(), model));
-        measure(&args, copy, models.last().unwrap())?;
-        models.clear();
+        measure(&args, copy.best, round_trip, name, &model)?;
     }
     if let Some(dir) = &args.model {
         let model = Model::load(dir, &gpu)?;
-        measure(&args, copy, &(dir.display().to_string(), model))?;
+        measure(&args, copy.best, round_trip, &dir.display().to_string(), &model)?;
     }
     Ok(())
 }
@@ -122,64 +151,162 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 fn measure(
     args: &Args,
     copy: f64,
-    (name, model): &(String, Model),
+    round_trip: Duration,
+    name: &str,
+    model: &Model,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let c = &model.config;
-    let weight_bytes = c.weight_bytes();
-    println!("\n{name}: {:.3} GB of bf16 weights", weight_bytes as f64 / 1e9);
-    let options = SessionOptions {
-        context_len: Some(args.prompt + args.decode + 1),
-        prefill_chunk: args.prefill_chunk,
-        ..Default::default()
+    println!("\n{name}: {:.3} GB of bf16 weights, depth {}", c.weight_bytes() as f64 / 1e9, args.depth);
+    let modes: &[RoutingMode] = match (c.moe.is_some(), args.routing.as_str()) {
+        (false, _) | (true, "readback") => &[RoutingMode::Readback],
+        (true, "device") => &[RoutingMode::DeviceResident],
+        (true, "both") => &[RoutingMode::DeviceResident, RoutingMode::Readback],
+        (true, other) => return Err(format!("--routing {other:?}: readback, device or both").into()),
     };
-    let mut session = model.session(&options)?;
-    let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 7919 % c.vocab) as u32).collect();
+    let mut decode_per_mode = Vec::new();
+    for &routing in modes {
+        let options = SessionOptions {
+            context_len: Some(args.depth + args.prompt.max(args.decode) + 1),
+            prefill_chunk: args.prefill_chunk,
+            kv_format: args.kv_cache,
+            routing,
+            ..Default::default()
+        };
+        let mode = if c.moe.is_some() { format!(" ({routing:?} routing)") } else { String::new() };
+        let mut session = model.session(&options)?;
+        let context: Vec<u32> = (0..args.depth).map(|i| (i * 7919 % c.vocab) as u32).collect();
+        let fill = |session: &mut Session<'_>| -> wgspark::Result<()> {
+            session.truncate(0);
+            if !context.is_empty() {
+                session.prefill(&context)?;
+            }
+            Ok(())
+        };
+        if args.prompt > 0 {
+            let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 104729 % c.vocab) as u32).collect();
+            // Warm up once (pipelines compile on first use), then best of reps.
+            fill(&mut session)?;
+            session.prefill(&prompt)?;
+            let mut best = Duration::MAX;
+            for _ in 0..args.reps.max(1) {
+                fill(&mut session)?;
+                let start = Instant::now();
+                session.prefill(&prompt)?;
+                best = best.min(start.elapsed());
+            }
+            let secs = best.as_secs_f64();
+            println!(
+                "  prefill pp{}{mode}: {:.2} ms -> {:.0} tok/s, {:.2} TFLOP/s (chunk {})",
+                args.prompt,
+                secs * 1e3,
+                args.prompt as f64 / secs,
+                prefill_flops(c, args.depth, args.prompt) / secs / 1e12,
+                session.prefill_chunk()
+            );
+        }
+        if args.decode > 0 {
+            let per_token = best_decode(&mut session, &fill, args.decode, args.reps, c.vocab)?;
+            let bytes = decode_bytes(c, args.depth + args.decode / 2, args.kv_cache);
+            let achieved = bytes as f64 / per_token;
+            let stats = session.stats();
+            println!(
+                "  decode tg{}{mode}: {:.3} ms/token -> {:.1} tok/s; {:.3} GB read per token -> {:.3} TB/s = {:.1}% \
+                 of copy bandwidth; {} dispatches per token",
+                args.decode,
+                per_token * 1e3,
+                1.0 / per_token,
+                bytes as f64 / 1e9,
+                achieved / 1e12,
+                100.0 * achieved / copy,
+                stats.decode_dispatches
+            );
+            gpu_time(model, &options, &fill, c.vocab)?;
+            decode_per_mode.push((routing, per_token));
+        }
+        if args.steering && routing == modes[0] && args.decode > 0 {
+            steering_cost(&mut session, &fill, args.decode, c)?;
+        }
+    }
+    if let [(_, device), (_, readback)] = decode_per_mode[..] {
+        let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
+        let per_readback = (readback - device) / moe_layers as f64;
+        println!(
+            "  routing readback: {:.3} ms per MoE layer over device-resident = {:.2}x the bare round trip ({:.3} ms)",
+            per_readback * 1e3,
+            per_readback / round_trip.as_secs_f64(),
+            round_trip.as_secs_f64() * 1e3
+        );
+    }
+    Ok(())
+}
 
-    // Prefill: warm up once (pipelines compile on first use), then best of reps.
-    session.prefill(&prompt)?;
-    let mut best = Duration::MAX;
-    for _ in 0..args.reps.max(1) {
-        session.truncate(0);
+/// Seconds per decoded token, best of `reps` generations of `n` greedy
+/// tokens (no stop token) from the filled context.
+fn best_decode(
+    session: &mut Session<'_>,
+    fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
+    n: usize,
+    reps: usize,
+    vocab: usize,
+) -> wgspark::Result<f64> {
+    let options = GenerateOptions { max_tokens: n + 1, ..Default::default() };
+    let mut best = f64::MAX;
+    // The first round warms up.
+    for round in 0..=reps.max(1) {
+        fill(session)?;
+        let mut ids = session.generate(&[(vocab / 2) as u32], &options)?;
+        // The first id comes from the one-token prompt: time the n steps after it.
+        ids.next().transpose()?;
         let start = Instant::now();
-        session.prefill(&prompt)?;
-        best = best.min(start.elapsed());
+        for id in ids {
+            id?;
+        }
+        if round > 0 {
+            best = best.min(start.elapsed().as_secs_f64() / n as f64);
+        }
     }
-    let flops = prefill_flops(c, args.prompt);
-    let secs = best.as_secs_f64();
-    println!(
-        "  prefill pp{}: {:.2} ms -> {:.0} tok/s, {:.2} TFLOP/s (chunk {})",
-        args.prompt,
-        secs * 1e3,
-        args.prompt as f64 / secs,
-        flops / secs / 1e12,
-        session.prefill_chunk()
-    );
+    Ok(best)
+}
 
-    // Decode after the prompt, greedy, reading the logits every token.
-    session.truncate(0);
-    let mut logits = session.prefill(&prompt)?;
-    let mut next = argmax(&logits);
-    for _ in 0..4 {
-        logits = session.step(next, session.position())?;
-        next = argmax(&logits);
+/// GPU time per decode step (timestamps where the adapter has them)
+/// against wall time, each step waited for.
+fn gpu_time(
+    model: &Model,
+    options: &SessionOptions,
+    fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
+    vocab: usize,
+) -> wgspark::Result<()> {
+    let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
+    fill(&mut timed)?;
+    let n = 32;
+    let before = timed.stats();
+    let start = Instant::now();
+    timed.generate(&[(vocab / 2) as u32], &GenerateOptions { max_tokens: n + 1, ..Default::default() })?.count();
+    let wall = start.elapsed().as_secs_f64() / (n + 1) as f64;
+    let after = timed.stats();
+    if let (Some(a), Some(b), Some(source)) = (after.phases, before.phases, after.timing_source) {
+        let ms = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e3 / (n + 1) as f64;
+        println!(
+            "  per step ({source:?}, each waited for): attention and dense {:.3} ms, routed {:.3} ms, head {:.3} ms; \
+             wall {:.3} ms",
+            ms(a.attention, b.attention),
+            ms(a.routed, b.routed),
+            ms(a.head, b.head),
+            wall * 1e3
+        );
     }
-    let per_token = decode_per_token(&mut session, args.prompt, next, args.decode)?;
-    let bytes = decode_bytes(c, args.prompt + args.decode / 2);
-    let achieved = bytes as f64 / per_token;
-    println!(
-        "  decode tg{}: {:.3} ms/token -> {:.1} tok/s; {:.3} GB read per token -> {:.3} TB/s = {:.1}% of copy bandwidth",
-        args.decode,
-        per_token * 1e3,
-        1.0 / per_token,
-        bytes as f64 / 1e9,
-        achieved / 1e12,
-        100.0 * achieved / copy
-    );
-    let stats = session.stats();
+    Ok(())
+}
 
-    // Plain decode, steering every layer, and steering while capturing one
-    // or every layer, in alternation so that clock drift hits all alike;
-    // best of 4 rounds of a quarter of the tokens each.
+/// Plain decode, steering every layer, and steering while capturing one
+/// or every layer, in alternation so that clock drift hits all alike;
+/// best of 4 rounds of a quarter of the tokens each.
+fn steering_cost(
+    session: &mut Session<'_>,
+    fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
+    n: usize,
+    c: &ModelConfig,
+) -> Result<(), Box<dyn std::error::Error>> {
     let directions = (1..c.layers).map(|l| (l, vec![0.01 * (l % 3) as f32; c.hidden])).collect();
     let vector = ControlVector { path: "bench".into(), model_hint: None, directions };
     let steering = Steering::new(c, &[(vector, 1.0)], None)?;
@@ -196,7 +323,7 @@ fn measure(
         for ((steer, capture), best) in variants.iter().zip(&mut best) {
             session.set_steering(*steer)?;
             session.set_capture(*capture)?;
-            *best = best.min(decode_per_token(&mut session, args.prompt, next, args.decode.div_ceil(4))?);
+            *best = best.min(best_decode(session, fill, n.div_ceil(4), 1, c.vocab)?);
         }
     }
     let [plain, steered, captured_one, captured_all] = best;
@@ -212,52 +339,12 @@ fn measure(
     );
     session.set_steering(None)?;
     session.set_capture(None)?;
-
-    // Where decode time goes: GPU time per phase (timestamps) against wall.
-    let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
-    timed.prefill(&prompt)?;
-    let timed_stats_before = timed.stats();
-    let start = Instant::now();
-    let n = 32.min(args.decode);
-    for _ in 0..n {
-        logits = timed.step(next, timed.position())?;
-        next = argmax(&logits);
-    }
-    let wall = start.elapsed().as_secs_f64() / n as f64;
-    let after = timed.stats();
-    if let (Some(a), Some(b), Some(source)) = (after.phases, timed_stats_before.phases, after.timing_source) {
-        let ms = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e3 / n as f64;
-        println!(
-            "  decode per token ({source:?}): attention {:.3} ms, routed {:.3} ms, head {:.3} ms; wall {:.3} ms",
-            ms(a.attention, b.attention),
-            ms(a.routed, b.routed),
-            ms(a.head, b.head),
-            wall * 1e3
-        );
-    }
-    if stats.routing_readbacks > 0 {
-        println!(
-            "  routing readbacks: {} ({:.3} ms each including the GPU work before them)",
-            stats.routing_readbacks,
-            stats.routing_wait.as_secs_f64() * 1e3 / stats.routing_readbacks as f64
-        );
-    }
     Ok(())
 }
 
-/// Seconds per decoded token over `n` tokens from position `from`, each
-/// reading its logits back.
-fn decode_per_token(session: &mut Session<'_>, from: usize, mut next: u32, n: usize) -> wgspark::Result<f64> {
-    session.truncate(from);
-    let start = Instant::now();
-    for _ in 0..n {
-        next = argmax(&session.step(next, session.position())?);
-    }
-    Ok(start.elapsed().as_secs_f64() / n as f64)
-}
-
-/// Matmul and attention FLOPs of a prefill of `t` tokens (head on the last).
-fn prefill_flops(c: &ModelConfig, t: usize) -> f64 {
+/// Matmul and attention FLOPs of a prefill of `t` tokens after `depth`
+/// cached positions (head on the last).
+fn prefill_flops(c: &ModelConfig, depth: usize, t: usize) -> f64 {
     let h = c.hidden as f64;
     let heads = c.heads;
     let attn_proj = h * heads.qkv_width() as f64 + (heads.q * heads.dim) as f64 * h;
@@ -269,16 +356,16 @@ fn prefill_flops(c: &ModelConfig, t: usize) -> f64 {
             _ => 3.0 * h * c.intermediate as f64,
         })
         .sum();
-    let t = t as f64;
+    let (d, t) = (depth as f64, t as f64);
     let matmul = 2.0 * t * (c.layers as f64 * attn_proj + ffn) + 2.0 * h * c.vocab as f64;
-    // q.k and p.v over the causal triangle.
-    let attention = c.layers as f64 * 4.0 * (heads.q * heads.dim) as f64 * t * (t + 1.0) / 2.0;
+    // q.k and p.v: each token attends to the depth and the chunk before it.
+    let attention = c.layers as f64 * 4.0 * (heads.q * heads.dim) as f64 * t * (d + (t + 1.0) / 2.0);
     matmul + attention
 }
 
 /// Bytes one decode step reads at position `pos`: every weight it uses
 /// (one embedding row; the selected experts of MoE layers) and the KV cache.
-fn decode_bytes(c: &ModelConfig, pos: usize) -> u64 {
+fn decode_bytes(c: &ModelConfig, pos: usize, format: KvFormat) -> u64 {
     let h = c.hidden as u64;
     let heads = c.heads;
     let attn = h * heads.qkv_width() as u64 + (heads.q * heads.dim) as u64 * h;
@@ -289,6 +376,6 @@ fn decode_bytes(c: &ModelConfig, pos: usize) -> u64 {
         })
         .sum();
     let weights = 2 * (c.layers as u64 * (attn + 2 * h) + ffn + h + h * c.vocab as u64);
-    let kv = 2 * c.layers as u64 * (pos * heads.kv_width()) as u64 * 4;
+    let kv = 2 * c.layers as u64 * (pos * heads.kv_width() * format.bytes_per_value()) as u64;
     weights + kv
 }

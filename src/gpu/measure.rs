@@ -6,13 +6,22 @@ use std::time::{Duration, Instant};
 use super::{Gpu, Readback};
 use crate::error::Result;
 
+/// Device-to-device copy bandwidth in bytes per second, counting the read
+/// and the write (as memory-bound kernels count their traffic).
+#[derive(Debug, Clone, Copy)]
+pub struct CopyBandwidth {
+    /// The API's buffer copy (a DMA engine on some GPUs).
+    pub api: f64,
+    /// The copy kernel (`wgsl/copy.wgsl`).
+    pub kernel: f64,
+    /// The better of the two: the reference for memory-bound kernels.
+    pub best: f64,
+}
+
 impl Gpu {
-    /// Device-to-device copy bandwidth in bytes per second, counting the
-    /// read and the write (as memory-bound kernels count their traffic):
-    /// the better of the API's buffer copy (a DMA engine on some GPUs) and
-    /// a copy kernel, `reps` copies of a `bytes` buffer in one submission,
-    /// best of 3 each.
-    pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64> {
+    /// The copy bandwidth of `reps` copies of a `bytes` buffer in one
+    /// submission, best of 3, by the API's copy and by the copy kernel.
+    pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<CopyBandwidth> {
         let bytes = bytes.min(self.caps.max_buffer_size).min(self.caps.max_storage_binding) / 16 * 16;
         let a = self.storage_buffer_bytes("copy.a", bytes)?;
         let b = self.storage_buffer_bytes("copy.b", bytes)?;
@@ -27,7 +36,9 @@ impl Gpu {
             by_kernel[(i % 2) as usize].encode(&mut pass, 1);
         })?;
         self.check("measuring copy bandwidth")?;
-        Ok(2.0 * bytes as f64 * reps as f64 / api.min(shader).as_secs_f64())
+        let rate = |t: Duration| 2.0 * bytes as f64 * reps as f64 / t.as_secs_f64();
+        let (api, kernel) = (rate(api), rate(shader));
+        Ok(CopyBandwidth { api, kernel, best: api.max(kernel) })
     }
 
     /// Best of 3 submissions of `reps` recorded copies.

@@ -7,6 +7,7 @@ mod readback;
 mod tensor;
 
 pub use buffers::{Dispatch, ParamsBuffer, encode_all};
+pub use measure::CopyBandwidth;
 pub use readback::Readback;
 pub use tensor::{GpuTensor, TensorPart};
 
