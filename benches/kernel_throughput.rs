@@ -76,13 +76,29 @@ fn main() {
         bandwidth.kernel / 1e12
     );
     let reps = if cpu { 2 } else { 50 };
+    if !cpu {
+        let bytes = 1u64 << 30;
+        let (a, b) = (gpu.storage_buffer_bytes("a", bytes).unwrap(), gpu.storage_buffer_bytes("b", bytes).unwrap());
+        for per_thread in [2, 4, 8, 16] {
+            let d = wgspark::kernels::copy::plan_with(&gpu, &a, &b, bytes, per_thread).unwrap();
+            let secs = time(&gpu, &[d], None, 1, 10);
+            println!("copy kernel, {per_thread:>2} vec4 per invocation: {:.3} TB/s", 2.0 * bytes as f64 / secs / 1e12);
+        }
+    }
 
     let gemm = Gemm::new(&gpu).unwrap();
     let default_shape = GemvShape::for_gpu(&gpu);
     let mut shapes = vec![default_shape];
     if !cpu {
         let lanes = default_shape.threads_per_row;
-        shapes.extend([2, 4, 16].map(|r| GemvShape { rows_per_workgroup: r, threads_per_row: lanes }));
+        for unroll in [1, 2, 4] {
+            for rows in [2, 4, 8, 16] {
+                let shape = GemvShape { rows_per_workgroup: rows, threads_per_row: lanes, unroll };
+                if shape != default_shape {
+                    shapes.push(shape);
+                }
+            }
+        }
     }
     let sizes: &[(usize, usize)] = if cpu {
         &[(1536, 576), (49152, 576)]
@@ -135,8 +151,9 @@ fn main() {
                 }
                 let secs = time(&gpu, &gemv.plan(&gpu, &spec).unwrap(), None, 1, reps);
                 println!(
-                    "gemv {rows:>6} x {cols:>5} {name:<12} {:>2} rows/wg: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
+                    "gemv {rows:>6} x {cols:>5} {name:<12} {:>2} rows/wg x{}: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
                     shape.rows_per_workgroup,
+                    shape.unroll,
                     secs * 1e3,
                     bytes / secs / 1e12,
                     100.0 * bytes / secs / copy
@@ -160,11 +177,16 @@ fn main() {
         );
     }
 
-    // Attention of Llama-3.1-8B's geometry by depth and cache format.
-    let heads = Heads { q: 32, kv: 8, dim: 128 };
+    // Attention of Llama-3.1-8B's and Llama-3.2-1B's geometry by depth and
+    // cache format.
     let attention = Attention::new(&gpu);
-    let depths: &[usize] = if cpu { &[64] } else { &[512, 4096, 16384] };
-    for format in [KvFormat::F16, KvFormat::F32] {
+    let depths: &[usize] = if cpu { &[64] } else { &[64, 512, 4096, 16384] };
+    let geometries = [
+        (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F16),
+        (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F32),
+        (Heads { q: 32, kv: 8, dim: 64 }, KvFormat::F16),
+    ];
+    for (heads, format) in geometries {
         for &ctx in depths {
             let k_cache = gpu.storage_buffer_init("k_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
             let v_cache = gpu.storage_buffer_init("v_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
@@ -218,7 +240,10 @@ fn main() {
                 let kv_bytes = (2 * ctx * heads.kv_width() * format.bytes_per_value()) as f64;
                 // (f32 caches read the same words as f16 values: only the timing matters here.)
                 println!(
-                    "attention {format:?} 32/8 heads x 128, {tokens} tokens ending at {ctx} ({splits} splits): {:.4} ms{}",
+                    "attention {format:?} {}/{} heads x {}, {tokens} tokens ending at {ctx} ({splits} splits): {:.4} ms{}",
+                    heads.q,
+                    heads.kv,
+                    heads.dim,
                     secs * 1e3,
                     if tokens == 1 {
                         format!(", {:.1}% of copy bandwidth", 100.0 * kv_bytes / secs / copy)

@@ -220,6 +220,14 @@ fn measure(
                 100.0 * achieved / copy,
                 stats.decode_dispatches
             );
+            if stats.routing_readbacks > 0 {
+                let per = |d: Duration| d.as_secs_f64() * 1e3 / stats.routing_readbacks as f64;
+                println!(
+                    "  host per routing readback: {:.3} ms waiting for the map, {:.3} ms in submissions",
+                    per(stats.routing_wait),
+                    per(stats.submit_time)
+                );
+            }
             gpu_time(model, &options, &fill, c.vocab)?;
             decode_per_mode.push((routing, per_token));
         }

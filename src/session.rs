@@ -9,7 +9,7 @@ use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
 use crate::flow::moe::RoutingContext;
 use crate::flow::{Activations, ChunkMatmul, Head, PhaseTimer, Plan, Recorder, RoutingMode};
-use crate::gpu::Readback;
+use crate::gpu::{MapWait, Readback};
 use crate::kv_cache::{KvCache, KvFormat};
 use crate::model::Model;
 use crate::sampling::Sampling;
@@ -438,7 +438,7 @@ impl Generation<'_, '_> {
         for (slot, index) in std::mem::take(&mut self.in_flight) {
             // A failed wait leaves the slot mapped or pending; the session's
             // next submission reports the device error.
-            let _ = self.session.id_readbacks[slot].finish_map(&gpu, Some(index), |_| ());
+            let _ = self.session.id_readbacks[slot].finish_map(&gpu, MapWait::Block(Some(index)), |_| ());
         }
         let fed = self.prompt_end + self.yielded.max(1) - 1;
         self.session.len = fed;
@@ -463,7 +463,7 @@ impl Generation<'_, '_> {
         let (slot, index) = self.in_flight.pop_front().expect("an id is in flight while not stopped");
         let gpu = self.session.model.gpu.clone();
         let id = self.session.id_readbacks[slot]
-            .finish_map(&gpu, Some(index), |m| u32::from_le_bytes(m[..4].try_into().unwrap()))?;
+            .finish_map(&gpu, MapWait::Block(Some(index)), |m| u32::from_le_bytes(m[..4].try_into().unwrap()))?;
         self.yielded += 1;
         if self.stop_tokens.contains(&id) {
             self.stop(StopReason::StopToken(id));

@@ -56,6 +56,8 @@ pub struct Stats {
     pub routing_wait: Duration,
     /// Dispatches of the last one-token forward pass (a decode step).
     pub decode_dispatches: u64,
+    /// Host time inside `queue.submit` for the forward passes.
+    pub submit_time: Duration,
     /// Residual capture readbacks: one per submission that captured rows,
     /// however many layers it captured.
     pub capture_readbacks: u64,

@@ -16,33 +16,31 @@
 // Entry points:
 //   rope_store  (a chunk) one workgroup per (KV head, token): k heads
 //               normalised, rotated and stored, v heads copied, into the cache.
-//   prefill     (a chunk, after rope_store) one workgroup per (KV head,
-//               block of tokens_per_wg tokens): its query rows, normalised
-//               and rotated into workgroup memory, share every K/V tile,
-//               loaded once into workgroup memory (rows padded by one float
-//               against bank conflicts); scores and an online softmax run
-//               per tile, keys outside a row's range masked.
+//   attend      one workgroup per (KV head, block of tokens_per_wg tokens,
+//               key split): its query rows, normalised and rotated into
+//               workgroup memory, go over the keys in tiles of up to 32:
+//               the tile's K loaded into workgroup memory by consecutive
+//               invocations (coalesced), scores one (key, row) per
+//               invocation, an online softmax per row, then the tile's V
+//               in the same place and one output pair per invocation. A
+//               chunk runs after rope_store, unsplit; one token (DECODE)
+//               stores its own k and v first (the split that holds its
+//               position) and is split over the keys by step.attn_splits:
+//               each split writes its unnormalised sums and (max, sum) per
+//               row, and `combine` merges them.
 // qkv is only read: a whole-projection q norm reads every q head, so no
 // head may be rewritten in place while others are normalised.
-//   decode      (one token) one workgroup per (KV head, key split of
-//               step.attn_splits): the group's q heads normalised and
-//               rotated in workgroup memory; the split that holds the new
-//               position also stores its k and v; then per tile of WG keys
-//               one invocation per key scores it against every query row,
-//               and one per (dimension pair, key subset) accumulates V.
-//               With several splits each writes its unnormalised sums and
-//               (max, sum) per row, and `combine` merges them.
-// Limits: head_dim <= 256 (even), nq / nkv <= 16, (nq / nkv) * head_dim
-// <= 2048, tokens_per_wg * (nq / nkv) <= 32.
+// Limits: head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32 rows,
+// rows * head_dim <= 2048.
 
 const WG: u32 = 128u;
 const Q_FLOATS: u32 = 2048u;
-const KV_FLOATS: u32 = 4112u;
-const SCORE_FLOATS: u32 = 1024u;
+// 32 keys of head_dim 128 (+ 1 of padding).
+const TILE_FLOATS: u32 = 4224u;
 const MAX_ROWS: u32 = 32u;
-const MAX_GROUP: u32 = 16u;
+const S_FLOATS: u32 = 1024u; // MAX_ROWS * 32 keys
 const MAX_HEAD_DIM: u32 = 256u;
-const OUT_PER_THREAD: u32 = 16u; // Q_FLOATS / WG
+const OUT_PER_THREAD: u32 = 8u; // Q_FLOATS / 2 / WG dimension pairs
 const NEG_BIG: f32 = -3.0e38;
 
 @group(0) @binding(0) var<uniform> p: AttentionParams;
@@ -293,156 +291,64 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     }
 }
 
-// ---- prefill: a chunk of tokens, K/V tiles shared by the query rows ----
+// ---- attend: query rows against a range of keys, tile by tile ----
 
+// Query rows (row r: head_dim floats at r * hd).
 var<workgroup> q_sh: array<f32, Q_FLOATS>;
-var<workgroup> kv_sh: array<f32, KV_FLOATS>;
-var<workgroup> scores: array<f32, SCORE_FLOATS>;
+// A tile of TK keys' K, then the same keys' V: rows of hd + 1 floats
+// (padded against bank conflicts).
+var<workgroup> tile_sh: array<f32, TILE_FLOATS>;
+// Scores, then probabilities, [row, key of the tile].
+var<workgroup> s_sh: array<f32, S_FLOATS>;
 var<workgroup> row_max: array<f32, MAX_ROWS>;
 var<workgroup> row_sum: array<f32, MAX_ROWS>;
 var<workgroup> row_rescale: array<f32, MAX_ROWS>;
 
-// Copies keys [k0, k0 + n) of KV head g into kv_sh, rows of hd + 1; V
-// instead of K when `values`.
+// Copies keys [k0, k0 + n) of KV head g (V with `values`) into tile_sh,
+// consecutive invocations reading consecutive words.
 fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
-    for (var i = l; i < n * hd; i += WG) {
-        let j = i / hd;
-        let d = i % hd;
-        kv_sh[j * (hd + 1u) + d] = kv_load(values, kv_index(k0 + j, g, d));
+    let pairs = hd / 2u;
+    for (var i = l; i < n * pairs; i += WG) {
+        let j = i / pairs;
+        let d = 2u * (i % pairs);
+        let v = kv_load2(values, kv_index(k0 + j, g, d));
+        tile_sh[j * (hd + 1u) + d] = v.x;
+        tile_sh[j * (hd + 1u) + d + 1u] = v.y;
     }
 }
 
+// Rows r = token t0 + r / group, query head g * group + r % group; keys
+// split across wid.z (step.attn_splits); with DECODE the one token's k and
+// v are first stored by the split that holds its position.
 @compute @workgroup_size(WG)
-fn prefill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let g = wid.x;
     let t0 = wid.y * p.tokens_per_wg;
+    let split = wid.z;
+    let splits = step.attn_splits;
     let hd = p.head_dim;
-    let group = p.n_q_heads / p.n_kv_heads;
+    let nq = p.n_q_heads;
+    let nkv = p.n_kv_heads;
+    let group = nq / nkv;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * group;
-    let tile = min(KV_FLOATS / (hd + 1u), SCORE_FLOATS / (p.tokens_per_wg * group));
-    let lo = first_key(step.pos0 + t0);
-    let hi = step.pos0 + t0 + n_tok;
+    let tk = min(32u, TILE_FLOATS / (hd + 1u));
 
-    // Row r is token t0 + r / group, query head g * group + r % group.
+    // Keys any row attends, divided among the splits.
+    let start = first_key(step.pos0 + t0);
+    let n_keys = step.pos0 + t0 + n_tok - start;
+    let chunk = (n_keys + splits - 1u) / splits;
+    let lo = start + min(split * chunk, n_keys);
+    let hi = start + min((split + 1u) * chunk, n_keys);
+
     for (var r = 0u; r < rows; r++) {
         load_rotated_head(t0 + r / group, g * group + r % group, l);
         for (var d = l; d < hd; d += WG) {
             q_sh[r * hd + d] = head_sh[d];
         }
     }
-    if (l < rows) {
-        row_max[l] = NEG_BIG;
-        row_sum[l] = 0.0;
-    }
-    var acc: array<f32, OUT_PER_THREAD>;
-    for (var c = 0u; c < OUT_PER_THREAD; c++) {
-        acc[c] = 0.0;
-    }
-
-    for (var k0 = lo; k0 < hi; k0 += tile) {
-        let n = min(tile, hi - k0);
-        workgroupBarrier();
-        load_tile(false, k0, n, g, hd, l);
-        workgroupBarrier();
-        for (var i = l; i < rows * tile; i += WG) {
-            let r = i / tile;
-            let j = i % tile;
-            let pos = step.pos0 + t0 + r / group;
-            let key = k0 + j;
-            var s = NEG_BIG;
-            if (j < n && key <= pos && key >= first_key(pos)) {
-                var dot = 0.0;
-                for (var d = 0u; d < hd; d++) {
-                    dot += q_sh[r * hd + d] * kv_sh[j * (hd + 1u) + d];
-                }
-                s = dot * p.scale;
-            }
-            scores[r * tile + j] = s;
-        }
-        workgroupBarrier();
-        if (l < rows) {
-            let r = l;
-            var m = row_max[r];
-            for (var j = 0u; j < n; j++) {
-                m = max(m, scores[r * tile + j]);
-            }
-            var sum = 0.0;
-            for (var j = 0u; j < n; j++) {
-                let s = scores[r * tile + j];
-                var e = 0.0;
-                if (s > NEG_BIG) {
-                    e = exp(s - m);
-                }
-                scores[r * tile + j] = e;
-                sum += e;
-            }
-            let rescale = exp(row_max[r] - m);
-            row_rescale[r] = rescale;
-            row_sum[r] = row_sum[r] * rescale + sum;
-            row_max[r] = m;
-        }
-        load_tile(true, k0, n, g, hd, l);
-        workgroupBarrier();
-        for (var c = 0u; c < OUT_PER_THREAD; c++) {
-            let o = l + c * WG;
-            if (o < rows * hd) {
-                let r = o / hd;
-                let d = o % hd;
-                var a = acc[c] * row_rescale[r];
-                for (var j = 0u; j < n; j++) {
-                    a += scores[r * tile + j] * kv_sh[j * (hd + 1u) + d];
-                }
-                acc[c] = a;
-            }
-        }
-    }
-    workgroupBarrier();
-
-    for (var c = 0u; c < OUT_PER_THREAD; c++) {
-        let o = l + c * WG;
-        if (o < rows * hd) {
-            let r = o / hd;
-            let t = t0 + r / group;
-            out[t * p.out_stride + (g * group + r % group) * hd + o % hd] = acc[c] / row_sum[r];
-        }
-    }
-}
-
-// ---- decode: one token, keys split over workgroups ----
-
-// Query rows [0, 2048), then scores [2048, 4096) as [row, key of tile];
-// at the end the key subsets' partial sums [subset, row, hd].
-var<workgroup> dec_sh: array<f32, 4096>;
-var<workgroup> dec_max: array<f32, MAX_GROUP>;
-var<workgroup> dec_sum: array<f32, MAX_GROUP>;
-var<workgroup> dec_rescale: array<f32, MAX_GROUP>;
-const SCORES: u32 = 2048u;
-
-@compute @workgroup_size(WG)
-fn decode(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
-    let g = wid.x;
-    let split = wid.y;
-    let splits = step.attn_splits;
-    let hd = p.head_dim;
-    let nq = p.n_q_heads;
-    let nkv = p.n_kv_heads;
-    let group = nq / nkv;
+#if DECODE
     let pos = step.pos0;
-
-    let start = first_key(pos);
-    let n_keys = pos + 1u - start;
-    let chunk = (n_keys + splits - 1u) / splits;
-    let lo = start + min(split * chunk, n_keys);
-    let hi = start + min((split + 1u) * chunk, n_keys);
-
-    for (var r = 0u; r < group; r++) {
-        load_rotated_head(0u, g * group + r, l);
-        for (var d = l; d < hd; d += WG) {
-            dec_sh[r * hd + d] = head_sh[d];
-        }
-    }
-    // The new position's k and v, stored by the one split that reads them.
     if (lo <= pos && pos < hi) {
         load_rotated_head(0u, nq + g, l);
         for (var i = l; i < hd / 2u; i += WG) {
@@ -452,102 +358,105 @@ fn decode(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         }
         storageBarrier();
     }
-    if (l < group) {
-        dec_max[l] = NEG_BIG;
-        dec_sum[l] = 0.0;
+#endif
+    if (l < rows) {
+        row_max[l] = NEG_BIG;
+        row_sum[l] = 0.0;
     }
 
-    // PV roles: dimension pair `pair`, keys j = subset (mod subsets).
+    // Score roles: key l % tk of the tile, rows l / tk (+ WG / tk ...).
+    // PV roles: outputs o = l (+ WG ...) of rows * (hd / 2) dimension pairs.
     let pairs = hd / 2u;
-    let subsets = max(1u, WG / pairs);
-    let pair = l % pairs;
-    let subset = l / pairs;
-    var acc: array<vec2<f32>, MAX_GROUP>;
-    for (var r = 0u; r < MAX_GROUP; r++) {
-        acc[r] = vec2<f32>(0.0);
+    var acc: array<vec2<f32>, OUT_PER_THREAD>;
+    for (var c = 0u; c < OUT_PER_THREAD; c++) {
+        acc[c] = vec2<f32>(0.0);
     }
 
-    for (var k0 = lo; k0 < hi; k0 += WG) {
-        let n = min(WG, hi - k0);
+    for (var k0 = lo; k0 < hi; k0 += tk) {
+        let n = min(tk, hi - k0);
         workgroupBarrier();
-        if (l < n) {
-            let kb = kv_index(k0 + l, g, 0u);
-            var s: array<f32, MAX_GROUP>;
-            for (var r = 0u; r < group; r++) {
-                s[r] = 0.0;
+        load_tile(false, k0, n, g, hd, l);
+        workgroupBarrier();
+        let j = l % tk;
+        for (var c = 0u; c < MAX_ROWS; c++) {
+            let r = l / tk + c * (WG / tk);
+            if (r >= rows) {
+                break;
             }
-            for (var i = 0u; i < pairs; i++) {
-                let k2 = kv_load2(false, kb + 2u * i);
-                for (var r = 0u; r < group; r++) {
-                    s[r] += dec_sh[r * hd + 2u * i] * k2.x + dec_sh[r * hd + 2u * i + 1u] * k2.y;
+            let row_pos = step.pos0 + t0 + r / group;
+            let key = k0 + j;
+            var s = NEG_BIG;
+            if (j < n && key <= row_pos && key >= first_key(row_pos)) {
+                var dot = 0.0;
+                for (var d = 0u; d < hd; d++) {
+                    dot += q_sh[r * hd + d] * tile_sh[j * (hd + 1u) + d];
                 }
+                s = dot * p.scale;
             }
-            for (var r = 0u; r < group; r++) {
-                dec_sh[SCORES + r * WG + l] = s[r] * p.scale;
-            }
+            s_sh[r * tk + j] = s;
         }
         workgroupBarrier();
-        if (l < group) {
-            var m = dec_max[l];
-            for (var j = 0u; j < n; j++) {
-                m = max(m, dec_sh[SCORES + l * WG + j]);
+        if (l < rows) {
+            var m = row_max[l];
+            for (var jj = 0u; jj < n; jj++) {
+                m = max(m, s_sh[l * tk + jj]);
             }
-            dec_rescale[l] = exp(dec_max[l] - m);
-            dec_max[l] = m;
+            row_rescale[l] = exp(row_max[l] - m);
+            row_max[l] = m;
         }
         workgroupBarrier();
-        if (l < n) {
-            for (var r = 0u; r < group; r++) {
-                let i = SCORES + r * WG + l;
-                dec_sh[i] = exp(dec_sh[i] - dec_max[r]);
-            }
+        for (var i = l; i < rows * tk; i += WG) {
+            let s = s_sh[i];
+            s_sh[i] = select(exp(s - row_max[i / tk]), 0.0, s <= NEG_BIG);
         }
+        load_tile(true, k0, n, g, hd, l);
         workgroupBarrier();
-        if (l < group) {
+        if (l < rows) {
             var sum = 0.0;
-            for (var j = 0u; j < n; j++) {
-                sum += dec_sh[SCORES + l * WG + j];
+            for (var jj = 0u; jj < n; jj++) {
+                sum += s_sh[l * tk + jj];
             }
-            dec_sum[l] = dec_sum[l] * dec_rescale[l] + sum;
+            row_sum[l] = row_sum[l] * row_rescale[l] + sum;
         }
-        if (subset < subsets) {
-            for (var r = 0u; r < group; r++) {
-                acc[r] *= dec_rescale[r];
-            }
-            for (var j = subset; j < n; j += subsets) {
-                let v2 = kv_load2(true, kv_index(k0 + j, g, 2u * pair));
-                for (var r = 0u; r < group; r++) {
-                    acc[r] += dec_sh[SCORES + r * WG + j] * v2;
+        for (var c = 0u; c < OUT_PER_THREAD; c++) {
+            let o = l + c * WG;
+            if (o < rows * pairs) {
+                let r = o / pairs;
+                let d = 2u * (o % pairs);
+                var a = acc[c] * row_rescale[r];
+                for (var jj = 0u; jj < n; jj++) {
+                    let v = vec2<f32>(tile_sh[jj * (hd + 1u) + d], tile_sh[jj * (hd + 1u) + d + 1u]);
+                    a += s_sh[r * tk + jj] * v;
                 }
+                acc[c] = a;
             }
         }
     }
     workgroupBarrier();
-    if (subset < subsets) {
-        for (var r = 0u; r < group; r++) {
-            let at = (subset * group + r) * hd + 2u * pair;
-            dec_sh[at] = acc[r].x;
-            dec_sh[at + 1u] = acc[r].y;
-        }
-    }
-    workgroupBarrier();
-    for (var o = l; o < group * hd; o += WG) {
-        let r = o / hd;
-        let d = o % hd;
-        var a = 0.0;
-        for (var s = 0u; s < subsets; s++) {
-            a += dec_sh[(s * group + r) * hd + d];
-        }
-        let qh = g * group + r;
-        if (splits == 1u) {
-            out[qh * hd + d] = a / dec_sum[r];
-        } else {
-            let slot = qh * splits + split;
-            part_acc[slot * hd + d] = a;
-            if (d == 0u) {
-                part_ml[2u * slot] = dec_max[r];
-                part_ml[2u * slot + 1u] = dec_sum[r];
+
+    for (var c = 0u; c < OUT_PER_THREAD; c++) {
+        let o = l + c * WG;
+        if (o < rows * pairs) {
+            let r = o / pairs;
+            let d = 2u * (o % pairs);
+            let t = t0 + r / group;
+            let qh = g * group + r % group;
+#if DECODE
+            if (splits > 1u) {
+                // Partials per (query head, split).
+                let slot = qh * splits + split;
+                part_acc[slot * hd + d] = acc[c].x;
+                part_acc[slot * hd + d + 1u] = acc[c].y;
+                if (d == 0u) {
+                    part_ml[2u * slot] = row_max[r];
+                    part_ml[2u * slot + 1u] = row_sum[r];
+                }
+                continue;
             }
+#endif
+            let v = acc[c] / row_sum[r];
+            out[t * p.out_stride + qh * hd + d] = v.x;
+            out[t * p.out_stride + qh * hd + d + 1u] = v.y;
         }
     }
 }

@@ -26,6 +26,8 @@
 override ROWS_PER_WG: u32 = 64u;
 override THREADS_PER_ROW: u32 = 1u;
 override WG: u32 = 64u; // = ROWS_PER_WG * THREADS_PER_ROW, set by the host
+// 8-weight loads each lane issues together (loads in flight).
+override UNROLL: u32 = 1u;
 
 @group(0) @binding(0) var<uniform> p: GemvParams;
 @group(0) @binding(1) var<storage, read> weight: array<vec4<u32>>;
@@ -57,7 +59,12 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
         let per_row = p.cols / 8u;
         let wb = row * per_row;
         let xv = xb / 4u;
-        for (var k = lane; k < per_row; k += THREADS_PER_ROW) {
+        for (var k0 = lane; k0 < per_row; k0 += THREADS_PER_ROW * UNROLL) {
+          for (var u = 0u; u < UNROLL; u++) {
+            let k = k0 + u * THREADS_PER_ROW;
+            if (k >= per_row) {
+                break;
+            }
             var a = x[xv + 2u * k];
             var b = x[xv + 2u * k + 1u];
 #if NORM
@@ -72,6 +79,7 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
             let w2 = weight[wb + per_row + k];
             r.y += dot(bf16x4_lo(w2), a) + dot(bf16x4_hi(w2), b);
 #endif
+          }
         }
     } else {
         let words = p.cols / 2u;

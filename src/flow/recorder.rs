@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, Readback};
+use crate::gpu::{Dispatch, Gpu, MapWait, Readback};
 use crate::stats::{Phase, PhaseTimes, Stats, TimingSource};
 
 /// A routing readback whose map is in flight.
@@ -113,8 +113,11 @@ impl<'a> Recorder<'a> {
     /// any) has been read.
     pub fn submit(&mut self) -> Result<Option<wgpu::SubmissionIndex>> {
         self.end_pass();
+        let commands = self.encoder.take().map(|encoder| encoder.finish());
         self.finish_routing()?;
-        let index = self.encoder.take().map(|encoder| self.gpu.queue.submit([encoder.finish()]));
+        let start = Instant::now();
+        let index = commands.map(|c| self.gpu.queue.submit([c]));
+        self.stats.submit_time += start.elapsed();
         self.gpu.check("running the layer flow")?;
         Ok(index)
     }
@@ -158,7 +161,7 @@ impl<'a> Recorder<'a> {
     fn finish_routing(&mut self) -> Result<Option<Vec<u32>>> {
         let Some(r) = self.routing.take() else { return Ok(None) };
         let start = Instant::now();
-        let ids: Vec<u32> = r.readback.finish_map(self.gpu, None, |m| bytemuck::pod_collect_to_vec(m))?;
+        let ids: Vec<u32> = r.readback.finish_map(self.gpu, MapWait::Spin, |m| bytemuck::pod_collect_to_vec(m))?;
         self.stats.routing_wait += start.elapsed();
         let histogram = &mut self.stats.router_histogram[r.layer];
         histogram.resize(r.experts, 0);

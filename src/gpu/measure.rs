@@ -59,9 +59,10 @@ impl Gpu {
     }
 
     /// One submission of a `bytes`-byte copy (a multiple of 4), mapped
-    /// and read on the host. With 4 bytes: the fixed cost of every routing
-    /// readback; with a vocabulary of logits: what a decode step pays to
-    /// bring them back. Median of `reps`.
+    /// and read on the host, waited for as routing readbacks are (spinning).
+    /// With 4 bytes: the fixed cost of every routing readback; with a
+    /// vocabulary of logits: what a decode step pays to bring them back.
+    /// Median of `reps`.
     pub fn readback_round_trip(&self, bytes: u64, reps: usize) -> Result<Duration> {
         let src = self.storage_buffer_bytes("round_trip.src", bytes)?;
         let readback = Readback::new(self, "round_trip.readback", bytes);
@@ -71,7 +72,8 @@ impl Gpu {
                 let mut encoder = self.device.create_command_encoder(&Default::default());
                 readback.record(&mut encoder, &src, 0, bytes);
                 self.queue.submit([encoder.finish()]);
-                readback.read::<u32>(self, bytes)?;
+                readback.start_map(bytes);
+                readback.finish_map(self, super::MapWait::Spin, |_| ())?;
                 Ok(start.elapsed())
             })
             .collect::<Result<_>>()?;

@@ -8,7 +8,7 @@ mod tensor;
 
 pub use buffers::{Dispatch, ParamsBuffer, encode_all};
 pub use measure::CopyBandwidth;
-pub use readback::Readback;
+pub use readback::{MapWait, Readback};
 pub use tensor::{GpuTensor, TensorPart};
 
 use std::sync::{Arc, Mutex};

@@ -10,6 +10,17 @@ use crate::error::{Error, Result};
 
 type MapResult = Arc<Mutex<Option<std::result::Result<(), wgpu::BufferAsyncError>>>>;
 
+/// How the host waits for a map.
+#[derive(Debug, Clone)]
+pub enum MapWait {
+    /// Sleeps until the submission (or, with `None`, all submitted work)
+    /// is done.
+    Block(Option<wgpu::SubmissionIndex>),
+    /// Polls without sleeping: the quickest wake-up, for a wait whose
+    /// latency the GPU idles through (a routing readback).
+    Spin,
+}
+
 /// A reusable staging buffer for reading back up to `capacity` bytes.
 #[derive(Debug)]
 pub struct Readback {
@@ -63,23 +74,29 @@ impl Readback {
         });
     }
 
-    /// Waits for the map [`Self::start_map`] started (until `submission`
-    /// is done, or all submitted work when `None`), hands the mapped bytes
-    /// to `f` and unmaps.
-    pub fn finish_map<R>(
-        &self,
-        gpu: &Gpu,
-        submission: Option<wgpu::SubmissionIndex>,
-        f: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R> {
+    /// Waits for the map [`Self::start_map`] started, hands the mapped
+    /// bytes to `f` and unmaps.
+    pub fn finish_map<R>(&self, gpu: &Gpu, wait: MapWait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let bytes = self.pending.lock().unwrap().take().expect("finish_map after start_map");
-        let poll = wgpu::PollType::Wait { submission_index: submission, timeout: None };
-        gpu.device.poll(poll).map_err(|e| Error::Gpu(e.to_string()))?;
+        let poll_error = |e: wgpu::PollError| Error::Gpu(e.to_string());
+        match wait {
+            MapWait::Block(submission) => {
+                let poll = wgpu::PollType::Wait { submission_index: submission, timeout: None };
+                gpu.device.poll(poll).map_err(poll_error)?;
+            }
+            MapWait::Spin => {
+                while self.mapped.lock().unwrap().is_none() {
+                    gpu.device.poll(wgpu::PollType::Poll).map_err(poll_error)?;
+                    gpu.check("readback")?;
+                    std::hint::spin_loop();
+                }
+            }
+        }
         gpu.check("readback")?;
         // The poll ran the callbacks of everything it waited for; a map can
         // still be queued behind them on some backends.
         while self.mapped.lock().unwrap().is_none() {
-            gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| Error::Gpu(e.to_string()))?;
+            gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(poll_error)?;
         }
         let mapped = self.mapped.lock().unwrap().take().expect("checked above");
         mapped.map_err(|e| Error::Gpu(format!("map_async failed: {e}")))?;
@@ -102,7 +119,7 @@ impl Readback {
     /// copying them into a new vector first.
     pub fn read_with<R>(&self, gpu: &Gpu, bytes: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.start_map(bytes);
-        self.finish_map(gpu, None, f)
+        self.finish_map(gpu, MapWait::Block(None), f)
     }
 }
 

@@ -1,7 +1,7 @@
 //! `wgsl/attention.wgsl`: the q/k norm, RoPE and KV-cache store, and
 //! causal grouped-query attention over the cache: for a chunk of tokens
-//! (`rope_store` then `prefill`) or, all fused, for one token split over the
-//! keys (`decode`, merged by `combine` when split).
+//! (`rope_store` then `attend`) or, all fused, for one token split over the
+//! keys (`attend` built with DECODE, merged by `combine` when split).
 
 use super::Heads;
 use crate::error::Result;
@@ -33,18 +33,19 @@ pub fn structs() -> Vec<&'static str> {
 
 /// Largest head width the kernels support.
 pub const MAX_HEAD_DIM: usize = 256;
-/// Largest number of query heads per KV head.
-pub const MAX_GROUP: usize = 16;
-/// Largest `group * head_dim` (the workgroup's copy of its queries).
-pub const MAX_GROUP_WIDTH: usize = 2048;
-/// Most query rows (token, head) one prefill workgroup holds.
+/// Most query rows (token, head) one workgroup holds.
 const MAX_ROWS: usize = 32;
+/// Largest number of query heads per KV head (one token's rows).
+pub const MAX_GROUP: usize = MAX_ROWS;
+/// Largest `rows * head_dim` (the workgroup's copy of its queries).
+pub const MAX_GROUP_WIDTH: usize = 2048;
 /// Most key splits of one token's attention.
-pub const MAX_SPLITS: usize = 64;
-/// Fewest keys worth a split of their own.
+pub const MAX_SPLITS: usize = 128;
+/// Fewest keys worth a split of their own (two tiles).
 const MIN_KEYS_PER_SPLIT: usize = 64;
-/// Workgroups (KV heads x splits) that keep a large GPU busy.
-const TARGET_WORKGROUPS: usize = 256;
+/// Workgroups (KV heads x splits) that keep a large GPU busy with several
+/// workgroups per multiprocessor.
+const TARGET_WORKGROUPS: usize = 1024;
 
 /// The family's q/k norm: mode, weights and epsilon.
 #[derive(Debug, Clone, Copy)]
@@ -98,7 +99,7 @@ impl DecodeAttention {
     /// keys in view, over `splits` workgroups per KV head (the value
     /// written to the step's `attn_splits`).
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, splits: u32) -> u32 {
-        self.attend.encode_grid(pass, [self.kv_heads, splits, 1]);
+        self.attend.encode_grid(pass, [self.kv_heads, 1, splits]);
         if splits > 1 {
             self.combine.encode(pass, 1);
             2
@@ -144,8 +145,11 @@ impl Attention {
         }
     }
 
-    fn flags(gpu: &Gpu, shape: &AttentionShape<'_>) -> Vec<&'static str> {
+    fn flags(gpu: &Gpu, shape: &AttentionShape<'_>, entry: &str) -> Vec<&'static str> {
         let mut flags = vec![];
+        if entry == "decode" {
+            flags.push("DECODE");
+        }
         if shape.kv_format == KvFormat::F16 {
             flags.push("KV_F16");
             if gpu.caps.f16_in_f32 {
@@ -172,8 +176,10 @@ impl Attention {
         workgroups: [u32; 3],
         tokens_per_workgroup: u32,
     ) -> Result<Dispatch> {
-        let flags = Self::flags(gpu, shape);
-        let pipeline = super::pipeline(gpu, "attention", entry, &flags, &[])?;
+        let flags = Self::flags(gpu, shape, entry);
+        // One token's attention is `attend` built to store its k and v.
+        let function = if entry == "decode" { "attend" } else { entry };
+        let pipeline = super::pipeline(gpu, "attention", function, &flags, &[])?;
         let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
         bound.extend_from_slice(buffers);
         let rotates = entry != "combine";
@@ -216,7 +222,7 @@ impl Attention {
         let attend = self.dispatch(
             gpu,
             shape,
-            "prefill",
+            "attend",
             &params,
             &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)],
             [h.kv as u32, 1, 1],
@@ -272,7 +278,9 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for kv in [&[][..], &["KV_F16"], &["KV_F16", super::F16_NATIVE]] {
         for norm in [&[][..], &["QK_NORM"], &["QK_NORM", "QK_NORM_WHOLE"]] {
-            out.push([norm, kv].concat());
+            for decode in [&[][..], &["DECODE"]] {
+                out.push([norm, kv, decode].concat());
+            }
         }
     }
     out

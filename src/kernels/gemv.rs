@@ -36,6 +36,8 @@ pub struct GemvShape {
     pub rows_per_workgroup: u32,
     /// Must be a power of two; 1 means one output per invocation.
     pub threads_per_row: u32,
+    /// 8-weight loads a lane issues together.
+    pub unroll: u32,
 }
 
 impl GemvShape {
@@ -44,10 +46,10 @@ impl GemvShape {
     /// output, whose lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1 }
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1 }
         } else {
             let lanes = subgroup_width(gpu).unwrap_or(32);
-            GemvShape { rows_per_workgroup: (256 / lanes).max(1), threads_per_row: lanes }
+            GemvShape { rows_per_workgroup: (256 / lanes).max(1), threads_per_row: lanes, unroll: 2 }
         }
     }
 }
@@ -219,6 +221,7 @@ impl Gemv {
             ("ROWS_PER_WG", s.rows_per_workgroup as f64),
             ("THREADS_PER_ROW", s.threads_per_row as f64),
             ("WG", (s.rows_per_workgroup * s.threads_per_row) as f64),
+            ("UNROLL", s.unroll as f64),
         ]);
         let pipeline = super::pipeline(gpu, "gemv", "main", &flags, &constants)?;
         let params = ParamsBuffer::new(gpu, "gemv.params", &params);
