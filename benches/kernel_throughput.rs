@@ -3,8 +3,6 @@
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
 //! time by depth and cache format. `cargo bench --bench kernel_throughput`.
 
-use std::time::Instant;
-
 use wgspark::KvFormat;
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
@@ -12,28 +10,21 @@ use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
 
-/// Seconds per repetition of `dispatches`, `reps` repetitions in one submission.
-fn time(gpu: &Gpu, dispatches: &[Dispatch], grid_y: Option<u32>, n_tokens: u32, reps: usize) -> f64 {
-    let run = |reps: usize| {
-        let mut encoder = gpu.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = encoder.begin_compute_pass(&Default::default());
-            for _ in 0..reps {
-                for d in dispatches {
-                    match grid_y {
-                        Some(y) => d.encode_grid(&mut pass, [d.workgroups[0], y, d.workgroups[2]]),
-                        None => d.encode(&mut pass, n_tokens),
-                    }
+/// Seconds per repetition of `dispatches` (GPU timestamps where the
+/// adapter has them), `reps` repetitions in one pass; `split_grid`: the
+/// grid's z for a split attention.
+fn time(gpu: &Gpu, dispatches: &[Dispatch], split_grid: Option<u32>, n_tokens: u32, reps: usize) -> f64 {
+    let secs = gpu
+        .time_pass(reps as u32, |pass, _| {
+            for d in dispatches {
+                match split_grid {
+                    Some(z) => d.encode_grid(pass, [d.workgroups[0], d.workgroups[1], z]),
+                    None => d.encode(pass, n_tokens),
                 }
             }
-        }
-        let start = Instant::now();
-        gpu.queue.submit([encoder.finish()]);
-        gpu.wait().unwrap();
-        start.elapsed().as_secs_f64()
-    };
-    run(1);
-    (0..3).map(|_| run(reps)).fold(f64::MAX, f64::min) / reps as f64
+        })
+        .unwrap();
+    secs.as_secs_f64() / reps as f64
 }
 
 fn random_tensor(gpu: &Gpu, rows: usize, cols: usize) -> GpuTensor {
@@ -67,7 +58,8 @@ fn main() {
     let gpu = Gpu::from_env().expect("an adapter");
     println!("adapter: {}", gpu.describe());
     let cpu = gpu.caps.is_cpu;
-    let bandwidth = gpu.copy_bandwidth(if cpu { 16 << 20 } else { 1 << 30 }, if cpu { 2 } else { 10 }).unwrap();
+    let bandwidth =
+        gpu.copy_bandwidth(if cpu { 16 << 20 } else { 1 << 30 }, if cpu { 2 } else { 10 }).unwrap();
     let copy = bandwidth.best;
     println!(
         "copy bandwidth: {:.3} TB/s (read + write; buffer copy {:.3}, copy kernel {:.3})",
@@ -78,11 +70,15 @@ fn main() {
     let reps = if cpu { 2 } else { 50 };
     if !cpu {
         let bytes = 1u64 << 30;
-        let (a, b) = (gpu.storage_buffer_bytes("a", bytes).unwrap(), gpu.storage_buffer_bytes("b", bytes).unwrap());
+        let (a, b) =
+            (gpu.storage_buffer_bytes("a", bytes).unwrap(), gpu.storage_buffer_bytes("b", bytes).unwrap());
         for per_thread in [2, 4, 8, 16] {
             let d = wgspark::kernels::copy::plan_with(&gpu, &a, &b, bytes, per_thread).unwrap();
             let secs = time(&gpu, &[d], None, 1, 10);
-            println!("copy kernel, {per_thread:>2} vec4 per invocation: {:.3} TB/s", 2.0 * bytes as f64 / secs / 1e12);
+            println!(
+                "copy kernel, {per_thread:>2} vec4 per invocation: {:.3} TB/s",
+                2.0 * bytes as f64 / secs / 1e12
+            );
         }
     }
 

@@ -59,25 +59,37 @@ struct Args {
 
 /// (name, config.json) of every synthetic shape.
 const SHAPES: &[(&str, &str)] = &[
-    ("llama-3.2-1b", r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+    (
+        "llama-3.2-1b",
+        r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
       "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
       "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
       "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#),
-    ("llama-3.1-8b", r#"{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#,
+    ),
+    (
+        "llama-3.1-8b",
+        r#"{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
       "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
       "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#),
-    ("smollm2-135m", r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#,
+    ),
+    (
+        "smollm2-135m",
+        r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
       "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
       "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
-      "rope_theta": 100000.0}"#),
-    ("qwen3-moe-tiny", r#"{"model_type": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 3072,
+      "rope_theta": 100000.0}"#,
+    ),
+    (
+        "qwen3-moe-tiny",
+        r#"{"model_type": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 3072,
       "moe_intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
       "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": true,
       "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
-      "rope_theta": 1000000.0}"#),
+      "rope_theta": 1000000.0}"#,
+    ),
     ("qwen3-30b-a3b", QWEN3_30B_A3B),
     ("qwen3-30b-a3b-16l", QWEN3_30B_A3B),
     ("mixtral-8x7b", MIXTRAL_8X7B),
@@ -104,7 +116,8 @@ fn shape_config(name: &str) -> Result<ModelConfig, String> {
         format!("unknown shape {name:?} (one of {})", names.join(", "))
     })?;
     let mut value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
-    if let Some(layers) = name.rsplit('-').next().and_then(|s| s.strip_suffix('l')).and_then(|n| n.parse::<u64>().ok())
+    if let Some(layers) =
+        name.rsplit('-').next().and_then(|s| s.strip_suffix('l')).and_then(|n| n.parse::<u64>().ok())
     {
         value["num_hidden_layers"] = layers.into();
     }
@@ -289,7 +302,9 @@ fn gpu_time(
     let n = 32;
     let before = timed.stats();
     let start = Instant::now();
-    timed.generate(&[(vocab / 2) as u32], &GenerateOptions { max_tokens: n + 1, ..Default::default() })?.count();
+    timed
+        .generate(&[(vocab / 2) as u32], &GenerateOptions { max_tokens: n + 1, ..Default::default() })?
+        .count();
     let wall = start.elapsed().as_secs_f64() / (n + 1) as f64;
     let after = timed.stats();
     if let (Some(a), Some(b), Some(source)) = (after.phases, before.phases, after.timing_source) {

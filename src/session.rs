@@ -462,8 +462,9 @@ impl Generation<'_, '_> {
         }
         let (slot, index) = self.in_flight.pop_front().expect("an id is in flight while not stopped");
         let gpu = self.session.model.gpu.clone();
-        let id = self.session.id_readbacks[slot]
-            .finish_map(&gpu, MapWait::Block(Some(index)), |m| u32::from_le_bytes(m[..4].try_into().unwrap()))?;
+        let id = self.session.id_readbacks[slot].finish_map(&gpu, MapWait::Block(Some(index)), |m| {
+            u32::from_le_bytes(m[..4].try_into().unwrap())
+        })?;
         self.yielded += 1;
         if self.stop_tokens.contains(&id) {
             self.stop(StopReason::StopToken(id));

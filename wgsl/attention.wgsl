@@ -35,12 +35,17 @@
 
 const WG: u32 = 128u;
 const Q_FLOATS: u32 = 2048u;
+// Query rows and one k row.
+const ROW_FLOATS: u32 = 2304u; // Q_FLOATS + MAX_HEAD_DIM
+const ROT_PER_THREAD: u32 = 18u; // ROW_FLOATS / WG
 // 32 keys of head_dim 128 (+ 1 of padding).
 const TILE_FLOATS: u32 = 4224u;
 const MAX_ROWS: u32 = 32u;
+const MAX_ROWS_K: u32 = 33u;
 const S_FLOATS: u32 = 1024u; // MAX_ROWS * 32 keys
 const MAX_HEAD_DIM: u32 = 256u;
 const OUT_PER_THREAD: u32 = 8u; // Q_FLOATS / 2 / WG dimension pairs
+const MAX_SPLITS: u32 = 128u;
 const NEG_BIG: f32 = -3.0e38;
 
 @group(0) @binding(0) var<uniform> p: AttentionParams;
@@ -180,9 +185,12 @@ fn first_key(pos: u32) -> u32 {
     return 0u;
 }
 
-// ---- q/k norm and RoPE of one head, shared by rope_store and decode ----
+// ---- q/k norm and RoPE of a workgroup's heads, shared by rope_store and attend ----
 
-var<workgroup> head_sh: array<f32, MAX_HEAD_DIM>;
+// Rows of heads, hd floats each: a workgroup's query rows, then (with a k
+// head) that head's row.
+var<workgroup> q_sh: array<f32, ROW_FLOATS>;
+var<workgroup> row_scale: array<f32, MAX_ROWS_K>;
 var<workgroup> red: array<f32, WG>;
 
 // The sum of every invocation's v (all must call it).
@@ -199,70 +207,119 @@ fn workgroup_sum(v: f32, l: u32) -> f32 {
     return red[0];
 }
 
-fn rotated(d: u32, pos: u32) -> f32 {
+// Where loaded row r comes from: query rows r < n_q are token t0 + r /
+// group, q head g * group + r % group; row n_q is k head g of token t_k.
+struct HeadRow {
+    token: u32,
+    /// Index among the q heads, or among the k heads.
+    head: u32,
+    is_k: bool,
+}
+
+fn head_row(r: u32, t0: u32, g: u32, n_q: u32, t_k: u32) -> HeadRow {
+    let group = p.n_q_heads / p.n_kv_heads;
+    if (r < n_q) {
+        return HeadRow(t0 + r / group, g * group + r % group, false);
+    }
+    return HeadRow(t_k, g, true);
+}
+
+fn row_offset(h: HeadRow) -> u32 {
+    return h.token * p.qkv_stride + (select(0u, p.n_q_heads, h.is_k) + h.head) * p.head_dim;
+}
+
+// Element d of row r of q_sh rotated for position `pos`.
+fn rotated(r: u32, d: u32, pos: u32) -> f32 {
     let half = p.half_rot;
+    let row = r * p.head_dim;
     if (d >= 2u * half) {
-        return head_sh[d];
+        return q_sh[row + d];
     }
     let table = pos * 2u * half;
     if (d < half) {
-        return head_sh[d] * cos_sin[table + d] - head_sh[d + half] * cos_sin[table + half + d];
+        return q_sh[row + d] * cos_sin[table + d] - q_sh[row + d + half] * cos_sin[table + half + d];
     }
     let i = d - half;
-    return head_sh[d] * cos_sin[table + i] + head_sh[i] * cos_sin[table + half + i];
+    return q_sh[row + d] * cos_sin[table + i] + q_sh[row + i] * cos_sin[table + half + i];
 }
 
-// Head `head` of token t (q heads, then k heads) into head_sh[0 .. hd],
-// normalised and rotated for position step.pos0 + t. All invocations call it.
-fn load_rotated_head(t: u32, head: u32, l: u32) {
+// Loads n_q query rows and, with `with_k`, one k row (see head_row) into
+// q_sh, each normalised (QK_NORM) and rotated for its token's position.
+// All invocations call it; the rows are processed together, so the cost
+// is a few global round trips whatever their number.
+fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
     let hd = p.head_dim;
-    let src = t * p.qkv_stride + head * hd;
-    let is_k = head >= p.n_q_heads;
+    let n = n_q + select(0u, 1u, with_k);
+    for (var i = l; i < n * hd; i += WG) {
+        let r = i / hd;
+        q_sh[i] = qkv[row_offset(head_row(r, t0, g, n_q, t_k)) + i % hd];
+    }
 #if QK_NORM
+    workgroupBarrier();
 #if QK_NORM_WHOLE
-    let n = select(p.n_q_heads, p.n_kv_heads, is_k) * hd;
-    let norm_from = t * p.qkv_stride + select(0u, p.n_q_heads * hd, is_k);
-    let w0 = head * hd - select(0u, p.n_q_heads * hd, is_k);
+    // Over the token's whole q (or k) projection: summed by the workgroup,
+    // once per (token, projection) that a row needs.
+    let group = p.n_q_heads / p.n_kv_heads;
+    let n_tok = (n_q + group - 1u) / group;
+    for (var c = 0u; c < n_tok + select(0u, 1u, with_k); c++) {
+        let is_k = c == n_tok;
+        let token = select(t0 + c, t_k, is_k);
+        let len = select(p.n_q_heads, p.n_kv_heads, is_k) * hd;
+        let first_value = token * p.qkv_stride + select(0u, p.n_q_heads * hd, is_k);
+        var ss = 0.0;
+        for (var i = l; i < len; i += WG) {
+            let v = qkv[first_value + i];
+            ss += v * v;
+        }
+        let scale = inverseSqrt(workgroup_sum(ss, l) / f32(len) + p.eps);
+        // Rows of this token (query rows c * group ..) or the k row.
+        let first = select(c * group, n_q, is_k);
+        let count = select(min(group, n_q - c * group), 1u, is_k);
+        if (l < count) {
+            row_scale[first + l] = scale;
+        }
+    }
 #else
-    let n = hd;
-    let norm_from = src;
-    let w0 = 0u;
-#endif
-    var ss = 0.0;
-    for (var i = l; i < n; i += WG) {
-        let v = qkv[norm_from + i];
-        ss += v * v;
+    if (l < n) {
+        var ss = 0.0;
+        for (var d = 0u; d < hd; d++) {
+            let v = q_sh[l * hd + d];
+            ss += v * v;
+        }
+        row_scale[l] = inverseSqrt(ss / f32(hd) + p.eps);
     }
-    let scale = inverseSqrt(workgroup_sum(ss, l) / f32(n) + p.eps);
 #endif
-    for (var d = l; d < hd; d += WG) {
-        var v = qkv[src + d];
-#if QK_NORM
-        let i = w0 + d;
+    workgroupBarrier();
+    for (var i = l; i < n * hd; i += WG) {
+        let h = head_row(i / hd, t0, g, n_q, t_k);
+#if QK_NORM_WHOLE
+        let w_index = h.head * hd + i % hd;
+#else
+        let w_index = i % hd;
+#endif
         var w: f32;
-        if (is_k) {
-            w = bf16_at(k_norm[i >> 1u], i);
+        if (h.is_k) {
+            w = bf16_at(k_norm[w_index >> 1u], w_index);
         } else {
-            w = bf16_at(q_norm[i >> 1u], i);
+            w = bf16_at(q_norm[w_index >> 1u], w_index);
         }
-        v = w * (v * scale);
+        q_sh[i] = w * (q_sh[i] * row_scale[i / hd]);
+    }
 #endif
-        head_sh[d] = v;
-    }
     workgroupBarrier();
-    let pos = step.pos0 + t;
-    var r: array<f32, 2>; // hd <= 2 * WG
-    for (var c = 0u; c < 2u; c++) {
-        let d = l + c * WG;
-        if (d < hd) {
-            r[c] = rotated(d, pos);
+    var rot: array<f32, ROT_PER_THREAD>;
+    for (var c = 0u; c < ROT_PER_THREAD; c++) {
+        let i = l + c * WG;
+        if (i < n * hd) {
+            let r = i / hd;
+            rot[c] = rotated(r, i % hd, step.pos0 + head_row(r, t0, g, n_q, t_k).token);
         }
     }
     workgroupBarrier();
-    for (var c = 0u; c < 2u; c++) {
-        let d = l + c * WG;
-        if (d < hd) {
-            head_sh[d] = r[c];
+    for (var c = 0u; c < ROT_PER_THREAD; c++) {
+        let i = l + c * WG;
+        if (i < n * hd) {
+            q_sh[i] = rot[c];
         }
     }
     workgroupBarrier();
@@ -275,26 +332,23 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let t = wid.y;
     let hd = p.head_dim;
     let pos = step.pos0 + t;
-    let head = p.n_q_heads + c;
     let nkv = p.n_kv_heads;
     if (c >= nkv) {
-        let src = t * p.qkv_stride + head * hd;
+        let src = t * p.qkv_stride + (p.n_q_heads + c) * hd;
         for (var i = l; i < hd / 2u; i += WG) {
             let s = src + 2u * i;
             kv_store2(true, kv_index(pos, c - nkv, 2u * i), vec2<f32>(qkv[s], qkv[s + 1u]));
         }
         return;
     }
-    load_rotated_head(t, head, l);
+    load_rows(0u, c, 0u, true, t, l);
     for (var i = l; i < hd / 2u; i += WG) {
-        kv_store2(false, kv_index(pos, c, 2u * i), vec2<f32>(head_sh[2u * i], head_sh[2u * i + 1u]));
+        kv_store2(false, kv_index(pos, c, 2u * i), vec2<f32>(q_sh[2u * i], q_sh[2u * i + 1u]));
     }
 }
 
 // ---- attend: query rows against a range of keys, tile by tile ----
 
-// Query rows (row r: head_dim floats at r * hd).
-var<workgroup> q_sh: array<f32, Q_FLOATS>;
 // A tile of TK keys' K, then the same keys' V: rows of hd + 1 floats
 // (padded against bank conflicts).
 var<workgroup> tile_sh: array<f32, TILE_FLOATS>;
@@ -341,23 +395,22 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let lo = start + min(split * chunk, n_keys);
     let hi = start + min((split + 1u) * chunk, n_keys);
 
-    for (var r = 0u; r < rows; r++) {
-        load_rotated_head(t0 + r / group, g * group + r % group, l);
-        for (var d = l; d < hd; d += WG) {
-            q_sh[r * hd + d] = head_sh[d];
-        }
-    }
 #if DECODE
+    // The new position's k and v, stored by the split that reads them.
     let pos = step.pos0;
-    if (lo <= pos && pos < hi) {
-        load_rotated_head(0u, nq + g, l);
+    let stores = lo <= pos && pos < hi;
+    load_rows(t0, g, rows, stores, 0u, l);
+    if (stores) {
+        let k_row = rows * hd;
         for (var i = l; i < hd / 2u; i += WG) {
-            kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(head_sh[2u * i], head_sh[2u * i + 1u]));
+            kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(q_sh[k_row + 2u * i], q_sh[k_row + 2u * i + 1u]));
             let v = (nq + nkv + g) * hd + 2u * i;
             kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(qkv[v], qkv[v + 1u]));
         }
         storageBarrier();
     }
+#else
+    load_rows(t0, g, rows, false, 0u, l);
 #endif
     if (l < rows) {
         row_max[l] = NEG_BIG;
@@ -461,25 +514,38 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     }
 }
 
-// Merges the splits of one query head: one workgroup each.
+// Merges the splits of one query head: one workgroup each. The splits'
+// (max, sum) pairs go through workgroup memory, so the sums over splits
+// are independent loads rather than a chain.
+var<workgroup> split_weight: array<f32, MAX_SPLITS>;
+
 @compute @workgroup_size(WG)
 fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let qh = wid.x;
     let hd = p.head_dim;
     let splits = step.attn_splits;
     let base = qh * splits;
+    for (var s = l; s < splits; s += WG) {
+        split_weight[s] = part_ml[2u * (base + s)];
+    }
+    workgroupBarrier();
     var m = NEG_BIG;
     for (var s = 0u; s < splits; s++) {
-        m = max(m, part_ml[2u * (base + s)]);
+        m = max(m, split_weight[s]);
     }
+    workgroupBarrier();
+    for (var s = l; s < splits; s += WG) {
+        split_weight[s] = exp(split_weight[s] - m);
+    }
+    workgroupBarrier();
     var sum = 0.0;
     for (var s = 0u; s < splits; s++) {
-        sum += exp(part_ml[2u * (base + s)] - m) * part_ml[2u * (base + s) + 1u];
+        sum += split_weight[s] * part_ml[2u * (base + s) + 1u];
     }
     for (var d = l; d < hd; d += WG) {
         var a = 0.0;
         for (var s = 0u; s < splits; s++) {
-            a += exp(part_ml[2u * (base + s)] - m) * part_acc[(base + s) * hd + d];
+            a += split_weight[s] * part_acc[(base + s) * hd + d];
         }
         out[qh * hd + d] = a / sum;
     }

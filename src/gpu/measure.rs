@@ -20,7 +20,8 @@ pub struct CopyBandwidth {
 
 impl Gpu {
     /// The copy bandwidth of `reps` copies of a `bytes` buffer in one
-    /// submission, best of 3, by the API's copy and by the copy kernel.
+    /// submission, best of 3, by the API's copy (wall clock) and by the
+    /// copy kernel (GPU timestamps where the adapter has them).
     pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<CopyBandwidth> {
         let bytes = bytes.min(self.caps.max_buffer_size).min(self.caps.max_storage_binding) / 16 * 16;
         let a = self.storage_buffer_bytes("copy.a", bytes)?;
@@ -31,10 +32,7 @@ impl Gpu {
             let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
             encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
         })?;
-        let shader = self.time_copies(reps, |encoder, i| {
-            let mut pass = encoder.begin_compute_pass(&Default::default());
-            by_kernel[(i % 2) as usize].encode(&mut pass, 1);
-        })?;
+        let shader = self.time_pass(reps, |pass, i| by_kernel[(i % 2) as usize].encode(pass, 1))?;
         self.check("measuring copy bandwidth")?;
         let rate = |t: Duration| 2.0 * bytes as f64 * reps as f64 / t.as_secs_f64();
         let (api, kernel) = (rate(api), rate(shader));
@@ -52,6 +50,54 @@ impl Gpu {
             self.queue.submit([encoder.finish()]);
             self.wait()?;
             Ok(start.elapsed())
+        };
+        run(1)?;
+        let times = (0..3).map(|_| run(reps)).collect::<Result<Vec<_>>>()?;
+        Ok(times.into_iter().min().unwrap())
+    }
+
+    /// Best of 3 compute passes of `reps` recorded dispatches: GPU time
+    /// between the pass's timestamps where the adapter has them (no
+    /// submission or wake-up latency), else wall clock.
+    pub fn time_pass(&self, reps: u32, record: impl Fn(&mut wgpu::ComputePass<'_>, u32)) -> Result<Duration> {
+        if !self.caps.timestamps {
+            return self.time_copies(reps, |encoder, i| {
+                record(&mut encoder.begin_compute_pass(&Default::default()), i)
+            });
+        }
+        let queries = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("time_pass"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2,
+        });
+        let resolved = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("time_pass.resolved"),
+            size: 16,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let readback = Readback::new(self, "time_pass.readback", 16);
+        let period = self.queue.get_timestamp_period() as f64;
+        let run = |n: u32| -> Result<Duration> {
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("time_pass"),
+                    timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
+                        query_set: &queries,
+                        beginning_of_pass_write_index: Some(0),
+                        end_of_pass_write_index: Some(1),
+                    }),
+                });
+                for i in 0..n {
+                    record(&mut pass, i);
+                }
+            }
+            encoder.resolve_query_set(&queries, 0..2, &resolved, 0);
+            readback.record(&mut encoder, &resolved, 0, 16);
+            self.queue.submit([encoder.finish()]);
+            let ticks: Vec<u64> = readback.read(self, 16)?;
+            Ok(Duration::from_nanos((ticks[1].saturating_sub(ticks[0]) as f64 * period) as u64))
         };
         run(1)?;
         let times = (0..3).map(|_| run(reps)).collect::<Result<Vec<_>>>()?;

@@ -25,7 +25,13 @@ pub fn plan(gpu: &Gpu, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Re
 }
 
 /// As [`plan`], `per_thread` (at most 16) vec4s per invocation.
-pub fn plan_with(gpu: &Gpu, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64, per_thread: u32) -> Result<Dispatch> {
+pub fn plan_with(
+    gpu: &Gpu,
+    src: &wgpu::Buffer,
+    dst: &wgpu::Buffer,
+    bytes: u64,
+    per_thread: u32,
+) -> Result<Dispatch> {
     let n = (bytes / 16) as u32;
     let pipeline = super::pipeline(gpu, "copy", "main", &[], &[("PER_THREAD", per_thread as f64)])?;
     let params = ParamsBuffer::new(gpu, "copy.params", &CopyParams { n });
