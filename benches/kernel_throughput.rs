@@ -1,7 +1,8 @@
 //! Kernel throughput on the current adapter (`WGSPARK_BACKEND`): GEMV
 //! bandwidth (plain and fused, over workgroup shapes) as a fraction of the
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
-//! time by depth and cache format. `cargo bench --bench kernel_throughput`.
+//! time by depth and cache format. `cargo bench --bench kernel_throughput`
+//! runs every section; `-- gemv` (or `copy`, `attention`) one of them.
 
 use wgspark::KvFormat;
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
@@ -68,7 +69,9 @@ fn main() {
         bandwidth.kernel / 1e12
     );
     let reps = if cpu { 2 } else { 50 };
-    if !cpu {
+    let section = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let runs = |name: &str| section.as_deref().is_none_or(|s| s == name);
+    if !cpu && runs("copy") {
         let bytes = 1u64 << 30;
         let (a, b) =
             (gpu.storage_buffer_bytes("a", bytes).unwrap(), gpu.storage_buffer_bytes("b", bytes).unwrap());
@@ -111,7 +114,7 @@ fn main() {
         ]
     };
     let norm = random_tensor(&gpu, 1, 16384);
-    for &(rows, cols) in sizes {
+    for &(rows, cols) in sizes.iter().filter(|_| runs("gemv")) {
         let w = random_tensor(&gpu, rows, cols);
         let norm_w = GpuTensor { cols, ..norm.clone() };
         let x = gpu.storage_buffer_init("x", &vec![0.01f32; 512 * cols.max(rows)]);
@@ -182,7 +185,7 @@ fn main() {
         (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F32),
         (Heads { q: 32, kv: 8, dim: 64 }, KvFormat::F16),
     ];
-    for (heads, format) in geometries {
+    for (heads, format) in geometries.into_iter().filter(|_| runs("attention")) {
         for &ctx in depths {
             let k_cache = gpu.storage_buffer_init("k_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
             let v_cache = gpu.storage_buffer_init("v_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
@@ -195,15 +198,32 @@ fn main() {
                 qk_norm: None,
                 kv_format: format,
             };
-            let max_splits = Attention::max_splits(ctx, heads.kv);
+            let max_splits = wgspark::kernels::attention::MAX_SPLITS;
             let acc = gpu.storage_buffer("split_acc", heads.q * max_splits * heads.dim).unwrap();
             let max_sum = gpu.storage_buffer("split_max_sum", heads.q * max_splits * 2).unwrap();
-            for tokens in [1u32, if cpu { 8 } else { 512 }] {
+            for tokens in [1u32, if cpu { 8 } else { 512 }].into_iter().filter(|&t| t as usize <= ctx) {
                 let qkv = gpu.storage_buffer_init("qkv", &vec![0.01f32; tokens as usize * heads.qkv_width()]);
                 let out = gpu.storage_buffer("out", tokens as usize * heads.q * heads.dim).unwrap();
                 let pos0 = ctx as u32 - tokens;
-                let splits =
-                    if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
+                let splits = if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
+                if tokens == 1 && ctx == 4096 && format == KvFormat::F16 {
+                    // How the time scales with the keys per split.
+                    for splits in [1, 4, 16, 32, 128] {
+                        let s = step(&gpu, pos0, 1, splits);
+                        let b = AttentionBindings {
+                            step: &s,
+                            qkv: &qkv,
+                            cos_sin: &cos_sin,
+                            k_cache: &k_cache,
+                            v_cache: &v_cache,
+                            out: &out,
+                        };
+                        let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
+                        let d = attention.plan_decode(&gpu, &shape, &b, &scratch).unwrap();
+                        let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(splits), 1, reps);
+                        println!("  {splits:>3} splits: attend {:.4} ms", attend * 1e3);
+                    }
+                }
                 let s = step(&gpu, pos0, tokens, splits as u32);
                 let b = AttentionBindings {
                     step: &s,
@@ -223,6 +243,7 @@ fn main() {
                     } else {
                         0.0
                     };
+                    println!("  attend {:.4} ms, combine {:.4} ms", attend * 1e3, combine * 1e3);
                     attend + combine
                 } else {
                     time(

@@ -46,14 +46,17 @@ const S_FLOATS: u32 = 1024u; // MAX_ROWS * 32 keys
 const MAX_HEAD_DIM: u32 = 256u;
 const OUT_PER_THREAD: u32 = 8u; // Q_FLOATS / 2 / WG dimension pairs
 const MAX_SPLITS: u32 = 128u;
+// Quads a tile load gives each invocation: 32 keys of 128 f32 (or 256 f16).
+const TILE_QUADS_PER_THREAD: u32 = 8u;
 const NEG_BIG: f32 = -3.0e38;
 
 @group(0) @binding(0) var<uniform> p: AttentionParams;
 @group(0) @binding(1) var<uniform> step: Step;
 @group(0) @binding(2) var<storage, read> qkv: array<f32>;
 @group(0) @binding(3) var<storage, read> cos_sin: array<f32>;
-@group(0) @binding(4) var<storage, read_write> k_cache: array<u32>;
-@group(0) @binding(5) var<storage, read_write> v_cache: array<u32>;
+// Words of the caches, read four at a time where rows allow.
+@group(0) @binding(4) var<storage, read_write> k_cache: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read_write> v_cache: array<vec4<u32>>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 // Partials of split attention, per (query head, split): head_dim sums,
 // then (max, sum) pairs.
@@ -135,9 +138,17 @@ fn pack_f16(v: vec2<f32>) -> u32 {
 // Word w of the K cache (V with `values`).
 fn cache_word(values: bool, w: u32) -> u32 {
     if (values) {
-        return v_cache[w];
+        return v_cache[w >> 2u][w & 3u];
     }
-    return k_cache[w];
+    return k_cache[w >> 2u][w & 3u];
+}
+
+// Words 4q .. 4q + 3 of the K cache (V with `values`).
+fn cache_quad(values: bool, q: u32) -> vec4<u32> {
+    if (values) {
+        return v_cache[q];
+    }
+    return k_cache[q];
 }
 
 // Elements e and e + 1 (e even) of the K cache (V with `values`).
@@ -157,9 +168,9 @@ fn kv_load(values: bool, e: u32) -> f32 {
 
 fn cache_store(values: bool, w: u32, word: u32) {
     if (values) {
-        v_cache[w] = word;
+        v_cache[w >> 2u][w & 3u] = word;
     } else {
-        k_cache[w] = word;
+        k_cache[w >> 2u][w & 3u] = word;
     }
 }
 
@@ -361,6 +372,45 @@ var<workgroup> row_rescale: array<f32, MAX_ROWS>;
 // Copies keys [k0, k0 + n) of KV head g (V with `values`) into tile_sh,
 // consecutive invocations reading consecutive words.
 fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
+#if KV_F16
+    let per_quad = 8u;
+#else
+    let per_quad = 4u;
+#endif
+    if (hd % per_quad == 0u) {
+        // Whole rows of quads: every invocation issues all its 16-byte
+        // loads before storing any, so many are in flight.
+        let quads = hd / per_quad;
+        let first = kv_index(k0, g, 0u) / per_quad;
+        let row_quads = p.n_kv_heads * quads;
+        var held: array<vec4<u32>, TILE_QUADS_PER_THREAD>;
+        for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
+            let i = l + c * WG;
+            if (i < n * quads) {
+                held[c] = cache_quad(values, first + (i / quads) * row_quads + i % quads);
+            }
+        }
+        for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
+            let i = l + c * WG;
+            if (i < n * quads) {
+                let at = (i / quads) * (hd + 1u) + (i % quads) * per_quad;
+                let w = held[c];
+#if KV_F16
+                let lo = vec4<f32>(unpack_f16(w.x), unpack_f16(w.y));
+                let hi = vec4<f32>(unpack_f16(w.z), unpack_f16(w.w));
+                for (var e = 0u; e < 4u; e++) {
+                    tile_sh[at + e] = lo[e];
+                    tile_sh[at + 4u + e] = hi[e];
+                }
+#else
+                for (var e = 0u; e < 4u; e++) {
+                    tile_sh[at + e] = bitcast<f32>(w[e]);
+                }
+#endif
+            }
+        }
+        return;
+    }
     let pairs = hd / 2u;
     for (var i = l; i < n * pairs; i += WG) {
         let j = i / pairs;
