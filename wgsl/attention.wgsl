@@ -369,57 +369,48 @@ var<workgroup> row_max: array<f32, MAX_ROWS>;
 var<workgroup> row_sum: array<f32, MAX_ROWS>;
 var<workgroup> row_rescale: array<f32, MAX_ROWS>;
 
+// Copies keys [k0, k0 + n) of KV head g (V with `values`) into tile_sh,
+// consecutive invocations reading consecutive words.
+fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
 #if KV_F16
-const PER_QUAD: u32 = 8u;
+    let per_quad = 8u;
 #else
-const PER_QUAD: u32 = 4u;
+    let per_quad = 4u;
 #endif
-
-// The cache words of keys [k0, k0 + n) of KV head g (V with `values`)
-// that this invocation stores into a tile: rows of whole 16-byte quads
-// (head_dim a multiple of PER_QUAD), all loads issued at once.
-fn fetch_quads(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) -> array<vec4<u32>, TILE_QUADS_PER_THREAD> {
-    let quads = hd / PER_QUAD;
-    let first = kv_index(k0, g, 0u) / PER_QUAD;
-    let row_quads = p.n_kv_heads * quads;
-    var held: array<vec4<u32>, TILE_QUADS_PER_THREAD>;
-    for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
-        let i = l + c * WG;
-        if (i < n * quads) {
-            held[c] = cache_quad(values, first + (i / quads) * row_quads + i % quads);
+    if (hd % per_quad == 0u) {
+        // Whole rows of quads: every invocation issues all its 16-byte
+        // loads before storing any, so many are in flight.
+        let quads = hd / per_quad;
+        let first = kv_index(k0, g, 0u) / per_quad;
+        let row_quads = p.n_kv_heads * quads;
+        var held: array<vec4<u32>, TILE_QUADS_PER_THREAD>;
+        for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
+            let i = l + c * WG;
+            if (i < n * quads) {
+                held[c] = cache_quad(values, first + (i / quads) * row_quads + i % quads);
+            }
         }
-    }
-    return held;
-}
-
-// Stores what fetch_quads fetched into tile_sh (rows of hd + 1 floats).
-fn store_quads(held: array<vec4<u32>, TILE_QUADS_PER_THREAD>, n: u32, hd: u32, l: u32) {
-    let quads = hd / PER_QUAD;
-    for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
-        let i = l + c * WG;
-        if (i < n * quads) {
-            let at = (i / quads) * (hd + 1u) + (i % quads) * PER_QUAD;
-            let w = held[c];
+        for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
+            let i = l + c * WG;
+            if (i < n * quads) {
+                let at = (i / quads) * (hd + 1u) + (i % quads) * per_quad;
+                let w = held[c];
 #if KV_F16
-            let lo = vec4<f32>(unpack_f16(w.x), unpack_f16(w.y));
-            let hi = vec4<f32>(unpack_f16(w.z), unpack_f16(w.w));
-            for (var e = 0u; e < 4u; e++) {
-                tile_sh[at + e] = lo[e];
-                tile_sh[at + 4u + e] = hi[e];
-            }
+                let lo = vec4<f32>(unpack_f16(w.x), unpack_f16(w.y));
+                let hi = vec4<f32>(unpack_f16(w.z), unpack_f16(w.w));
+                for (var e = 0u; e < 4u; e++) {
+                    tile_sh[at + e] = lo[e];
+                    tile_sh[at + 4u + e] = hi[e];
+                }
 #else
-            for (var e = 0u; e < 4u; e++) {
-                tile_sh[at + e] = bitcast<f32>(w[e]);
-            }
+                for (var e = 0u; e < 4u; e++) {
+                    tile_sh[at + e] = bitcast<f32>(w[e]);
+                }
 #endif
+            }
         }
+        return;
     }
-}
-
-// Copies keys [k0, k0 + n) of KV head g (V with `values`) into tile_sh a
-// pair at a time (any even head_dim), consecutive invocations reading
-// consecutive words.
-fn load_tile_pairs(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
     let pairs = hd / 2u;
     for (var i = l; i < n * pairs; i += WG) {
         let j = i / pairs;
@@ -445,10 +436,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let group = nq / nkv;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * group;
-    // Keys per tile: 32, or 16 for heads over 131 wide (a power of two, so
-    // the invocations split evenly into keys and rows).
-    let tk = select(16u, 32u, 32u * (hd + 1u) <= TILE_FLOATS);
-    let quad_rows = hd % PER_QUAD == 0u;
+    let tk = min(32u, TILE_FLOATS / (hd + 1u));
 
     // Keys any row attends, divided among the splits.
     let start = first_key(step.pos0 + t0);
@@ -490,16 +478,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     for (var k0 = lo; k0 < hi; k0 += tk) {
         let n = min(tk, hi - k0);
         workgroupBarrier();
-        // K and V of the tile are fetched together (one memory latency per
-        // tile); V waits in registers until the scores are done with K.
-        var v_held: array<vec4<u32>, TILE_QUADS_PER_THREAD>;
-        if (quad_rows) {
-            let k_held = fetch_quads(false, k0, n, g, hd, l);
-            v_held = fetch_quads(true, k0, n, g, hd, l);
-            store_quads(k_held, n, hd, l);
-        } else {
-            load_tile_pairs(false, k0, n, g, hd, l);
-        }
+        load_tile(false, k0, n, g, hd, l);
         workgroupBarrier();
         let j = l % tk;
         for (var c = 0u; c < MAX_ROWS; c++) {
@@ -520,36 +499,27 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             s_sh[r * tk + j] = s;
         }
         workgroupBarrier();
-        // Every key of the tile has a score (masked ones NEG_BIG, later a
-        // probability of 0), so rows reduce over all tk, four chains at once.
         if (l < rows) {
-            var m = vec4<f32>(row_max[l]);
-            for (var jj = 0u; jj < tk; jj += 4u) {
-                let at = l * tk + jj;
-                m = max(m, vec4<f32>(s_sh[at], s_sh[at + 1u], s_sh[at + 2u], s_sh[at + 3u]));
+            var m = row_max[l];
+            for (var jj = 0u; jj < n; jj++) {
+                m = max(m, s_sh[l * tk + jj]);
             }
-            let new_max = max(max(m.x, m.y), max(m.z, m.w));
-            row_rescale[l] = exp(row_max[l] - new_max);
-            row_max[l] = new_max;
+            row_rescale[l] = exp(row_max[l] - m);
+            row_max[l] = m;
         }
         workgroupBarrier();
         for (var i = l; i < rows * tk; i += WG) {
             let s = s_sh[i];
             s_sh[i] = select(exp(s - row_max[i / tk]), 0.0, s <= NEG_BIG);
         }
-        if (quad_rows) {
-            store_quads(v_held, n, hd, l);
-        } else {
-            load_tile_pairs(true, k0, n, g, hd, l);
-        }
+        load_tile(true, k0, n, g, hd, l);
         workgroupBarrier();
         if (l < rows) {
-            var sum = vec4<f32>(0.0);
-            for (var jj = 0u; jj < tk; jj += 4u) {
-                let at = l * tk + jj;
-                sum += vec4<f32>(s_sh[at], s_sh[at + 1u], s_sh[at + 2u], s_sh[at + 3u]);
+            var sum = 0.0;
+            for (var jj = 0u; jj < n; jj++) {
+                sum += s_sh[l * tk + jj];
             }
-            row_sum[l] = row_sum[l] * row_rescale[l] + (sum.x + sum.y) + (sum.z + sum.w);
+            row_sum[l] = row_sum[l] * row_rescale[l] + sum;
         }
         for (var c = 0u; c < OUT_PER_THREAD; c++) {
             let o = l + c * WG;
