@@ -205,7 +205,8 @@ fn main() {
                 let qkv = gpu.storage_buffer_init("qkv", &vec![0.01f32; tokens as usize * heads.qkv_width()]);
                 let out = gpu.storage_buffer("out", tokens as usize * heads.q * heads.dim).unwrap();
                 let pos0 = ctx as u32 - tokens;
-                let splits = if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
+                let splits =
+                    if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
                 if tokens == 1 && ctx == 4096 && format == KvFormat::F16 {
                     // How the time scales with the keys per split.
                     for splits in [1, 4, 16, 32, 128] {

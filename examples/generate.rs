@@ -131,6 +131,8 @@ fn control_vectors(args: &Args) -> Result<Vec<(PathBuf, f32)>, String> {
 }
 
 fn main() {
+    // SAFETY: first thing in main, before any other thread starts.
+    unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
     if let Err(e) = run(Args::parse()) {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -1,7 +1,9 @@
 //! Residual capture: the residual stream at chosen layers' outputs (after
 //! steering), recorded on the GPU while the layers run and read back once
 //! per submission: once per decoded token, once per prompt chunk that
-//! contributes rows.
+//! contributes rows. While generating with steps in flight, each step's
+//! rows go to a staging slot of their own and are read as its id is, so
+//! capture does not stop the pipeline.
 //!
 //! Written as safetensors ([`Capture::to_safetensors`]): one f32 tensor
 //! `resid.layer.N` of shape `[rows, hidden]` per captured layer, rows in
@@ -28,7 +30,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::gpu::{Gpu, Readback};
+use crate::gpu::{Gpu, MapWait, Readback};
 use crate::kernels::residual::CaptureTarget;
 use crate::model::Model;
 
@@ -115,10 +117,20 @@ pub(crate) struct CapturePlan {
     /// Bytes from one layer's region to the next (a storage binding offset
     /// must be a multiple of the adapter's alignment).
     region_stride: u64,
-    readback: Readback,
+    /// Staging slots: slot 0 for submissions read at once; one per step in
+    /// flight while generating.
+    slots: Vec<CaptureSlot>,
     /// Most rows one submission records.
     max_rows: usize,
     captured: Capture,
+}
+
+/// A staging buffer and the rows it holds once its submission is done:
+/// (rows, position of the first).
+#[derive(Debug)]
+struct CaptureSlot {
+    readback: Readback,
+    pending: Option<(usize, usize)>,
 }
 
 impl CapturePlan {
@@ -152,13 +164,14 @@ impl CapturePlan {
         }
         let readback = Readback::new(gpu, "capture.readback", layers.len() as u64 * region_stride);
         gpu.check("creating the residual capture")?;
+        let slots = vec![CaptureSlot { readback, pending: None }];
         Ok(CapturePlan {
             prompt_rows: options.prompt_rows,
             region_of_layer,
             step: step.clone(),
             buffer,
             region_stride,
-            readback,
+            slots,
             max_rows,
             captured: Capture::empty(c.hidden, layers),
         })
@@ -184,30 +197,49 @@ impl CapturePlan {
         self.captured.layers.len() as u64
     }
 
+    /// Makes room for `n` submissions whose rows are read later.
+    pub fn ensure_slots(&mut self, gpu: &Gpu, n: usize) {
+        let bytes = self.n_regions() * self.region_stride;
+        while self.slots.len() < n {
+            self.slots
+                .push(CaptureSlot { readback: Readback::new(gpu, "capture.readback", bytes), pending: None });
+        }
+    }
+
     /// Records the copy of the first `rows` rows of every region into the
-    /// staging buffer, at the same offsets.
-    pub fn record_readback(&self, encoder: &mut wgpu::CommandEncoder, rows: usize) {
+    /// staging buffer of `slot`, at the same offsets.
+    pub fn record_readback(&self, encoder: &mut wgpu::CommandEncoder, rows: usize, slot: usize) {
         let bytes = (rows * self.captured.hidden * 4) as u64;
+        let readback = &self.slots[slot].readback;
         if rows == self.max_rows {
-            self.readback.record(encoder, &self.buffer, 0, self.n_regions() * self.region_stride);
+            readback.record(encoder, &self.buffer, 0, self.n_regions() * self.region_stride);
         } else {
             for region in 0..self.n_regions() {
                 let offset = region * self.region_stride;
-                self.readback.record_at(encoder, &self.buffer, offset, offset, bytes);
+                readback.record_at(encoder, &self.buffer, offset, offset, bytes);
             }
         }
     }
 
-    /// After the submission: appends the rows, whose positions are
-    /// `first_position..first_position + rows`.
-    pub fn read(&mut self, gpu: &Gpu, rows: usize, first_position: usize) -> Result<()> {
+    /// After the submission that recorded `slot`'s copy: starts mapping
+    /// its `rows` rows, whose positions begin at `first_position`.
+    pub fn start(&mut self, slot: usize, rows: usize, first_position: usize) {
+        let used = self.used_bytes(rows);
+        let s = &mut self.slots[slot];
+        s.readback.start_map(used);
+        s.pending = Some((rows, first_position));
+    }
+
+    /// Waits for `slot`'s map (its submission) and appends its rows; does
+    /// nothing when the slot holds none.
+    pub fn finish(&mut self, gpu: &Gpu, slot: usize, wait: MapWait) -> Result<()> {
+        let Some((rows, first_position)) = self.slots[slot].pending.take() else { return Ok(()) };
         let per_layer = rows * self.captured.hidden * 4;
         let stride = self.region_stride as usize;
-        let used = (self.n_regions() - 1) * self.region_stride + per_layer as u64;
         let captured = &mut self.captured.rows;
         // Straight from the mapped staging buffer into the kept rows: no
         // intermediate copy of every layer's rows.
-        self.readback.read_with(gpu, used, |mapped| {
+        self.slots[slot].readback.finish_map(gpu, wait, |mapped| {
             for (index, layer_rows) in captured.iter_mut().enumerate() {
                 let region = &mapped[index * stride..index * stride + per_layer];
                 layer_rows.extend(region.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
@@ -215,6 +247,10 @@ impl CapturePlan {
         })?;
         self.captured.positions.extend(first_position..first_position + rows);
         Ok(())
+    }
+
+    fn used_bytes(&self, rows: usize) -> u64 {
+        (self.n_regions() - 1) * self.region_stride + (rows * self.captured.hidden * 4) as u64
     }
 
     /// Drops the rows of positions from `position` on (steps computed past

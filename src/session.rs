@@ -263,6 +263,9 @@ impl<'m> Session<'m> {
             let slot = Readback::new(&self.model.gpu, "generated_id.readback", 4);
             self.id_readbacks.push(slot);
         }
+        if let Some(capture) = self.capture.as_mut() {
+            capture.ensure_slots(&self.model.gpu, self.id_readbacks.len());
+        }
         let first = self.run_prompt(prompt, Head::Sample, Some(0))?;
         let prompt_end = self.len;
         // A step takes the id yielded before it: the last id needs no step.
@@ -371,7 +374,7 @@ impl<'m> Session<'m> {
             self.capture.as_ref().filter(|c| head != Head::None || c.prompt_rows == PromptRows::All);
         let captured_rows = capture.map(|c| {
             let rows = c.rows_for(n_tokens);
-            c.record_readback(rec.encoder(), rows);
+            c.record_readback(rec.encoder(), rows, id_slot.unwrap_or(0));
             rows
         });
         let dispatches = rec.dispatches();
@@ -383,7 +386,12 @@ impl<'m> Session<'m> {
             self.stats.decode_dispatches = dispatches;
         }
         if let (Some(rows), Some(c)) = (captured_rows, self.capture.as_mut()) {
-            c.read(gpu, rows, self.len + n_tokens - rows)?;
+            // A generated step's rows are read with its id; others now.
+            let slot = id_slot.unwrap_or(0);
+            c.start(slot, rows, self.len + n_tokens - rows);
+            if id_slot.is_none() {
+                c.finish(gpu, slot, MapWait::Block(Some(index.clone())))?;
+            }
             self.stats.capture_readbacks += 1;
         }
         self.len += n_tokens;
@@ -434,17 +442,28 @@ impl Generation<'_, '_> {
             return;
         }
         self.stopped = Some(reason);
-        let gpu = self.session.model.gpu.clone();
         for (slot, index) in std::mem::take(&mut self.in_flight) {
             // A failed wait leaves the slot mapped or pending; the session's
             // next submission reports the device error.
-            let _ = self.session.id_readbacks[slot].finish_map(&gpu, MapWait::Block(Some(index)), |_| ());
+            let _ = self.read_slot(slot, index);
         }
         let fed = self.prompt_end + self.yielded.max(1) - 1;
         self.session.len = fed;
         if let Some(capture) = self.session.capture.as_mut() {
             capture.drop_from_position(fed);
         }
+    }
+
+    /// The id a step (or the prompt) chose, and its captured rows if any.
+    fn read_slot(&mut self, slot: usize, index: wgpu::SubmissionIndex) -> Result<u32> {
+        let gpu = &self.session.model.gpu;
+        let wait = MapWait::Block(Some(index));
+        let id = self.session.id_readbacks[slot]
+            .finish_map(gpu, wait.clone(), |m| u32::from_le_bytes(m[..4].try_into().unwrap()))?;
+        if let Some(capture) = self.session.capture.as_mut() {
+            capture.finish(gpu, slot, wait)?;
+        }
+        Ok(id)
     }
 
     fn submit_step(&mut self) -> Result<()> {
@@ -461,10 +480,7 @@ impl Generation<'_, '_> {
             self.submit_step()?;
         }
         let (slot, index) = self.in_flight.pop_front().expect("an id is in flight while not stopped");
-        let gpu = self.session.model.gpu.clone();
-        let id = self.session.id_readbacks[slot].finish_map(&gpu, MapWait::Block(Some(index)), |m| {
-            u32::from_le_bytes(m[..4].try_into().unwrap())
-        })?;
+        let id = self.read_slot(slot, index)?;
         self.yielded += 1;
         if self.stop_tokens.contains(&id) {
             self.stop(StopReason::StopToken(id));

@@ -180,3 +180,46 @@ fn bad_generation_requests_are_typed_errors() {
     check(session.generate(&long, &greedy(4)), "ContextOverflow");
     assert_eq!(session.position(), 0, "a refused request feeds nothing");
 }
+
+/// Capture while generating reads each step's rows with its id (the
+/// pipeline keeps going) and records what stepping records; rows of steps
+/// computed past a stop are dropped.
+#[test]
+fn capture_while_generating_matches_capture_while_stepping() {
+    use wgspark::{CaptureOptions, PromptRows};
+    let cases = cases();
+    let case = cases.iter().find(|c| c.name == "mixtral_deep").unwrap();
+    let e = &case.expected;
+    on_each_backend(|gpu| {
+        let model = Model::load(&case.dir, gpu).unwrap();
+        let options = SessionOptions { prefill_chunk: Some(5), ..exact() };
+        let capture = CaptureOptions { layers: None, prompt_rows: PromptRows::All };
+        let n = e.generated_ids.len();
+
+        let mut stepping = model.session(&options).unwrap();
+        stepping.set_capture(Some(&capture)).unwrap();
+        let ids = stepped(&mut stepping, &e.prompt_ids, n);
+        let want = stepping.take_capture().unwrap();
+
+        let mut generating = model.session(&options).unwrap();
+        generating.set_capture(Some(&capture)).unwrap();
+        let got_ids: Vec<u32> =
+            generating.generate(&e.prompt_ids, &greedy(n)).unwrap().map(|id| id.unwrap()).collect();
+        assert_eq!(got_ids, ids);
+        let got = generating.take_capture().unwrap();
+        assert_eq!(got.positions, want.positions, "rows of every position fed, in order");
+        assert_eq!(got.rows, want.rows, "the same kernels write the same rows");
+
+        // Stopped at the third id with steps in flight: positions up to the
+        // last token fed, nothing after.
+        let mut stopped = model.session(&options).unwrap();
+        stopped.set_capture(Some(&capture)).unwrap();
+        let options = GenerateOptions { stop_tokens: vec![ids[2]], in_flight: 4, ..greedy(n) };
+        let got_ids: Vec<u32> =
+            stopped.generate(&e.prompt_ids, &options).unwrap().map(|id| id.unwrap()).collect();
+        let fed = e.prompt_ids.len() + got_ids.len() - 1;
+        let got = stopped.take_capture().unwrap();
+        assert_eq!(got.positions, (0..fed).collect::<Vec<_>>());
+        assert_eq!(got.layer(1).unwrap(), &want.layer(1).unwrap()[..fed * model.config.hidden]);
+    });
+}

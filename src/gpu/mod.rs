@@ -269,6 +269,34 @@ impl Gpu {
     }
 }
 
+/// Gives Mesa's drivers a private runtime directory when the environment
+/// has none: without one, lavapipe prints `error: XDG_RUNTIME_DIR is invalid
+/// or not set in the environment.` at every device creation (it looks for
+/// a Wayland display there). A directory `wgspark-runtime` under the
+/// temporary directory, readable by its owner only, is used; nothing
+/// happens elsewhere than on Linux or when the variable names a directory.
+///
+/// # Safety
+/// Changes the process environment, which other threads may be reading:
+/// call it at the start of `main`, before any other thread starts.
+pub unsafe fn set_runtime_dir_if_missing() {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let valid = std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|d| std::path::Path::new(&d).is_dir());
+        if valid {
+            return;
+        }
+        let dir = std::env::temp_dir().join("wgspark-runtime");
+        let private = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)));
+        if private.is_ok() {
+            // SAFETY: the caller guarantees no other thread is running.
+            unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+        }
+    }
+}
+
 fn is_software_renderer(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
