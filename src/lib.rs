@@ -1,6 +1,31 @@
 //! wgspark: decoder-only LLM inference whose whole layer flow runs as WGSL
 //! compute shaders through wgpu (Vulkan, Metal, DX12, GL).
 //!
+//! Generating, with the next token chosen on the GPU and steps in flight:
+//! ```no_run
+//! use wgspark::{GenerateOptions, Gpu, Model, Sampling, SessionOptions};
+//!
+//! let gpu = Gpu::from_env()?;
+//! let model = Model::load("path/to/hf-checkpoint", &gpu)?;
+//! let mut session = model.session(&SessionOptions::default())?;
+//! let options = GenerateOptions {
+//!     sampling: Sampling::Random { temperature: 0.7, top_k: Some(40), top_p: Some(0.9) },
+//!     seed: 42,
+//!     max_tokens: 64,
+//!     stop_tokens: model.config.eos_token_ids.clone(),
+//!     ..GenerateOptions::default()
+//! };
+//! let mut generation = session.generate(&[1, 2, 3], &options)?;
+//! while let Some(id) = generation.next() {
+//!     if id? == 13 {
+//!         generation.cancel(); // or drop the iterator
+//!     }
+//! }
+//! println!("{:?}", generation.stop_reason());
+//! # Ok::<(), wgspark::Error>(())
+//! ```
+//!
+//! Stepping, with the raw logits of each step read back:
 //! ```no_run
 //! use wgspark::{Gpu, Model, Sampler, SessionOptions};
 //!

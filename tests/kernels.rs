@@ -372,9 +372,9 @@ fn cache_values(words: &[u32], format: KvFormat) -> Vec<f32> {
     }
 }
 
-/// q/k norm, RoPE, the cache store and attention, for a chunk (rope_store
-/// + prefill) and for one token (decode, split over the keys and combined):
-/// outputs and stored K/V against the CPU, in both cache formats.
+/// q/k norm, RoPE, the cache store and attention, for a chunk (rope_store,
+/// then attend) and for one token (attend split over the keys, then
+/// combine): outputs and stored K/V against the CPU, in both cache formats.
 #[test]
 fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
     on_each_backend(|gpu| {

@@ -207,7 +207,7 @@ struct DensePlan {
 #[derive(Debug)]
 enum FfnPlan {
     Dense(DensePlan),
-    Moe(MoePlan),
+    Moe(Box<MoePlan>),
 }
 
 #[derive(Debug)]
@@ -253,7 +253,7 @@ impl Plan {
                                 &LayerOutput::default(),
                             )?,
                         }),
-                        FfnWeights::Moe(mw) => FfnPlan::Moe(MoePlan::new(model, act, mw, i)?),
+                        FfnWeights::Moe(mw) => FfnPlan::Moe(Box::new(MoePlan::new(model, act, mw, i)?)),
                     },
                 })
             })

@@ -161,8 +161,7 @@ impl<'a> Recorder<'a> {
     fn finish_routing(&mut self) -> Result<Option<Vec<u32>>> {
         let Some(r) = self.routing.take() else { return Ok(None) };
         let start = Instant::now();
-        let ids: Vec<u32> =
-            r.readback.finish_map(self.gpu, MapWait::Spin, |m| bytemuck::pod_collect_to_vec(m))?;
+        let ids: Vec<u32> = r.readback.finish_map(self.gpu, MapWait::Spin, bytemuck::pod_collect_to_vec)?;
         self.stats.routing_wait += start.elapsed();
         let histogram = &mut self.stats.router_histogram[r.layer];
         histogram.resize(r.experts, 0);

@@ -92,7 +92,7 @@ impl Gpu {
     pub fn storage_buffer_init<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let mut padded;
-        let contents = if bytes.len() % 16 == 0 && !bytes.is_empty() {
+        let contents = if bytes.len().is_multiple_of(16) && !bytes.is_empty() {
             bytes
         } else {
             padded = bytes.to_vec();

@@ -40,7 +40,7 @@ impl GpuTensor {
         let mut rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
         if rows_per_part >= group_rows && group_rows > 1 {
             rows_per_part -= rows_per_part % group_rows;
-        } else if group_rows % 2 == 0 && rows_per_part >= 2 {
+        } else if group_rows.is_multiple_of(2) && rows_per_part >= 2 {
             rows_per_part -= rows_per_part % 2;
         }
         let mut parts = Vec::new();
@@ -88,7 +88,7 @@ impl GpuTensor {
 /// boundary (matrices have an even number of columns, checked at load), so
 /// only the end of an odd-length vector needs a zero half of padding.
 fn write_padded(gpu: &Gpu, buffer: &wgpu::Buffer, offset: u64, bytes: &[u8]) {
-    if bytes.len() % 4 == 0 {
+    if bytes.len().is_multiple_of(4) {
         gpu.queue.write_buffer(buffer, offset, bytes);
     } else {
         let mut padded = bytes.to_vec();

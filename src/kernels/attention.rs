@@ -166,6 +166,7 @@ impl Attention {
 
     /// Binds `entry` with the given bindings (plus the q/k norm weights
     /// where the entry reads them).
+    #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &self,
         gpu: &Gpu,
