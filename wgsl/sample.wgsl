@@ -140,26 +140,14 @@ var<workgroup> chosen: u32;
 var<workgroup> carried: u32;
 var<workgroup> red: array<f32, WG>;
 
-fn reduce_max(v: f32, l: u32) -> f32 {
+// The max (`take_max`) or the sum of every invocation's v (all must call it).
+fn reduce(v: f32, l: u32, take_max: bool) -> f32 {
     workgroupBarrier();
     red[l] = v;
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
         workgroupBarrier();
         if (l < s) {
-            red[l] = max(red[l], red[l + s]);
-        }
-    }
-    workgroupBarrier();
-    return red[0];
-}
-
-fn reduce_sum(v: f32, l: u32) -> f32 {
-    workgroupBarrier();
-    red[l] = v;
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        workgroupBarrier();
-        if (l < s) {
-            red[l] += red[l + s];
+            red[l] = select(red[l] + red[l + s], max(red[l], red[l + s]), take_max);
         }
     }
     workgroupBarrier();
@@ -167,10 +155,11 @@ fn reduce_sum(v: f32, l: u32) -> f32 {
 }
 
 // One round of radix selection: among candidates (key >= floor_key) whose
-// key matches `prefix` in the bits above `shift + 8`, histograms the next 8 bits at `shift`
-// by count (mass_scale = 0) or by probability exp((l - m) / T) / z in
-// units of 2^-31; then picks, from the top bin down, the bin where
-// `carried` plus the bins above reach `goal`. Returns the extended prefix.
+// key matches `prefix` in the bits above `shift + 8`, histograms the next
+// 8 bits at `shift` by count, or (`by_mass`) by probability
+// exp((l - m) / T) / z in units of 2^-31; then picks, from the top bin
+// down, the bin where `carried` plus the bins above reach `goal`, and adds
+// the bins above it to `carried`. Returns the extended prefix.
 fn radix_round(l: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, by_mass: bool, goal: u32) -> u32 {
     // Bits above shift + 8 (none in the first round, where 2 << 31 wraps to 0).
     let mask = ~((2u << (shift + 7u)) - 1u);
@@ -195,7 +184,7 @@ fn radix_round(l: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, 
         for (var b = 255i; b >= 0i; b--) {
             let c = atomicLoad(&hist[u32(b)]);
             if (c > 0u) {
-                // The lowest non-empty bin, should rounding leave the target short.
+                // Ends as the lowest non-empty bin if the goal is never reached.
                 pick = u32(b);
                 if (sum + c >= goal) {
                     found = true;
@@ -205,7 +194,8 @@ fn radix_round(l: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, 
             }
         }
         if (!found) {
-            // Rounding fell short of the target: keep everything.
+            // Rounding of the masses fell short of the goal: take the lowest
+            // non-empty bin (every candidate stays in).
             sum = carried;
             for (var b = 255i; b > i32(pick); b--) {
                 sum += atomicLoad(&hist[u32(b)]);
@@ -239,7 +229,7 @@ fn threshold(@builtin(local_invocation_index) l: u32) {
                 m = max(m, logit);
             }
         }
-        m = reduce_max(m, l);
+        m = reduce(m, l, true);
         var z = 0.0;
         for (var i = l; i < p.vocab; i += WG) {
             let logit = logits[i];
@@ -247,7 +237,7 @@ fn threshold(@builtin(local_invocation_index) l: u32) {
                 z += exp((logit - m) / p.temperature);
             }
         }
-        z = reduce_sum(z, l);
+        z = reduce(z, l, false);
         if (l == 0u) {
             carried = 0u;
         }

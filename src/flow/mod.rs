@@ -22,7 +22,7 @@
 //!
 //! A prompt chunk runs the same steps with kernels for many tokens: on
 //! GPUs the projections are `rms_norm` + GEMM (+ the residual add or the
-//! SwiGLU), attention is `rope_store` + `prefill`; MoE readback groups the
+//! SwiGLU), attention is `rope_store` + `attend`; MoE readback groups the
 //! chunk's tokens by expert.
 
 mod buffers;
@@ -193,7 +193,7 @@ impl<'a> Builder<'a> {
 struct AttentionPlan {
     qkv: Projection,
     decode: DecodeAttention,
-    /// rope_store, prefill.
+    /// rope_store, attend.
     chunk: Vec<Dispatch>,
     o_proj: Projection,
 }

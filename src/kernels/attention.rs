@@ -86,7 +86,28 @@ pub struct AttentionShape<'a> {
     pub kv_format: KvFormat,
 }
 
-/// One token's attention: `decode`, then `combine` when it is split.
+/// The dispatches the wrapper builds from the file's entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    RopeStore,
+    /// `attend` over a chunk of tokens.
+    ChunkAttend,
+    /// `attend` built with DECODE: one token, storing its own k and v.
+    TokenAttend,
+    Combine,
+}
+
+impl Entry {
+    fn function(self) -> &'static str {
+        match self {
+            Entry::RopeStore => "rope_store",
+            Entry::ChunkAttend | Entry::TokenAttend => "attend",
+            Entry::Combine => "combine",
+        }
+    }
+}
+
+/// One token's attention: `attend` (DECODE), then `combine` when it is split.
 #[derive(Debug)]
 pub struct DecodeAttention {
     pub attend: Dispatch,
@@ -95,9 +116,9 @@ pub struct DecodeAttention {
 }
 
 impl DecodeAttention {
-    /// Encodes the attention of the token at a position with `n_keys`
-    /// keys in view, over `splits` workgroups per KV head (the value
-    /// written to the step's `attn_splits`).
+    /// Encodes the token's attention over `splits` workgroups per KV head
+    /// (the value written to the step's `attn_splits`); returns the
+    /// dispatches encoded.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, splits: u32) -> u32 {
         self.attend.encode_grid(pass, [self.kv_heads, 1, splits]);
         if splits > 1 {
@@ -145,9 +166,9 @@ impl Attention {
         }
     }
 
-    fn flags(gpu: &Gpu, shape: &AttentionShape<'_>, entry: &str) -> Vec<&'static str> {
+    fn flags(gpu: &Gpu, shape: &AttentionShape<'_>, entry: Entry) -> Vec<&'static str> {
         let mut flags = vec![];
-        if entry == "decode" {
+        if entry == Entry::TokenAttend {
             flags.push("DECODE");
         }
         if shape.kv_format == KvFormat::F16 {
@@ -171,25 +192,24 @@ impl Attention {
         &self,
         gpu: &Gpu,
         shape: &AttentionShape<'_>,
-        entry: &'static str,
+        entry: Entry,
         params: &ParamsBuffer,
         buffers: &[(u32, &wgpu::Buffer)],
         workgroups: [u32; 3],
         tokens_per_workgroup: u32,
     ) -> Result<Dispatch> {
         let flags = Self::flags(gpu, shape, entry);
-        // One token's attention is `attend` built to store its k and v.
-        let function = if entry == "decode" { "attend" } else { entry };
+        let function = entry.function();
         let pipeline = super::pipeline(gpu, "attention", function, &flags, &[])?;
         let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
         bound.extend_from_slice(buffers);
-        let rotates = entry != "combine";
+        let rotates = entry != Entry::Combine;
         if let (true, Some(n)) = (rotates, shape.qk_norm.filter(|n| n.mode != QkNorm::None)) {
             bound.extend([(9, &n.q.parts[0].buffer), (10, &n.k.parts[0].buffer)]);
         }
         Ok(Dispatch {
-            label: entry,
-            bind_group: gpu.bind_at(entry, &pipeline, &bound),
+            label: function,
+            bind_group: gpu.bind_at(function, &pipeline, &bound),
             pipeline,
             workgroups,
             tokens_per_workgroup,
@@ -214,7 +234,7 @@ impl Attention {
         let rope = self.dispatch(
             gpu,
             shape,
-            "rope_store",
+            Entry::RopeStore,
             &params,
             &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache)],
             [(2 * h.kv) as u32, 1, 1],
@@ -223,7 +243,7 @@ impl Attention {
         let attend = self.dispatch(
             gpu,
             shape,
-            "attend",
+            Entry::ChunkAttend,
             &params,
             &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)],
             [h.kv as u32, 1, 1],
@@ -246,7 +266,7 @@ impl Attention {
         let attend = self.dispatch(
             gpu,
             shape,
-            "decode",
+            Entry::TokenAttend,
             &params,
             &[
                 (1, b.step),
@@ -264,7 +284,7 @@ impl Attention {
         let combine = self.dispatch(
             gpu,
             shape,
-            "combine",
+            Entry::Combine,
             &params,
             &[(1, b.step), (6, b.out), (7, scratch.acc), (8, scratch.max_sum)],
             [h.q as u32, 1, 1],
