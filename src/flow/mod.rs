@@ -115,27 +115,20 @@ impl<'a> Builder<'a> {
         self.model.kernels.gemv.plan(&self.model.gpu, &spec)
     }
 
-    /// `y = W norm(x)` (norm = None: `W x`), written to `y`.
-    fn project(
+    /// `y = W rms_norm(x)`.
+    fn normed(
         &self,
         weight: &GpuTensor,
-        norm: Option<&GpuTensor>,
+        norm: &GpuTensor,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
     ) -> Result<Projection> {
         let (gpu, k, act, eps) = (&self.model.gpu, &self.model.kernels, self.act, self.model.config.rms_eps);
-        let input = norm.map_or(Input::Plain, |n| Input::RmsNorm { weight: n, eps });
+        let input = Input::RmsNorm { weight: norm, eps };
         let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
         let chunk = self.chunk(|| {
-            let mut d = Vec::new();
-            let x = match norm {
-                Some(n) => {
-                    d.push(k.rms_norm.plan(gpu, n, eps, x, &act.h, NormRows::vector(weight.cols)));
-                    &act.h
-                }
-                None => x,
-            };
-            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, x, y));
+            let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
+            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, y));
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
@@ -379,7 +372,7 @@ impl AttentionPlan {
         };
         let scratch = SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum };
         Ok(AttentionPlan {
-            qkv: b.project(&lw.qkv, Some(&lw.attn_norm), &act.x, &act.qkv)?,
+            qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, &act.qkv)?,
             decode: k.attention.plan_decode(gpu, &shape, &bindings, &scratch)?,
             chunk: k.attention.plan_chunk(gpu, &shape, &bindings)?,
             o_proj: b.add_into(&lw.o_proj, &act.attn, &act.x, &act.attn_out, &LayerOutput::default())?,
