@@ -378,136 +378,139 @@ fn cache_values(words: &[u32], format: KvFormat) -> Vec<f32> {
 #[test]
 fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
     on_each_backend(|gpu| {
-        let mut rng = Rng::new(6);
-        let attention = Attention::new(gpu);
-        use KvFormat::{F16, F32};
-        use QkNorm::{None as NoNorm, PerHead, WholeProjection};
-        // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format)
-        for (heads, ctx, pos0, tokens, window, splits, norm, rot, format) in [
-            (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32),
-            (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16),
-            (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16),
-            (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32),
-            (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16),
-            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32),
-            (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16),
-            (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32),
-            (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16),
-        ] {
-            let what = format!(
-                "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?}"
-            );
-            let (hd, kvw, width) = (heads.dim, heads.kv_width(), heads.qkv_width());
-            let rope = RopeConfig { theta: 10_000.0, rotary_dim: rot, scaling: RopeScaling::None };
-            let inv_freq = rope.inv_freq();
-            let eps = 1e-6;
-            let (qn_len, kn_len) = match norm {
-                WholeProjection => (heads.q * hd, kvw),
-                _ => (hd, hd),
-            };
-            let (qn, kn) = (bf16_round(&rng.vec(qn_len, 1.5)), bf16_round(&rng.vec(kn_len, 1.5)));
-            let (qn_t, kn_t) = (upload(gpu, "q_norm", 1, qn_len, &qn), upload(gpu, "k_norm", 1, kn_len, &kn));
-            let qkv = rng.vec(tokens * width, 1.0);
-            let round = |v: Vec<f32>| if format == F16 { reference::f16_round(&v) } else { v };
-            let mut k: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
-            let mut v: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
-            let k_b = gpu.storage_buffer_init("k_cache", &cache_words(&k, format));
-            let v_b = gpu.storage_buffer_init("v_cache", &cache_words(&v, format));
+        check_attention(gpu);
+        // The f16 cache as adapters without pack2x16float store it: the
+        // conversions in integer arithmetic.
+        let mut emulated = gpu.clone();
+        emulated.caps.f16_in_f32 = false;
+        check_attention(&emulated);
+    });
+}
 
-            // The reference: norm and rotate q and the new k, store k and v.
-            let normed = |x: &[f32], w: &[f32]| match norm {
-                NoNorm => x.to_vec(),
-                _ => reference::rms_norm(x, w, eps),
-            };
-            let mut q_rot = vec![0.0f32; tokens * heads.q * hd];
-            for t in 0..tokens {
-                let pos = pos0 + t;
-                let row = &qkv[t * width..(t + 1) * width];
-                let (q_all, k_all) = (&row[..heads.q * hd], &row[heads.q * hd..(heads.q + heads.kv) * hd]);
-                let (q_n, k_n) = match norm {
-                    WholeProjection => (normed(q_all, &qn), normed(k_all, &kn)),
-                    _ => (
-                        q_all.chunks(hd).flat_map(|h| normed(h, &qn)).collect(),
-                        k_all.chunks(hd).flat_map(|h| normed(h, &kn)).collect::<Vec<f32>>(),
-                    ),
-                };
-                for h in 0..heads.q {
-                    let r = reference::rope(&q_n[h * hd..(h + 1) * hd], pos, rot, &inv_freq);
-                    q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd].copy_from_slice(&r);
-                }
-                k[pos] =
-                    round(k_n.chunks(hd).flat_map(|h| reference::rope(h, pos, rot, &inv_freq)).collect());
-                v[pos] = round(row[(heads.q + heads.kv) * hd..].to_vec());
-            }
-            let mut want = Vec::new();
-            for t in 0..tokens {
-                let pos = pos0 + t;
-                let start = if window > 0 && pos + 1 > window { pos + 1 - window } else { 0 };
-                for h in 0..heads.q {
-                    let q = &q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd];
-                    let kv_head = h / heads.group();
-                    want.extend(reference::attention(
-                        q,
-                        &k[start..=pos],
-                        &v[start..=pos],
-                        kv_head,
-                        (hd as f32).powf(-0.5),
-                    ));
-                }
-            }
+fn check_attention(gpu: &Gpu) {
+    let mut rng = Rng::new(6);
+    let attention = Attention::new(gpu);
+    use KvFormat::{F16, F32};
+    use QkNorm::{None as NoNorm, PerHead, WholeProjection};
+    // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format)
+    for (heads, ctx, pos0, tokens, window, splits, norm, rot, format) in [
+        (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32),
+        (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16),
+        (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16),
+        (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32),
+        (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16),
+        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32),
+        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16),
+        (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32),
+        (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16),
+    ] {
+        let what = format!(
+            "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?}"
+        );
+        let (hd, kvw, width) = (heads.dim, heads.kv_width(), heads.qkv_width());
+        let rope = RopeConfig { theta: 10_000.0, rotary_dim: rot, scaling: RopeScaling::None };
+        let inv_freq = rope.inv_freq();
+        let eps = 1e-6;
+        let (qn_len, kn_len) = match norm {
+            WholeProjection => (heads.q * hd, kvw),
+            _ => (hd, hd),
+        };
+        let (qn, kn) = (bf16_round(&rng.vec(qn_len, 1.5)), bf16_round(&rng.vec(kn_len, 1.5)));
+        let (qn_t, kn_t) = (upload(gpu, "q_norm", 1, qn_len, &qn), upload(gpu, "k_norm", 1, kn_len, &kn));
+        let qkv = rng.vec(tokens * width, 1.0);
+        let round = |v: Vec<f32>| if format == F16 { reference::f16_round(&v) } else { v };
+        let mut k: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
+        let mut v: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
+        let k_b = gpu.storage_buffer_init("k_cache", &cache_words(&k, format));
+        let v_b = gpu.storage_buffer_init("v_cache", &cache_words(&v, format));
 
-            let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
-            let cos_sin = gpu.storage_buffer_init("cos_sin", &rope.cos_sin_table(ctx));
-            let out = gpu.storage_buffer("out", tokens * heads.q * hd).unwrap();
-            let acc = gpu.storage_buffer("split_acc", heads.q * splits * hd).unwrap();
-            let max_sum = gpu.storage_buffer("split_max_sum", heads.q * splits * 2).unwrap();
-            let step = step_buffer(gpu, pos0, tokens, splits);
-            let shape = AttentionShape {
-                heads,
-                rotary_dim: rot,
-                scale: (hd as f32).powf(-0.5),
-                window,
-                qk_norm: (norm != NoNorm).then_some(QkNormWeights { mode: norm, q: &qn_t, k: &kn_t, eps }),
-                kv_format: format,
+        // The reference: norm and rotate q and the new k, store k and v.
+        let normed = |x: &[f32], w: &[f32]| match norm {
+            NoNorm => x.to_vec(),
+            _ => reference::rms_norm(x, w, eps),
+        };
+        let mut q_rot = vec![0.0f32; tokens * heads.q * hd];
+        for t in 0..tokens {
+            let pos = pos0 + t;
+            let row = &qkv[t * width..(t + 1) * width];
+            let (q_all, k_all) = (&row[..heads.q * hd], &row[heads.q * hd..(heads.q + heads.kv) * hd]);
+            let (q_n, k_n) = match norm {
+                WholeProjection => (normed(q_all, &qn), normed(k_all, &kn)),
+                _ => (
+                    q_all.chunks(hd).flat_map(|h| normed(h, &qn)).collect(),
+                    k_all.chunks(hd).flat_map(|h| normed(h, &kn)).collect::<Vec<f32>>(),
+                ),
             };
-            let b = AttentionBindings {
-                step: &step,
-                qkv: &qkv_b,
-                cos_sin: &cos_sin,
-                k_cache: &k_b,
-                v_cache: &v_b,
-                out: &out,
-            };
-            if tokens == 1 {
-                let d = attention
-                    .plan_decode(gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
-                    .unwrap();
-                let mut encoder = gpu.device.create_command_encoder(&Default::default());
-                d.encode(&mut encoder.begin_compute_pass(&Default::default()), splits as u32);
-                gpu.queue.submit([encoder.finish()]);
-            } else {
-                run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
+            for h in 0..heads.q {
+                let r = reference::rope(&q_n[h * hd..(h + 1) * hd], pos, rot, &inv_freq);
+                q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd].copy_from_slice(&r);
             }
-            let tol = if format == F16 { 2e-3 } else { 1e-5 };
-            assert_close(
-                &gpu.read_buffer(&out, want.len()).unwrap(),
-                &want,
-                tol,
-                &format!("attention {what}"),
-            );
-            let words = match format {
-                F32 => ctx * kvw,
-                F16 => ctx * kvw / 2,
-            };
-            let stored_k = cache_values(&gpu.read_buffer(&k_b, words).unwrap(), format);
-            let stored_v = cache_values(&gpu.read_buffer(&v_b, words).unwrap(), format);
-            for pos in pos0..pos0 + tokens {
-                let row = pos * kvw..(pos + 1) * kvw;
-                assert_close(&stored_k[row.clone()], &k[pos], tol, &format!("stored k at {pos}, {what}"));
-                assert_close(&stored_v[row], &v[pos], tol, &format!("stored v at {pos}, {what}"));
+            k[pos] = round(k_n.chunks(hd).flat_map(|h| reference::rope(h, pos, rot, &inv_freq)).collect());
+            v[pos] = round(row[(heads.q + heads.kv) * hd..].to_vec());
+        }
+        let mut want = Vec::new();
+        for t in 0..tokens {
+            let pos = pos0 + t;
+            let start = if window > 0 && pos + 1 > window { pos + 1 - window } else { 0 };
+            for h in 0..heads.q {
+                let q = &q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd];
+                let kv_head = h / heads.group();
+                want.extend(reference::attention(
+                    q,
+                    &k[start..=pos],
+                    &v[start..=pos],
+                    kv_head,
+                    (hd as f32).powf(-0.5),
+                ));
             }
         }
-    });
+
+        let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
+        let cos_sin = gpu.storage_buffer_init("cos_sin", &rope.cos_sin_table(ctx));
+        let out = gpu.storage_buffer("out", tokens * heads.q * hd).unwrap();
+        let acc = gpu.storage_buffer("split_acc", heads.q * splits * hd).unwrap();
+        let max_sum = gpu.storage_buffer("split_max_sum", heads.q * splits * 2).unwrap();
+        let step = step_buffer(gpu, pos0, tokens, splits);
+        let shape = AttentionShape {
+            heads,
+            rotary_dim: rot,
+            scale: (hd as f32).powf(-0.5),
+            window,
+            qk_norm: (norm != NoNorm).then_some(QkNormWeights { mode: norm, q: &qn_t, k: &kn_t, eps }),
+            kv_format: format,
+        };
+        let b = AttentionBindings {
+            step: &step,
+            qkv: &qkv_b,
+            cos_sin: &cos_sin,
+            k_cache: &k_b,
+            v_cache: &v_b,
+            out: &out,
+        };
+        if tokens == 1 {
+            let d = attention
+                .plan_decode(gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
+                .unwrap();
+            let mut encoder = gpu.device.create_command_encoder(&Default::default());
+            d.encode(&mut encoder.begin_compute_pass(&Default::default()), splits as u32);
+            gpu.queue.submit([encoder.finish()]);
+        } else {
+            run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
+        }
+        let tol = if format == F16 { 2e-3 } else { 1e-5 };
+        assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &format!("attention {what}"));
+        let words = match format {
+            F32 => ctx * kvw,
+            F16 => ctx * kvw / 2,
+        };
+        let stored_k = cache_values(&gpu.read_buffer(&k_b, words).unwrap(), format);
+        let stored_v = cache_values(&gpu.read_buffer(&v_b, words).unwrap(), format);
+        for pos in pos0..pos0 + tokens {
+            let row = pos * kvw..(pos + 1) * kvw;
+            assert_close(&stored_k[row.clone()], &k[pos], tol, &format!("stored k at {pos}, {what}"));
+            assert_close(&stored_v[row], &v[pos], tol, &format!("stored v at {pos}, {what}"));
+        }
+    }
 }
 
 #[test]
