@@ -207,24 +207,6 @@ fn main() {
                 let pos0 = ctx as u32 - tokens;
                 let splits =
                     if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
-                if tokens == 1 && ctx == 4096 && format == KvFormat::F16 {
-                    // How the time scales with the keys per split.
-                    for splits in [1, 4, 16, 32, 128] {
-                        let s = step(&gpu, pos0, 1, splits);
-                        let b = AttentionBindings {
-                            step: &s,
-                            qkv: &qkv,
-                            cos_sin: &cos_sin,
-                            k_cache: &k_cache,
-                            v_cache: &v_cache,
-                            out: &out,
-                        };
-                        let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
-                        let d = attention.plan_decode(&gpu, &shape, &b, &scratch).unwrap();
-                        let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(splits), 1, reps);
-                        println!("  {splits:>3} splits: attend {:.4} ms", attend * 1e3);
-                    }
-                }
                 let s = step(&gpu, pos0, tokens, splits as u32);
                 let b = AttentionBindings {
                     step: &s,
@@ -234,6 +216,19 @@ fn main() {
                     v_cache: &v_cache,
                     out: &out,
                 };
+                if tokens == 1 && ctx == 4096 && format == KvFormat::F16 {
+                    // How the time scales with the keys per split.
+                    let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
+                    let d = attention.plan_decode(&gpu, &shape, &b, &scratch).unwrap();
+                    for sweep in [1, 4, 16, 32, 128] {
+                        let value = Step { pos0, n_tokens: 1, attn_splits: sweep, _pad: 0 };
+                        gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
+                        let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(sweep), 1, reps);
+                        println!("  {sweep:>3} splits: attend {:.4} ms", attend * 1e3);
+                    }
+                    let value = Step { pos0, n_tokens: 1, attn_splits: splits as u32, _pad: 0 };
+                    gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
+                }
                 let secs = if tokens == 1 {
                     let d = attention
                         .plan_decode(&gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
