@@ -220,7 +220,7 @@ fn main() {
                     // How the time scales with the keys per split.
                     let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
                     let d = attention.plan_decode(&gpu, &shape, &b, &scratch).unwrap();
-                    for sweep in [1, 4, 16, 32, 128] {
+                    for sweep in [1, 4, 8, 16, 32, 64, 128] {
                         let value = Step { pos0, n_tokens: 1, attn_splits: sweep, _pad: 0 };
                         gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
                         let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(sweep), 1, reps);

@@ -373,8 +373,9 @@ fn cache_values(words: &[u32], format: KvFormat) -> Vec<f32> {
 }
 
 /// q/k norm, RoPE, the cache store and attention, for a chunk (rope_store,
-/// then attend) and for one token (attend split over the keys, then
-/// combine): outputs and stored K/V against the CPU, in both cache formats.
+/// then attend) and for one token (attend_lanes, or attend without
+/// subgroups, split over the keys, then combine): outputs and stored K/V
+/// against the CPU, in both cache formats.
 #[test]
 fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
     on_each_backend(|gpu| {
@@ -384,6 +385,12 @@ fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
         let mut emulated = gpu.clone();
         emulated.caps.f16_in_f32 = false;
         check_attention(&emulated);
+        // One token on the tiled kernel, as adapters without subgroups run it.
+        if gpu.caps.subgroups {
+            let mut tiled = gpu.clone();
+            tiled.caps.subgroups = false;
+            check_attention(&tiled);
+        }
     });
 }
 
@@ -403,6 +410,16 @@ fn check_attention(gpu: &Gpu) {
         (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16),
         (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32),
         (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16),
+        // Model-sized heads: the lanes' shares of a row, row blocks and
+        // keys that end mid-pass.
+        (Heads { q: 32, kv: 8, dim: 128 }, 700, 650, 1, 0, 4, NoNorm, 128, F16),
+        (Heads { q: 32, kv: 2, dim: 128 }, 400, 333, 1, 0, 2, PerHead, 128, F16),
+        (Heads { q: 12, kv: 2, dim: 128 }, 300, 201, 1, 0, 1, NoNorm, 64, F32),
+        (Heads { q: 8, kv: 1, dim: 64 }, 90, 77, 1, 0, 1, NoNorm, 64, F16),
+        (Heads { q: 4, kv: 2, dim: 256 }, 100, 60, 1, 50, 3, WholeProjection, 128, F16),
+        // Rows of 3 and 6 quads: lanes past the row hold zeros.
+        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 24, F16),
+        (Heads { q: 24, kv: 2, dim: 48 }, 200, 190, 1, 0, 3, NoNorm, 32, F16),
     ] {
         let what = format!(
             "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?}"

@@ -564,6 +564,224 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     }
 }
 
+#if SUBGROUPS
+// ---- attend_lanes: one token, each key's products across a few subgroup lanes ----
+// One workgroup per (KV head, block of BLOCK_ROWS query rows, key split),
+// the same split of the keys and the same partials as `attend` DECODE.
+// Invocations form slots of LANES consecutive lanes (inside one subgroup);
+// a slot takes every (WG / LANES)-th key. Lane i holds quad i (16 bytes)
+// of the key row (lanes past the row's quads hold zeros), the matching
+// query elements and its share of every row's output in registers: the K and V
+// rows are read straight from the cache, coalesced across a slot's lanes,
+// the next key's while the current one is used, and a score is its lanes'
+// partial dots summed by shuffles. Each slot keeps an online softmax per
+// row; at the end the slots of a subgroup merge by shuffles and the
+// subgroups one after another in workgroup memory. No barrier runs in the
+// key loop, which is what holds a long cache at memory speed.
+
+// A power of two, at least the row's quads.
+override LANES: u32 = 16u;
+override BLOCK_ROWS: u32 = 4u;
+#if KV_F16
+const VEC4_PER_QUAD: u32 = 2u;
+#else
+const VEC4_PER_QUAD: u32 = 1u;
+#endif
+// Bounds of the register arrays (BLOCK_ROWS at most MAX_BLOCK_ROWS): a
+// lane's query and output elements, VEC4_PER_QUAD vec4s per row.
+const MAX_BLOCK_ROWS: u32 = 8u;
+const LANE_VEC4S: u32 = 16u;
+
+// Running (max, sum) per row of the subgroups merged so far, double
+// buffered: a merge step reads one half and writes the other.
+var<workgroup> merged_ml: array<vec2<f32>, 16>;
+
+// Vec4 j of a cache quad's values.
+fn quad_vec4(w: vec4<u32>, j: u32) -> vec4<f32> {
+#if KV_F16
+    if (j == 0u) {
+        return vec4<f32>(unpack_f16(w.x), unpack_f16(w.y));
+    }
+    return vec4<f32>(unpack_f16(w.z), unpack_f16(w.w));
+#else
+    return bitcast<vec4<f32>>(w);
+#endif
+}
+
+@compute @workgroup_size(WG)
+fn attend_lanes(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) l: u32,
+    @builtin(subgroup_size) sg_size: u32,
+) {
+    let g = wid.x;
+    let r0 = wid.y * BLOCK_ROWS;
+    let split = wid.z;
+    let splits = step.attn_splits;
+    let hd = p.head_dim;
+    let group = p.n_q_heads / p.n_kv_heads;
+    let rows = min(BLOCK_ROWS, group - r0);
+
+    let pos = step.pos0;
+    let start = first_key(pos);
+    let n_keys = pos + 1u - start;
+    let chunk = (n_keys + splits - 1u) / splits;
+    let lo = start + min(split * chunk, n_keys);
+    let hi = start + min((split + 1u) * chunk, n_keys);
+
+    // Every row block of the split that holds the new position stores its
+    // k and v (the same values), so none reads them before they are there.
+    let stores = lo <= pos && pos < hi;
+    load_rows(0u, g, group, stores, 0u, l);
+    if (stores) {
+        let k_row = group * hd;
+        for (var i = l; i < hd / 2u; i += WG) {
+            kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(q_sh[k_row + 2u * i], q_sh[k_row + 2u * i + 1u]));
+            let v = (p.n_q_heads + p.n_kv_heads + g) * hd + 2u * i;
+            kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(qkv[v], qkv[v + 1u]));
+        }
+        storageBarrier();
+    }
+
+    let lane = l % LANES;
+    let slot = l / LANES;
+    let slots = WG / LANES;
+    let per_quad = 4u * VEC4_PER_QUAD;
+    let in_row = lane * per_quad < hd;
+
+    // The block's query rows, scaled, in registers (rows past the block
+    // repeat its last row and are never written out).
+    var q: array<vec4<f32>, LANE_VEC4S>;
+    for (var r = 0u; r < BLOCK_ROWS; r++) {
+        let row = min(r0 + r, group - 1u) * hd;
+        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+            let e = row + lane * per_quad + 4u * j;
+            let values = vec4<f32>(q_sh[e], q_sh[e + 1u], q_sh[e + 2u], q_sh[e + 3u]) * p.scale;
+            q[r * VEC4_PER_QUAD + j] = select(vec4<f32>(0.0), values, in_row);
+        }
+    }
+
+    var m: array<f32, MAX_BLOCK_ROWS>;
+    var sum: array<f32, MAX_BLOCK_ROWS>;
+    var acc: array<vec4<f32>, LANE_VEC4S>;
+    for (var r = 0u; r < BLOCK_ROWS; r++) {
+        m[r] = NEG_BIG;
+        sum[r] = 0.0;
+    }
+    for (var j = 0u; j < BLOCK_ROWS * VEC4_PER_QUAD; j++) {
+        acc[j] = vec4<f32>(0.0);
+    }
+
+    let row_quads = p.n_kv_heads * hd / per_quad;
+    let head_quad = g * (hd / per_quad) + select(0u, lane, in_row);
+    let passes = (hi - lo + slots - 1u) / slots;
+    // The key of the next pass, loaded while the current one is used.
+    let first = min(lo + slot, hi - 1u) * row_quads + head_quad;
+    var k_next = k_cache[first];
+    var v_next = v_cache[first];
+    for (var it = 0u; it < passes; it++) {
+        let key = lo + it * slots + slot;
+        let k_quad = k_next;
+        let v_quad_loaded = v_next;
+        let next = min(key + slots, hi - 1u) * row_quads + head_quad;
+        k_next = k_cache[next];
+        v_next = v_cache[next];
+        let v_quad = select(vec4<u32>(0u), v_quad_loaded, in_row);
+        let valid = key < hi;
+        for (var r = 0u; r < BLOCK_ROWS; r++) {
+            var s = 0.0;
+            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                s += dot(q[r * VEC4_PER_QUAD + j], quad_vec4(k_quad, j));
+            }
+            for (var o = LANES / 2u; o > 0u; o >>= 1u) {
+                s += subgroupShuffleXor(s, o);
+            }
+            // One exp: the new key either raises the row's max (the old
+            // terms rescale) or not (the key's weight is below one).
+            let e = exp(-abs(s - m[r]));
+            let raises = s > m[r];
+            let rescale = select(select(1.0, e, raises), 1.0, !valid);
+            let weight = select(select(e, 1.0, raises), 0.0, !valid);
+            m[r] = select(m[r], max(m[r], s), valid);
+            sum[r] = sum[r] * rescale + weight;
+            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                let a = r * VEC4_PER_QUAD + j;
+                acc[a] = acc[a] * rescale + weight * quad_vec4(v_quad, j);
+            }
+        }
+    }
+
+    // The slots of a subgroup merge by shuffles ...
+    for (var mask = LANES; mask < sg_size; mask <<= 1u) {
+        for (var r = 0u; r < BLOCK_ROWS; r++) {
+            let m_other = subgroupShuffleXor(m[r], mask);
+            let sum_other = subgroupShuffleXor(sum[r], mask);
+            let m_new = max(m[r], m_other);
+            let w_self = exp(m[r] - m_new);
+            let w_other = exp(m_other - m_new);
+            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                let a = r * VEC4_PER_QUAD + j;
+                acc[a] = acc[a] * w_self + subgroupShuffleXor(acc[a], mask) * w_other;
+            }
+            m[r] = m_new;
+            sum[r] = sum[r] * w_self + sum_other * w_other;
+        }
+    }
+    // ... then the subgroups one at a time into q_sh (free once q is in
+    // registers), [row, hd]; the first slot of each subgroup writes.
+    let subgroup = l / sg_size;
+    let writes = l % sg_size < LANES && in_row;
+    for (var sg = 0u; sg < WG / sg_size; sg++) {
+        workgroupBarrier();
+        if (subgroup == sg && writes) {
+            let src = (sg % 2u) * MAX_BLOCK_ROWS;
+            let dst = MAX_BLOCK_ROWS - src;
+            for (var r = 0u; r < BLOCK_ROWS; r++) {
+                var w_old = 0.0;
+                var w_self = 1.0;
+                var ml = vec2<f32>(m[r], sum[r]);
+                if (sg > 0u) {
+                    let prev = merged_ml[src + r];
+                    let m_new = max(prev.x, m[r]);
+                    w_old = exp(prev.x - m_new);
+                    w_self = exp(m[r] - m_new);
+                    ml = vec2<f32>(m_new, prev.y * w_old + sum[r] * w_self);
+                }
+                for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                    let e = r * hd + lane * per_quad + 4u * j;
+                    let a = acc[r * VEC4_PER_QUAD + j] * w_self;
+                    for (var i = 0u; i < 4u; i++) {
+                        q_sh[e + i] = select(a[i], q_sh[e + i] * w_old + a[i], sg > 0u);
+                    }
+                }
+                if (lane == 0u) {
+                    merged_ml[dst + r] = ml;
+                }
+            }
+        }
+    }
+    workgroupBarrier();
+
+    let last = ((WG / sg_size) % 2u) * MAX_BLOCK_ROWS;
+    for (var o = l; o < rows * hd; o += WG) {
+        let r = o / hd;
+        let d = o % hd;
+        let qh = g * group + r0 + r;
+        let ml = merged_ml[last + r];
+        if (splits > 1u) {
+            let slot_index = qh * splits + split;
+            part_acc[slot_index * hd + d] = q_sh[o];
+            if (d == 0u) {
+                part_ml[2u * slot_index] = ml.x;
+                part_ml[2u * slot_index + 1u] = ml.y;
+            }
+        } else {
+            out[qh * hd + d] = q_sh[o] / ml.y;
+        }
+    }
+}
+#endif
+
 // Merges the splits of one query head: one workgroup each. The splits'
 // (max, sum) pairs go through workgroup memory, so the sums over splits
 // are independent loads rather than a chain.

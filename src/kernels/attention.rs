@@ -33,6 +33,8 @@ pub fn structs() -> Vec<&'static str> {
 
 /// Largest head width the kernels support.
 pub const MAX_HEAD_DIM: usize = 256;
+/// Invocations per workgroup of every entry point.
+const WG: usize = 128;
 /// Most query rows (token, head) one workgroup holds.
 const MAX_ROWS: usize = 32;
 /// Largest number of query heads per KV head (one token's rows).
@@ -41,7 +43,7 @@ pub const MAX_GROUP: usize = MAX_ROWS;
 pub const MAX_GROUP_WIDTH: usize = 2048;
 /// Most key splits of one token's attention.
 pub const MAX_SPLITS: usize = 128;
-/// Fewest keys worth a split of their own (two tiles).
+/// Fewest keys worth a split of their own (a few passes of a workgroup).
 const MIN_KEYS_PER_SPLIT: usize = 64;
 /// Workgroups (KV heads x splits) that keep a large GPU busy with several
 /// workgroups per multiprocessor.
@@ -94,6 +96,8 @@ enum Entry {
     ChunkAttend,
     /// `attend` built with DECODE: one token, storing its own k and v.
     TokenAttend,
+    /// `attend_lanes`: one token on subgroup lanes.
+    LanesAttend(LaneLayout),
     Combine,
 }
 
@@ -102,17 +106,59 @@ impl Entry {
         match self {
             Entry::RopeStore => "rope_store",
             Entry::ChunkAttend | Entry::TokenAttend => "attend",
+            Entry::LanesAttend(_) => "attend_lanes",
             Entry::Combine => "combine",
         }
     }
 }
 
-/// One token's attention: `attend` (DECODE), then `combine` when it is split.
+/// How `attend_lanes` spreads one token's attention: `lanes` invocations
+/// of one subgroup per key, each holding one 16-byte quad of the key row
+/// (the row's quads rounded up to a power of two), and `block_rows` query
+/// rows per workgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaneLayout {
+    pub lanes: usize,
+    pub block_rows: usize,
+}
+
+impl LaneLayout {
+    /// The kernel's MAX_BLOCK_ROWS (the bound of its register arrays).
+    const MAX_BLOCK_ROWS: usize = 8;
+
+    /// The layout for `heads` with a cache in `format`, where the adapter
+    /// has subgroups at least as wide as a row's quads (`None`: the tiled
+    /// `attend` serves). More than one quad per lane would hold a row in
+    /// an indexed register array, which drivers spill (measured 5-10x
+    /// slower on the H200); narrow subgroups take the tiled kernel instead.
+    pub fn choose(gpu: &Gpu, heads: Heads, format: KvFormat) -> Option<LaneLayout> {
+        let subgroup = gpu.caps.subgroup_min_size as usize;
+        let widest = gpu.caps.subgroup_max_size as usize;
+        let usable =
+            gpu.caps.subgroups && subgroup.is_power_of_two() && widest.is_power_of_two() && widest <= WG;
+        let per_quad = match format {
+            KvFormat::F16 => 8,
+            KvFormat::F32 => 4,
+        };
+        let lanes = (heads.dim / per_quad).next_power_of_two();
+        if !usable || heads.dim % per_quad != 0 || lanes > subgroup {
+            return None;
+        }
+        let blocks = heads.group().div_ceil(Self::MAX_BLOCK_ROWS);
+        Some(LaneLayout { lanes, block_rows: heads.group().div_ceil(blocks) })
+    }
+
+    fn constants(&self) -> Vec<(&'static str, f64)> {
+        vec![("LANES", self.lanes as f64), ("BLOCK_ROWS", self.block_rows as f64)]
+    }
+}
+
+/// One token's attention: `attend_lanes` (or `attend` built with DECODE),
+/// then `combine` when it is split.
 #[derive(Debug)]
 pub struct DecodeAttention {
     pub attend: Dispatch,
     pub combine: Dispatch,
-    kv_heads: u32,
 }
 
 impl DecodeAttention {
@@ -120,7 +166,8 @@ impl DecodeAttention {
     /// (the value written to the step's `attn_splits`); returns the
     /// dispatches encoded.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, splits: u32) -> u32 {
-        self.attend.encode_grid(pass, [self.kv_heads, 1, splits]);
+        let [kv_heads, row_blocks, _] = self.attend.workgroups;
+        self.attend.encode_grid(pass, [kv_heads, row_blocks, splits]);
         if splits > 1 {
             self.combine.encode(pass, 1);
             2
@@ -168,8 +215,10 @@ impl Attention {
 
     fn flags(gpu: &Gpu, shape: &AttentionShape<'_>, entry: Entry) -> Vec<&'static str> {
         let mut flags = vec![];
-        if entry == Entry::TokenAttend {
-            flags.push("DECODE");
+        match entry {
+            Entry::TokenAttend => flags.push("DECODE"),
+            Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
+            _ => {}
         }
         if shape.kv_format == KvFormat::F16 {
             flags.push("KV_F16");
@@ -200,7 +249,11 @@ impl Attention {
     ) -> Result<Dispatch> {
         let flags = Self::flags(gpu, shape, entry);
         let function = entry.function();
-        let pipeline = super::pipeline(gpu, "attention", function, &flags, &[])?;
+        let constants = match entry {
+            Entry::LanesAttend(layout) => layout.constants(),
+            _ => vec![],
+        };
+        let pipeline = super::pipeline(gpu, "attention", function, &flags, &constants)?;
         let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
         bound.extend_from_slice(buffers);
         let rotates = entry != Entry::Combine;
@@ -263,10 +316,15 @@ impl Attention {
     ) -> Result<DecodeAttention> {
         let h = shape.heads;
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, 1));
+        let layout = LaneLayout::choose(gpu, h, shape.kv_format);
+        let (entry, row_blocks) = match layout {
+            Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
+            None => (Entry::TokenAttend, 1),
+        };
         let attend = self.dispatch(
             gpu,
             shape,
-            Entry::TokenAttend,
+            entry,
             &params,
             &[
                 (1, b.step),
@@ -278,7 +336,7 @@ impl Attention {
                 (7, scratch.acc),
                 (8, scratch.max_sum),
             ],
-            [h.kv as u32, 1, 1],
+            [h.kv as u32, row_blocks as u32, 1],
             0,
         )?;
         let combine = self.dispatch(
@@ -290,7 +348,7 @@ impl Attention {
             [h.q as u32, 1, 1],
             0,
         )?;
-        Ok(DecodeAttention { attend, combine, kv_heads: h.kv as u32 })
+        Ok(DecodeAttention { attend, combine })
     }
 }
 
@@ -299,7 +357,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for kv in [&[][..], &["KV_F16"], &["KV_F16", super::F16_NATIVE]] {
         for norm in [&[][..], &["QK_NORM"], &["QK_NORM", "QK_NORM_WHOLE"]] {
-            for decode in [&[][..], &["DECODE"]] {
+            for decode in [&[][..], &["DECODE"], &[super::SUBGROUPS]] {
                 out.push([norm, kv, decode].concat());
             }
         }
