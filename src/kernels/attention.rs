@@ -141,7 +141,7 @@ impl LaneLayout {
             KvFormat::F32 => 4,
         };
         let lanes = (heads.dim / per_quad).next_power_of_two();
-        if !usable || heads.dim % per_quad != 0 || lanes > subgroup {
+        if !usable || !heads.dim.is_multiple_of(per_quad) || lanes > subgroup {
             return None;
         }
         let blocks = heads.group().div_ceil(Self::MAX_BLOCK_ROWS);
