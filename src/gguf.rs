@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::error::{Error, Result};
+use crate::format::WeightFormat;
 
 /// A metadata value. Integers of every width read as `Int`, floats of both
 /// widths as `Float`.
@@ -348,38 +349,12 @@ impl Gguf {
     }
 
     /// The tensor's values as f32 in row-major (Hugging Face) order, for
-    /// the float types and the legacy quantizations the import reads.
+    /// the types weights may be stored in ([`WeightFormat`]).
     pub fn dequantize(&self, t: &TensorInfo) -> Result<Vec<f32>> {
-        let data = self.data(t);
-        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        Ok(match t.ty {
-            GgmlType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(data),
-            GgmlType::F16 => data.chunks_exact(2).map(f16).collect(),
-            GgmlType::BF16 => {
-                data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-            }
-            GgmlType::Q8_0 => data
-                .chunks_exact(34)
-                .flat_map(|b| {
-                    let d = f16(&b[0..2]);
-                    b[2..34].iter().map(move |&q| q as i8 as f32 * d)
-                })
-                .collect(),
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let with_min = t.ty == GgmlType::Q4_1;
-                let block = if with_min { 20 } else { 18 };
-                let mut out = Vec::with_capacity(data.len() / block * 32);
-                for b in data.chunks_exact(block) {
-                    let d = f16(&b[0..2]);
-                    let (m, qs) = if with_min { (f16(&b[2..4]), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
-                    // Low nibbles are elements 0..16, high nibbles 16..32.
-                    out.extend(qs.iter().map(|&q| (q & 0x0f) as f32 * d + m));
-                    out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
-                }
-                out
-            }
-            other => return Err(self.err(format!("tensor {}: cannot dequantize {other}", t.name))),
-        })
+        match WeightFormat::from_ggml(t.ty) {
+            Some(format) => Ok(format.dequantize(self.data(t))),
+            None => Err(self.err(format!("tensor {}: cannot dequantize {}", t.name, t.ty))),
+        }
     }
 }
 

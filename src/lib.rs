@@ -46,6 +46,7 @@ pub mod error;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 pub mod flow;
+pub mod format;
 pub mod gguf;
 pub mod gpu;
 pub mod kernels;
@@ -59,6 +60,7 @@ pub mod steering;
 pub use capture::{Capture, CaptureOptions, PromptRows};
 pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, RoutingMode};
+pub use format::WeightFormat;
 pub use gpu::{Backend, Gpu, GpuOptions};
 pub use kv_cache::KvFormat;
 pub use model::{Model, ModelConfig};

@@ -3,8 +3,8 @@
 
 mod common;
 
-use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference};
-use wgspark::gpu::{Dispatch, Gpu, GpuOptions, GpuTensor};
+use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run};
+use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
 use wgspark::kernels::gemm::{GroupedBuffers, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
@@ -23,17 +23,6 @@ fn upload(gpu: &Gpu, name: &str, rows: usize, cols: usize, values: &[f32]) -> Gp
     let t = GpuTensor::alloc(gpu, name, rows, cols).unwrap();
     t.write_rows(gpu, 0, &bf16_bytes(values));
     t
-}
-
-fn run(gpu: &Gpu, dispatches: &[Dispatch], n_tokens: u32) {
-    let mut encoder = gpu.device.create_command_encoder(&Default::default());
-    {
-        let mut pass = encoder.begin_compute_pass(&Default::default());
-        wgspark::gpu::encode_all(dispatches, &mut pass, n_tokens);
-    }
-    gpu.queue.submit([encoder.finish()]);
-    gpu.wait().unwrap();
-    gpu.check("test dispatch").unwrap();
 }
 
 fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize, attn_splits: usize) -> wgpu::Buffer {
@@ -289,7 +278,7 @@ fn check_embed(gpu: &Gpu, rng: &mut Rng, vocab: usize, hidden: usize) {
     let tb = gpu.storage_buffer_init("tokens", &tokens);
     let xb = gpu.storage_buffer("x", tokens.len() * hidden).unwrap();
     let embed = Embed::new(gpu).unwrap();
-    run(gpu, &embed.plan(gpu, &t, &tb, &xb), tokens.len() as u32);
+    run(gpu, &embed.plan(gpu, &t, &tb, &xb).unwrap(), tokens.len() as u32);
     let got: Vec<f32> = gpu.read_buffer(&xb, tokens.len() * hidden).unwrap();
     let want: Vec<f32> = tokens
         .iter()

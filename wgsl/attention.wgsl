@@ -78,20 +78,8 @@ fn pack_f16(v: vec2<f32>) -> u32 {
 }
 #else
 // The same conversions in integer arithmetic, for adapters whose shaders
-// lack pack2x16float (round to nearest even; inf and NaN kept).
-fn f16_bits_to_f32(h: u32) -> f32 {
-    let sign = (h & 0x8000u) << 16u;
-    let e = (h >> 10u) & 0x1fu;
-    let m = h & 0x3ffu;
-    if (e == 0u) {
-        return bitcast<f32>(sign | bitcast<u32>(f32(m) * 5.9604645e-8));
-    }
-    if (e == 31u) {
-        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
-    }
-    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
-}
-
+// lack pack2x16float (round to nearest even; inf and NaN kept; the
+// widening is f16_bits_to_f32 of common.wgsl).
 fn f32_to_f16_bits(f: f32) -> u32 {
     let b = bitcast<u32>(f);
     let sign = (b >> 16u) & 0x8000u;

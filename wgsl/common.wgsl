@@ -13,6 +13,21 @@ fn bf16x4_lo(w: vec4<u32>) -> vec4<f32> {
 fn bf16x4_hi(w: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w));
 }
+// An f16 (the low 16 bits of h) widened in integer arithmetic, exactly,
+// subnormals, inf and NaN included: for adapters whose shaders lack
+// unpack2x16float.
+fn f16_bits_to_f32(h: u32) -> f32 {
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if (e == 0u) {
+        return bitcast<f32>(sign | bitcast<u32>(f32(m) * 5.9604645e-8));
+    }
+    if (e == 31u) {
+        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
+    }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}
 
 // The end of a decoder layer (DESIGN.md section 7), fused into whichever
 // kernel does the layer's last residual add (gemv ADD, residual):

@@ -1,4 +1,4 @@
-// Matrix-vector products with bf16 weights, for every token t in flight,
+// Matrix-vector products, for every token t in flight,
 // with what comes before and after the product fused in, so that a
 // projection is one pass over its weights and one dispatch per weight part:
 //   (plain)  y[t, o] = W[o] . x[t]
@@ -19,8 +19,10 @@
 // left to the part that does (SUM: each part adds the slots it holds).
 // ROWS_PER_WG outputs per workgroup, THREADS_PER_ROW invocations per
 // output: one per invocation suits CPU rasterisers; a subgroup (SUBGROUPS)
-// or a workgroup reduction per output suits GPUs. Rows of 8k columns are
-// read 8 weights at a time; other widths (even) one word at a time.
+// or a workgroup reduction per output suits GPUs. bf16 rows of 8k columns
+// are read 8 weights at a time, other widths (even) one word at a time;
+// with WEIGHT_FORMAT, rows in any format of weights.wgsl (4k columns) are
+// decoded 4 weights at a time.
 // Grid: output blocks folded over x and z, y = token (SLOTS: token * top_k + slot).
 
 override ROWS_PER_WG: u32 = 64u;
@@ -53,6 +55,34 @@ fn weight_word(i: u32) -> u32 {
 
 // This lane's share of W[row] . x[xb ..] in .x (and of W[row + 1] . x in .y
 // with SWIGLU), x multiplied by norm_w with NORM, and of x . x in .z.
+#if WEIGHT_FORMAT
+fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
+    var r = vec3<f32>(0.0);
+    let quads = p.cols / 4u;
+    let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
+    let wb = row * row_words;
+    let xq = xb / 4u;
+    for (var k0 = lane; k0 < quads; k0 += THREADS_PER_ROW * UNROLL) {
+      for (var u = 0u; u < UNROLL; u++) {
+        let k = k0 + u * THREADS_PER_ROW;
+        if (k >= quads) {
+            break;
+        }
+        var a = x[xq + k];
+#if NORM
+        r.z += dot(a, a);
+        let n = norm_w[k / 2u];
+        a *= select(bf16x4_hi(n), bf16x4_lo(n), k % 2u == 0u);
+#endif
+        r.x += dot(weights4(wb, 4u * k), a);
+#if SWIGLU
+        r.y += dot(weights4(wb + row_words, 4u * k), a);
+#endif
+      }
+    }
+    return r;
+}
+#else
 fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
     if (p.cols % 8u == 0u && xb % 4u == 0u) {
@@ -103,6 +133,7 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
     }
     return r;
 }
+#endif
 
 #if SUBGROUPS
 // The lanes of an output are exactly one subgroup.

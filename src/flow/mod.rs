@@ -252,7 +252,7 @@ impl Plan {
             })
             .collect::<Result<_>>()?;
         Ok(Plan {
-            embed: model.kernels.embed.plan(gpu, &w.embed, &act.tokens, &act.x),
+            embed: model.kernels.embed.plan(gpu, &w.embed, &act.tokens, &act.x)?,
             layers,
             head: head(&act.x)?,
             head_last: head(&act.x_last)?,

@@ -1,8 +1,9 @@
-//! A bf16 weight matrix on the GPU, split into row ranges when it is larger
-//! than one storage binding may be.
+//! A weight matrix on the GPU in its stored format, split into row ranges
+//! when it is larger than one storage binding may be.
 
 use super::Gpu;
 use crate::error::Result;
+use crate::format::WeightFormat;
 
 /// One row range of a [`GpuTensor`], in its own buffer.
 #[derive(Debug, Clone)]
@@ -12,13 +13,14 @@ pub struct TensorPart {
     pub rows: usize,
 }
 
-/// A bf16 `[rows, cols]` matrix (a vector is one row), stored as packed
-/// pairs in one or more buffers of whole rows.
+/// A `[rows, cols]` matrix (a vector is one row) in `format`'s GPU layout
+/// (bf16: packed pairs), in one or more buffers of whole rows.
 #[derive(Debug, Clone)]
 pub struct GpuTensor {
     pub name: String,
     pub rows: usize,
     pub cols: usize,
+    pub format: WeightFormat,
     pub parts: Vec<TensorPart>,
 }
 
@@ -35,7 +37,20 @@ impl GpuTensor {
     /// when groups have an even number of rows, parts hold whole pairs of
     /// rows (interleaved gate/up rows stay together).
     pub fn alloc_grouped(gpu: &Gpu, name: &str, rows: usize, cols: usize, group_rows: usize) -> Result<Self> {
-        let row_bytes = (cols * 2) as u64;
+        Self::alloc_in(gpu, name, WeightFormat::Bf16, rows, cols, group_rows)
+    }
+
+    /// As [`Self::alloc_grouped`], in `format` (whose blocks `cols` must fill:
+    /// [`WeightFormat::fits_row`]).
+    pub fn alloc_in(
+        gpu: &Gpu,
+        name: &str,
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        group_rows: usize,
+    ) -> Result<Self> {
+        let row_bytes = format.gpu_row_bytes(cols) as u64;
         let limit = gpu.caps.max_storage_binding.min(gpu.caps.max_buffer_size);
         let mut rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
         if rows_per_part >= group_rows && group_rows > 1 {
@@ -49,26 +64,27 @@ impl GpuTensor {
             let n = rows_per_part.min(rows.max(1) - first_row);
             let buffer = gpu.storage_buffer_bytes(
                 &format!("{name}[{first_row}..{}]", first_row + n),
-                (n * cols * 2) as u64,
+                n as u64 * row_bytes,
             )?;
             parts.push(TensorPart { buffer, first_row, rows: n });
             first_row += n;
         }
-        Ok(GpuTensor { name: name.to_string(), rows, cols, parts })
+        Ok(GpuTensor { name: name.to_string(), rows, cols, format, parts })
     }
 
-    /// Writes bf16 rows (raw little-endian bytes) starting at `first_row`,
-    /// spreading them over the parts they fall in.
-    pub fn write_rows(&self, gpu: &Gpu, first_row: usize, bf16_bytes: &[u8]) {
-        let row_bytes = self.cols * 2;
-        let n_rows = bf16_bytes.len() / row_bytes.max(1);
+    /// Writes rows in the format's GPU layout (bf16: raw little-endian
+    /// bytes) starting at `first_row`, spreading them over the parts they
+    /// fall in.
+    pub fn write_rows(&self, gpu: &Gpu, first_row: usize, bytes: &[u8]) {
+        let row_bytes = self.format.gpu_row_bytes(self.cols);
+        let n_rows = bytes.len() / row_bytes.max(1);
         for part in &self.parts {
             let lo = first_row.max(part.first_row);
             let hi = (first_row + n_rows).min(part.first_row + part.rows);
             if lo >= hi {
                 continue;
             }
-            let src = &bf16_bytes[(lo - first_row) * row_bytes..(hi - first_row) * row_bytes];
+            let src = &bytes[(lo - first_row) * row_bytes..(hi - first_row) * row_bytes];
             let offset = ((lo - part.first_row) * row_bytes) as u64;
             write_padded(gpu, &part.buffer, offset, src);
         }

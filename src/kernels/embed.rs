@@ -16,14 +16,12 @@ pub fn structs() -> Vec<&'static str> {
     vec![EmbedParams::WGSL]
 }
 
-#[derive(Debug)]
-pub struct Embed {
-    pipeline: wgpu::ComputePipeline,
-}
+#[derive(Debug, Default)]
+pub struct Embed;
 
 impl Embed {
-    pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Embed { pipeline: super::pipeline(gpu, "embed", "main", &[], &[])? })
+    pub fn new(_gpu: &Gpu) -> Result<Self> {
+        Ok(Embed)
     }
 
     /// `x[t] = table[tokens[t]]`, one dispatch per part of the table.
@@ -33,8 +31,18 @@ impl Embed {
         table: &GpuTensor,
         tokens: &wgpu::Buffer,
         x: &wgpu::Buffer,
-    ) -> Vec<Dispatch> {
-        table
+    ) -> Result<Vec<Dispatch>> {
+        let flags = super::weight_flags(gpu, table.format);
+        let pipeline = super::pipeline(gpu, "embed", "main", &flags, &[])?;
+        // A format other than bf16 decodes four values per invocation.
+        let per_invocation = if flags.is_empty() { 1 } else { 4 };
+        if !table.cols.is_multiple_of(per_invocation) {
+            return Err(crate::Error::Unsupported {
+                what: "embedding width (a multiple of 4 in formats other than bf16)",
+                value: format!("{}: {} columns of {}", table.name, table.cols, table.format),
+            });
+        }
+        Ok(table
             .parts
             .iter()
             .map(|part| {
@@ -49,12 +57,12 @@ impl Embed {
                 );
                 Dispatch {
                     label: "embed",
-                    bind_group: gpu.bind("embed", &self.pipeline, &[&params.0, &part.buffer, tokens, x]),
-                    pipeline: self.pipeline.clone(),
-                    workgroups: [(table.cols as u32).div_ceil(64), 1, 1],
+                    bind_group: gpu.bind("embed", &pipeline, &[&params.0, &part.buffer, tokens, x]),
+                    pipeline: pipeline.clone(),
+                    workgroups: [((table.cols / per_invocation) as u32).div_ceil(64), 1, 1],
                     tokens_per_workgroup: 1,
                 }
             })
-            .collect()
+            .collect())
     }
 }

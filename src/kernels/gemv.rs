@@ -160,7 +160,13 @@ impl Gemv {
         rows_per_output: usize,
     ) -> Result<Dispatch> {
         let w = spec.weight;
-        let mut flags = vec![];
+        let mut flags = super::weight_flags(gpu, w.format);
+        if !flags.is_empty() && !w.cols.is_multiple_of(4) {
+            return Err(crate::Error::Unsupported {
+                what: "GEMV width (a multiple of 4 in formats other than bf16)",
+                value: format!("{}: {} columns of {}", w.name, w.cols, w.format),
+            });
+        }
         let mut params = GemvParams {
             rows: part.rows as u32,
             cols: w.cols as u32,
@@ -253,6 +259,12 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
             s.extend(reduce);
             s
         }));
+    }
+    // Every format, in the forms the flow builds, with one reduction.
+    for format in super::weight_flag_sets().into_iter().filter(|f| !f.is_empty()) {
+        for form in [&["NORM"][..], &["NORM", "SWIGLU", "EXPERTS", "SLOTS"], &["ADD", "EXPERTS", "SUM"]] {
+            out.push([form, &format].concat());
+        }
     }
     out
 }

@@ -40,6 +40,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use crate::error::Result;
+use crate::format::WeightFormat;
 use crate::gpu::Gpu;
 
 /// A `#[repr(C)]` struct of 4-byte fields whose WGSL declaration is
@@ -86,6 +87,9 @@ pub struct Family {
     pub source: &'static str,
     /// WGSL declarations prepended to the source ([`WgslStruct::WGSL`]).
     pub structs: fn() -> Vec<&'static str>,
+    /// Reads weight matrices in any [`WeightFormat`] (`weights.wgsl` is
+    /// prepended; the family defines `weight_word`).
+    pub reads_weights: bool,
 }
 
 /// Every kernel family, by file name (without `.wgsl`).
@@ -94,19 +98,66 @@ pub const FAMILIES: &[Family] = &[
         name: "attention",
         source: include_str!("../../wgsl/attention.wgsl"),
         structs: attention::structs,
+        reads_weights: false,
     },
-    Family { name: "copy", source: include_str!("../../wgsl/copy.wgsl"), structs: copy::structs },
-    Family { name: "embed", source: include_str!("../../wgsl/embed.wgsl"), structs: embed::structs },
-    Family { name: "gemm", source: include_str!("../../wgsl/gemm.wgsl"), structs: gemm::structs },
-    Family { name: "gemv", source: include_str!("../../wgsl/gemv.wgsl"), structs: gemv::structs },
-    Family { name: "residual", source: include_str!("../../wgsl/residual.wgsl"), structs: residual::structs },
-    Family { name: "rms_norm", source: include_str!("../../wgsl/rms_norm.wgsl"), structs: rms_norm::structs },
-    Family { name: "router", source: include_str!("../../wgsl/router.wgsl"), structs: router::structs },
-    Family { name: "sample", source: include_str!("../../wgsl/sample.wgsl"), structs: sample::structs },
-    Family { name: "swiglu", source: include_str!("../../wgsl/swiglu.wgsl"), structs: swiglu::structs },
+    Family {
+        name: "copy",
+        source: include_str!("../../wgsl/copy.wgsl"),
+        structs: copy::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "embed",
+        source: include_str!("../../wgsl/embed.wgsl"),
+        structs: embed::structs,
+        reads_weights: true,
+    },
+    Family {
+        name: "gemm",
+        source: include_str!("../../wgsl/gemm.wgsl"),
+        structs: gemm::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "gemv",
+        source: include_str!("../../wgsl/gemv.wgsl"),
+        structs: gemv::structs,
+        reads_weights: true,
+    },
+    Family {
+        name: "residual",
+        source: include_str!("../../wgsl/residual.wgsl"),
+        structs: residual::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "rms_norm",
+        source: include_str!("../../wgsl/rms_norm.wgsl"),
+        structs: rms_norm::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "router",
+        source: include_str!("../../wgsl/router.wgsl"),
+        structs: router::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "sample",
+        source: include_str!("../../wgsl/sample.wgsl"),
+        structs: sample::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "swiglu",
+        source: include_str!("../../wgsl/swiglu.wgsl"),
+        structs: swiglu::structs,
+        reads_weights: false,
+    },
 ];
 
 const COMMON: &str = include_str!("../../wgsl/common.wgsl");
+const WEIGHTS: &str = include_str!("../../wgsl/weights.wgsl");
 
 /// One specialisation the engine may build: a family with a set of flags.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -132,6 +183,36 @@ impl Build {
 pub const SUBGROUPS: &str = "SUBGROUPS";
 /// The flag of builds that convert f16 with the WGSL builtins.
 pub const F16_NATIVE: &str = "F16_NATIVE";
+/// The flag of builds that read weights in a format other than bf16 (with
+/// the format's own flag, [`WeightFormat::flag`]).
+pub const WEIGHT_FORMAT: &str = "WEIGHT_FORMAT";
+
+/// The flags of a build reading weights in `format` on `gpu`.
+pub fn weight_flags(gpu: &Gpu, format: WeightFormat) -> Vec<&'static str> {
+    match format.flag() {
+        None => vec![],
+        Some(flag) => {
+            let mut flags = vec![WEIGHT_FORMAT, flag];
+            if gpu.caps.f16_in_f32 {
+                flags.push(F16_NATIVE);
+            }
+            flags
+        }
+    }
+}
+
+/// The flag sets [`weight_flags`] gives, on adapters with and without
+/// f16 conversions.
+pub fn weight_flag_sets() -> Vec<Vec<&'static str>> {
+    let mut out = vec![vec![]];
+    for format in WeightFormat::ALL {
+        if let Some(flag) = format.flag() {
+            out.push(vec![WEIGHT_FORMAT, flag]);
+            out.push(vec![WEIGHT_FORMAT, flag, F16_NATIVE]);
+        }
+    }
+    out
+}
 
 /// Every specialisation any session may build (the shader test translates
 /// each one for every backend).
@@ -140,6 +221,7 @@ pub fn builds() -> Vec<Build> {
     for family in FAMILIES {
         let flag_sets = match family.name {
             "gemv" => gemv::flag_sets(),
+            "embed" => weight_flag_sets(),
             "attention" => attention::flag_sets(),
             "residual" => residual::flag_sets(),
             "sample" => sample::flag_sets(),
@@ -156,7 +238,8 @@ pub fn builds() -> Vec<Build> {
 pub fn shader_source(family: &str, flags: &[&str]) -> Option<String> {
     let f = FAMILIES.iter().find(|f| f.name == family)?;
     let structs: String = std::iter::once(Step::WGSL).chain((f.structs)()).collect();
-    Some(preprocess(&format!("{structs}\n{COMMON}\n{}", f.source), flags))
+    let weights = if f.reads_weights { WEIGHTS } else { "" };
+    Some(preprocess(&format!("{structs}\n{COMMON}\n{weights}\n{}", f.source), flags))
 }
 
 /// Resolves `#if NAME`, `#if !NAME`, `#else` and `#endif` lines (nesting

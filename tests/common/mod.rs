@@ -10,6 +10,7 @@ pub mod steering;
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+use wgspark::gpu::Dispatch;
 use wgspark::{Backend, Gpu, GpuOptions};
 
 /// Backends every GPU test runs on: `WGSPARK_TEST_BACKENDS` (comma list),
@@ -98,4 +99,16 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
             max_abs_diff(got, want)
         );
     }
+}
+
+/// Encodes `dispatches` for `n_tokens` in one pass, submits and waits.
+pub fn run(gpu: &Gpu, dispatches: &[Dispatch], n_tokens: u32) {
+    let mut encoder = gpu.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = encoder.begin_compute_pass(&Default::default());
+        wgspark::gpu::encode_all(dispatches, &mut pass, n_tokens);
+    }
+    gpu.queue.submit([encoder.finish()]);
+    gpu.wait().unwrap();
+    gpu.check("test dispatch").unwrap();
 }

@@ -1,0 +1,70 @@
+"""Writes tests/fixtures/formats/blocks.gguf: for every weight format, a
+matrix `w.<TYPE>` of random blocks and `y.<TYPE>`, its values as the `gguf`
+package's `dequantize` gives them (F32). The Rust tests check the CPU and
+GPU decodings against these bit for bit.
+
+Block bytes are random except the f16 scales, which are finite (one in
+eight subnormal, some negative) so that every value is a number.
+
+    python3 -m venv /tmp/gv && /tmp/gv/bin/pip install gguf numpy
+    /tmp/gv/bin/python scripts/make_format_fixtures.py
+"""
+from pathlib import Path
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+ROWS, COLS = 5, 512
+# Byte offsets of the f16 scales in each block type's file layout.
+SCALES = {
+    T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+}
+
+
+def random_scales(rng, n):
+    v = (rng.standard_normal(n) * 0.02).astype(np.float16)
+    tiny = rng.random(n) < 0.125
+    v[tiny] = (rng.standard_normal(tiny.sum()) * 2e-6).astype(np.float16)  # f16 subnormals
+    return v
+
+
+def blocks(rng, ty):
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[ty]
+    if ty == T.F32:
+        return rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    if ty == T.F16:
+        return (rng.standard_normal((ROWS, COLS)) * 0.5).astype(np.float16)
+    if ty == T.BF16:
+        bits = (rng.standard_normal((ROWS, COLS)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8).reshape(ROWS, COLS * 2)
+    n = ROWS * COLS // block_elems
+    b = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+    for at in SCALES[ty]:
+        b[:, at:at + 2] = random_scales(rng, n).view(np.uint8).reshape(n, 2)
+    return b.reshape(ROWS, COLS // block_elems * block_bytes)
+
+
+def main():
+    rng = np.random.default_rng(2026)
+    out = Path(__file__).resolve().parent.parent / "tests/fixtures/formats/blocks.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), arch="formats")
+    for ty in [T.BF16, T.F16, T.F32, *SCALES]:
+        data = blocks(rng, ty)
+        raw = data if data.dtype == np.uint8 else data.view(np.uint8)
+        values = dequantize(raw, ty).astype(np.float32).reshape(ROWS, COLS)
+        assert np.isfinite(values).all()
+        w.add_tensor(f"w.{ty.name}", raw, raw_shape=raw.shape, raw_dtype=ty)
+        w.add_tensor(f"y.{ty.name}", values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+//! Weight formats: how a matrix's values are stored, in the file and on
+//! the GPU. Weights keep their stored format on the GPU and are decoded in
+//! registers by the kernels that read them (`wgsl/weights.wgsl`); the CPU
+//! decoding here is the reference those kernels are tested against, and
+//! equals the `gguf` Python package's `dequantize` bit for bit.
+//!
+//! A block format's GPU block is its file block with every field on a
+//! 4-byte boundary: the blocks whose size is 2 mod 4 get two zero bytes
+//! after their leading f16 scale (Q4_0, Q5_0, Q8_0) or after their
+//! trailing one (Q3_K, Q6_K). The values and their bits are the file's.
+
+use std::borrow::Cow;
+
+use crate::gguf::GgmlType;
+
+/// The storage format of a weight matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    Bf16,
+    F16,
+    F32,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+/// Where a block's two bytes of padding go on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Padding {
+    None,
+    /// After the leading 2-byte scale.
+    AfterLeadingScale,
+    /// After the trailing 2-byte scale.
+    AtEnd,
+}
+
+impl WeightFormat {
+    pub const ALL: [WeightFormat; 13] = [
+        WeightFormat::Bf16,
+        WeightFormat::F16,
+        WeightFormat::F32,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Q8_0,
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ];
+
+    /// The format of a GGUF tensor type, if weights may be stored in it.
+    pub fn from_ggml(ty: GgmlType) -> Option<Self> {
+        Some(match ty {
+            GgmlType::BF16 => Self::Bf16,
+            GgmlType::F16 => Self::F16,
+            GgmlType::F32 => Self::F32,
+            GgmlType::Q4_0 => Self::Q4_0,
+            GgmlType::Q4_1 => Self::Q4_1,
+            GgmlType::Q5_0 => Self::Q5_0,
+            GgmlType::Q5_1 => Self::Q5_1,
+            GgmlType::Q8_0 => Self::Q8_0,
+            GgmlType::Q2K => Self::Q2K,
+            GgmlType::Q3K => Self::Q3K,
+            GgmlType::Q4K => Self::Q4K,
+            GgmlType::Q5K => Self::Q5K,
+            GgmlType::Q6K => Self::Q6K,
+            _ => return None,
+        })
+    }
+
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            Self::Bf16 => GgmlType::BF16,
+            Self::F16 => GgmlType::F16,
+            Self::F32 => GgmlType::F32,
+            Self::Q4_0 => GgmlType::Q4_0,
+            Self::Q4_1 => GgmlType::Q4_1,
+            Self::Q5_0 => GgmlType::Q5_0,
+            Self::Q5_1 => GgmlType::Q5_1,
+            Self::Q8_0 => GgmlType::Q8_0,
+            Self::Q2K => GgmlType::Q2K,
+            Self::Q3K => GgmlType::Q3K,
+            Self::Q4K => GgmlType::Q4K,
+            Self::Q5K => GgmlType::Q5K,
+            Self::Q6K => GgmlType::Q6K,
+        }
+    }
+
+    /// Elements per block (1 for the float formats).
+    pub fn block_elements(self) -> usize {
+        match self {
+            Self::Bf16 | Self::F16 | Self::F32 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block in the file.
+    pub fn file_block_bytes(self) -> usize {
+        match self {
+            Self::Bf16 | Self::F16 => 2,
+            Self::F32 => 4,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+            Self::Q2K => 84,
+            Self::Q3K => 110,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+        }
+    }
+
+    fn padding(self) -> Padding {
+        match self {
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => Padding::AfterLeadingScale,
+            Self::Q3K | Self::Q6K => Padding::AtEnd,
+            _ => Padding::None,
+        }
+    }
+
+    /// Bytes per block on the GPU.
+    pub fn gpu_block_bytes(self) -> usize {
+        match self.padding() {
+            Padding::None => self.file_block_bytes(),
+            _ => self.file_block_bytes() + 2,
+        }
+    }
+
+    /// Whether a row of `cols` values is whole blocks, and whole words on
+    /// the GPU (the float formats of 2 bytes need an even width).
+    pub fn fits_row(self, cols: usize) -> bool {
+        cols.is_multiple_of(self.block_elements()) && (self.gpu_row_bytes(cols)).is_multiple_of(4)
+    }
+
+    /// Bytes of a row of `cols` values in the file.
+    pub fn file_row_bytes(self, cols: usize) -> usize {
+        cols / self.block_elements() * self.file_block_bytes()
+    }
+
+    /// Bytes of a row of `cols` values on the GPU.
+    pub fn gpu_row_bytes(self, cols: usize) -> usize {
+        cols / self.block_elements() * self.gpu_block_bytes()
+    }
+
+    /// The build flag of the kernels that read this format (`None`: bf16,
+    /// the kernels' default).
+    pub fn flag(self) -> Option<&'static str> {
+        Some(match self {
+            Self::Bf16 => return None,
+            Self::F16 => "W_F16",
+            Self::F32 => "W_F32",
+            Self::Q4_0 => "W_Q4_0",
+            Self::Q4_1 => "W_Q4_1",
+            Self::Q5_0 => "W_Q5_0",
+            Self::Q5_1 => "W_Q5_1",
+            Self::Q8_0 => "W_Q8_0",
+            Self::Q2K => "W_Q2_K",
+            Self::Q3K => "W_Q3_K",
+            Self::Q4K => "W_Q4_K",
+            Self::Q5K => "W_Q5_K",
+            Self::Q6K => "W_Q6_K",
+        })
+    }
+
+    /// File bytes (whole blocks) in the GPU layout.
+    pub fn to_gpu_layout(self, file_bytes: &[u8]) -> Cow<'_, [u8]> {
+        let block = self.file_block_bytes();
+        let pad_at = match self.padding() {
+            Padding::None => return Cow::Borrowed(file_bytes),
+            Padding::AfterLeadingScale => 2,
+            Padding::AtEnd => block,
+        };
+        let mut out = Vec::with_capacity(file_bytes.len() / block * self.gpu_block_bytes());
+        for b in file_bytes.chunks_exact(block) {
+            out.extend_from_slice(&b[..pad_at]);
+            out.extend_from_slice(&[0, 0]);
+            out.extend_from_slice(&b[pad_at..]);
+        }
+        Cow::Owned(out)
+    }
+
+    /// The values of whole blocks of file bytes (the reference decoding).
+    pub fn dequantize(self, file_bytes: &[u8]) -> Vec<f32> {
+        let block = self.file_block_bytes();
+        let mut out = vec![0.0f32; file_bytes.len() / block * self.block_elements()];
+        for (b, y) in file_bytes.chunks_exact(block).zip(out.chunks_exact_mut(self.block_elements())) {
+            dequantize_block(self, b, y);
+        }
+        out
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.ggml())
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The 6-bit scale and min `j` of a Q4_K / Q5_K block's 12 scale bytes.
+fn scale_min_k4(s: &[u8], j: usize) -> (f32, f32) {
+    if j < 4 {
+        ((s[j] & 63) as f32, (s[j + 4] & 63) as f32)
+    } else {
+        (((s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4)) as f32, ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as f32)
+    }
+}
+
+/// Decodes one file block `b` into `y`. Every product of a scale and a
+/// quant is exact in f32, so the one rounding is the final add, as in the
+/// reference.
+fn dequantize_block(format: WeightFormat, b: &[u8], y: &mut [f32]) {
+    use WeightFormat::*;
+    match format {
+        Bf16 => y[0] = half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        F16 => y[0] = f16_at(b, 0),
+        F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        Q4_0 | Q4_1 => {
+            let d = f16_at(b, 0);
+            let (m, qs) = if format == Q4_1 { (Some(f16_at(b, 2)), &b[4..20]) } else { (None, &b[2..18]) };
+            for (j, &q) in qs.iter().enumerate() {
+                for (e, nibble) in [(j, q & 0xf), (j + 16, q >> 4)] {
+                    y[e] = match m {
+                        Some(m) => d * nibble as f32 + m,
+                        None => d * (nibble as f32 - 8.0),
+                    };
+                }
+            }
+        }
+        Q5_0 | Q5_1 => {
+            let d = f16_at(b, 0);
+            let (m, rest) = if format == Q5_1 { (Some(f16_at(b, 2)), &b[4..]) } else { (None, &b[2..]) };
+            let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+            let qs = &rest[4..20];
+            for (e, v) in y.iter_mut().enumerate() {
+                let nibble = if e < 16 { qs[e] & 0xf } else { qs[e - 16] >> 4 } as u32;
+                let q = (nibble | (((qh >> e) & 1) << 4)) as f32;
+                *v = match m {
+                    Some(m) => d * q + m,
+                    None => d * (q - 16.0),
+                };
+            }
+        }
+        Q8_0 => {
+            let d = f16_at(b, 0);
+            for (v, &q) in y.iter_mut().zip(&b[2..34]) {
+                *v = q as i8 as f32 * d;
+            }
+        }
+        Q2K => {
+            let (scales, qs) = (&b[..16], &b[16..80]);
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for (e, v) in y.iter_mut().enumerate() {
+                let sc = scales[e / 16];
+                let q = (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+                *v = d * (sc & 0xf) as f32 * q as f32 - dmin * (sc >> 4) as f32;
+            }
+        }
+        Q3K => {
+            let (hmask, qs, scales) = (&b[..32], &b[32..96], &b[96..108]);
+            let d = f16_at(b, 108);
+            for (e, v) in y.iter_mut().enumerate() {
+                let i = e / 16;
+                let low = (scales[i % 8] >> (4 * (i / 8))) & 0xf;
+                let high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+                let sc = (low | (high << 4)) as f32 - 32.0;
+                let q = ((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3) as f32;
+                let offset = if (hmask[e % 32] >> (e / 32)) & 1 == 1 { 0.0 } else { 4.0 };
+                *v = d * sc * (q - offset);
+            }
+        }
+        Q4K | Q5K => {
+            let (d, dmin, scales) = (f16_at(b, 0), f16_at(b, 2), &b[4..16]);
+            let (qh, qs) = if format == Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+            for (e, v) in y.iter_mut().enumerate() {
+                let (sc, m) = scale_min_k4(scales, e / 32);
+                let byte = qs[32 * (e / 64) + e % 32];
+                let mut q = if e % 64 < 32 { byte & 0xf } else { byte >> 4 } as f32;
+                if let Some(qh) = qh {
+                    q += 16.0 * ((qh[e % 32] >> (e / 32)) & 1) as f32;
+                }
+                *v = d * sc * q - dmin * m;
+            }
+        }
+        Q6K => {
+            let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+            let d = f16_at(b, 208);
+            for (e, v) in y.iter_mut().enumerate() {
+                let (n, r) = (e / 128, e % 128);
+                let byte = ql[64 * n + r % 64];
+                let low = if r < 64 { byte & 0xf } else { byte >> 4 };
+                let high = (qh[32 * n + r % 32] >> (2 * (r / 32))) & 3;
+                let q = (low | (high << 4)) as f32 - 32.0;
+                *v = d * scales[e / 16] as i8 as f32 * q;
+            }
+        }
+    }
+}

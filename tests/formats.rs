@@ -1,0 +1,170 @@
+//! Weight formats: the CPU and GPU decodings of every format against the
+//! `gguf` Python package's `dequantize` (tests/fixtures/formats/blocks.gguf,
+//! written by scripts/make_format_fixtures.py) bit for bit, and the GEMV in
+//! every format against a CPU product of the decoded weights.
+
+mod common;
+
+use std::path::Path;
+
+use common::{Rng, assert_close, bf16_bytes, on_each_backend, reference, run};
+use wgspark::format::WeightFormat;
+use wgspark::gguf::Gguf;
+use wgspark::gpu::{Gpu, GpuTensor};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows};
+use wgspark::kernels::residual::LayerOutput;
+use wgspark::kernels::{Embed, Gemv};
+
+fn fixture() -> Gguf {
+    Gguf::open(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/formats/blocks.gguf")).unwrap()
+}
+
+/// The fixture's blocks of `format` as a matrix, and their expected values.
+struct Case {
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    file_bytes: Vec<u8>,
+    values: Vec<f32>,
+}
+
+fn cases() -> Vec<Case> {
+    let g = fixture();
+    WeightFormat::ALL
+        .into_iter()
+        .map(|format| {
+            let name = format.to_string();
+            let w = g.tensor(&format!("w.{name}")).unwrap_or_else(|| panic!("fixture has no w.{name}"));
+            let y = g.tensor(&format!("y.{name}")).unwrap();
+            let (rows, cols) = (w.shape()[0], w.shape()[1]);
+            Case {
+                format,
+                rows,
+                cols,
+                file_bytes: g.data(w).to_vec(),
+                values: bytemuck::pod_collect_to_vec(g.data(y)),
+            }
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn upload(gpu: &Gpu, c: &Case) -> GpuTensor {
+    let t = GpuTensor::alloc_in(gpu, "w", c.format, c.rows, c.cols, 1).unwrap();
+    t.write_rows(gpu, 0, &c.format.to_gpu_layout(&c.file_bytes));
+    t
+}
+
+#[test]
+fn cpu_decoding_equals_the_gguf_package_bit_for_bit() {
+    for c in cases() {
+        assert_eq!(bits(&c.format.dequantize(&c.file_bytes)), bits(&c.values), "{}", c.format);
+    }
+}
+
+/// The embedding kernel decodes whole rows: every value of every format,
+/// with the f16 conversions native and in integer arithmetic.
+#[test]
+fn gpu_decoding_equals_the_gguf_package_bit_for_bit() {
+    on_each_backend(|gpu| {
+        let mut emulated = gpu.clone();
+        emulated.caps.f16_in_f32 = false;
+        for gpu in [gpu, &emulated] {
+            for c in cases() {
+                let table = upload(gpu, &c);
+                let ids: Vec<u32> = (0..c.rows as u32).rev().collect();
+                let tokens = gpu.storage_buffer_init("tokens", &ids);
+                let x = gpu.storage_buffer("x", c.rows * c.cols).unwrap();
+                run(gpu, &Embed::new(gpu).unwrap().plan(gpu, &table, &tokens, &x).unwrap(), c.rows as u32);
+                let got: Vec<f32> = gpu.read_buffer(&x, c.rows * c.cols).unwrap();
+                let want: Vec<f32> =
+                    ids.iter().flat_map(|&r| c.values[r as usize * c.cols..][..c.cols].to_vec()).collect();
+                let f16 = if gpu.caps.f16_in_f32 { "native" } else { "emulated" };
+                assert_eq!(bits(&got), bits(&want), "{} ({f16} f16)", c.format);
+            }
+        }
+    });
+}
+
+/// Plain, normed with SwiGLU (gate and up rows interleaved), and adding
+/// into the residual, in one output per invocation and in the adapter's
+/// own shape.
+#[test]
+fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(11);
+        for shape in
+            [GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1 }, GemvShape::for_gpu(gpu)]
+        {
+            let gemv = Gemv::with_shape(gpu, shape);
+            for c in cases() {
+                let (rows, cols, tokens) = (c.rows, c.cols, 2);
+                let what = format!("{} {shape:?}", c.format);
+                let weight = upload(gpu, &c);
+                let x = rng.vec(tokens * cols, 1.0);
+                let xb = gpu.storage_buffer_init("x", &x);
+                let products: Vec<f32> = (0..tokens)
+                    .flat_map(|t| reference::gemv(&c.values, rows, cols, &x[t * cols..(t + 1) * cols]))
+                    .collect();
+                let tol = 1e-5 * (cols as f32).sqrt();
+
+                let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+                run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);
+                assert_close(&gpu.read_buffer(&yb, tokens * rows).unwrap(), &products, tol, &what);
+
+                let residual = rng.vec(tokens * rows, 1.0);
+                let yb = gpu.storage_buffer_init("y", &residual);
+                let spec = GemvSpec {
+                    output: Output::Add(LayerOutput::default()),
+                    ..GemvSpec::plain(&weight, &xb, &yb)
+                };
+                run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
+                let want: Vec<f32> = residual.iter().zip(&products).map(|(r, p)| r + p).collect();
+                assert_close(
+                    &gpu.read_buffer(&yb, tokens * rows).unwrap(),
+                    &want,
+                    tol,
+                    &format!("{what} add"),
+                );
+
+                // Rows 2o and 2o + 1 are output o's gate and up.
+                let norm: Vec<f32> = common::bf16_round(&rng.vec(cols, 1.0));
+                let norm_t = GpuTensor::alloc(gpu, "norm", 1, cols).unwrap();
+                norm_t.write_rows(gpu, 0, &bf16_bytes(&norm));
+                let yb = gpu.storage_buffer("y", tokens * (rows / 2)).unwrap();
+                let spec = GemvSpec {
+                    input: Input::RmsNorm { weight: &norm_t, eps: 1e-5 },
+                    output: Output::Swiglu,
+                    rows: Rows::Dense,
+                    ..GemvSpec::plain(&weight, &xb, &yb)
+                };
+                run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
+                let want: Vec<f32> = (0..tokens)
+                    .flat_map(|t| {
+                        let h = reference::rms_norm(&x[t * cols..(t + 1) * cols], &norm, 1e-5);
+                        let p = reference::gemv(&c.values, rows, cols, &h);
+                        p.chunks_exact(2).map(|gu| reference::silu(gu[0]) * gu[1]).collect::<Vec<f32>>()
+                    })
+                    .collect();
+                let got = gpu.read_buffer(&yb, tokens * (rows / 2)).unwrap();
+                assert_close(&got, &want, tol, &format!("{what} norm swiglu"));
+            }
+        }
+    });
+}
+
+/// Formats other than bf16 are read four values at a time.
+#[test]
+fn a_width_that_is_not_whole_quads_is_a_typed_error() {
+    on_each_backend(|gpu| {
+        let weight = GpuTensor::alloc_in(gpu, "odd", WeightFormat::F32, 3, 6, 1).unwrap();
+        let xb = gpu.storage_buffer("x", 6).unwrap();
+        let yb = gpu.storage_buffer("y", 3).unwrap();
+        let err = Gemv::new(gpu).plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap_err();
+        assert!(matches!(err, wgspark::Error::Unsupported { .. }), "{err}");
+        assert!(err.to_string().contains("odd"), "names the tensor: {err}");
+    });
+}
