@@ -163,7 +163,7 @@ fn main() {
         let s = step(&gpu, 0, tokens, 1);
         let secs = time(
             &gpu,
-            &gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y),
+            &gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y).unwrap(),
             None,
             tokens,
             if cpu { 1 } else { 10 },

@@ -7,13 +7,14 @@ mod common;
 
 use std::path::Path;
 
-use common::{Rng, assert_close, bf16_bytes, on_each_backend, reference, run};
+use common::{Rng, assert_close, bf16_bytes, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuTensor};
+use wgspark::kernels::gemm::Tiling;
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows};
 use wgspark::kernels::residual::LayerOutput;
-use wgspark::kernels::{Embed, Gemv};
+use wgspark::kernels::{Embed, Gemm, Gemv};
 
 fn fixture() -> Gguf {
     Gguf::open(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/formats/blocks.gguf")).unwrap()
@@ -152,6 +153,33 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
                 let got = gpu.read_buffer(&yb, tokens * (rows / 2)).unwrap();
                 assert_close(&got, &want, tol, &format!("{what} norm swiglu"));
             }
+        }
+    });
+}
+
+/// The prefill GEMM decodes the weights as it stages them: the formats
+/// take the two tilings in turn (each build compiles slowly on CPU
+/// rasterisers), with a token count that ends mid-tile.
+#[test]
+fn gemm_in_every_format_matches_the_cpu_product_of_its_values() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(12);
+        let tilings =
+            [Gemm::with_tiling(gpu, Tiling::Narrow).unwrap(), Gemm::with_tiling(gpu, Tiling::Wide).unwrap()];
+        for (i, c) in cases().into_iter().enumerate() {
+            let gemm = &tilings[i % 2];
+            let (rows, cols, tokens) = (c.rows, c.cols, 70);
+            let weight = upload(gpu, &c);
+            let x = rng.vec(tokens * cols, 1.0);
+            let xb = gpu.storage_buffer_init("x", &x);
+            let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+            let step = step_buffer(gpu, 0, tokens, 1);
+            run(gpu, &gemm.plan(gpu, &weight, tokens, &step, &xb, &yb).unwrap(), tokens as u32);
+            let want: Vec<f32> = (0..tokens)
+                .flat_map(|t| reference::gemv(&c.values, rows, cols, &x[t * cols..(t + 1) * cols]))
+                .collect();
+            let got = gpu.read_buffer(&yb, want.len()).unwrap();
+            assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &format!("{} {gemm:?}", c.format));
         }
     });
 }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run};
+use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
 use wgspark::kernels::gemm::{GroupedBuffers, Tiling};
@@ -23,17 +23,6 @@ fn upload(gpu: &Gpu, name: &str, rows: usize, cols: usize, values: &[f32]) -> Gp
     let t = GpuTensor::alloc(gpu, name, rows, cols).unwrap();
     t.write_rows(gpu, 0, &bf16_bytes(values));
     t
-}
-
-fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize, attn_splits: usize) -> wgpu::Buffer {
-    use wgpu::util::DeviceExt;
-    let step =
-        Step { pos0: pos0 as u32, n_tokens: n_tokens as u32, attn_splits: attn_splits as u32, _pad: 0 };
-    gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: Some("step"),
-        contents: bytemuck::bytes_of(&step),
-        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-    })
 }
 
 fn check_gemv(gpu: &Gpu, gemv: &Gemv, rng: &mut Rng, rows: usize, cols: usize, tokens: usize) {
@@ -703,7 +692,7 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     let xb = gpu.storage_buffer_init("x", &x);
                     let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
                     let step = step_buffer(&gpu, 0, tokens, 1);
-                    run(&gpu, &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb), tokens as u32);
+                    run(&gpu, &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb).unwrap(), tokens as u32);
                     let want: Vec<f32> = (0..tokens)
                         .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
                         .collect();
@@ -751,7 +740,7 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
                         continue;
                     }
                     let b = GroupedBuffers { x: &xb, y: &yb, groups: &gb, pairs: &pb };
-                    run(&gpu, &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b), count);
+                    run(&gpu, &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b).unwrap(), count);
                 }
                 let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
                 let want: Vec<f32> = (0..tokens * k)

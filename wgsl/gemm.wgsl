@@ -1,6 +1,8 @@
-// Matrix product with bf16 weights for a chunk of tokens (prefill):
+// Matrix product for a chunk of tokens (prefill):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
-// W: bf16 [rows, cols] (one part of a possibly split tensor), cols even;
+// W: [rows, cols] (one part of a possibly split tensor): bf16 (cols even),
+// or with WEIGHT_FORMAT any format of weights.wgsl (cols a multiple of 4),
+// decoded as it is staged into workgroup memory;
 // X, Y: f32 rows of cols and y_stride elements.
 // Dense mode (expert_rows = 0): m < step.n_tokens, xrow = yrow = m; n covers
 //   the part's rows, col(n) = first_row + n.
@@ -40,6 +42,10 @@ override W_WORDS: u32 = 8u / W_THREADS;
 // ws[kk * TILE_N / 4 + r]: weight rows 4r..4r+3 of the tile at k step kk.
 var<workgroup> xs: array<vec4<f32>, 512>;
 var<workgroup> ws: array<vec4<f32>, 512>;
+
+fn weight_word(i: u32) -> u32 {
+    return weight[i];
+}
 
 @compute @workgroup_size(256)
 fn main(
@@ -83,7 +89,13 @@ fn main(
         w_local = p.expert * p.expert_rows + n0 + ln - p.first_row;
     }
     let w_ok = n0 + ln < n_rows && w_local < p.rows;
+#if WEIGHT_FORMAT
+    let w_base = w_local * (p.cols / BLOCK_ELEMS * BLOCK_WORDS);
+    var wv = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+#else
     let w_base = w_local * k_words;
+    var wr = vec4<u32>(0u);
+#endif
 
     // Compute roles: tokens 4 tm + i (+ 64 with TILE_M 128), rows 4 tn + j
     // (+ 64 with TILE_N 128): neighbouring invocations read neighbouring
@@ -109,7 +121,6 @@ fn main(
 
     var xr = vec4<f32>(0.0);
     var xr2 = vec4<f32>(0.0);
-    var wr = vec4<u32>(0u);
     for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
         // This step's tiles: from registers (loaded during the previous
         // step's compute) except on the first step.
@@ -118,7 +129,11 @@ fn main(
             if (TILE_M == 128u) {
                 xr2 = load_x(x_ok, x_base, lkx + 4u);
             }
+#if WEIGHT_FORMAT
+            wv = load_w_values(w_ok, w_base, lkw);
+#else
             wr = load_w(w_ok, w_base, lkw / 2u, k_words);
+#endif
         }
         for (var c = 0u; c < 4u; c++) {
             xs[(lkx + c) * x_vecs + lm / 4u][lm % 4u] = xr[c];
@@ -126,10 +141,16 @@ fn main(
                 xs[(lkx + 4u + c) * x_vecs + lm / 4u][lm % 4u] = xr2[c];
             }
         }
+#if WEIGHT_FORMAT
+        for (var c = 0u; c < 2u * W_WORDS; c++) {
+            ws[(lkw + c) * w_vecs + ln / 4u][ln % 4u] = wv[c / 4u][c % 4u];
+        }
+#else
         for (var c = 0u; c < W_WORDS; c++) {
             ws[(lkw + 2u * c) * w_vecs + ln / 4u][ln % 4u] = bf16_lo(wr[c]);
             ws[(lkw + 2u * c + 1u) * w_vecs + ln / 4u][ln % 4u] = bf16_hi(wr[c]);
         }
+#endif
         workgroupBarrier();
         let k1 = k0 + TILE_K;
         if (k1 < p.cols) {
@@ -137,7 +158,11 @@ fn main(
             if (TILE_M == 128u) {
                 xr2 = load_x(x_ok, x_base, k1 + lkx + 4u);
             }
+#if WEIGHT_FORMAT
+            wv = load_w_values(w_ok, w_base, k1 + lkw);
+#else
             wr = load_w(w_ok, w_base, (k1 + lkw) / 2u, k_words);
+#endif
         }
         for (var kk = 0u; kk < TILE_K; kk++) {
             let a0 = xs[kk * x_vecs + tm];
@@ -224,3 +249,17 @@ fn load_w(ok: bool, base: u32, w: u32, k_words: u32) -> vec4<u32> {
     }
     return v;
 }
+
+#if WEIGHT_FORMAT
+// 2 W_WORDS consecutive weights of the row at word `row` from column k,
+// decoded (zero past the row's end).
+fn load_w_values(ok: bool, row: u32, k: u32) -> array<vec4<f32>, 2> {
+    var v = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+    for (var q = 0u; q < W_WORDS / 2u; q++) {
+        if (ok && k + 4u * q < p.cols) {
+            v[q] = weights4(row, k + 4u * q);
+        }
+    }
+    return v;
+}
+#endif

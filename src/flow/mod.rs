@@ -128,7 +128,7 @@ impl<'a> Builder<'a> {
         let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
         let chunk = self.chunk(|| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, y));
+            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, y)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
@@ -147,7 +147,7 @@ impl<'a> Builder<'a> {
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
         let chunk = self.chunk(|| {
-            let mut d = k.gemm.plan(gpu, weight, act.max_tokens, &act.step, a, scratch);
+            let mut d = k.gemm.plan(gpu, weight, act.max_tokens, &act.step, a, scratch)?;
             d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
             Ok(d)
         })?;
@@ -169,7 +169,7 @@ impl<'a> Builder<'a> {
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
         let chunk = self.chunk(|| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, &act.gate_up));
+            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, &act.gate_up)?);
             d.push(k.swiglu.plan(gpu, weight.rows / 2, 1, &act.gate_up, out));
             Ok(d)
         })?;

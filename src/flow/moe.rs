@@ -90,13 +90,13 @@ impl MoePlan {
                             b(&act.h, &a.expert_gate_up),
                         )
                     })
-                    .collect(),
+                    .collect::<Result<_>>()?,
                 swiglu: k.swiglu.plan(gpu, i, top_k, &a.expert_gate_up, &a.expert_act),
                 down: (0..m.experts)
                     .map(|e| {
                         k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b(&a.expert_act, &a.expert_out))
                     })
-                    .collect(),
+                    .collect::<Result<_>>()?,
                 output: Self::grouped_output(model, act, &LayerOutput::default())?,
                 groups: a.groups.clone(),
                 pairs: a.pairs.clone(),

@@ -49,8 +49,6 @@ pub struct GroupedBuffers<'a> {
 
 #[derive(Debug)]
 pub struct Gemm {
-    narrow: wgpu::ComputePipeline,
-    wide: wgpu::ComputePipeline,
     tiling: Tiling,
     /// Bound as `groups` and `pairs` by dense products, which never read them.
     no_groups: wgpu::Buffer,
@@ -63,39 +61,42 @@ impl Gemm {
 
     /// As [`Self::new`] with one tiling forced (tests exercise both).
     pub fn with_tiling(gpu: &Gpu, tiling: Tiling) -> Result<Self> {
-        let tiles = |n: f64| [("TILE_M", n), ("TILE_N", n)];
-        Ok(Gemm {
-            narrow: super::pipeline(gpu, "gemm", "main", &[], &tiles(64.0))?,
-            wide: super::pipeline(gpu, "gemm", "main", &[], &tiles(128.0))?,
-            tiling,
-            no_groups: gpu.storage_buffer("gemm.no_groups", 2)?,
-        })
+        Ok(Gemm { tiling, no_groups: gpu.storage_buffer("gemm.no_groups", 2)? })
     }
 
     fn dispatch(
         &self,
         gpu: &Gpu,
-        part: &TensorPart,
+        (weight, part): (&GpuTensor, &TensorPart),
         params: GemmParams,
         (n_rows, max_tokens): (usize, usize),
         b: [&wgpu::Buffer; 5],
-    ) -> Dispatch {
+    ) -> Result<Dispatch> {
         let [step, x, y, groups, pairs] = b;
+        let flags = super::weight_flags(gpu, weight.format);
+        if !flags.is_empty() && !weight.cols.is_multiple_of(4) {
+            return Err(crate::Error::Unsupported {
+                what: "GEMM width (a multiple of 4 in formats other than bf16)",
+                value: format!("{}: {} columns of {}", weight.name, weight.cols, weight.format),
+            });
+        }
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
         let wide = match self.tiling {
             Tiling::Narrow => false,
             Tiling::Wide => true,
             Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
         };
-        let (pipeline, tile) = if wide { (&self.wide, 128) } else { (&self.narrow, 64) };
+        let tile = if wide { 128 } else { 64 };
+        let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
+        let pipeline = super::pipeline(gpu, "gemm", "main", &flags, &constants)?;
         let tiles = (n_rows as u32).div_ceil(tile);
-        Dispatch {
+        Ok(Dispatch {
             label: "gemm",
-            bind_group: gpu.bind("gemm", pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
-            pipeline: pipeline.clone(),
+            bind_group: gpu.bind("gemm", &pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
+            pipeline,
             workgroups: gpu.fold_grid(tiles),
             tokens_per_workgroup: tile,
-        }
+        })
     }
 
     /// `y[t] = W x[t]` for the `step.n_tokens` tokens in flight (at most
@@ -108,7 +109,7 @@ impl Gemm {
         step: &wgpu::Buffer,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
-    ) -> Vec<Dispatch> {
+    ) -> Result<Vec<Dispatch>> {
         weight
             .parts
             .iter()
@@ -123,7 +124,7 @@ impl Gemm {
                     y_stride: weight.rows as u32,
                 };
                 let g = &self.no_groups;
-                self.dispatch(gpu, part, params, (part.rows, max_tokens), [step, x, y, g, g])
+                self.dispatch(gpu, (weight, part), params, (part.rows, max_tokens), [step, x, y, g, g])
             })
             .collect()
     }
@@ -141,7 +142,7 @@ impl Gemm {
         x_div: usize,
         step: &wgpu::Buffer,
         b: GroupedBuffers<'_>,
-    ) -> Vec<Dispatch> {
+    ) -> Result<Vec<Dispatch>> {
         let rows = expert * expert_rows..(expert + 1) * expert_rows;
         weight
             .parts_overlapping(rows)
@@ -158,7 +159,7 @@ impl Gemm {
                 };
                 self.dispatch(
                     gpu,
-                    part,
+                    (weight, part),
                     params,
                     // A group holds a share of a chunk's tokens: narrow tiles.
                     (expert_rows, 0),

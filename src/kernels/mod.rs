@@ -116,7 +116,7 @@ pub const FAMILIES: &[Family] = &[
         name: "gemm",
         source: include_str!("../../wgsl/gemm.wgsl"),
         structs: gemm::structs,
-        reads_weights: false,
+        reads_weights: true,
     },
     Family {
         name: "gemv",
@@ -221,7 +221,7 @@ pub fn builds() -> Vec<Build> {
     for family in FAMILIES {
         let flag_sets = match family.name {
             "gemv" => gemv::flag_sets(),
-            "embed" => weight_flag_sets(),
+            "embed" | "gemm" => weight_flag_sets(),
             "attention" => attention::flag_sets(),
             "residual" => residual::flag_sets(),
             "sample" => sample::flag_sets(),

@@ -112,3 +112,19 @@ pub fn run(gpu: &Gpu, dispatches: &[Dispatch], n_tokens: u32) {
     gpu.wait().unwrap();
     gpu.check("test dispatch").unwrap();
 }
+
+/// A uniform [`wgspark::kernels::Step`] buffer.
+pub fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize, attn_splits: usize) -> wgpu::Buffer {
+    use wgpu::util::DeviceExt;
+    let step = wgspark::kernels::Step {
+        pos0: pos0 as u32,
+        n_tokens: n_tokens as u32,
+        attn_splits: attn_splits as u32,
+        _pad: 0,
+    };
+    gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("step"),
+        contents: bytemuck::bytes_of(&step),
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+    })
+}
