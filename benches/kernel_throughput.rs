@@ -113,7 +113,7 @@ fn main() {
             (1536, 2048),
         ]
     };
-    let norm = random_tensor(&gpu, 1, 16384);
+    let norm = GpuTensor::vector_f32(&gpu, "norm", &vec![1.0f32; 16384]).unwrap();
     for &(rows, cols) in sizes.iter().filter(|_| runs("gemv")) {
         let w = random_tensor(&gpu, rows, cols);
         let norm_w = GpuTensor { cols, ..norm.clone() };

@@ -260,6 +260,11 @@ impl Gguf {
             let offset = c.len()?;
             let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
             let (block, block_bytes) = ty.block();
+            if dims.first().is_some_and(|d| d % block != 0) {
+                return Err(
+                    c.err(format!("tensor {name}: rows of {} elements are not whole {ty} blocks", dims[0]))
+                );
+            }
             let byte_len = elements
                 .filter(|n| n % block == 0)
                 .map(|n| n / block * block_bytes)

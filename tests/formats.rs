@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{Rng, assert_close, bf16_bytes, on_each_backend, reference, run, step_buffer};
+use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuTensor};
@@ -133,8 +133,7 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
 
                 // Rows 2o and 2o + 1 are output o's gate and up.
                 let norm: Vec<f32> = common::bf16_round(&rng.vec(cols, 1.0));
-                let norm_t = GpuTensor::alloc(gpu, "norm", 1, cols).unwrap();
-                norm_t.write_rows(gpu, 0, &bf16_bytes(&norm));
+                let norm_t = GpuTensor::vector_f32(gpu, "norm", &norm).unwrap();
                 let yb = gpu.storage_buffer("y", tokens * (rows / 2)).unwrap();
                 let spec = GemvSpec {
                     input: Input::RmsNorm { weight: &norm_t, eps: 1e-5 },

@@ -97,7 +97,7 @@ fn fused_gemv_matches_norm_then_product_then_gate_or_add() {
                     let weight = GpuTensor::alloc_grouped(&gpu, "w", rows, cols, rows).unwrap();
                     weight.write_rows(&gpu, 0, &bf16_bytes(&w));
                     let nw = bf16_round(&rng.vec(cols, 1.5));
-                    let norm = upload(&gpu, "norm", 1, cols, &nw);
+                    let norm = GpuTensor::vector_f32(&gpu, "norm", &nw).unwrap();
                     let x = rng.vec(tokens * cols, 2.0);
                     let xb = gpu.storage_buffer_init("x", &x);
                     let h: Vec<f32> = (0..tokens)
@@ -195,7 +195,7 @@ fn expert_gemv_runs_every_slot_and_sums_them_across_split_parts() {
                 GpuTensor::alloc_grouped(&gpu, "gate_up", experts * 2 * inter, hidden, 2 * inter).unwrap();
             gate_up.write_rows(&gpu, 0, &bf16_bytes(&gu));
             let nw = bf16_round(&rng.vec(hidden, 1.5));
-            let norm = upload(&gpu, "norm", 1, hidden, &nw);
+            let norm = GpuTensor::vector_f32(&gpu, "norm", &nw).unwrap();
             let x = rng.vec(tokens * hidden, 1.0);
             let xb = gpu.storage_buffer_init("x", &x);
             let act = gpu.storage_buffer("act", tokens * k * inter).unwrap();
@@ -297,7 +297,7 @@ fn rms_norm_matches_cpu_for_vectors_heads_and_whole_projections() {
             let width = rows.token_stride;
             let x: Vec<f32> = rng.vec(tokens * width, 2.0);
             let w = bf16_round(&rng.vec(rows.n, 1.5));
-            let wt = upload(gpu, "w", 1, rows.n, &w);
+            let wt = GpuTensor::vector_f32(gpu, "w", &w).unwrap();
             let xb = gpu.storage_buffer_init("x", &x);
             let ob = gpu.storage_buffer_init("out", &vec![0.0f32; x.len()]);
             run(gpu, &[norm.plan(gpu, &wt, eps, &xb, &ob, rows)], tokens as u32);
@@ -411,7 +411,10 @@ fn check_attention(gpu: &Gpu) {
             _ => (hd, hd),
         };
         let (qn, kn) = (bf16_round(&rng.vec(qn_len, 1.5)), bf16_round(&rng.vec(kn_len, 1.5)));
-        let (qn_t, kn_t) = (upload(gpu, "q_norm", 1, qn_len, &qn), upload(gpu, "k_norm", 1, kn_len, &kn));
+        let (qn_t, kn_t) = (
+            GpuTensor::vector_f32(gpu, "q_norm", &qn).unwrap(),
+            GpuTensor::vector_f32(gpu, "k_norm", &kn).unwrap(),
+        );
         let qkv = rng.vec(tokens * width, 1.0);
         let round = |v: Vec<f32>| if format == F16 { reference::f16_round(&v) } else { v };
         let mut k: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();

@@ -63,8 +63,8 @@ const NEG_BIG: f32 = -3.0e38;
 @group(0) @binding(7) var<storage, read_write> part_acc: array<f32>;
 @group(0) @binding(8) var<storage, read_write> part_ml: array<f32>;
 #if QK_NORM
-@group(0) @binding(9) var<storage, read> q_norm: array<u32>;
-@group(0) @binding(10) var<storage, read> k_norm: array<u32>;
+@group(0) @binding(9) var<storage, read> q_norm: array<f32>;
+@group(0) @binding(10) var<storage, read> k_norm: array<f32>;
 #endif
 
 #if KV_F16
@@ -298,9 +298,9 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
 #endif
         var w: f32;
         if (h.is_k) {
-            w = bf16_at(k_norm[w_index >> 1u], w_index);
+            w = k_norm[w_index];
         } else {
-            w = bf16_at(q_norm[w_index >> 1u], w_index);
+            w = q_norm[w_index];
         }
         q_sh[i] = w * (q_sh[i] * row_scale[i / hd]);
     }

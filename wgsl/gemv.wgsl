@@ -2,7 +2,7 @@
 // with what comes before and after the product fused in, so that a
 // projection is one pass over its weights and one dispatch per weight part:
 //   (plain)  y[t, o] = W[o] . x[t]
-//   NORM     x[t] is first replaced by rms_norm(x[t]) * norm_w, computed here:
+//   NORM     x[t] is first replaced by rms_norm(x[t]) * norm_w (f32), computed here:
 //            W[o] . (norm_w * x[t]) * rsqrt(mean(x[t]^2) + eps)
 //   SWIGLU   W holds gate and up rows interleaved (row 2o gate, 2o+1 up):
 //            y[t, o] = silu(W[2o] . x[t]) * (W[2o+1] . x[t])
@@ -36,7 +36,7 @@ override UNROLL: u32 = 1u;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 #if NORM
-@group(0) @binding(4) var<storage, read> norm_w: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> norm_w: array<vec4<f32>>;
 #endif
 #if EXPERTS
 @group(0) @binding(5) var<storage, read> ids: array<u32>;
@@ -71,8 +71,7 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
         var a = x[xq + k];
 #if NORM
         r.z += dot(a, a);
-        let n = norm_w[k / 2u];
-        a *= select(bf16x4_hi(n), bf16x4_lo(n), k % 2u == 0u);
+        a *= norm_w[k];
 #endif
         r.x += dot(weights4(wb, 4u * k), a);
 #if SWIGLU
@@ -99,9 +98,8 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
             var b = x[xv + 2u * k + 1u];
 #if NORM
             r.z += dot(a, a) + dot(b, b);
-            let n = norm_w[k];
-            a *= bf16x4_lo(n);
-            b *= bf16x4_hi(n);
+            a *= norm_w[2u * k];
+            b *= norm_w[2u * k + 1u];
 #endif
             let w = weight[wb + k];
             r.x += dot(bf16x4_lo(w), a) + dot(bf16x4_hi(w), b);
@@ -119,9 +117,8 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
             var b = x_at(xb + 2u * k + 1u);
 #if NORM
             r.z += a * a + b * b;
-            let n = norm_w[k >> 2u][k & 3u];
-            a *= bf16_lo(n);
-            b *= bf16_hi(n);
+            a *= norm_w[k >> 1u][2u * (k & 1u)];
+            b *= norm_w[k >> 1u][2u * (k & 1u) + 1u];
 #endif
             let w = weight_word(wb + k);
             r.x += bf16_lo(w) * a + bf16_hi(w) * b;

@@ -5,12 +5,12 @@
 // (heads of head_dim sharing one weight) and whole-projection q/k norm.
 // x and out may be the same buffer (in-place): each invocation rewrites only
 // the elements it read.
-// w: bf16 [n]. One workgroup per row; WG must be a power of two.
+// w: f32 [n]. One workgroup per row; WG must be a power of two.
 
 override WG: u32 = 64u;
 
 @group(0) @binding(0) var<uniform> p: RmsNormParams;
-@group(0) @binding(1) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read> w: array<f32>;
 @group(0) @binding(2) var<storage, read_write> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
@@ -34,6 +34,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     }
     let scale = inverseSqrt(partial[0] / f32(p.n) + p.eps);
     for (var i = lid.x; i < p.n; i += WG) {
-        out[row + i] = bf16_at(w[i >> 1u], i) * (x[row + i] * scale);
+        out[row + i] = w[i] * (x[row + i] * scale);
     }
 }

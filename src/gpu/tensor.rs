@@ -5,22 +5,24 @@ use super::Gpu;
 use crate::error::Result;
 use crate::format::WeightFormat;
 
-/// One row range of a [`GpuTensor`], in its own buffer.
+/// One row range of a [`GpuTensor`], in its own buffer, in `format`'s GPU
+/// layout (bf16: packed pairs).
 #[derive(Debug, Clone)]
 pub struct TensorPart {
     pub buffer: wgpu::Buffer,
     pub first_row: usize,
     pub rows: usize,
+    pub format: WeightFormat,
 }
 
-/// A `[rows, cols]` matrix (a vector is one row) in `format`'s GPU layout
-/// (bf16: packed pairs), in one or more buffers of whole rows.
+/// A `[rows, cols]` matrix (a vector is one row) in one or more buffers of
+/// whole rows. A stack of tensors stored in different formats (a GGUF
+/// layer's q, k and v) keeps each in its own parts.
 #[derive(Debug, Clone)]
 pub struct GpuTensor {
     pub name: String,
     pub rows: usize,
     pub cols: usize,
-    pub format: WeightFormat,
     pub parts: Vec<TensorPart>,
 }
 
@@ -50,6 +52,37 @@ impl GpuTensor {
         cols: usize,
         group_rows: usize,
     ) -> Result<Self> {
+        Self::alloc_stacked(gpu, name, &[(format, rows.max(1))], cols, group_rows)
+            .map(|t| GpuTensor { rows, ..t })
+    }
+
+    /// Row ranges of `(format, rows)` stacked in order, each split as
+    /// [`Self::alloc_grouped`] splits a tensor.
+    pub fn alloc_stacked(
+        gpu: &Gpu,
+        name: &str,
+        segments: &[(WeightFormat, usize)],
+        cols: usize,
+        group_rows: usize,
+    ) -> Result<Self> {
+        let mut parts = Vec::new();
+        let mut first_row = 0;
+        for &(format, rows) in segments {
+            parts.extend(Self::alloc_parts(gpu, name, format, first_row, rows, cols, group_rows)?);
+            first_row += rows;
+        }
+        Ok(GpuTensor { name: name.to_string(), rows: first_row, cols, parts })
+    }
+
+    fn alloc_parts(
+        gpu: &Gpu,
+        name: &str,
+        format: WeightFormat,
+        start: usize,
+        rows: usize,
+        cols: usize,
+        group_rows: usize,
+    ) -> Result<Vec<TensorPart>> {
         let row_bytes = format.gpu_row_bytes(cols) as u64;
         let limit = gpu.caps.max_storage_binding.min(gpu.caps.max_buffer_size);
         let mut rows_per_part = (limit / row_bytes.max(1)).max(1) as usize;
@@ -59,24 +92,24 @@ impl GpuTensor {
             rows_per_part -= rows_per_part % 2;
         }
         let mut parts = Vec::new();
-        let mut first_row = 0;
-        while first_row < rows.max(1) {
-            let n = rows_per_part.min(rows.max(1) - first_row);
+        let mut first_row = start;
+        while first_row < start + rows {
+            let n = rows_per_part.min(start + rows - first_row);
             let buffer = gpu.storage_buffer_bytes(
                 &format!("{name}[{first_row}..{}]", first_row + n),
                 n as u64 * row_bytes,
             )?;
-            parts.push(TensorPart { buffer, first_row, rows: n });
+            parts.push(TensorPart { buffer, first_row, rows: n, format });
             first_row += n;
         }
-        Ok(GpuTensor { name: name.to_string(), rows, cols, format, parts })
+        Ok(parts)
     }
 
-    /// Writes rows in the format's GPU layout (bf16: raw little-endian
+    /// Writes rows in their parts' GPU layout (bf16: raw little-endian
     /// bytes) starting at `first_row`, spreading them over the parts they
-    /// fall in.
+    /// fall in (which share one format).
     pub fn write_rows(&self, gpu: &Gpu, first_row: usize, bytes: &[u8]) {
-        let row_bytes = self.format.gpu_row_bytes(self.cols);
+        let row_bytes = self.format_at(first_row).gpu_row_bytes(self.cols);
         let n_rows = bytes.len() / row_bytes.max(1);
         for part in &self.parts {
             let lo = first_row.max(part.first_row);
@@ -88,6 +121,19 @@ impl GpuTensor {
             let offset = ((lo - part.first_row) * row_bytes) as u64;
             write_padded(gpu, &part.buffer, offset, src);
         }
+    }
+
+    /// A vector of f32 values (a norm's weight) as a one-row tensor.
+    pub fn vector_f32(gpu: &Gpu, name: &str, values: &[f32]) -> Result<Self> {
+        let t = Self::alloc_in(gpu, name, WeightFormat::F32, 1, values.len(), 1)?;
+        t.write_rows(gpu, 0, bytemuck::cast_slice(values));
+        Ok(t)
+    }
+
+    /// The format of row `row`.
+    pub fn format_at(&self, row: usize) -> WeightFormat {
+        let part = self.parts.iter().find(|p| p.first_row <= row && row < p.first_row + p.rows);
+        part.unwrap_or(&self.parts[0]).format
     }
 
     /// Indices of the parts holding any of `rows`.

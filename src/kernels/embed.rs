@@ -32,20 +32,20 @@ impl Embed {
         tokens: &wgpu::Buffer,
         x: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        let flags = super::weight_flags(gpu, table.format);
-        let pipeline = super::pipeline(gpu, "embed", "main", &flags, &[])?;
-        // A format other than bf16 decodes four values per invocation.
-        let per_invocation = if flags.is_empty() { 1 } else { 4 };
-        if !table.cols.is_multiple_of(per_invocation) {
-            return Err(crate::Error::Unsupported {
-                what: "embedding width (a multiple of 4 in formats other than bf16)",
-                value: format!("{}: {} columns of {}", table.name, table.cols, table.format),
-            });
-        }
-        Ok(table
+        table
             .parts
             .iter()
             .map(|part| {
+                let flags = super::weight_flags(gpu, part.format);
+                let pipeline = super::pipeline(gpu, "embed", "main", &flags, &[])?;
+                // A format other than bf16 decodes four values per invocation.
+                let per_invocation = if flags.is_empty() { 1 } else { 4 };
+                if !table.cols.is_multiple_of(per_invocation) {
+                    return Err(crate::Error::Unsupported {
+                        what: "embedding width (a multiple of 4 in formats other than bf16)",
+                        value: format!("{}: {} columns of {}", table.name, table.cols, part.format),
+                    });
+                }
                 let params = ParamsBuffer::new(
                     gpu,
                     "embed.params",
@@ -55,14 +55,14 @@ impl Embed {
                         rows: part.rows as u32,
                     },
                 );
-                Dispatch {
+                Ok(Dispatch {
                     label: "embed",
                     bind_group: gpu.bind("embed", &pipeline, &[&params.0, &part.buffer, tokens, x]),
-                    pipeline: pipeline.clone(),
+                    pipeline,
                     workgroups: [((table.cols / per_invocation) as u32).div_ceil(64), 1, 1],
                     tokens_per_workgroup: 1,
-                }
+                })
             })
-            .collect())
+            .collect()
     }
 }

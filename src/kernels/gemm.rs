@@ -73,11 +73,11 @@ impl Gemm {
         b: [&wgpu::Buffer; 5],
     ) -> Result<Dispatch> {
         let [step, x, y, groups, pairs] = b;
-        let flags = super::weight_flags(gpu, weight.format);
+        let flags = super::weight_flags(gpu, part.format);
         if !flags.is_empty() && !weight.cols.is_multiple_of(4) {
             return Err(crate::Error::Unsupported {
                 what: "GEMM width (a multiple of 4 in formats other than bf16)",
-                value: format!("{}: {} columns of {}", weight.name, weight.cols, weight.format),
+                value: format!("{}: {} columns of {}", weight.name, weight.cols, part.format),
             });
         }
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);

@@ -160,11 +160,11 @@ impl Gemv {
         rows_per_output: usize,
     ) -> Result<Dispatch> {
         let w = spec.weight;
-        let mut flags = super::weight_flags(gpu, w.format);
+        let mut flags = super::weight_flags(gpu, part.format);
         if !flags.is_empty() && !w.cols.is_multiple_of(4) {
             return Err(crate::Error::Unsupported {
                 what: "GEMV width (a multiple of 4 in formats other than bf16)",
-                value: format!("{}: {} columns of {}", w.name, w.cols, w.format),
+                value: format!("{}: {} columns of {}", w.name, w.cols, part.format),
             });
         }
         let mut params = GemvParams {

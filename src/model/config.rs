@@ -79,6 +79,9 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// Frequency `i` divided by `divisors[i]` (how GGUF files carry Llama
+    /// 3's scaling, as the `rope_freqs` tensor).
+    Divisors(Vec<f32>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -96,18 +99,19 @@ impl RopeConfig {
         let dim = self.rotary_dim;
         let base = self.theta as f32;
         let plain: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
-        match self.scaling {
+        match &self.scaling {
             RopeScaling::None => plain,
-            RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
+            RopeScaling::Divisors(divisors) => plain.iter().zip(divisors).map(|(f, d)| f / d).collect(),
+            RopeScaling::Linear { factor } => plain.iter().map(|f| f / *factor as f32).collect(),
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_max_position_embeddings,
             } => {
-                let factor = factor as f32;
-                let (low, high) = (low_freq_factor as f32, high_freq_factor as f32);
-                let old_len = original_max_position_embeddings as f32;
+                let factor = *factor as f32;
+                let (low, high) = (*low_freq_factor as f32, *high_freq_factor as f32);
+                let old_len = *original_max_position_embeddings as f32;
                 let low_freq_wavelen = old_len / low;
                 let high_freq_wavelen = old_len / high;
                 plain

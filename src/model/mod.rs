@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod family;
+pub mod gguf_checkpoint;
 pub mod gguf_import;
 mod synthetic;
 pub mod weights;
@@ -82,9 +83,19 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads `dir` (config.json + safetensors, sharded or not) onto `gpu`.
-    pub fn load(dir: impl AsRef<Path>, gpu: &Gpu) -> Result<Model> {
-        let dir = dir.as_ref();
+    /// Loads `path` onto `gpu`: a Hugging Face folder (config.json +
+    /// safetensors, sharded or not; weights as bf16) or a GGUF file (or the
+    /// first of a split set; weights in their stored formats).
+    pub fn load(path: impl AsRef<Path>, gpu: &Gpu) -> Result<Model> {
+        let dir = path.as_ref();
+        if gguf_checkpoint::is_gguf(dir) {
+            let checkpoint = gguf_checkpoint::GgufCheckpoint::open(dir)?;
+            let config = checkpoint.config()?;
+            gpu.check_budget("model weights", checkpoint.gpu_bytes())?;
+            let kernels = Kernels::new(gpu)?;
+            let weights = upload(gpu, &config, &checkpoint)?;
+            return Ok(Model { config, gpu: gpu.clone(), weights, kernels });
+        }
         let config = ModelConfig::load(dir)?;
         gpu.check_budget("model weights", config.weight_bytes())?;
         let checkpoint = Checkpoint::open(dir)?;
@@ -122,16 +133,16 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
         let (q_norm, k_norm) = match c.family.qk_norm {
             QkNorm::None => (None, None),
             QkNorm::PerHead => (
-                Some(up.matrix(&name("self_attn.q_norm.weight"), 1, heads.dim)?),
-                Some(up.matrix(&name("self_attn.k_norm.weight"), 1, heads.dim)?),
+                Some(up.norm(&name("self_attn.q_norm.weight"), heads.dim)?),
+                Some(up.norm(&name("self_attn.k_norm.weight"), heads.dim)?),
             ),
             QkNorm::WholeProjection => (
-                Some(up.matrix(&name("self_attn.q_norm.weight"), 1, q_rows)?),
-                Some(up.matrix(&name("self_attn.k_norm.weight"), 1, kv_rows)?),
+                Some(up.norm(&name("self_attn.q_norm.weight"), q_rows)?),
+                Some(up.norm(&name("self_attn.k_norm.weight"), kv_rows)?),
             ),
         };
         layers.push(LayerWeights {
-            attn_norm: up.matrix(&name("input_layernorm.weight"), 1, hidden)?,
+            attn_norm: up.norm(&name("input_layernorm.weight"), hidden)?,
             qkv: up.stack(
                 &name("self_attn.qkv"),
                 &[(&q, q_rows), (&k, kv_rows), (&v, kv_rows)],
@@ -141,7 +152,7 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
             q_norm,
             k_norm,
             o_proj: up.matrix(&name("self_attn.o_proj.weight"), hidden, q_rows)?,
-            ffn_norm: up.matrix(&name("post_attention_layernorm.weight"), 1, hidden)?,
+            ffn_norm: up.norm(&name("post_attention_layernorm.weight"), hidden)?,
             ffn: match &c.moe {
                 Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
                 _ => FfnWeights::Dense {
@@ -159,7 +170,7 @@ fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<W
             },
         });
     }
-    let final_norm = up.matrix("model.norm.weight", 1, hidden)?;
+    let final_norm = up.norm("model.norm.weight", hidden)?;
     let lm_head = if c.tie_embeddings { None } else { Some(up.matrix("lm_head.weight", c.vocab, hidden)?) };
     up.flush()?;
     Ok(Weights { embed, layers, final_norm, lm_head })

@@ -29,11 +29,16 @@ impl TensorSource for RandomWeights {
         Ok(())
     }
 
-    fn bf16_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+    fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         let n: usize = shape.iter().product();
         let fan_in = *shape.last().unwrap_or(&1) as f32;
-        // 1-D tensors are norm weights: around 1. Matrices: U(-1, 1) / sqrt(fan_in).
-        let (center, scale) = if shape.len() == 1 { (1.0, 0.1) } else { (0.0, 1.0 / fan_in.sqrt()) };
+        // 1-D tensors are norm weights, around 1, or a router's bias, around
+        // 0. Matrices: U(-1, 1) / sqrt(fan_in).
+        let (center, scale) = match shape.len() {
+            1 if name.ends_with("bias") => (0.0, 0.1),
+            1 => (1.0, 0.1),
+            _ => (0.0, 1.0 / fan_in.sqrt()),
+        };
         let mut bytes = vec![0u8; n * 2];
         let threads = std::thread::available_parallelism().map_or(1, |p| p.get()).min(16);
         let per_thread = n.div_ceil(threads).max(1);
@@ -55,8 +60,8 @@ impl TensorSource for RandomWeights {
         Ok(Cow::Owned(bytes))
     }
 
-    fn f32_values(&self, name: &str) -> Result<Vec<f32>> {
-        let bytes = self.bf16_bytes(name, &[4096])?;
-        Ok(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() - 1.0).collect())
+    fn f32_values(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let bytes = self.stored_bytes(name, &[len])?;
+        Ok(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect())
     }
 }

@@ -1,6 +1,7 @@
 //! Checkpoint tensors: safetensors files (single or sharded), memory-mapped,
 //! looked up by canonical name, checked for dtype and shape, and streamed to
-//! the GPU as bf16 one tensor at a time.
+//! the GPU one tensor at a time (as bf16; other sources, such as GGUF
+//! files, keep their tensors' own formats).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -11,6 +12,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
+use crate::format::WeightFormat;
 use crate::gpu::{Gpu, GpuTensor};
 
 /// Maps a checkpoint's tensor name to the text-model name the flow uses:
@@ -193,9 +195,15 @@ pub trait TensorSource {
     fn contains(&self, name: &str) -> bool;
     /// Fails with `MissingTensor` or `WrongShape` unless `name` has `shape`.
     fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()>;
-    /// Little-endian bf16 bytes of a tensor whose shape was checked.
-    fn bf16_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>>;
-    fn f32_values(&self, name: &str) -> Result<Vec<f32>>;
+    /// The format a tensor whose shape was checked is uploaded in.
+    fn format(&self, _name: &str) -> Result<WeightFormat> {
+        Ok(WeightFormat::Bf16)
+    }
+    /// The bytes of a tensor whose shape was checked, in the file layout of
+    /// its [`Self::format`] (bf16: little-endian pairs).
+    fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>>;
+    /// The values of a vector of `len` whose shape was checked.
+    fn f32_values(&self, name: &str, len: usize) -> Result<Vec<f32>>;
 }
 
 impl TensorSource for Checkpoint {
@@ -205,10 +213,10 @@ impl TensorSource for Checkpoint {
     fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
         Checkpoint::check_shape(self, name, shape)
     }
-    fn bf16_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+    fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         Checkpoint::bf16_bytes(self, name, shape)
     }
-    fn f32_values(&self, name: &str) -> Result<Vec<f32>> {
+    fn f32_values(&self, name: &str, _len: usize) -> Result<Vec<f32>> {
         Checkpoint::f32_values(self, name)
     }
 }
@@ -270,18 +278,24 @@ impl<'a> Uploader<'a> {
         n: usize,
         cols: usize,
     ) -> Result<GpuTensor> {
-        for (name, shape) in sources {
-            self.checkpoint.check_shape(name, shape)?;
+        let formats = self.formats(sources, cols)?;
+        let format = formats[0];
+        if let Some((name, other)) = sources.iter().zip(&formats).find(|(_, f)| **f != format) {
+            return Err(Error::Unsupported {
+                what: "gate and up projections stored in different formats",
+                value: format!("{} is {other}, {} is {format}", name.0, sources[0].0),
+            });
         }
         let total_rows: usize = sources.iter().map(|(_, s)| s.iter().product::<usize>() / cols).sum();
-        let tensor = GpuTensor::alloc_grouped(self.gpu, label, total_rows, cols, 2 * n)?;
-        let row_bytes = cols * 2;
+        let tensor = GpuTensor::alloc_in(self.gpu, label, format, total_rows, cols, 2 * n)?;
+        let row_bytes = format.gpu_row_bytes(cols);
         let group_bytes = 2 * n * row_bytes;
         let mut group: Vec<u8> = Vec::with_capacity(group_bytes);
         let mut interleaved = vec![0u8; group_bytes];
         let mut first_row = 0;
         for (name, shape) in sources {
-            let bytes = self.checkpoint.bf16_bytes(name, shape)?;
+            let bytes = self.checkpoint.stored_bytes(name, shape)?;
+            let bytes = format.to_gpu_layout(&bytes);
             let mut rest: &[u8] = &bytes;
             while !rest.is_empty() {
                 let take = (group_bytes - group.len()).min(rest.len());
@@ -310,8 +324,34 @@ impl<'a> Uploader<'a> {
     /// whose precision decides expert selection).
     pub fn f32_vector(&mut self, name: &str, len: usize) -> Result<wgpu::Buffer> {
         self.checkpoint.check_shape(name, &[len])?;
-        let values = self.checkpoint.f32_values(name)?;
+        let values = self.checkpoint.f32_values(name, len)?;
         Ok(self.gpu.storage_buffer_init(name, &values[..len]))
+    }
+
+    /// A norm's weight vector, in f32 whatever its stored type (bf16 and
+    /// f16 widen exactly; GGUF files store norms in f32).
+    pub fn norm(&mut self, name: &str, len: usize) -> Result<GpuTensor> {
+        self.checkpoint.check_shape(name, &[len])?;
+        let values = self.checkpoint.f32_values(name, len)?;
+        GpuTensor::vector_f32(self.gpu, name, &values[..len])
+    }
+
+    /// The formats of `sources` (checked), each able to hold rows of `cols`.
+    fn formats(&self, sources: &[(&str, &[usize])], cols: usize) -> Result<Vec<WeightFormat>> {
+        sources
+            .iter()
+            .map(|(name, shape)| {
+                self.checkpoint.check_shape(name, shape)?;
+                let format = self.checkpoint.format(name)?;
+                if !format.fits_row(cols) {
+                    return Err(Error::Unsupported {
+                        what: "row width for the tensor's format",
+                        value: format!("{name}: {cols} columns of {format}"),
+                    });
+                }
+                Ok(format)
+            })
+            .collect()
     }
 
     fn upload(
@@ -322,16 +362,21 @@ impl<'a> Uploader<'a> {
         group_rows: usize,
     ) -> Result<GpuTensor> {
         // Check every source before allocating anything.
-        for (name, shape) in sources {
-            self.checkpoint.check_shape(name, shape)?;
-        }
+        let formats = self.formats(sources, cols)?;
         let rows_of = |shape: &[usize]| shape.iter().product::<usize>() / cols;
-        let total_rows = sources.iter().map(|(_, s)| rows_of(s)).sum();
-        let tensor = GpuTensor::alloc_grouped(self.gpu, label, total_rows, cols, group_rows)?;
+        // Consecutive sources of one format share parts.
+        let mut segments: Vec<(WeightFormat, usize)> = Vec::new();
+        for ((_, shape), &format) in sources.iter().zip(&formats) {
+            match segments.last_mut() {
+                Some((f, rows)) if *f == format => *rows += rows_of(shape),
+                _ => segments.push((format, rows_of(shape))),
+            }
+        }
+        let tensor = GpuTensor::alloc_stacked(self.gpu, label, &segments, cols, group_rows)?;
         let mut row = 0;
-        for (name, shape) in sources {
-            let bytes = self.checkpoint.bf16_bytes(name, shape)?;
-            tensor.write_rows(self.gpu, row, &bytes);
+        for ((name, shape), format) in sources.iter().zip(formats) {
+            let bytes = self.checkpoint.stored_bytes(name, shape)?;
+            tensor.write_rows(self.gpu, row, &format.to_gpu_layout(&bytes));
             row += rows_of(shape);
             self.pending_bytes += bytes.len() as u64;
             if self.pending_bytes >= FLUSH_BYTES {

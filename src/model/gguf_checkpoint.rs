@@ -1,0 +1,316 @@
+//! A GGUF model (llama.cpp's format, one file or a `-00001-of-0000N` split
+//! set) as a [`TensorSource`]: its tensors keep their stored formats, are
+//! looked up by the Hugging Face names the upload uses, and its config comes
+//! from the metadata. llama.cpp's converter interleaves the q and k rows of
+//! `llama`-architecture models for its RoPE; they are put back in
+//! transformers' order as they are read (rows are whole blocks, so this
+//! works on quantized rows too). A MoE layer's experts are one 3-D tensor
+//! per projection, served to the upload as per-expert slices.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+use super::config::{ModelConfig, RopeScaling};
+use super::weights::TensorSource;
+use crate::error::{Error, Result};
+use crate::format::WeightFormat;
+use crate::gguf::{Gguf, TensorInfo};
+
+/// The architectures a GGUF model may have, with the model type they load as.
+const ARCHITECTURES: &[(&str, &str)] = &[("llama", "llama"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")];
+
+/// Where a Hugging Face tensor lives in the GGUF files.
+#[derive(Debug, Clone, PartialEq)]
+struct Location {
+    gguf_name: String,
+    /// Expert `e` of a 3-D `[experts, rows, cols]` tensor.
+    expert: Option<usize>,
+}
+
+pub struct GgufCheckpoint {
+    files: Vec<Gguf>,
+    /// GGUF tensor name -> (file, index in that file's table).
+    index: HashMap<String, (usize, usize)>,
+    arch: String,
+    /// (q heads, kv heads) whose q / k rows the converter interleaved.
+    permuted: Option<(usize, usize)>,
+}
+
+/// Whether `path` names a GGUF file (by extension).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// The files of a split set given its first (`NAME-00001-of-0000N.gguf`),
+/// or the file itself.
+fn split_files(path: &Path) -> Result<Vec<PathBuf>> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let Some(stem) = name.strip_suffix(".gguf") else { return Ok(vec![path.to_path_buf()]) };
+    let parts: Vec<&str> = stem.rsplitn(4, '-').collect();
+    let (Some(count), Some("of"), Some(first), Some(base)) =
+        (parts.first().copied(), parts.get(1).copied(), parts.get(2).copied(), parts.get(3).copied())
+    else {
+        return Ok(vec![path.to_path_buf()]);
+    };
+    let (Ok(n), Ok(1)) = (count.parse::<usize>(), first.parse::<usize>()) else {
+        return Ok(vec![path.to_path_buf()]);
+    };
+    let width = count.len();
+    Ok((1..=n).map(|i| path.with_file_name(format!("{base}-{i:0width$}-of-{count}.gguf"))).collect())
+}
+
+impl GgufCheckpoint {
+    pub fn open(path: &Path) -> Result<Self> {
+        let files = split_files(path)?.iter().map(Gguf::open).collect::<Result<Vec<_>>>()?;
+        let mut index = HashMap::new();
+        for (f, g) in files.iter().enumerate() {
+            for (i, t) in g.tensors.iter().enumerate() {
+                if index.insert(t.name.clone(), (f, i)).is_some() {
+                    return Err(g.err(format!("tensor {} appears in two files of the set", t.name)));
+                }
+            }
+        }
+        let arch = files[0].meta_str("general.architecture")?.to_string();
+        if !ARCHITECTURES.iter().any(|(a, _)| *a == arch) {
+            return Err(Error::UnsupportedArchitecture {
+                model_type: format!("{arch} (GGUF)"),
+                supported: ARCHITECTURES.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", "),
+            });
+        }
+        let mut checkpoint = GgufCheckpoint { files, index, arch, permuted: None };
+        if checkpoint.arch == "llama" {
+            let heads = checkpoint.meta_int("attention.head_count")? as usize;
+            let kv = checkpoint.meta_int("attention.head_count_kv").map_or(heads, |v| v as usize);
+            checkpoint.permuted = Some((heads, kv));
+        }
+        Ok(checkpoint)
+    }
+
+    fn meta(&self) -> &Gguf {
+        &self.files[0]
+    }
+
+    /// `{arch}.{key}` as an integer.
+    fn meta_int(&self, key: &str) -> Result<i64> {
+        self.meta().meta_int(&format!("{}.{key}", self.arch))
+    }
+
+    fn meta_float(&self, key: &str) -> Result<f64> {
+        self.meta().meta_float(&format!("{}.{key}", self.arch))
+    }
+
+    fn tensor(&self, gguf_name: &str) -> Option<(&Gguf, &TensorInfo)> {
+        let &(f, i) = self.index.get(gguf_name)?;
+        Some((&self.files[f], &self.files[f].tensors[i]))
+    }
+
+    /// The model's config, from the metadata (validated as a config.json is).
+    pub fn config(&self) -> Result<ModelConfig> {
+        let model_type = ARCHITECTURES.iter().find(|(a, _)| *a == self.arch).map(|(_, t)| *t).unwrap();
+        let (_, embed) =
+            self.tensor("token_embd.weight").ok_or_else(|| self.meta().err("no token_embd.weight".into()))?;
+        let vocab = embed.shape()[0];
+        let heads = self.meta_int("attention.head_count")?;
+        let hidden = self.meta_int("embedding_length")?;
+        let head_dim = self.meta_int("attention.key_length").unwrap_or(hidden / heads.max(1));
+        let experts = self.meta_int("expert_count").unwrap_or(0);
+        let mut config = json!({
+            "model_type": if experts > 0 && model_type == "llama" { "mixtral" } else { model_type },
+            "hidden_size": hidden,
+            "intermediate_size": self.meta_int("feed_forward_length")?,
+            "num_hidden_layers": self.meta_int("block_count")?,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.meta_int("attention.head_count_kv").unwrap_or(heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": self.meta_float("attention.layer_norm_rms_epsilon")?,
+            "rope_theta": self.meta_float("rope.freq_base").unwrap_or(10_000.0),
+            "max_position_embeddings": self.meta_int("context_length")?,
+            "vocab_size": vocab,
+            "tie_word_embeddings": self.tensor("output.weight").is_none(),
+            "eos_token_id": self.meta().meta_int("tokenizer.ggml.eos_token_id").ok(),
+            "bos_token_id": self.meta().meta_int("tokenizer.ggml.bos_token_id").ok(),
+            "torch_dtype": "gguf",
+        });
+        let fields = config.as_object_mut().unwrap();
+        if let Ok(window) = self.meta_int("attention.sliding_window") {
+            fields.insert("sliding_window".into(), json!(window));
+        }
+        if let Ok(rot) = self.meta_int("rope.dimension_count") {
+            fields.insert("partial_rotary_factor".into(), json!(rot as f64 / head_dim as f64));
+        }
+        if self.meta().meta_str(&format!("{}.rope.scaling.type", self.arch)).ok() == Some("linear") {
+            let factor = self.meta_float("rope.scaling.factor")?;
+            fields.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+        }
+        if experts > 0 {
+            let used = self.meta_int("expert_used_count")?;
+            fields.insert("num_local_experts".into(), json!(experts));
+            fields.insert("num_experts".into(), json!(experts));
+            fields.insert("num_experts_per_tok".into(), json!(used));
+            if let Ok(ffn) = self.meta_int("expert_feed_forward_length") {
+                fields.insert("moe_intermediate_size".into(), json!(ffn));
+            }
+            fields.insert("norm_topk_prob".into(), json!(true));
+        }
+        let path = self.meta().path().to_path_buf();
+        let mut config = ModelConfig::parse(&config.to_string(), &path)?;
+        // Llama 3's wavelength scaling ships as per-frequency divisors.
+        if let Some((g, t)) = self.tensor("rope_freqs.weight") {
+            let factors = g.dequantize(t)?;
+            if factors.len() != config.rope.rotary_dim / 2 {
+                return Err(g.err(format!(
+                    "rope_freqs.weight has {} factors for {} rotary dimensions",
+                    factors.len(),
+                    config.rope.rotary_dim
+                )));
+            }
+            config.rope.scaling = RopeScaling::Divisors(factors);
+        }
+        Ok(config)
+    }
+
+    /// Bytes the tensors take on the GPU.
+    pub fn gpu_bytes(&self) -> u64 {
+        let mut total = 0u64;
+        for g in &self.files {
+            for t in &g.tensors {
+                let bytes = match WeightFormat::from_ggml(t.ty) {
+                    Some(f) if t.dims[0].is_multiple_of(f.block_elements()) => {
+                        f.gpu_row_bytes(t.dims[0]) * (t.elements() / t.dims[0].max(1))
+                    }
+                    _ => g.data(t).len(),
+                };
+                total += bytes as u64;
+            }
+        }
+        total
+    }
+
+    /// Where the Hugging Face tensor `name` lives.
+    fn locate(&self, name: &str) -> Option<Location> {
+        let plain = |n: &str| Some(Location { gguf_name: n.to_string(), expert: None });
+        match name {
+            "model.embed_tokens.weight" => return plain("token_embd.weight"),
+            "model.norm.weight" => return plain("output_norm.weight"),
+            "lm_head.weight" => return plain("output.weight"),
+            _ => {}
+        }
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, part) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        let blk = |n: &str| format!("blk.{layer}.{n}.weight");
+        let found = match part {
+            "input_layernorm.weight" => blk("attn_norm"),
+            "self_attn.q_proj.weight" => blk("attn_q"),
+            "self_attn.k_proj.weight" => blk("attn_k"),
+            "self_attn.v_proj.weight" => blk("attn_v"),
+            "self_attn.o_proj.weight" => blk("attn_output"),
+            "self_attn.q_norm.weight" => blk("attn_q_norm"),
+            "self_attn.k_norm.weight" => blk("attn_k_norm"),
+            "post_attention_layernorm.weight" => blk("ffn_norm"),
+            "mlp.gate_proj.weight" => blk("ffn_gate"),
+            "mlp.up_proj.weight" => blk("ffn_up"),
+            "mlp.down_proj.weight" => blk("ffn_down"),
+            "mlp.gate.weight" | "block_sparse_moe.gate.weight" => blk("ffn_gate_inp"),
+            _ => {
+                // mlp.experts.{e}.{gate,up,down}_proj.weight (Qwen3-MoE) or
+                // block_sparse_moe.experts.{e}.{w1,w3,w2}.weight (Mixtral).
+                let experts =
+                    part.strip_prefix("mlp.experts.").or(part.strip_prefix("block_sparse_moe.experts."))?;
+                let (e, which) = experts.split_once('.')?;
+                let which = match which {
+                    "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
+                    "up_proj.weight" | "w3.weight" => "ffn_up_exps",
+                    "down_proj.weight" | "w2.weight" => "ffn_down_exps",
+                    _ => return None,
+                };
+                return Some(Location { gguf_name: blk(which), expert: Some(e.parse().ok()?) });
+            }
+        };
+        Some(Location { gguf_name: found, expert: None })
+    }
+
+    /// The tensor behind `name` and the shape `name` has (an expert's slice
+    /// of a 3-D tensor drops the leading dimension).
+    fn resolve(&self, name: &str) -> Result<(&Gguf, &TensorInfo, Location, Vec<usize>)> {
+        let missing = || Error::MissingTensor { name: name.to_string() };
+        let loc = self.locate(name).ok_or_else(missing)?;
+        let (g, t) = self.tensor(&loc.gguf_name).ok_or_else(missing)?;
+        let shape = t.shape();
+        let shape = match loc.expert {
+            Some(e) if shape.len() == 3 && e < shape[0] => shape[1..].to_vec(),
+            Some(_) => return Err(missing()),
+            None => shape,
+        };
+        Ok((g, t, loc, shape))
+    }
+}
+
+/// llama.cpp's q/k row order back to transformers': HF row `h d + j d/2 + i`
+/// is GGUF row `h d + 2 i + j`.
+fn unpermute_rows(bytes: &[u8], heads: usize, row_bytes: usize) -> Vec<u8> {
+    let rows = bytes.len() / row_bytes;
+    let d = rows / heads;
+    let mut out = vec![0u8; bytes.len()];
+    for h in 0..heads {
+        for i in 0..d / 2 {
+            for j in 0..2 {
+                let (hf, gg) = (h * d + j * d / 2 + i, h * d + 2 * i + j);
+                out[hf * row_bytes..(hf + 1) * row_bytes]
+                    .copy_from_slice(&bytes[gg * row_bytes..(gg + 1) * row_bytes]);
+            }
+        }
+    }
+    out
+}
+
+impl TensorSource for GgufCheckpoint {
+    fn contains(&self, name: &str) -> bool {
+        self.resolve(name).is_ok()
+    }
+
+    fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
+        let (_, _, _, shape) = self.resolve(name)?;
+        if shape != expected {
+            return Err(Error::WrongShape {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found: shape,
+            });
+        }
+        Ok(())
+    }
+
+    fn format(&self, name: &str) -> Result<WeightFormat> {
+        let (_, t, _, _) = self.resolve(name)?;
+        WeightFormat::from_ggml(t.ty).ok_or_else(|| Error::Unsupported {
+            what: "GGUF tensor type for weights",
+            value: format!("{name} ({}) is {}", t.name, t.ty),
+        })
+    }
+
+    fn stored_bytes(&self, name: &str, _shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+        let (g, t, loc, shape) = self.resolve(name)?;
+        let format = self.format(name)?;
+        let row_bytes = format.file_row_bytes(*shape.last().unwrap_or(&1));
+        let mut bytes = g.data(t);
+        if let Some(e) = loc.expert {
+            let expert_bytes = shape[0] * row_bytes;
+            bytes = &bytes[e * expert_bytes..(e + 1) * expert_bytes];
+        }
+        let heads = match (self.permuted, loc.gguf_name.rsplit('.').nth(1)) {
+            (Some((q, _)), Some("attn_q")) => q,
+            (Some((_, kv)), Some("attn_k")) => kv,
+            _ => return Ok(Cow::Borrowed(bytes)),
+        };
+        Ok(Cow::Owned(unpermute_rows(bytes, heads, row_bytes)))
+    }
+
+    fn f32_values(&self, name: &str, _len: usize) -> Result<Vec<f32>> {
+        let (g, t, _, _) = self.resolve(name)?;
+        g.dequantize(t)
+    }
+}
