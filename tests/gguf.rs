@@ -88,3 +88,96 @@ fn malformed_headers_are_rejected_with_the_file_named() {
         }
     }
 }
+
+/// A copy of a GGUF model fixture with its metadata and tensors edited:
+/// `meta` may change or drop (None) values, `tensor` may replace a tensor's
+/// dims, type and bytes.
+fn edited_model(
+    name: &str,
+    meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
+    tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
+) -> std::path::PathBuf {
+    let source = Gguf::open(common::checkpoint::fixture_dir("gguf_qwen3_q4_0").join("model.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    let mut keys: Vec<&String> = source.metadata.keys().collect();
+    keys.sort();
+    for key in keys {
+        if let Some(value) = meta(key, &source.metadata[key]) {
+            w.meta(key, value);
+        }
+    }
+    for t in &source.tensors {
+        let (dims, ty, bytes) = tensor(&t.name).unwrap_or((t.dims.clone(), t.ty, source.data(t).to_vec()));
+        w.tensor_bytes(&t.name, &dims, ty, bytes);
+    }
+    let path = temp_dir(name).join("model.gguf");
+    w.write(&path).unwrap();
+    path
+}
+
+fn same(_: &str, value: &Meta) -> Option<MetaValue> {
+    Some(match value {
+        Meta::Int(v) => MetaValue::U32(*v as u32),
+        Meta::Float(v) => MetaValue::F32(*v as f32),
+        Meta::Bool(v) => MetaValue::Bool(*v),
+        Meta::Str(v) => MetaValue::Str(v.clone()),
+        Meta::Array(_) => panic!("the fixture has no array metadata"),
+    })
+}
+
+/// A GGUF model that cannot be loaded is a typed error naming what is wrong.
+#[test]
+fn bad_gguf_models_are_typed_errors() {
+    let gpu = common::gpu(common::backends()[0]);
+    let load = |path: &std::path::Path| wgspark::Model::load(path, &gpu).map(|_| ()).unwrap_err();
+
+    let copy = edited_model("gguf_copy", same, |_| None);
+    wgspark::Model::load(&copy, &gpu).expect("an unedited copy loads");
+
+    let truncated = temp_dir("gguf_truncated").join("model.gguf");
+    let bytes = std::fs::read(&copy).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
+    let err = load(&truncated);
+    assert!(matches!(&err, Error::Gguf { message, .. } if message.contains("truncated")), "{err}");
+
+    let arch = edited_model(
+        "gguf_arch",
+        |k, v| if k == "general.architecture" { Some(MetaValue::Str("gptneox".into())) } else { same(k, v) },
+        |_| None,
+    );
+    let err = load(&arch);
+    assert!(
+        matches!(&err, Error::UnsupportedArchitecture { model_type, .. } if model_type.contains("gptneox")),
+        "{err}"
+    );
+
+    let missing = edited_model(
+        "gguf_missing_key",
+        |k, v| (k != "qwen3.block_count").then(|| same(k, v)).flatten(),
+        |_| None,
+    );
+    let err = load(&missing);
+    assert!(err.to_string().contains("qwen3.block_count"), "names the key: {err}");
+
+    // 96 elements are three Q4_0 blocks, but rows of 48 are not whole blocks.
+    let ragged = edited_model("gguf_ragged", same, |name| {
+        (name == "blk.0.attn_norm.weight").then(|| (vec![48, 2], GgmlType::Q4_0, vec![0u8; 3 * 18]))
+    });
+    let err = load(&ragged);
+    assert!(
+        matches!(&err, Error::Gguf { message, .. } if message.contains("not whole Q4_0 blocks")),
+        "{err}"
+    );
+
+    // A weight in a type no kernel reads.
+    let q_rows = 4 * 64;
+    let odd_type = edited_model("gguf_odd_type", same, |name| {
+        (name == "blk.1.attn_q.weight")
+            .then(|| (vec![256, q_rows], GgmlType::Q8_1, vec![0u8; q_rows * 8 * 36]))
+    });
+    let err = load(&odd_type);
+    assert!(
+        matches!(&err, Error::Unsupported { value, .. } if value.contains("blk.1.attn_q.weight") && value.contains("Q8_1")),
+        "{err}"
+    );
+}

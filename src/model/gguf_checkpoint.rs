@@ -44,6 +44,33 @@ pub fn is_gguf(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
+/// The GGUF file `path` names: itself, or the one GGUF file (or first of a
+/// split set) of a folder without config.json. `None`: not a GGUF model.
+pub fn gguf_in(path: &Path) -> Result<Option<PathBuf>> {
+    if is_gguf(path) {
+        return Ok(Some(path.to_path_buf()));
+    }
+    if !path.is_dir() || path.join("config.json").exists() {
+        return Ok(None);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(path)
+        .map_err(|e| Error::io(path, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| is_gguf(p))
+        .collect();
+    found.sort();
+    let firsts: Vec<&PathBuf> =
+        found.iter().filter(|p| split_files(p).is_ok_and(|set| set.len() == 1 || set[0] == **p)).collect();
+    match firsts.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some((*one).clone())),
+        _ => Err(Error::Unsupported {
+            what: "a model folder with several GGUF models",
+            value: format!("{}: name the file", path.display()),
+        }),
+    }
+}
+
 /// The files of a split set given its first (`NAME-00001-of-0000N.gguf`),
 /// or the file itself.
 fn split_files(path: &Path) -> Result<Vec<PathBuf>> {

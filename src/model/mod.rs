@@ -85,11 +85,12 @@ pub struct Model {
 impl Model {
     /// Loads `path` onto `gpu`: a Hugging Face folder (config.json +
     /// safetensors, sharded or not; weights as bf16) or a GGUF file (or the
-    /// first of a split set; weights in their stored formats).
+    /// first of a split set, or a folder holding one and no config.json;
+    /// weights in their stored formats).
     pub fn load(path: impl AsRef<Path>, gpu: &Gpu) -> Result<Model> {
         let dir = path.as_ref();
-        if gguf_checkpoint::is_gguf(dir) {
-            let checkpoint = gguf_checkpoint::GgufCheckpoint::open(dir)?;
+        if let Some(file) = gguf_checkpoint::gguf_in(dir)? {
+            let checkpoint = gguf_checkpoint::GgufCheckpoint::open(&file)?;
             let config = checkpoint.config()?;
             gpu.check_budget("model weights", checkpoint.gpu_bytes())?;
             let kernels = Kernels::new(gpu)?;

@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Generates the GGUF conformance fixtures under tests/fixtures/gguf_*: tiny
+random models of each GGUF architecture, written as llama.cpp's converter
+writes them (f32, q/k rows of `llama` interleaved for its RoPE), quantized by
+llama.cpp's `llama-quantize`, and the logits transformers computes in f32
+from the quantized file's own dequantized weights (gguf's `dequantize`, q/k
+rows put back).
+
+Each case directory holds model.gguf and expected.json (prompt_ids,
+generated_ids, logits), which tests/conformance.rs checks like the other
+fixtures.
+
+  python scripts/make_gguf_fixtures.py --quantize PATH/llama-quantize [CASE ...]
+
+Needs torch, transformers, numpy and gguf. Widths are multiples of 256 so
+that the k-quants apply; for each case the first seed whose greedy choices
+all win by a clear margin (and take at least three different values) is
+kept, so f32 rounding cannot flip an id.
+"""
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import gguf
+from gguf.quants import dequantize
+from transformers import AutoConfig, AutoModelForCausalLM
+
+MIN_TOP2_GAP = 0.02
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def base(model_type, **extra):
+    cfg = dict(
+        model_type=model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    cfg.update(extra)
+    return cfg
+
+
+# name -> (gguf architecture, transformers config, llama-quantize type)
+CASES = {
+    "gguf_llama_q4_k_m": ("llama", base("llama"), "Q4_K_M"),
+    "gguf_llama_q8_0_tied": ("llama", base("llama", tie_word_embeddings=True), "Q8_0"),
+    "gguf_llama_q2_k": ("llama", base("llama"), "Q2_K"),
+    "gguf_qwen3_q5_k_m": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6), "Q5_K_M"),
+    "gguf_qwen3_q3_k_m": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6), "Q3_K_M"),
+    "gguf_qwen3_q4_0": ("qwen3", base("qwen3", tie_word_embeddings=True), "Q4_0"),
+    "gguf_qwen3_q5_0": ("qwen3", base("qwen3", rope_theta=1000000.0), "Q5_0"),
+    "gguf_qwen3moe_q4_k_m": ("qwen3moe", base(
+        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        rms_norm_eps=1e-6), "Q4_K_M"),
+    "gguf_mixtral_q5_1": ("llama", base(
+        "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "Q5_1"),
+    "gguf_llama_q4_1": ("llama", base("llama"), "Q4_1"),
+}
+
+
+def permute(w, heads):
+    """transformers' q/k rows to llama.cpp's interleaved order."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def unpermute(w, heads):
+    rows, cols = w.shape
+    return w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def layout(arch, cfg):
+    """(gguf name, transformers name or ("half", fused name, 0 gate / 1 up),
+    heads whose rows llama.cpp interleaves or None), in file order."""
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    permuted = arch == "llama"
+    out = [("token_embd.weight", "model.embed_tokens.weight", None)]
+    for i in range(cfg["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", p + "input_layernorm.weight", None),
+            (b + "attn_q.weight", p + "self_attn.q_proj.weight", nh if permuted else None),
+            (b + "attn_k.weight", p + "self_attn.k_proj.weight", nkv if permuted else None),
+            (b + "attn_v.weight", p + "self_attn.v_proj.weight", None),
+            (b + "attn_output.weight", p + "self_attn.o_proj.weight", None),
+            (b + "ffn_norm.weight", p + "post_attention_layernorm.weight", None),
+        ]
+        if arch.startswith("qwen3"):
+            out += [(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", None),
+                    (b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", None)]
+        if cfg["model_type"] in ("qwen3_moe", "mixtral"):
+            # transformers 5 fuses each layer's experts: gate_up_proj [E, 2I, H]
+            # (gate rows, then up rows), down_proj [E, H, I].
+            fused = p + "mlp.experts."
+            out += [(b + "ffn_gate_inp.weight", p + "mlp.gate.weight", None),
+                    (b + "ffn_gate_exps.weight", ("half", fused + "gate_up_proj", 0), None),
+                    (b + "ffn_up_exps.weight", ("half", fused + "gate_up_proj", 1), None),
+                    (b + "ffn_down_exps.weight", fused + "down_proj", None)]
+        else:
+            out += [(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", None),
+                    (b + "ffn_up.weight", p + "mlp.up_proj.weight", None),
+                    (b + "ffn_down.weight", p + "mlp.down_proj.weight", None)]
+    out.append(("output_norm.weight", "model.norm.weight", None))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("output.weight", "lm_head.weight", None))
+    return out
+
+
+def take(sd, hf):
+    if isinstance(hf, tuple):
+        _, name, half = hf
+        rows = sd[name].shape[1] // 2
+        return sd[name][:, half * rows:(half + 1) * rows, :]
+    return sd[hf]
+
+
+def write_f32_gguf(path, arch, cfg, sd):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg["model_type"] == "qwen3_moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("none")
+    for name, hf, heads in layout(arch, cfg):
+        t = take(sd, hf)
+        if heads:
+            t = permute(t, heads)
+        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def case(name, quantize):
+    arch, cfg_dict, qtype = CASES[name]
+    cfg = AutoConfig.for_model(**cfg_dict)
+    cfg_dict = dict(cfg_dict)
+    for seed in range(50):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
+                else:
+                    p.uniform_(0.8, 1.2)
+        sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        with tempfile.TemporaryDirectory() as tmp:
+            f32_path, q_path = Path(tmp) / "f32.gguf", Path(tmp) / "q.gguf"
+            write_f32_gguf(f32_path, arch, cfg_dict, sd)
+            subprocess.run([quantize, str(f32_path), str(q_path), qtype], check=True, capture_output=True)
+            r = gguf.GGUFReader(str(q_path))
+            values = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32)
+                      .reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
+            types = sorted({t.tensor_type.name for t in r.tensors})
+            new_sd, halves = {}, {}
+            for g_name, hf, heads in layout(arch, cfg_dict):
+                v = values[g_name]
+                if heads:
+                    v = unpermute(v, heads)
+                if isinstance(hf, tuple):
+                    halves.setdefault(hf[1], {})[hf[2]] = v
+                else:
+                    new_sd[hf] = torch.from_numpy(v.copy())
+            for fused, parts in halves.items():
+                new_sd[fused] = torch.from_numpy(np.concatenate([parts[0], parts[1]], axis=1))
+            if cfg_dict["tie_word_embeddings"]:
+                new_sd["lm_head.weight"] = new_sd["model.embed_tokens.weight"]
+            model.load_state_dict(new_sd, strict=True)
+            data = (Path(q_path).read_bytes(), types)
+        ok, expected = run(model, cfg_dict, seed)
+        if ok:
+            out = ROOT / "tests/fixtures" / name
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "model.gguf").write_bytes(data[0])
+            expected.update(types=data[1], seed=seed, quantization=qtype)
+            (out / "expected.json").write_text(json.dumps(expected))
+            print(f"{name}: seed {seed}, types {data[1]}, ids {expected['generated_ids']}")
+            return
+    raise SystemExit(f"{name}: no seed gives clear greedy choices")
+
+
+def run(model, cfg, seed, prompt_len=12, steps=8):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg["vocab_size"], (prompt_len,), generator=g).tolist()
+    ids, rows = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            top = torch.topk(logits, 2).values
+            if (top[0] - top[1]).item() < MIN_TOP2_GAP:
+                return False, None
+            rows.append(logits.tolist())
+            ids.append(int(torch.argmax(logits)))
+    # A continuation that varies, so positions and the cache matter.
+    if len(set(ids[prompt_len:])) < 3:
+        return False, None
+    return True, dict(prompt_ids=prompt, generated_ids=ids[prompt_len:], logits=rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quantize", required=True, help="llama.cpp's llama-quantize")
+    ap.add_argument("cases", nargs="*")
+    args = ap.parse_args()
+    for name in args.cases or CASES:
+        case(name, args.quantize)
+
+
+if __name__ == "__main__":
+    main()
