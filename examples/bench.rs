@@ -171,7 +171,7 @@ fn measure(
     model: &Model,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let c = &model.config;
-    println!("\n{name}: {:.3} GB of bf16 weights, depth {}", c.weight_bytes() as f64 / 1e9, args.depth);
+    println!("\n{name}: {:.3} GB of weights, depth {}", model.weights.bytes() as f64 / 1e9, args.depth);
     let modes: &[RoutingMode] = match (c.moe.is_some(), args.routing.as_str()) {
         (false, _) | (true, "readback") => &[RoutingMode::Readback],
         (true, "device") => &[RoutingMode::DeviceResident],
@@ -221,7 +221,7 @@ fn measure(
         }
         if args.decode > 0 {
             let per_token = best_decode(&mut session, &fill, args.decode, args.reps, c.vocab)?;
-            let bytes = decode_bytes(c, args.depth + args.decode / 2, args.kv_cache);
+            let bytes = decode_bytes(model, args.depth + args.decode / 2, args.kv_cache);
             let achieved = bytes as f64 / per_token;
             let stats = session.stats();
             println!(
@@ -389,18 +389,11 @@ fn prefill_flops(c: &ModelConfig, depth: usize, t: usize) -> f64 {
 }
 
 /// Bytes one decode step reads at position `pos`: every weight it uses
-/// (one embedding row; the selected experts of MoE layers) and the KV cache.
-fn decode_bytes(c: &ModelConfig, pos: usize, format: KvFormat) -> u64 {
-    let h = c.hidden as u64;
-    let heads = c.heads;
-    let attn = h * heads.qkv_width() as u64 + (heads.q * heads.dim) as u64 * h;
-    let ffn: u64 = (0..c.layers)
-        .map(|l| match &c.moe {
-            Some(m) if m.sparse_layers[l] => h * m.experts as u64 + 3 * h * (m.intermediate * m.top_k) as u64,
-            _ => 3 * h * c.intermediate as u64,
-        })
-        .sum();
-    let weights = 2 * (c.layers as u64 * (attn + 2 * h) + ffn + h + h * c.vocab as u64);
-    let kv = 2 * c.layers as u64 * (pos * heads.kv_width() * format.bytes_per_value()) as u64;
-    weights + kv
+/// (one embedding row; the selected experts of MoE layers), in their stored
+/// formats, and the KV cache.
+fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
+    let c = &model.config;
+    let top_k = c.moe.as_ref().map_or(0, |m| m.top_k);
+    let kv = 2 * c.layers as u64 * (pos * c.heads.kv_width() * format.bytes_per_value()) as u64;
+    model.weights.decode_bytes(top_k) + kv
 }

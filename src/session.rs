@@ -122,7 +122,7 @@ impl<'m> Session<'m> {
         let kv_bytes = KvCache::bytes(c.layers, c.heads, context_len, options.kv_format);
         gpu.check_budget(
             &format!("model weights and a KV cache of {context_len} positions"),
-            c.weight_bytes() + kv_bytes,
+            model.weights.bytes() + kv_bytes,
         )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len, options.kv_format)?;
         let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));

@@ -226,3 +226,182 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     return f16_lo(weight_word(b + 52u)) * sc * q;
 }
 #endif
+
+// ---- dot32(row, c, x): the 32 weights of chunk c of a row (elements
+// 32c .. 32c + 31) dotted with x (8 vec4s), for the block formats (W_BLOCKS):
+// a chunk is a block or a 32-element sub-block, so its scales are decoded
+// once and its quants read as whole words. (GEMV.)
+
+// The four bytes of a word, shifted and masked, as f32.
+fn fields4f(w: u32, shift: u32, mask: u32) -> vec4<f32> {
+    return vec4<f32>(fields4(w, shift, mask));
+}
+
+fn sum4(v: vec4<f32>) -> f32 {
+    return v.x + v.y + v.z + v.w;
+}
+
+// Σ q x over a block of 32 whose 16 quant bytes start at word qs: element
+// j is the low nibble of byte j (j < 16), else the high nibble of byte j - 16;
+// `high` (Q5) holds each element's fifth bit.
+fn nibble_dot(qs: u32, x: array<vec4<f32>, 8>, high: u32) -> f32 {
+    var s = 0.0;
+    for (var i = 0u; i < 4u; i++) {
+        let w = weight_word(qs + i);
+        let hl = vec4<f32>(((vec4<u32>(high) >> (vec4<u32>(0u, 1u, 2u, 3u) + 4u * i)) & vec4<u32>(1u)) << vec4<u32>(4u));
+        let hh = vec4<f32>(((vec4<u32>(high) >> (vec4<u32>(16u, 17u, 18u, 19u) + 4u * i)) & vec4<u32>(1u)) << vec4<u32>(4u));
+        s += dot(fields4f(w, 0u, 15u) + hl, x[i]) + dot(fields4f(w, 4u, 15u) + hh, x[4u + i]);
+    }
+    return s;
+}
+
+fn sum_x(x: array<vec4<f32>, 8>) -> f32 {
+    var s = vec4<f32>(0.0);
+    for (var i = 0u; i < 8u; i++) {
+        s += x[i];
+    }
+    return sum4(s);
+}
+
+#if W_Q4_0
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + c * 5u;
+    return f16_lo(weight_word(b)) * (nibble_dot(b + 1u, x, 0u) - 8.0 * sum_x(x));
+}
+#endif
+#if W_Q4_1
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + c * 5u;
+    let dm = weight_word(b);
+    return f16_lo(dm) * nibble_dot(b + 1u, x, 0u) + f16_hi(dm) * sum_x(x);
+}
+#endif
+#if W_Q5_0
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + c * 6u;
+    return f16_lo(weight_word(b)) * (nibble_dot(b + 2u, x, weight_word(b + 1u)) - 16.0 * sum_x(x));
+}
+#endif
+#if W_Q5_1
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + c * 6u;
+    let dm = weight_word(b);
+    return f16_lo(dm) * nibble_dot(b + 2u, x, weight_word(b + 1u)) + f16_hi(dm) * sum_x(x);
+}
+#endif
+#if W_Q8_0
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + c * 9u;
+    var s = 0.0;
+    for (var i = 0u; i < 8u; i++) {
+        let w = weight_word(b + 1u + i);
+        let q = vec4<i32>(vec4<u32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u);
+        s += dot(vec4<f32>(q), x[i]);
+    }
+    return f16_lo(weight_word(b)) * s;
+}
+#endif
+
+// Sub-block j (of 8) of the 256-element block at word b: Σ q x of its two
+// halves of 16 (elements 16 h .. 16 h + 15 of the chunk), for the 2-bit
+// quants of Q2_K / Q3_K at word qs (Q3_K: minus 4 where the hmask bit at
+// word hm is clear).
+fn quants2_dots(qs: u32, j: u32, x: array<vec4<f32>, 8>, hm: u32, with_hmask: bool) -> vec2<f32> {
+    var s = vec2<f32>(0.0);
+    for (var i = 0u; i < 8u; i++) {
+        var q = fields4f(weight_word(qs + 8u * (j / 4u) + i), 2u * (j % 4u), 3u);
+        if (with_hmask) {
+            q -= 4.0 * (1.0 - fields4f(weight_word(hm + i), j, 1u));
+        }
+        s[i / 4u] += dot(q, x[i]);
+    }
+    return s;
+}
+
+// Σ x over each half of 16 of a chunk.
+fn half_sums(x: array<vec4<f32>, 8>) -> vec2<f32> {
+    return vec2<f32>(sum4(x[0] + x[1] + x[2] + x[3]), sum4(x[4] + x[5] + x[6] + x[7]));
+}
+
+#if W_Q2_K
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + (c / 8u) * 21u;
+    let j = c % 8u;
+    let s = quants2_dots(b + 4u, j, x, 0u, false);
+    let sc = vec2<u32>(block_byte(b, 2u * j), block_byte(b, 2u * j + 1u));
+    let dm = weight_word(b + 20u);
+    let scale = f16_lo(dm) * vec2<f32>(sc & vec2<u32>(15u));
+    let min = f16_hi(dm) * vec2<f32>(sc >> vec2<u32>(4u));
+    return dot(scale, s) - dot(min, half_sums(x));
+}
+#endif
+#if W_Q3_K
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + (c / 8u) * 28u;
+    let j = c % 8u;
+    let s = quants2_dots(b + 8u, j, x, b, true);
+    var sc = vec2<f32>(0.0);
+    for (var h = 0u; h < 2u; h++) {
+        let i = 2u * j + h;
+        let low = (block_byte(b + 24u, i % 8u) >> (4u * (i / 8u))) & 15u;
+        let high = (block_byte(b + 26u, i % 4u) >> (2u * (i / 4u))) & 3u;
+        sc[h] = f32(low | (high << 4u)) - 32.0;
+    }
+    return f16_lo(weight_word(b + 27u)) * dot(sc, s);
+}
+#endif
+
+// Q4_K / Q5_K sub-block j of the block at word b: (scale, min) of k4_weights.
+fn k4_scale_min(b: u32, j: u32) -> vec2<f32> {
+    if (j < 4u) {
+        return vec2<f32>(f32(block_byte(b + 1u, j) & 63u), f32(block_byte(b + 1u, j + 4u) & 63u));
+    }
+    let sc = (block_byte(b + 1u, j + 4u) & 15u) | ((block_byte(b + 1u, j - 4u) >> 6u) << 4u);
+    let m = (block_byte(b + 1u, j + 4u) >> 4u) | ((block_byte(b + 1u, j) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+
+// Σ q x of sub-block j, nibbles at word qs (+ fifth bits at word qh, Q5_K).
+fn k4_dot(b: u32, j: u32, qs: u32, qh: u32, with_high: bool, x: array<vec4<f32>, 8>) -> f32 {
+    let sm = k4_scale_min(b, j);
+    var s = 0.0;
+    for (var i = 0u; i < 8u; i++) {
+        var q = fields4f(weight_word(qs + 8u * (j / 2u) + i), 4u * (j % 2u), 15u);
+        if (with_high) {
+            q += 16.0 * fields4f(weight_word(qh + i), j, 1u);
+        }
+        s += dot(q, x[i]);
+    }
+    let dm = weight_word(b);
+    return f16_lo(dm) * sm.x * s - f16_hi(dm) * sm.y * sum_x(x);
+}
+
+#if W_Q4_K
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + (c / 8u) * 36u;
+    return k4_dot(b, c % 8u, b + 4u, 0u, false, x);
+}
+#endif
+#if W_Q5_K
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + (c / 8u) * 44u;
+    return k4_dot(b, c % 8u, b + 12u, b + 4u, true, x);
+}
+#endif
+#if W_Q6_K
+fn dot32(row: u32, c: u32, x: array<vec4<f32>, 8>) -> f32 {
+    let b = row + (c / 8u) * 53u;
+    let j = c % 8u;
+    let half = j / 4u;
+    let quarter = j % 4u;
+    var s = vec2<f32>(0.0);
+    for (var i = 0u; i < 8u; i++) {
+        let low = fields4(weight_word(b + 16u * half + 8u * (quarter % 2u) + i), 4u * (quarter / 2u), 15u);
+        let high = fields4(weight_word(b + 32u + 8u * half + i), 2u * quarter, 3u);
+        s[i / 4u] += dot(vec4<f32>(low | (high << vec4<u32>(4u))) - 32.0, x[i]);
+    }
+    let sw = weight_word(b + 48u + j / 2u);
+    let sc = vec2<f32>(vec2<i32>(vec2<u32>(sw) << vec2<u32>(24u - 16u * (j % 2u), 16u - 16u * (j % 2u))) >> vec2<u32>(24u));
+    return f16_lo(weight_word(b + 52u)) * dot(sc, s);
+}
+#endif

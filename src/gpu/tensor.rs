@@ -130,6 +130,11 @@ impl GpuTensor {
         Ok(t)
     }
 
+    /// Bytes the tensor takes on the GPU.
+    pub fn bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.buffer.size()).sum()
+    }
+
     /// The format of row `row`.
     pub fn format_at(&self, row: usize) -> WeightFormat {
         let part = self.parts.iter().find(|p| p.first_row <= row && row < p.first_row + p.rows);

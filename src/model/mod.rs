@@ -71,6 +71,45 @@ impl Weights {
     pub fn head(&self) -> &GpuTensor {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
+
+    /// Bytes of GPU memory the weights take, in their stored formats.
+    pub fn bytes(&self) -> u64 {
+        let layers: u64 = self.layers.iter().map(LayerWeights::bytes).sum();
+        self.embed.bytes()
+            + layers
+            + self.final_norm.bytes()
+            + self.lm_head.as_ref().map_or(0, GpuTensor::bytes)
+    }
+
+    /// Bytes one decode step reads: every weight it uses, the embedding's
+    /// one row and, of a MoE layer's experts, the `top_k` it selects.
+    pub fn decode_bytes(&self, top_k: usize) -> u64 {
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                FfnWeights::Moe(m) => {
+                    let experts = m.router.rows as u64;
+                    l.bytes() - m.gate_up.bytes() - m.down.bytes()
+                        + (m.gate_up.bytes() + m.down.bytes()) * top_k as u64 / experts
+                }
+                FfnWeights::Dense { .. } => l.bytes(),
+            })
+            .sum();
+        let embed_row = self.embed.bytes() / self.embed.rows.max(1) as u64;
+        embed_row + layers + self.final_norm.bytes() + self.head().bytes()
+    }
+}
+
+impl LayerWeights {
+    fn bytes(&self) -> u64 {
+        let norms = [&self.attn_norm, &self.ffn_norm].into_iter().chain(&self.q_norm).chain(&self.k_norm);
+        let ffn = match &self.ffn {
+            FfnWeights::Dense { gate_up, down } => gate_up.bytes() + down.bytes(),
+            FfnWeights::Moe(m) => m.router.bytes() + m.gate_up.bytes() + m.down.bytes(),
+        };
+        norms.map(GpuTensor::bytes).sum::<u64>() + self.qkv.bytes() + self.o_proj.bytes() + ffn
+    }
 }
 
 /// A loaded model, ready to open sessions on.
