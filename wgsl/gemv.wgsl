@@ -55,31 +55,6 @@ fn weight_word(i: u32) -> u32 {
 
 // This lane's share of W[row] . x[xb ..] in .x (and of W[row + 1] . x in .y
 // with SWIGLU), x multiplied by norm_w with NORM, and of x . x in .z.
-#if W_BLOCKS
-// Block formats: lanes take 32-weight chunks, whose scales are decoded once.
-fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
-    var r = vec3<f32>(0.0);
-    let chunks = p.cols / 32u;
-    let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
-    let wb = row * row_words;
-    let xq = xb / 4u;
-    for (var c = lane; c < chunks; c += THREADS_PER_ROW) {
-        var a: array<vec4<f32>, 8>;
-        for (var i = 0u; i < 8u; i++) {
-            a[i] = x[xq + 8u * c + i];
-#if NORM
-            r.z += dot(a[i], a[i]);
-            a[i] *= norm_w[8u * c + i];
-#endif
-        }
-        r.x += dot32(wb, c, a);
-#if SWIGLU
-        r.y += dot32(wb + row_words, c, a);
-#endif
-    }
-    return r;
-}
-#else
 #if WEIGHT_FORMAT
 fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
@@ -155,7 +130,6 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
     }
     return r;
 }
-#endif
 #endif
 
 #if SUBGROUPS

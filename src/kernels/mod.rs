@@ -187,36 +187,29 @@ pub const F16_NATIVE: &str = "F16_NATIVE";
 /// the format's own flag, [`WeightFormat::flag`]).
 pub const WEIGHT_FORMAT: &str = "WEIGHT_FORMAT";
 
-/// The flag of builds whose format is made of blocks of at least 32
-/// weights (decoded a 32-weight chunk at a time where a kernel can).
-pub const W_BLOCKS: &str = "W_BLOCKS";
-
-/// The flags of a build reading weights in `format` (on an adapter with
-/// or without f16 conversions).
-fn format_flags(format: WeightFormat, f16_native: bool) -> Vec<&'static str> {
-    let Some(flag) = format.flag() else { return vec![] };
-    let mut flags = vec![WEIGHT_FORMAT, flag];
-    if format.block_elements() >= 32 {
-        flags.push(W_BLOCKS);
-    }
-    if f16_native {
-        flags.push(F16_NATIVE);
-    }
-    flags
-}
-
 /// The flags of a build reading weights in `format` on `gpu`.
 pub fn weight_flags(gpu: &Gpu, format: WeightFormat) -> Vec<&'static str> {
-    format_flags(format, gpu.caps.f16_in_f32)
+    match format.flag() {
+        None => vec![],
+        Some(flag) => {
+            let mut flags = vec![WEIGHT_FORMAT, flag];
+            if gpu.caps.f16_in_f32 {
+                flags.push(F16_NATIVE);
+            }
+            flags
+        }
+    }
 }
 
 /// The flag sets [`weight_flags`] gives, on adapters with and without
 /// f16 conversions.
 pub fn weight_flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = vec![vec![]];
-    for format in WeightFormat::ALL.into_iter().filter(|f| f.flag().is_some()) {
-        out.push(format_flags(format, false));
-        out.push(format_flags(format, true));
+    for format in WeightFormat::ALL {
+        if let Some(flag) = format.flag() {
+            out.push(vec![WEIGHT_FORMAT, flag]);
+            out.push(vec![WEIGHT_FORMAT, flag, F16_NATIVE]);
+        }
     }
     out
 }
