@@ -71,9 +71,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Some(dir) => dir.clone(),
         None => wgspark::fetch::default_model(|msg| eprintln!("{msg}"))?,
     };
-    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
-        .map_err(|e| format!("{}: {e}", dir.join("tokenizer.json").display()))?;
     let model = Model::load(&dir, &gpu)?;
+    let tokenizer =
+        model.tokenizer()?.ok_or_else(|| format!("{} has no tokenizer wgspark can build", dir.display()))?;
     let c = &model.config;
     let encode = |text: &str| -> Result<Vec<u32>, Box<dyn std::error::Error + Send + Sync>> {
         Ok(tokenizer.encode(text, false)?.get_ids().to_vec())

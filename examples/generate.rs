@@ -26,7 +26,8 @@ use wgspark::{
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with wgspark")]
 struct Args {
-    /// Hugging Face model folder (config.json, safetensors, tokenizer.json).
+    /// Hugging Face model folder (config.json, safetensors, tokenizer.json),
+    /// or a GGUF file (or a folder holding one).
     /// Default: SmolLM2-135M-Instruct, obtained and cached on first use.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -151,12 +152,18 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Some(dir) => dir.clone(),
         None => wgspark::fetch::default_model(|msg| eprintln!("{msg}"))?,
     };
-    let tokenizer = match tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")) {
-        Ok(t) => Some(t),
-        Err(_) if args.prompt_ids.is_some() => None,
-        Err(e) => return Err(format!("{}: {e}", dir.join("tokenizer.json").display()).into()),
+    let load_start = Instant::now();
+    let model = Model::load(&dir, &gpu)?;
+    eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
+    let tokenizer = match args.prompt_ids {
+        // Ids need no tokenizer, but one shows the text where there is one.
+        Some(_) => model.tokenizer().ok().flatten(),
+        None => Some(model.tokenizer()?.ok_or_else(|| {
+            format!("{} has no tokenizer wgspark can build: give --prompt-ids", dir.display())
+        })?),
     };
-    let prompt_ids = match (&args.prompt_ids, &tokenizer) {
+    let tokenizer = tokenizer.as_ref();
+    let prompt_ids = match (&args.prompt_ids, tokenizer) {
         (Some(ids), _) => ids.clone(),
         (None, Some(tok)) => {
             let text = if args.chat {
@@ -168,10 +175,6 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
         (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
     };
-
-    let load_start = Instant::now();
-    let model = Model::load(&dir, &gpu)?;
-    eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
     let mut session = model.session(&SessionOptions {
         context_len: args.context,
         routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
@@ -215,7 +218,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
         with_logits(&mut session, &prompt_ids, sampling, &args, eos)?
     } else {
-        if let Some(tok) = &tokenizer {
+        if let Some(tok) = tokenizer {
             print!("{}", tok.decode(&prompt_ids, false)?);
             std::io::stdout().flush()?;
         }
@@ -233,7 +236,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         for id in session.generate(&prompt_ids, &options)? {
             generated.push(id?);
             first_id_at.get_or_insert_with(Instant::now);
-            if let Some(tok) = &tokenizer {
+            if let Some(tok) = tokenizer {
                 // Decode the whole continuation so multi-token characters come out whole.
                 let text = tok.decode(&generated, false)?;
                 if text.len() > printed.len() && text.is_char_boundary(printed.len()) {

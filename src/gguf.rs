@@ -1,8 +1,9 @@
 //! The GGUF file format (llama.cpp's): a header of typed metadata, a table
 //! of tensors, then their data. [`Gguf`] memory-maps a file and checks that
 //! every tensor lies inside it; [`GgufWriter`] writes one. Control vectors
-//! ([`crate::steering`]) and the GGUF model import
-//! ([`crate::model::gguf_import`]) are built on these.
+//! ([`crate::steering`]), GGUF models
+//! ([`crate::model::gguf_checkpoint`]) and their tokenizers
+//! ([`crate::tokenizer`]) are built on these.
 
 use std::collections::HashMap;
 use std::fmt;

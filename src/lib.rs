@@ -56,6 +56,7 @@ pub mod sampling;
 pub mod session;
 pub mod stats;
 pub mod steering;
+pub mod tokenizer;
 
 pub use capture::{Capture, CaptureOptions, PromptRows};
 pub use error::{ControlVectorProblem, Error, Result};

@@ -4,11 +4,10 @@
 pub mod config;
 pub mod family;
 pub mod gguf_checkpoint;
-pub mod gguf_import;
 mod synthetic;
 pub mod weights;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use config::{ModelConfig, MoeConfig, RopeConfig, RopeScaling, Routing};
 pub use family::{Family, QkNorm};
@@ -119,6 +118,9 @@ pub struct Model {
     pub gpu: Gpu,
     pub weights: Weights,
     pub kernels: Kernels,
+    /// Where the model's files describe its tokenizer, read on request
+    /// ([`Model::tokenizer`]), so that a caller who gives ids never needs it.
+    tokenizer_source: Option<PathBuf>,
 }
 
 impl Model {
@@ -134,14 +136,25 @@ impl Model {
             gpu.check_budget("model weights", checkpoint.gpu_bytes())?;
             let kernels = Kernels::new(gpu)?;
             let weights = upload(gpu, &config, &checkpoint)?;
-            return Ok(Model { config, gpu: gpu.clone(), weights, kernels });
+            return Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(file) });
         }
         let config = ModelConfig::load(dir)?;
         gpu.check_budget("model weights", config.weight_bytes())?;
         let checkpoint = Checkpoint::open(dir)?;
         let kernels = Kernels::new(gpu)?;
         let weights = upload(gpu, &config, &checkpoint)?;
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels })
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(dir.to_path_buf()) })
+    }
+
+    /// The tokenizer the model's files describe: a folder's tokenizer.json,
+    /// or a GGUF file's metadata (`None`: there is none, or its kind is not
+    /// one [`crate::tokenizer`] builds).
+    pub fn tokenizer(&self) -> Result<Option<crate::tokenizer::Tokenizer>> {
+        match &self.tokenizer_source {
+            None => Ok(None),
+            Some(path) if path.is_dir() => crate::tokenizer::from_folder(path),
+            Some(path) => crate::tokenizer::from_gguf(&crate::gguf::Gguf::open(path)?),
+        }
     }
 
     /// A model of `config`'s shapes with seeded random bf16 weights (scaled
@@ -151,7 +164,7 @@ impl Model {
         gpu.check_budget("model weights", config.weight_bytes())?;
         let kernels = Kernels::new(gpu)?;
         let weights = upload(gpu, &config, &synthetic::RandomWeights { seed })?;
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels })
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: None })
     }
 }
 
