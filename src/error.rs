@@ -50,6 +50,9 @@ pub enum Error {
     #[error("{source_file}: tokenizer: {message}")]
     Tokenizer { source_file: PathBuf, message: String },
 
+    #[error("{origin}: chat template: {message}")]
+    ChatTemplate { origin: String, message: String },
+
     #[error("missing tensor {name:?}")]
     MissingTensor { name: String },
 

@@ -42,6 +42,7 @@
 //! ```
 
 pub mod capture;
+pub mod chat;
 pub mod error;
 #[cfg(feature = "fetch")]
 pub mod fetch;

@@ -426,3 +426,32 @@ fn control_vector_that_does_not_fit_the_model() {
         matches!(err, Error::CaptureLayerOutOfRange { layer, layers: l } if layer == layers && l == layers)
     );
 }
+
+/// A chat template that fails (here by its own `raise_exception`, as
+/// transformers' templates reject unsupported roles) is a typed error naming
+/// the file and the template's message; a malformed tokenizer_config.json
+/// is a JSON error.
+#[test]
+fn chat_template_errors_name_the_file() {
+    let dir = temp_dir("chat_template");
+    let template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}\
+                    {% endif %}{{ m.content }}{% endfor %}";
+    let config = serde_json::json!({"chat_template": template, "eos_token": {"content": "</s>"}});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let t = wgspark::chat::ChatTemplate::from_folder(&dir).unwrap().expect("a template");
+    assert_eq!(t.eos_token, "</s>");
+    use wgspark::chat::Message;
+    assert_eq!(t.render(&[Message::new("user", "hi")], true).unwrap(), "hi");
+    match t.render(&[Message::new("tool", "x")], true) {
+        Err(Error::ChatTemplate { origin, message }) => {
+            assert!(
+                origin.contains("tokenizer_config.json") && message.contains("no tools"),
+                "{origin}: {message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(dir.join("tokenizer_config.json"), "{\"chat_template\": ").unwrap();
+    let err = wgspark::chat::ChatTemplate::from_folder(&dir).unwrap_err();
+    assert!(matches!(err, Error::Json { .. }), "{err}");
+}

@@ -1,6 +1,7 @@
 //! The real default model: SmolLM2-135M-Instruct, obtained by wgspark itself
 //! and loaded as shipped (a GGUF of Q4_1 layers and a Q8_0 embedding, its
-//! tokenizer built from the file's metadata), continues three prompts with
+//! tokenizer built from the file's metadata, its chat template rendered as
+//! transformers renders it), continues three prompts with
 //! exactly the greedy ids that transformers produced (recorded by
 //! scripts/smollm2_reference.py), on every backend under test. Needs network
 //! access on the first run.
@@ -8,12 +9,28 @@
 mod common;
 
 use common::{max_abs_diff, on_each_backend};
+use wgspark::chat::Message;
 use wgspark::sampling::argmax;
 use wgspark::{Model, SessionOptions};
 
 #[derive(serde::Deserialize)]
 struct Reference {
     cases: Vec<Case>,
+    chat: Chat,
+}
+
+/// A conversation and transformers' rendering of it with the file's template.
+#[derive(serde::Deserialize)]
+struct Chat {
+    messages: Vec<ChatMessage>,
+    text: String,
+    first_turn: String,
+}
+
+#[derive(serde::Deserialize)]
+struct ChatMessage {
+    role: String,
+    content: String,
 }
 
 #[derive(serde::Deserialize)]
@@ -35,6 +52,12 @@ fn smollm2_matches_transformers_greedy_ids() {
     on_each_backend(|gpu| {
         let model = Model::load(&file, gpu).unwrap();
         if !tokenizer_checked {
+            let template = model.chat_template().unwrap().expect("the GGUF carries a chat template");
+            let messages: Vec<Message> =
+                reference.chat.messages.iter().map(|m| Message::new(&m.role, &m.content)).collect();
+            assert_eq!(template.render(&messages, true).unwrap(), reference.chat.text);
+            // Without a system message the template adds its own.
+            assert_eq!(template.render(&messages[1..2], true).unwrap(), reference.chat.first_turn);
             let tokenizer = model.tokenizer().unwrap().expect("the GGUF describes its tokenizer");
             for case in &reference.cases {
                 let ids = tokenizer.encode(case.prompt.as_str(), false).unwrap().get_ids().to_vec();

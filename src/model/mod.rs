@@ -146,6 +146,17 @@ impl Model {
         Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(dir.to_path_buf()) })
     }
 
+    /// The chat template the model's files carry: a GGUF's
+    /// `tokenizer.chat_template` or a folder's tokenizer_config.json
+    /// (`None`: they carry none).
+    pub fn chat_template(&self) -> Result<Option<crate::chat::ChatTemplate>> {
+        match &self.tokenizer_source {
+            None => Ok(None),
+            Some(path) if path.is_dir() => crate::chat::ChatTemplate::from_folder(path),
+            Some(path) => crate::chat::ChatTemplate::from_gguf(&crate::gguf::Gguf::open(path)?),
+        }
+    }
+
     /// The tokenizer the model's files describe: a folder's tokenizer.json,
     /// or a GGUF file's metadata (`None`: there is none, or its kind is not
     /// one [`crate::tokenizer`] builds).
