@@ -242,8 +242,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             first_id_at.get_or_insert_with(Instant::now);
             if let Some(tok) = tokenizer {
                 // Decode the whole continuation so multi-token characters come
-                // out whole (a chat reply without its end-of-turn token).
-                let text = tok.decode(&generated, args.chat)?;
+                // out whole; the token that stopped it is not text (a chat
+                // reply also leaves out the template's other special tokens).
+                let text_ids = match generated.split_last() {
+                    Some((last, before)) if eos.contains(last) => before,
+                    _ => &generated[..],
+                };
+                let text = tok.decode(text_ids, args.chat)?;
                 if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
                     print!("{}", &text[printed.len()..]);
                     std::io::stdout().flush()?;
