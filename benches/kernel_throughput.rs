@@ -1,15 +1,15 @@
 //! Kernel throughput on the current adapter (`WGSPARK_BACKEND`): GEMV
-//! bandwidth (plain and fused, over workgroup shapes) as a fraction of the
+//! bandwidth (plain and fused, over workgroup shapes; bf16 and quantized) as a fraction of the
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
 //! time by depth and cache format. `cargo bench --bench kernel_throughput`
-//! runs every section; `-- gemv` (or `copy`, `attention`) one of them.
+//! runs every section; `-- gemv` (or `copy`, `quantized`, `attention`) one of them.
 
-use wgspark::KvFormat;
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
+use wgspark::{KvFormat, WeightFormat};
 
 /// Seconds per repetition of `dispatches` (GPU timestamps where the
 /// adapter has them), `reps` repetitions in one pass; `split_grid`: the
@@ -28,17 +28,26 @@ fn time(gpu: &Gpu, dispatches: &[Dispatch], split_grid: Option<u32>, n_tokens: u
     secs.as_secs_f64() / reps as f64
 }
 
-fn random_tensor(gpu: &Gpu, rows: usize, cols: usize) -> GpuTensor {
-    let t = GpuTensor::alloc(gpu, "w", rows, cols).unwrap();
+/// A tensor of random values in `format` (quantized formats: random block
+/// bytes, whose values do not matter to the time).
+fn random_tensor(gpu: &Gpu, format: WeightFormat, rows: usize, cols: usize) -> GpuTensor {
+    let t = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
     let mut x = 0x2545_f491_4f6c_dd1du64;
-    let bytes: Vec<u8> = (0..rows * cols)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            half::bf16::from_f32(((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05).to_le_bytes()
-        })
-        .collect();
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let bytes: Vec<u8> = if format == WeightFormat::Bf16 {
+        (0..rows * cols)
+            .flat_map(|_| {
+                half::bf16::from_f32(((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05).to_le_bytes()
+            })
+            .collect()
+    } else {
+        (0..rows * format.gpu_row_bytes(cols)).map(|_| (next() >> 32) as u8).collect()
+    };
     t.write_rows(gpu, 0, &bytes);
     t
 }
@@ -92,7 +101,8 @@ fn main() {
         let lanes = default_shape.threads_per_row;
         for unroll in [1, 2, 4] {
             for rows in [2, 4, 8, 16] {
-                let shape = GemvShape { rows_per_workgroup: rows, threads_per_row: lanes, unroll };
+                let shape =
+                    GemvShape { rows_per_workgroup: rows, threads_per_row: lanes, unroll, ..default_shape };
                 if shape != default_shape {
                     shapes.push(shape);
                 }
@@ -115,7 +125,7 @@ fn main() {
     };
     let norm = GpuTensor::vector_f32(&gpu, "norm", &vec![1.0f32; 16384]).unwrap();
     for &(rows, cols) in sizes.iter().filter(|_| runs("gemv")) {
-        let w = random_tensor(&gpu, rows, cols);
+        let w = random_tensor(&gpu, WeightFormat::Bf16, rows, cols);
         let norm_w = GpuTensor { cols, ..norm.clone() };
         let x = gpu.storage_buffer_init("x", &vec![0.01f32; 512 * cols.max(rows)]);
         let y = gpu.storage_buffer("y", 512 * rows.max(cols)).unwrap();
@@ -174,6 +184,76 @@ fn main() {
             secs * 1e3,
             flops / secs / 1e12
         );
+    }
+
+    // Quantized GEMV: the formats of llama.cpp's common presets, on the
+    // 8B shape's projections and head.
+    let formats = [
+        WeightFormat::Q4K,
+        WeightFormat::Q6K,
+        WeightFormat::Q8_0,
+        WeightFormat::Q5K,
+        WeightFormat::Q4_0,
+        WeightFormat::Q3K,
+        WeightFormat::Q2K,
+    ];
+    let sizes: &[(usize, usize)] =
+        if cpu { &[(1536, 512)] } else { &[(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] };
+    let read_by = [
+        ("default", default_shape),
+        ("x1", GemvShape { unroll: 1, ..default_shape }),
+        ("x4", GemvShape { unroll: 4, ..default_shape }),
+        ("by quads", GemvShape { units: false, ..default_shape }),
+    ];
+    for format in formats.into_iter().filter(|_| runs("quantized")) {
+        for &(rows, cols) in sizes {
+            let bytes = rows * format.gpu_row_bytes(cols);
+            // Enough copies that they do not stay in the GPU's cache.
+            let copies = if cpu { 1 } else { (512 << 20) / bytes + 1 };
+            let ws: Vec<GpuTensor> = (0..copies).map(|_| random_tensor(&gpu, format, rows, cols)).collect();
+            let norm_w = GpuTensor { cols, ..norm.clone() };
+            let x = gpu.storage_buffer_init("x", &vec![0.01f32; cols]);
+            let y = gpu.storage_buffer("y", rows).unwrap();
+            for (read, shape) in &read_by {
+                let k_quant = matches!(
+                    format,
+                    WeightFormat::Q2K
+                        | WeightFormat::Q3K
+                        | WeightFormat::Q4K
+                        | WeightFormat::Q5K
+                        | WeightFormat::Q6K
+                );
+                if !shape.units && !k_quant {
+                    continue;
+                }
+                let gemv = Gemv::with_shape(&gpu, *shape);
+                let dispatches: Vec<Dispatch> = ws
+                    .iter()
+                    .flat_map(|w| {
+                        let spec = if rows == 28672 {
+                            GemvSpec {
+                                input: Input::RmsNorm { weight: &norm_w, eps: 1e-5 },
+                                output: Output::Swiglu,
+                                ..GemvSpec::plain(w, &x, &y)
+                            }
+                        } else {
+                            GemvSpec::plain(w, &x, &y)
+                        };
+                        gemv.plan(&gpu, &spec).unwrap()
+                    })
+                    .collect();
+                // The first pass over fresh buffers is slower: warm up.
+                time(&gpu, &dispatches, None, 1, 2);
+                let secs = time(&gpu, &dispatches, None, 1, reps) / copies as f64;
+                println!(
+                    "gemv {format:<5} {rows:>6} x {cols:>5}{:<12} {read:<8}: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
+                    if rows == 28672 { " norm+swiglu" } else { "" },
+                    secs * 1e3,
+                    bytes as f64 / secs / 1e12,
+                    100.0 * bytes as f64 / secs / copy
+                );
+            }
+        }
     }
 
     // Attention of Llama-3.1-8B's and Llama-3.2-1B's geometry by depth and

@@ -97,9 +97,15 @@ fn gpu_decoding_equals_the_gguf_package_bit_for_bit() {
 fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(11);
-        for shape in
-            [GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1 }, GemvShape::for_gpu(gpu)]
-        {
+        let one_per_invocation =
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true };
+        let gpu_shape = GemvShape::for_gpu(gpu);
+        for shape in [
+            one_per_invocation,
+            GemvShape { units: false, ..one_per_invocation },
+            gpu_shape,
+            GemvShape { units: false, ..gpu_shape },
+        ] {
             let gemv = Gemv::with_shape(gpu, shape);
             for c in cases() {
                 let (rows, cols, tokens) = (c.rows, c.cols, 2);

@@ -17,18 +17,22 @@
 // one part (rows first_row .. first_row + rows) of a tensor that may be
 // split over bindings; an output whose rows this part does not hold is
 // left to the part that does (SUM: each part adds the slots it holds).
-// ROWS_PER_WG outputs per workgroup, THREADS_PER_ROW invocations per
-// output: one per invocation suits CPU rasterisers; a subgroup (SUBGROUPS)
-// or a workgroup reduction per output suits GPUs. bf16 rows of 8k columns
+// A group of THREADS_PER_ROW invocations computes two rows, sharing each
+// load of x: outputs o and o + 1, or SWIGLU's gate and up of output o
+// (ONE_ROW: one row, output o); ROWS_PER_WG groups per workgroup. One invocation per group suits CPU
+// rasterisers; a subgroup (SUBGROUPS) or a workgroup reduction per group
+// suits GPUs. bf16 rows of 8k columns
 // are read 8 weights at a time, other widths (even) one word at a time;
-// with WEIGHT_FORMAT, rows in any format of weights.wgsl (4k columns) are
-// decoded 4 weights at a time.
+// with WEIGHT_FORMAT, rows in any format of weights.wgsl are read by its
+// units (UNIT_DOTS: the 256-element block formats), consecutive lanes on
+// consecutive units, or else four weights at a time, consecutive lanes on
+// consecutive quads.
 // Grid: output blocks folded over x and z, y = token (SLOTS: token * top_k + slot).
 
 override ROWS_PER_WG: u32 = 64u;
 override THREADS_PER_ROW: u32 = 1u;
 override WG: u32 = 64u; // = ROWS_PER_WG * THREADS_PER_ROW, set by the host
-// 8-weight loads each lane issues together (loads in flight).
+// 8-weight loads (or units) each lane issues together (loads in flight).
 override UNROLL: u32 = 1u;
 
 @group(0) @binding(0) var<uniform> p: GemvParams;
@@ -53,17 +57,61 @@ fn weight_word(i: u32) -> u32 {
     return weight[i >> 2u][i & 3u];
 }
 
-// This lane's share of W[row] . x[xb ..] in .x (and of W[row + 1] . x in .y
-// with SWIGLU), x multiplied by norm_w with NORM, and of x . x in .z.
+// This lane's share of W[row] . x[xb ..] in .x and of W[row_b] . x in .y
+// (each load of x serves both rows), x multiplied by norm_w with NORM, and
+// of x . x in .z.
 #if WEIGHT_FORMAT
-fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
+#if UNIT_DOTS
+fn weight_quad(q: u32) -> vec4<u32> {
+    return weight[q];
+}
+
+// Quad q of the vector whose first quad is xq, times norm_w with NORM.
+fn x4(xq: u32, q: u32) -> vec4<f32> {
+#if NORM
+    return x[xq + q] * norm_w[q];
+#else
+    return x[xq + q];
+#endif
+}
+
+fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
+    var r = vec3<f32>(0.0);
+    let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
+    let wa = row * row_words;
+    let wb = row_b * row_words;
+    let xq = xb / 4u;
+    let units = p.cols / UNIT_ELEMS;
+    for (var u0 = lane; u0 < units; u0 += THREADS_PER_ROW * UNROLL) {
+      for (var i = 0u; i < UNROLL; i++) {
+        let u = u0 + i * THREADS_PER_ROW;
+        if (u >= units) {
+            break;
+        }
+        let d = unit_dots(wa, wb, u, xq);
+        r.x += d.x;
+        r.y += d.y;
+      }
+    }
+#if NORM
+    for (var q = lane; q < p.cols / 4u; q += THREADS_PER_ROW) {
+        let a = x[xq + q];
+        r.z += dot(a, a);
+    }
+#endif
+    return r;
+}
+#else
+fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
     let quads = p.cols / 4u;
     let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
-    let wb = row * row_words;
+    let wa = row * row_words;
+    let wb = row_b * row_words;
     let xq = xb / 4u;
-    for (var k0 = lane; k0 < quads; k0 += THREADS_PER_ROW * UNROLL) {
-      for (var u = 0u; u < UNROLL; u++) {
+    // A quad is a word or two of weights: four times as many per load round.
+    for (var k0 = lane; k0 < quads; k0 += THREADS_PER_ROW * 4u * UNROLL) {
+      for (var u = 0u; u < 4u * UNROLL; u++) {
         let k = k0 + u * THREADS_PER_ROW;
         if (k >= quads) {
             break;
@@ -73,20 +121,20 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
         r.z += dot(a, a);
         a *= norm_w[k];
 #endif
-        r.x += dot(weights4(wb, 4u * k), a);
-#if SWIGLU
-        r.y += dot(weights4(wb + row_words, 4u * k), a);
-#endif
+        r.x += dot(weights4(wa, 4u * k), a);
+        r.y += dot(weights4(wb, 4u * k), a);
       }
     }
     return r;
 }
+#endif
 #else
-fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
+fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
     if (p.cols % 8u == 0u && xb % 4u == 0u) {
         let per_row = p.cols / 8u;
-        let wb = row * per_row;
+        let wa = row * per_row;
+        let wb = row_b * per_row;
         let xv = xb / 4u;
         for (var k0 = lane; k0 < per_row; k0 += THREADS_PER_ROW * UNROLL) {
           for (var u = 0u; u < UNROLL; u++) {
@@ -101,17 +149,18 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
             a *= norm_w[2u * k];
             b *= norm_w[2u * k + 1u];
 #endif
-            let w = weight[wb + k];
+            let w = weight[wa + k];
             r.x += dot(bf16x4_lo(w), a) + dot(bf16x4_hi(w), b);
-#if SWIGLU
-            let w2 = weight[wb + per_row + k];
+#if !ONE_ROW
+            let w2 = weight[wb + k];
             r.y += dot(bf16x4_lo(w2), a) + dot(bf16x4_hi(w2), b);
 #endif
           }
         }
     } else {
         let words = p.cols / 2u;
-        let wb = row * words;
+        let wa = row * words;
+        let wb = row_b * words;
         for (var k = lane; k < words; k += THREADS_PER_ROW) {
             var a = x_at(xb + 2u * k);
             var b = x_at(xb + 2u * k + 1u);
@@ -120,10 +169,10 @@ fn lane_dots(row: u32, xb: u32, lane: u32) -> vec3<f32> {
             a *= norm_w[k >> 1u][2u * (k & 1u)];
             b *= norm_w[k >> 1u][2u * (k & 1u) + 1u];
 #endif
-            let w = weight_word(wb + k);
+            let w = weight_word(wa + k);
             r.x += bf16_lo(w) * a + bf16_hi(w) * b;
-#if SWIGLU
-            let w2 = weight_word(wb + words + k);
+#if !ONE_ROW
+            let w2 = weight_word(wb + k);
             r.y += bf16_lo(w2) * a + bf16_hi(w2) * b;
 #endif
         }
@@ -160,6 +209,33 @@ fn reduce_row(v: f32, l: u32, lane: u32) -> f32 {
 }
 #endif
 
+// A group's outputs: one SwiGLU of its two rows, or its two rows' outputs,
+// or (ONE_ROW: bf16 rows, for which x is few loads per weight, so more
+// groups in flight pay better) one row's.
+#if SWIGLU
+const OUTPUTS_PER_GROUP: u32 = 1u;
+#else
+#if ONE_ROW
+const OUTPUTS_PER_GROUP: u32 = 1u;
+#else
+const OUTPUTS_PER_GROUP: u32 = 2u;
+#endif
+#endif
+
+// Whether outputs o and o + 1, rows row and row + 1 of this part, are
+// this group's to compute (row wraps past p.rows when it precedes the part).
+fn pair_live(o: u32, row: u32) -> vec2<bool> {
+    let second = OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs && row + 1u < p.rows;
+    return vec2<bool>(o < p.outputs && row < p.rows, second);
+}
+
+// lane_dots of rows row (.x) and row + 1 (.y) where live says so (a dead
+// row's dot is a copy of the other's).
+fn pair_dots(live: vec2<bool>, row: u32, xb: u32, lane: u32) -> vec3<f32> {
+    let a = select(row + 1u, row, live.x);
+    return lane_dots(a, select(a, row + 1u, live.y), xb, lane);
+}
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -168,28 +244,25 @@ fn main(
 ) {
     let block = wid.x + wid.z * nwg.x;
     let lane = lid.x % THREADS_PER_ROW;
-    let o = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
-    let live = o < p.outputs;
+    let group = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
+    let o = OUTPUTS_PER_GROUP * group;
 #if SUM
     let t = wid.y;
     let y_row = t;
-    var acc = 0.0;
+    var acc = vec2<f32>(0.0);
     for (var j = 0u; j < p.top_k; j++) {
         let pair = t * p.top_k + j;
         // Wraps to a huge value (skipped) when the row is before this part.
         let row = ids[pair] * p.expert_rows + o - p.first_row;
-        if (live && row < p.rows) {
-            acc += route_weights[pair] * lane_dots(row, pair * p.cols, lane).x;
+        let live = pair_live(o, row);
+        if (any(live)) {
+            let d = pair_dots(live, row, pair * p.cols, lane);
+            acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
         }
     }
-    let v = reduce_row(acc, lid.x, lane);
-    let written = live;
+    let v = vec2<f32>(reduce_row(acc.x, lid.x, lane), reduce_row(acc.y, lid.x, lane));
+    let written = vec2<bool>(o < p.outputs, OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs);
 #else
-#if SWIGLU
-    let rows_per_output = 2u;
-#else
-    let rows_per_output = 1u;
-#endif
 #if SLOTS
     let t = wid.y / p.top_k;
     let y_row = wid.y;
@@ -199,30 +272,41 @@ fn main(
     let y_row = t;
     let first = p.first_row;
 #endif
-    let row = first + o * rows_per_output - p.first_row;
-    let written = live && row < p.rows;
+#if SWIGLU
+    let row = first + 2u * o - p.first_row;
+    let live = vec2<bool>(o < p.outputs && row < p.rows);
+#else
+    let row = first + o - p.first_row;
+    let live = pair_live(o, row);
+#endif
     var d = vec3<f32>(0.0);
-    if (written) {
-        d = lane_dots(row, t * p.cols, lane);
+    if (any(live)) {
+        d = pair_dots(live, row, t * p.cols, lane);
     }
 #if NORM
     let scale = inverseSqrt(reduce_row(d.z, lid.x, lane) / f32(p.cols) + p.eps);
 #else
     let scale = 1.0;
 #endif
-    var v = reduce_row(d.x, lid.x, lane) * scale;
+    var v = vec2<f32>(reduce_row(d.x, lid.x, lane), reduce_row(d.y, lid.x, lane)) * scale;
 #if SWIGLU
-    let up = reduce_row(d.y, lid.x, lane) * scale;
-    v = v / (1.0 + exp(-v)) * up;
-#endif
-#endif
-    if (written && lane == 0u) {
-        let i = p.out_offset + o;
-        let at = y_row * p.y_stride + i;
-#if ADD
-        y[at] = layer_output(t, i, p.y_stride, y[at] + v);
+    v.x = v.x / (1.0 + exp(-v.x)) * v.y;
+    let written = vec2<bool>(live.x, false);
 #else
-        y[at] = v;
+    let written = live;
 #endif
+#endif
+    if (lane == 0u) {
+        for (var i = 0u; i < 2u; i++) {
+            if (written[i]) {
+                let out = p.out_offset + o + i;
+                let at = y_row * p.y_stride + out;
+#if ADD
+                y[at] = layer_output(t, out, p.y_stride, y[at] + v[i]);
+#else
+                y[at] = v[i];
+#endif
+            }
+        }
     }
 }

@@ -226,3 +226,204 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     return f16_lo(weight_word(b + 52u)) * sc * q;
 }
 #endif
+
+// Dot products by unit, for kernels that stream rows once (the GEMV):
+// with UNIT_DOTS the family also defines `weight_quad(q)` (words 4q ..
+// 4q + 3) and `x4(xq, q)` (elements 4q .. 4q + 3 of the vector whose
+// first quad is xq), and gets
+//   unit_dots(wa, wb, u, xq): elements u * UNIT_ELEMS .. of the rows whose
+//                             first words are wa and wb, dotted with x
+//                             (each load of x serves both rows).
+// The formats of 256-element blocks have them: a unit is one 16-byte run of
+// a block's quants (32 or 64 elements), what one lane decodes with one
+// look at the block's packed scales, rather than one look per four
+// weights. Quants are dotted with x first and scaled after (one multiply
+// per run of elements that share a scale).
+#if UNIT_DOTS
+fn sum4(a: vec4<f32>) -> f32 {
+    return dot(a, vec4<f32>(1.0));
+}
+
+fn words4(i: u32) -> vec4<u32> {
+    return vec4<u32>(weight_word(i), weight_word(i + 1u), weight_word(i + 2u), weight_word(i + 3u));
+}
+
+// Q2_K / Q3_K: unit u is quant bytes 32 c + 16 v .. + 15 (c = u / 2 % 2,
+// v = u % 2) of block u / 4: elements 128 c + 32 s + 16 v + 0..15 for the
+// four 2-bit fields s, each run of 16 with its own scale (number 8 c + 2 s + v).
+#if W_Q2_K
+const UNIT_ELEMS: u32 = 64u;
+// Run n of the block at word b: (d sc) t - (dmin m) xs.
+fn q2_scaled(b: u32, n: u32, t: f32, xs: f32) -> f32 {
+    let sc = block_byte(b, n);
+    let dm = weight_word(b + 20u);
+    return f16_lo(dm) * f32(sc & 15u) * t - f16_hi(dm) * f32(sc >> 4u) * xs;
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
+    let c = u / 2u % 2u;
+    let v = u % 2u;
+    let ba = wa + (u / 4u) * 21u;
+    let bb = wb + (u / 4u) * 21u;
+    let qa = words4(ba + 4u + 8u * c + 4u * v);
+    let qb = words4(bb + 4u + 8u * c + 4u * v);
+    let x0 = 64u * (u / 4u) + 32u * c + 4u * v;
+    var r = vec2<f32>(0.0);
+    for (var s = 0u; s < 4u; s++) {
+        var t = vec2<f32>(0.0);
+        var xs = 0.0;
+        for (var k = 0u; k < 4u; k++) {
+            let a = x4(xq, x0 + 8u * s + k);
+            t += vec2<f32>(dot(vec4<f32>(fields4(qa[k], 2u * s, 3u)), a), dot(vec4<f32>(fields4(qb[k], 2u * s, 3u)), a));
+            xs += sum4(a);
+        }
+        let n = 8u * c + 2u * s + v;
+        r += vec2<f32>(q2_scaled(ba, n, t.x, xs), q2_scaled(bb, n, t.y, xs));
+    }
+    return r;
+}
+#endif
+#if W_Q3_K
+const UNIT_ELEMS: u32 = 64u;
+// Field s of quants q, less 4 where hmask hm (bit 4 c + s) is clear.
+fn q3_quants(q: u32, hm: u32, c: u32, s: u32) -> vec4<f32> {
+    return vec4<f32>(fields4(q, 2u * s, 3u)) - 4.0 * (1.0 - vec4<f32>(fields4(hm, 4u * c + s, 1u)));
+}
+// Scale n (of 16, 6 bits, less 32) of the block at word b.
+fn q3_scale(b: u32, n: u32) -> f32 {
+    let low = (block_byte(b + 24u, n % 8u) >> (4u * (n / 8u))) & 15u;
+    let high = (block_byte(b + 26u, n % 4u) >> (2u * (n / 4u))) & 3u;
+    return f32(low | (high << 4u)) - 32.0;
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
+    let c = u / 2u % 2u;
+    let v = u % 2u;
+    let ba = wa + (u / 4u) * 28u;
+    let bb = wb + (u / 4u) * 28u;
+    let qa = weight_quad((ba + 8u + 8u * c + 4u * v) / 4u);
+    let qb = weight_quad((bb + 8u + 8u * c + 4u * v) / 4u);
+    // hmask bytes 16 v .. + 15.
+    let ha = weight_quad((ba + 4u * v) / 4u);
+    let hb = weight_quad((bb + 4u * v) / 4u);
+    let x0 = 64u * (u / 4u) + 32u * c + 4u * v;
+    var r = vec2<f32>(0.0);
+    for (var s = 0u; s < 4u; s++) {
+        var t = vec2<f32>(0.0);
+        for (var k = 0u; k < 4u; k++) {
+            let a = x4(xq, x0 + 8u * s + k);
+            t += vec2<f32>(dot(q3_quants(qa[k], ha[k], c, s), a), dot(q3_quants(qb[k], hb[k], c, s), a));
+        }
+        let n = 8u * c + 2u * s + v;
+        r += vec2<f32>(q3_scale(ba, n), q3_scale(bb, n)) * t;
+    }
+    return vec2<f32>(f16_lo(weight_word(ba + 27u)), f16_lo(weight_word(bb + 27u))) * r;
+}
+#endif
+
+// Q4_K / Q5_K: unit u is nibble bytes 32 j + 16 h .. + 15 (j = u / 2 % 4,
+// h = u % 2) of block u / 8: elements 64 j + 16 h + 0..15 (low nibbles,
+// scale 2 j) and 32 more on (high nibbles, scale 2 j + 1); Q5_K's fifth
+// bits are bits 2 j and 2 j + 1 of qh bytes 16 h ...
+#if W_Q4_K
+const UNIT_ELEMS: u32 = 32u;
+fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
+    let ba = (wa + (u / 8u) * 36u) / 4u;
+    let bb = (wb + (u / 8u) * 36u) / 4u;
+    let none = vec4<u32>(0u);
+    return k4_unit_dots(
+        weight_quad(ba), weight_quad(ba + 1u + u % 8u), none,
+        weight_quad(bb), weight_quad(bb + 1u + u % 8u), none, u, xq);
+}
+#endif
+#if W_Q5_K
+const UNIT_ELEMS: u32 = 32u;
+fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
+    let ba = (wa + (u / 8u) * 44u) / 4u;
+    let bb = (wb + (u / 8u) * 44u) / 4u;
+    return k4_unit_dots(
+        weight_quad(ba), weight_quad(ba + 3u + u % 8u), weight_quad(ba + 1u + u % 2u),
+        weight_quad(bb), weight_quad(bb + 3u + u % 8u), weight_quad(bb + 1u + u % 2u), u, xq);
+}
+#endif
+// The scale and min numbered n of a Q4_K / Q5_K block whose first quad is head.
+fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
+    if (n < 4u) {
+        return vec2<f32>(f32(byte_of(head.y, n) & 63u), f32(byte_of(head.z, n) & 63u));
+    }
+    let sc = (byte_of(head.w, n - 4u) & 15u) | ((byte_of(head.y, n - 4u) >> 6u) << 4u);
+    let m = (byte_of(head.w, n - 4u) >> 4u) | ((byte_of(head.z, n - 4u) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+// (low nibbles . a, high nibbles . c) of one quant word q, fifth bits in qh.
+fn k4_step(q: u32, qh: u32, j: u32, a: vec4<f32>, c: vec4<f32>) -> vec2<f32> {
+    let lo = fields4(q, 0u, 15u) | (fields4(qh, 2u * j, 1u) << vec4<u32>(4u));
+    let hi = fields4(q, 4u, 15u) | (fields4(qh, 2u * j + 1u, 1u) << vec4<u32>(4u));
+    return vec2<f32>(dot(vec4<f32>(lo), a), dot(vec4<f32>(hi), c));
+}
+// The unit's value from its quant dots t and x sums xs (low run, high run).
+fn k4_scaled(head: vec4<u32>, j: u32, t: vec2<f32>, xs: vec2<f32>) -> f32 {
+    let s0 = k4_scale_min(head, 2u * j);
+    let s1 = k4_scale_min(head, 2u * j + 1u);
+    return f16_lo(head.x) * (s0.x * t.x + s1.x * t.y) - f16_hi(head.x) * (s0.y * xs.x + s1.y * xs.y);
+}
+fn k4_unit_dots(
+    head_a: vec4<u32>, qa: vec4<u32>, qha: vec4<u32>,
+    head_b: vec4<u32>, qb: vec4<u32>, qhb: vec4<u32>, u: u32, xq: u32,
+) -> vec2<f32> {
+    let j = u / 2u % 4u;
+    let x0 = 64u * (u / 8u) + 16u * j + 4u * (u % 2u);
+    var ta = vec2<f32>(0.0);
+    var tb = vec2<f32>(0.0);
+    var xs = vec2<f32>(0.0);
+    for (var k = 0u; k < 4u; k++) {
+        let a = x4(xq, x0 + k);
+        let c = x4(xq, x0 + 8u + k);
+        ta += k4_step(qa[k], qha[k], j, a, c);
+        tb += k4_step(qb[k], qhb[k], j, a, c);
+        xs += vec2<f32>(sum4(a), sum4(c));
+    }
+    return vec2<f32>(k4_scaled(head_a, j, ta, xs), k4_scaled(head_b, j, tb, xs));
+}
+
+// Q6_K: unit u is low-nibble bytes 64 half + 16 v .. + 15 (half = u / 4 % 2,
+// v = u % 4) of block u / 8: elements 128 half + 16 v + 0..15 (low nibbles,
+// scale 8 half + v) and 64 more on (high nibbles, scale 8 half + 4 + v),
+// their top two bits in qh bytes 32 half + 16 (v % 2) .., fields v / 2 and 2 + v / 2.
+#if W_Q6_K
+const UNIT_ELEMS: u32 = 32u;
+fn q6_step(ql: u32, qh: u32, v: u32, a: vec4<f32>, c: vec4<f32>) -> vec2<f32> {
+    let lo = fields4(ql, 0u, 15u) | (fields4(qh, 2u * (v / 2u), 3u) << vec4<u32>(4u));
+    let hi = fields4(ql, 4u, 15u) | (fields4(qh, 2u * (2u + v / 2u), 3u) << vec4<u32>(4u));
+    return vec2<f32>(dot(vec4<f32>(lo), a), dot(vec4<f32>(hi), c));
+}
+// Scale n (signed byte) of the block at word b.
+fn q6_scale(b: u32, n: u32) -> f32 {
+    return f32((i32(weight_word(b + 48u + n / 4u)) << (24u - 8u * (n % 4u))) >> 24u);
+}
+fn q6_scaled(b: u32, n: u32, t: vec2<f32>, xs: vec2<f32>) -> f32 {
+    return f16_lo(weight_word(b + 52u)) * (q6_scale(b, n) * (t.x - 32.0 * xs.x) + q6_scale(b, n + 4u) * (t.y - 32.0 * xs.y));
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
+    let half = u / 4u % 2u;
+    let v = u % 4u;
+    let ba = wa + (u / 8u) * 53u;
+    let bb = wb + (u / 8u) * 53u;
+    let la = words4(ba + 16u * half + 4u * v);
+    let lb = words4(bb + 16u * half + 4u * v);
+    let ha = words4(ba + 32u + 8u * half + 4u * (v % 2u));
+    let hb = words4(bb + 32u + 8u * half + 4u * (v % 2u));
+    let x0 = 64u * (u / 8u) + 32u * half + 4u * v;
+    var ta = vec2<f32>(0.0);
+    var tb = vec2<f32>(0.0);
+    var xs = vec2<f32>(0.0);
+    for (var k = 0u; k < 4u; k++) {
+        let a = x4(xq, x0 + k);
+        let c = x4(xq, x0 + 16u + k);
+        ta += q6_step(la[k], ha[k], v, a, c);
+        tb += q6_step(lb[k], hb[k], v, a, c);
+        xs += vec2<f32>(sum4(a), sum4(c));
+    }
+    let n = 8u * half + v;
+    return vec2<f32>(q6_scaled(ba, n, ta, xs), q6_scaled(bb, n, tb, xs));
+}
+#endif
+#endif

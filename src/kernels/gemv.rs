@@ -4,6 +4,7 @@
 //! by the GPU's routing fused in as build flags.
 
 use crate::error::Result;
+use crate::format::WeightFormat;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
 use crate::kernels::residual::LayerOutput;
 
@@ -30,14 +31,20 @@ pub fn structs() -> Vec<&'static str> {
     vec![GemvParams::WGSL]
 }
 
-/// How outputs are spread over a workgroup.
+/// How rows are spread over a workgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemvShape {
+    /// Groups of `threads_per_row` lanes per workgroup, each computing a
+    /// pair of rows (two outputs, or a SwiGLU's gate and up; bf16 rows
+    /// outside a SwiGLU: one row).
     pub rows_per_workgroup: u32,
     /// Must be a power of two; 1 means one output per invocation.
     pub threads_per_row: u32,
-    /// 8-weight loads a lane issues together.
+    /// 8-weight loads (or units) a lane issues together.
     pub unroll: u32,
+    /// Whether rows in the 256-element block formats are read by units
+    /// (`unit_dot` in `weights.wgsl`) rather than four weights at a time.
+    pub units: bool,
 }
 
 impl GemvShape {
@@ -46,10 +53,15 @@ impl GemvShape {
     /// output, whose lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1 }
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true }
         } else {
             let lanes = subgroup_width(gpu).unwrap_or(32);
-            GemvShape { rows_per_workgroup: (256 / lanes).max(1), threads_per_row: lanes, unroll: 2 }
+            GemvShape {
+                rows_per_workgroup: (256 / lanes).max(1),
+                threads_per_row: lanes,
+                unroll: 2,
+                units: true,
+            }
         }
     }
 }
@@ -133,8 +145,8 @@ impl Gemv {
     /// The dispatches of `spec`, one per weight part, in part order.
     pub fn plan(&self, gpu: &Gpu, spec: &GemvSpec<'_>) -> Result<Vec<Dispatch>> {
         let w = spec.weight;
-        let pair = matches!(spec.output, Output::Swiglu);
-        let rows_per_output = if pair { 2 } else { 1 };
+        let swiglu = matches!(spec.output, Output::Swiglu);
+        let rows_per_output = if swiglu { 2 } else { 1 };
         let last = w.parts.len() - 1;
         w.parts
             .iter()
@@ -161,7 +173,17 @@ impl Gemv {
     ) -> Result<Dispatch> {
         let w = spec.weight;
         let mut flags = super::weight_flags(gpu, part.format);
-        if !flags.is_empty() && !w.cols.is_multiple_of(4) {
+        if self.shape.units && has_units(part.format) {
+            flags.push(UNIT_DOTS);
+        }
+        // bf16 rows need few loads of x per weight: pairing rows to share
+        // them would only halve the groups in flight.
+        let swiglu = matches!(output, Output::Swiglu);
+        let one_row = part.format == WeightFormat::Bf16 && !swiglu;
+        if one_row {
+            flags.push("ONE_ROW");
+        }
+        if part.format != WeightFormat::Bf16 && !w.cols.is_multiple_of(4) {
             return Err(crate::Error::Unsupported {
                 what: "GEMV width (a multiple of 4 in formats other than bf16)",
                 value: format!("{}: {} columns of {}", w.name, w.cols, part.format),
@@ -232,7 +254,10 @@ impl Gemv {
         let pipeline = super::pipeline(gpu, "gemv", "main", &flags, &constants)?;
         let params = ParamsBuffer::new(gpu, "gemv.params", &params);
         buffers.push((0, params.0.as_entire_buffer_binding()));
-        let blocks = (outputs as u32).div_ceil(s.rows_per_workgroup);
+        // A group of lanes computes two rows (two outputs, or one SwiGLU)
+        // or one.
+        let outputs_per_group = if swiglu || one_row { 1 } else { 2 };
+        let blocks = (outputs as u32).div_ceil(s.rows_per_workgroup * outputs_per_group);
         let mut workgroups = gpu.fold_grid(blocks);
         workgroups[1] = grid_y;
         Ok(Dispatch {
@@ -243,6 +268,15 @@ impl Gemv {
             tokens_per_workgroup: 1,
         })
     }
+}
+
+/// Rows in a format that `weights.wgsl` gives units are read by units.
+const UNIT_DOTS: &str = "UNIT_DOTS";
+
+/// The formats `weights.wgsl` defines `unit_dot` for.
+fn has_units(format: WeightFormat) -> bool {
+    use WeightFormat::*;
+    matches!(format, Q2K | Q3K | Q4K | Q5K | Q6K)
 }
 
 /// The flag sets of every GEMV the flow builds (for the shader test).
@@ -256,14 +290,20 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
             sets.push([&["ADD", "EXPERTS", "SUM"][..], &layer].concat());
         }
         out.extend(sets.into_iter().map(|mut s| {
+            if !s.contains(&"SWIGLU") {
+                s.push("ONE_ROW");
+            }
             s.extend(reduce);
             s
         }));
     }
     // Every format, in the forms the flow builds, with one reduction.
-    for format in super::weight_flag_sets().into_iter().filter(|f| !f.is_empty()) {
-        for form in [&["NORM"][..], &["NORM", "SWIGLU", "EXPERTS", "SLOTS"], &["ADD", "EXPERTS", "SUM"]] {
-            out.push([form, &format].concat());
+    for format in WeightFormat::ALL.into_iter().filter(|f| f.flag().is_some()) {
+        let units: &[&str] = if has_units(format) { &[UNIT_DOTS] } else { &[] };
+        for weights in super::weight_flag_sets().into_iter().filter(|f| f.contains(&format.flag().unwrap())) {
+            for form in [&["NORM"][..], &["NORM", "SWIGLU", "EXPERTS", "SLOTS"], &["ADD", "EXPERTS", "SUM"]] {
+                out.push([form, &weights, units].concat());
+            }
         }
     }
     out
