@@ -69,7 +69,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
     let dir = match &args.model {
         Some(dir) => dir.clone(),
-        None => wgspark::fetch::default_model(|msg| eprintln!("{msg}"))?,
+        None => wgspark::fetch::default_model(|p| {
+            if let wgspark::progress::Progress::Begin { what, .. } = p {
+                eprintln!("{what}")
+            }
+        })?,
     };
     let model = Model::load(&dir, &gpu)?;
     let tokenizer =

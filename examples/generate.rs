@@ -5,7 +5,8 @@
 //! cargo run --release --example generate -- --model DIR --prompt-ids 1,2,3 --json
 //! ```
 //! Without `--model` it runs the default model (SmolLM2-135M-Instruct),
-//! downloading and converting it on first use.
+//! downloading it on first use. `--chat` without `--prompt` is a
+//! conversation, one user message per line of stdin.
 //!
 //! Steering and capture follow llama.cpp's flags:
 //! ```text
@@ -13,14 +14,18 @@
 //!     --control-vector-layer-range 10 20 --capture resid.safetensors
 //! ```
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use wgspark::chat::{ChatTemplate, Message};
+use wgspark::progress::Progress;
+use wgspark::tokenizer::Tokenizer;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, PromptRows,
-    RoutingMode, Sampler, Sampling, SessionOptions, Stats, Steering,
+    RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -31,17 +36,21 @@ struct Args {
     /// Default: SmolLM2-135M-Instruct, obtained and cached on first use.
     #[arg(long)]
     model: Option<PathBuf>,
-    #[arg(long, default_value = "The capital of France is")]
-    prompt: String,
+    /// The text to continue (default "The capital of France is"); with
+    /// --chat, the one user message (without it, --chat is a conversation
+    /// read line by line from stdin).
+    #[arg(long)]
+    prompt: Option<String>,
     /// Comma-separated token ids, used instead of --prompt.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
     /// Send the prompt as a user message through the model's chat template
-    /// and print only the reply.
+    /// and print only the reply; with no --prompt, chat turn by turn.
     #[arg(long)]
     chat: bool,
-    #[arg(long, default_value_t = 32)]
-    max_new_tokens: usize,
+    /// Default: 32, or 1024 per reply with --chat.
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
     /// 0 means greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -149,12 +158,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
     eprintln!("adapter: {}", gpu.describe());
 
+    let mut reporter = Reporter::default();
     let dir = match &args.model {
         Some(dir) => dir.clone(),
-        None => wgspark::fetch::default_model(|msg| eprintln!("{msg}"))?,
+        None => wgspark::fetch::default_model(|p| reporter.report(p))?,
     };
     let load_start = Instant::now();
-    let model = Model::load(&dir, &gpu)?;
+    let model = Model::load_with_progress(&dir, &gpu, |p| reporter.report(p))?;
     eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
     let tokenizer = match args.prompt_ids {
         // Ids need no tokenizer, but one shows the text where there is one.
@@ -164,16 +174,25 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         })?),
     };
     let tokenizer = tokenizer.as_ref();
+    let conversation = args.chat && args.prompt.is_none() && args.prompt_ids.is_none();
+    if conversation && args.json {
+        return Err("--json needs --prompt or --prompt-ids (--chat without them is a conversation)".into());
+    }
+    let max_tokens = args.max_new_tokens.unwrap_or(if args.chat { 1024 } else { 32 });
+    let template = match args.chat {
+        true => Some(
+            model.chat_template()?.ok_or_else(|| format!("{} carries no chat template", dir.display()))?,
+        ),
+        false => None,
+    };
     let prompt_ids = match (&args.prompt_ids, tokenizer) {
         (Some(ids), _) => ids.clone(),
+        (None, _) if conversation => Vec::new(),
         (None, Some(tok)) => {
-            let text = if args.chat {
-                let template = model
-                    .chat_template()?
-                    .ok_or_else(|| format!("{} carries no chat template", dir.display()))?;
-                template.render(&[wgspark::chat::Message::new("user", &args.prompt)], true)?
-            } else {
-                args.prompt.clone()
+            let prompt = args.prompt.clone().unwrap_or_else(|| "The capital of France is".to_string());
+            let text = match &template {
+                Some(template) => template.render(&[Message::new("user", &prompt)], true)?,
+                None => prompt,
             };
             tok.encode(text, false)?.get_ids().to_vec()
         }
@@ -219,47 +238,29 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p }
     };
     let eos: &[u32] = if args.ignore_eos { &[] } else { &model.config.eos_token_ids };
+    let options = GenerateOptions {
+        sampling,
+        seed: args.seed,
+        max_tokens,
+        stop_tokens: eos.to_vec(),
+        in_flight: args.in_flight,
+    };
+    if let (true, Some(template), Some(tok)) = (conversation, &template, tokenizer) {
+        converse(&mut session, template, tok, &options)?;
+        if args.stats {
+            print_stats(&session.stats());
+        }
+        return finish_capture(&mut session, &args);
+    }
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
-        with_logits(&mut session, &prompt_ids, sampling, &args, eos)?
+        with_logits(&mut session, &prompt_ids, sampling, args.seed, max_tokens, eos)?
     } else {
         if let Some(tok) = tokenizer.filter(|_| !args.chat) {
             print!("{}", tok.decode(&prompt_ids, false)?);
             std::io::stdout().flush()?;
         }
-        let options = GenerateOptions {
-            sampling,
-            seed: args.seed,
-            max_tokens: args.max_new_tokens,
-            stop_tokens: eos.to_vec(),
-            in_flight: args.in_flight,
-        };
-        let start = Instant::now();
-        let mut generated: Vec<u32> = Vec::new();
-        let mut printed = String::new();
-        let mut first_id_at = None;
-        for id in session.generate(&prompt_ids, &options)? {
-            generated.push(id?);
-            first_id_at.get_or_insert_with(Instant::now);
-            if let Some(tok) = tokenizer {
-                // Decode the whole continuation so multi-token characters come
-                // out whole; the token that stopped it is not text (a chat
-                // reply also leaves out the template's other special tokens).
-                let text_ids = match generated.split_last() {
-                    Some((last, before)) if eos.contains(last) => before,
-                    _ => &generated[..],
-                };
-                let text = tok.decode(text_ids, args.chat)?;
-                if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
-                    print!("{}", &text[printed.len()..]);
-                    std::io::stdout().flush()?;
-                    printed = text;
-                }
-            }
-        }
-        println!();
-        // The first id comes with the prompt; the rest are decode steps.
-        let first = first_id_at.unwrap_or(start);
-        (generated, Vec::new(), (first - start).as_secs_f64(), first.elapsed().as_secs_f64())
+        let reply = stream(&mut session, &prompt_ids, &options, tokenizer, args.chat)?;
+        (reply.ids, Vec::new(), reply.prefill_secs, reply.decode_secs)
     };
 
     let decode_steps = generated.len().saturating_sub(1);
@@ -276,6 +277,66 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if args.stats {
         print_stats(&session.stats());
     }
+    finish_capture(&mut session, &args)?;
+    if args.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "generated_ids": generated,
+            "logits": rows,
+        });
+        println!("{out}");
+    }
+    Ok(())
+}
+
+/// Progress as a bar on a terminal, as one line per step otherwise.
+#[derive(Default)]
+struct Reporter {
+    bar: Option<ProgressBar>,
+}
+
+impl Reporter {
+    fn report(&mut self, progress: Progress<'_>) {
+        match progress {
+            Progress::Begin { what, total_bytes } if std::io::stderr().is_terminal() => {
+                let bar = match total_bytes {
+                    Some(total) => ProgressBar::new(total).with_style(
+                        ProgressStyle::with_template(
+                            "{msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+                        )
+                        .expect("a valid template")
+                        .progress_chars("=> "),
+                    ),
+                    None => ProgressBar::new_spinner().with_style(
+                        ProgressStyle::with_template("{msg} {bytes} ({bytes_per_sec})")
+                            .expect("a valid template"),
+                    ),
+                };
+                self.bar = Some(bar.with_message(what.to_string()));
+            }
+            Progress::Begin { what, total_bytes } => match total_bytes {
+                Some(total) => eprintln!("{what} ({:.1} MB)", total as f64 / 1e6),
+                None => eprintln!("{what}"),
+            },
+            Progress::Advance { bytes } => {
+                if let Some(bar) = &self.bar {
+                    bar.inc(bytes);
+                }
+            }
+            Progress::End => {
+                if let Some(bar) = self.bar.take() {
+                    bar.finish_and_clear();
+                }
+            }
+        }
+    }
+}
+
+/// Writes the captured rows where `--capture` says.
+fn finish_capture(
+    session: &mut Session<'_>,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if let Some(path) = &args.capture {
         let capture = session.take_capture().expect("capture was set");
         capture.write_safetensors(path)?;
@@ -286,13 +347,110 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             path.display()
         );
     }
-    if args.json {
-        let out = serde_json::json!({
-            "prompt_ids": prompt_ids,
-            "generated_ids": generated,
-            "logits": rows,
-        });
-        println!("{out}");
+    Ok(())
+}
+
+/// What [`stream`] generated, and how long the prompt and the decode took.
+struct Reply {
+    ids: Vec<u32>,
+    prefill_secs: f64,
+    decode_secs: f64,
+}
+
+/// Generates from `prompt` (fed from the session's position), printing the
+/// text as it comes where there is a tokenizer; `reply_only` leaves out
+/// special tokens (a chat reply).
+fn stream(
+    session: &mut Session<'_>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    tokenizer: Option<&Tokenizer>,
+    reply_only: bool,
+) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+    let start = Instant::now();
+    let mut ids: Vec<u32> = Vec::new();
+    let mut printed = String::new();
+    let mut first_id_at = None;
+    for id in session.generate(prompt, options)? {
+        ids.push(id?);
+        first_id_at.get_or_insert_with(Instant::now);
+        if let Some(tok) = tokenizer {
+            let text = reply_text(tok, &ids, &options.stop_tokens, reply_only)?;
+            if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
+                print!("{}", &text[printed.len()..]);
+                std::io::stdout().flush()?;
+                printed = text;
+            }
+        }
+    }
+    println!();
+    // The first id comes with the prompt; the rest are decode steps.
+    let first = first_id_at.unwrap_or(start);
+    Ok(Reply { ids, prefill_secs: (first - start).as_secs_f64(), decode_secs: first.elapsed().as_secs_f64() })
+}
+
+/// The text of generated `ids`, decoded whole so that multi-token
+/// characters come out whole; the token that stopped generation is not text.
+fn reply_text(
+    tok: &Tokenizer,
+    ids: &[u32],
+    stop_tokens: &[u32],
+    reply_only: bool,
+) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
+    let text_ids = match ids.split_last() {
+        Some((last, before)) if stop_tokens.contains(last) => before,
+        _ => ids,
+    };
+    tok.decode(text_ids, reply_only)
+}
+
+/// A multi-turn chat: each line of stdin is a user message, answered
+/// through the model's chat template. The conversation is rendered whole
+/// every turn, and only what follows the part already in the KV cache is
+/// fed (after rolling the cache back to where they differ, should the
+/// template render earlier turns differently). Ends at end of input or
+/// `/exit`.
+fn converse(
+    session: &mut Session<'_>,
+    template: &ChatTemplate,
+    tok: &Tokenizer,
+    options: &GenerateOptions,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let stdin = std::io::stdin();
+    let terminal = stdin.is_terminal();
+    if terminal {
+        eprintln!("chat: one message per line; end with /exit or Ctrl-D");
+    }
+    let mut messages: Vec<Message> = Vec::new();
+    // The ids in the KV cache, in order.
+    let mut cached: Vec<u32> = Vec::new();
+    let mut line = String::new();
+    loop {
+        if terminal {
+            eprint!("> ");
+        }
+        line.clear();
+        if stdin.read_line(&mut line)? == 0 {
+            break;
+        }
+        let message = line.trim();
+        if message == "/exit" {
+            break;
+        }
+        if message.is_empty() {
+            continue;
+        }
+        messages.push(Message::new("user", message));
+        let ids = tok.encode(template.render(&messages, true)?, false)?.get_ids().to_vec();
+        // At least the last id is fed: its logits choose the reply's first.
+        let kept = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
+        session.truncate(kept);
+        cached.truncate(kept);
+        let reply = stream(session, &ids[kept..], options, Some(tok), true)?;
+        // The last id generated is not in the cache.
+        cached.extend_from_slice(&ids[kept..]);
+        cached.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);
+        messages.push(Message::new("assistant", &reply_text(tok, &reply.ids, &options.stop_tokens, true)?));
     }
     Ok(())
 }
@@ -305,21 +463,22 @@ fn with_logits(
     session: &mut wgspark::Session<'_>,
     prompt_ids: &[u32],
     sampling: Sampling,
-    args: &Args,
+    seed: u64,
+    max_tokens: usize,
     eos: &[u32],
 ) -> Result<WithLogits, Box<dyn std::error::Error + Send + Sync>> {
-    let mut sampler = Sampler::new(sampling, args.seed)?;
+    let mut sampler = Sampler::new(sampling, seed)?;
     let prefill_start = Instant::now();
     let mut logits = session.prefill(prompt_ids)?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
     let mut generated = Vec::new();
     let mut rows = Vec::new();
     let decode_start = Instant::now();
-    while generated.len() < args.max_new_tokens {
+    while generated.len() < max_tokens {
         let next = sampler.sample(&logits);
         generated.push(next);
         rows.push(std::mem::take(&mut logits));
-        if eos.contains(&next) || generated.len() == args.max_new_tokens {
+        if eos.contains(&next) || generated.len() == max_tokens {
             break;
         }
         logits = session.step(next, session.position())?;

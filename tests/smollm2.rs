@@ -43,8 +43,12 @@ struct Case {
 
 #[test]
 fn smollm2_matches_transformers_greedy_ids() {
-    let file = wgspark::fetch::default_model(|msg| eprintln!("{msg}"))
-        .unwrap_or_else(|e| panic!("the default model could not be obtained: {e}"));
+    let file = wgspark::fetch::default_model(|p| {
+        if let wgspark::progress::Progress::Begin { what, .. } = p {
+            eprintln!("{what}")
+        }
+    })
+    .unwrap_or_else(|e| panic!("the default model could not be obtained: {e}"));
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/smollm2/expected.json");
     let reference: Reference = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
 

@@ -243,14 +243,14 @@ impl ModelConfig {
 
         let heads_q = raw.num_attention_heads;
         let heads_kv = raw.num_key_value_heads.unwrap_or(heads_q);
-        if heads_q == 0 || heads_kv == 0 || heads_q % heads_kv != 0 {
+        if heads_q == 0 || heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
             return Err(invalid(format!(
                 "num_attention_heads ({heads_q}) must be a positive multiple of num_key_value_heads ({heads_kv})"
             )));
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
-            None if raw.hidden_size % heads_q == 0 => raw.hidden_size / heads_q,
+            None if raw.hidden_size.is_multiple_of(heads_q) => raw.hidden_size / heads_q,
             None => {
                 return Err(invalid(format!(
                     "hidden_size {} is not divisible by num_attention_heads {heads_q} and no head_dim is given",
@@ -376,7 +376,7 @@ fn parse_moe(
         RouterScoring::SigmoidWithBias => Routing::SigmoidWithBias,
     };
     let intermediate = raw.moe_intermediate_size.unwrap_or(dense_intermediate);
-    if intermediate == 0 || intermediate % 2 != 0 {
+    if intermediate == 0 || !intermediate.is_multiple_of(2) {
         return Err(invalid(format!("expert intermediate size {intermediate} must be even and positive")));
     }
     let step = raw.decoder_sparse_step.unwrap_or(1);

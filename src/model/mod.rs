@@ -16,6 +16,7 @@ use weights::{Checkpoint, TensorSource, Uploader};
 use crate::error::Result;
 use crate::gpu::{Gpu, GpuTensor};
 use crate::kernels::Kernels;
+use crate::progress::Progress;
 
 /// One decoder layer's weights. Projections that read the same input are
 /// stacked into one tensor so they run as one GEMV.
@@ -129,21 +130,39 @@ impl Model {
     /// first of a split set, or a folder holding one and no config.json;
     /// weights in their stored formats).
     pub fn load(path: impl AsRef<Path>, gpu: &Gpu) -> Result<Model> {
+        Self::load_with_progress(path, gpu, |_| {})
+    }
+
+    /// [`Self::load`], reporting the weights' upload to `progress` (one
+    /// step, in bytes).
+    pub fn load_with_progress(
+        path: impl AsRef<Path>,
+        gpu: &Gpu,
+        mut progress: impl FnMut(Progress<'_>),
+    ) -> Result<Model> {
         let dir = path.as_ref();
-        if let Some(file) = gguf_checkpoint::gguf_in(dir)? {
-            let checkpoint = gguf_checkpoint::GgufCheckpoint::open(&file)?;
-            let config = checkpoint.config()?;
-            gpu.check_budget("model weights", checkpoint.gpu_bytes())?;
-            let kernels = Kernels::new(gpu)?;
-            let weights = upload(gpu, &config, &checkpoint)?;
-            return Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(file) });
-        }
-        let config = ModelConfig::load(dir)?;
-        gpu.check_budget("model weights", config.weight_bytes())?;
-        let checkpoint = Checkpoint::open(dir)?;
+        let (config, checkpoint, bytes, tokenizer_source): (_, Box<dyn TensorSource>, _, _) =
+            match gguf_checkpoint::gguf_in(dir)? {
+                Some(file) => {
+                    let checkpoint = gguf_checkpoint::GgufCheckpoint::open(&file)?;
+                    let config = checkpoint.config()?;
+                    let bytes = checkpoint.gpu_bytes();
+                    gpu.check_budget("model weights", bytes)?;
+                    (config, Box::new(checkpoint), bytes, file)
+                }
+                None => {
+                    let config = ModelConfig::load(dir)?;
+                    let bytes = config.weight_bytes();
+                    // Before the checkpoint is opened: a model too large fails first.
+                    gpu.check_budget("model weights", bytes)?;
+                    (config, Box::new(Checkpoint::open(dir)?), bytes, dir.to_path_buf())
+                }
+            };
         let kernels = Kernels::new(gpu)?;
-        let weights = upload(gpu, &config, &checkpoint)?;
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(dir.to_path_buf()) })
+        progress(Progress::Begin { what: &format!("loading {}", dir.display()), total_bytes: Some(bytes) });
+        let weights = upload(gpu, &config, checkpoint.as_ref(), &mut progress)?;
+        progress(Progress::End);
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(tokenizer_source) })
     }
 
     /// The chat template the model's files carry: a GGUF's
@@ -174,13 +193,18 @@ impl Model {
     pub fn synthetic(config: ModelConfig, gpu: &Gpu, seed: u64) -> Result<Model> {
         gpu.check_budget("model weights", config.weight_bytes())?;
         let kernels = Kernels::new(gpu)?;
-        let weights = upload(gpu, &config, &synthetic::RandomWeights { seed })?;
+        let weights = upload(gpu, &config, &synthetic::RandomWeights { seed }, &mut |_| {})?;
         Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: None })
     }
 }
 
-fn upload(gpu: &Gpu, c: &ModelConfig, checkpoint: &dyn TensorSource) -> Result<Weights> {
-    let mut up = Uploader::new(gpu, checkpoint);
+fn upload(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    checkpoint: &dyn TensorSource,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<Weights> {
+    let mut up = Uploader::new(gpu, checkpoint, progress);
     let (hidden, heads) = (c.hidden, c.heads);
     let q_rows = heads.q * heads.dim;
     let kv_rows = heads.kv * heads.dim;

@@ -14,6 +14,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::error::{Error, Result};
 use crate::format::WeightFormat;
 use crate::gpu::{Gpu, GpuTensor};
+use crate::progress::Progress;
 
 /// Maps a checkpoint's tensor name to the text-model name the flow uses:
 /// multimodal checkpoints nest the language model under a prefix.
@@ -227,13 +228,19 @@ pub struct Uploader<'a> {
     gpu: &'a Gpu,
     checkpoint: &'a dyn TensorSource,
     pending_bytes: u64,
+    progress: &'a mut dyn FnMut(Progress<'_>),
 }
 
 const FLUSH_BYTES: u64 = 256 << 20;
 
 impl<'a> Uploader<'a> {
-    pub fn new(gpu: &'a Gpu, checkpoint: &'a dyn TensorSource) -> Self {
-        Uploader { gpu, checkpoint, pending_bytes: 0 }
+    /// `progress` hears of every tensor's bytes as they are written.
+    pub fn new(
+        gpu: &'a Gpu,
+        checkpoint: &'a dyn TensorSource,
+        progress: &'a mut dyn FnMut(Progress<'_>),
+    ) -> Self {
+        Uploader { gpu, checkpoint, pending_bytes: 0, progress }
     }
 
     /// One `[rows, cols]` tensor (a vector when `rows` is 1).
@@ -312,10 +319,7 @@ impl<'a> Uploader<'a> {
                     group.clear();
                 }
             }
-            self.pending_bytes += bytes.len() as u64;
-            if self.pending_bytes >= FLUSH_BYTES {
-                self.flush()?;
-            }
+            self.written(bytes.len() as u64)?;
         }
         Ok(tensor)
     }
@@ -378,12 +382,20 @@ impl<'a> Uploader<'a> {
             let bytes = self.checkpoint.stored_bytes(name, shape)?;
             tensor.write_rows(self.gpu, row, &format.to_gpu_layout(&bytes));
             row += rows_of(shape);
-            self.pending_bytes += bytes.len() as u64;
-            if self.pending_bytes >= FLUSH_BYTES {
-                self.flush()?;
-            }
+            self.written(bytes.len() as u64)?;
         }
         Ok(tensor)
+    }
+
+    /// Counts `bytes` more written: reported, and flushed every FLUSH_BYTES
+    /// so that the staging memory stays bounded.
+    fn written(&mut self, bytes: u64) -> Result<()> {
+        (self.progress)(Progress::Advance { bytes });
+        self.pending_bytes += bytes;
+        if self.pending_bytes >= FLUSH_BYTES {
+            self.flush()?;
+        }
+        Ok(())
     }
 
     pub fn contains(&self, name: &str) -> bool {

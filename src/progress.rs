@@ -1,0 +1,16 @@
+//! What long operations report as they go: downloading the default model
+//! ([`crate::fetch::default_model`]) and loading weights
+//! ([`crate::Model::load_with_progress`]). A caller draws bars or prints
+//! lines from it; the library itself prints nothing.
+
+/// One report. A step is a `Begin`, any number of `Advance`s, then `End`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress<'a> {
+    /// A step begins: what it does, and how many bytes it will take where
+    /// that is known.
+    Begin { what: &'a str, total_bytes: Option<u64> },
+    /// `bytes` more of the current step are done.
+    Advance { bytes: u64 },
+    /// The current step is done.
+    End,
+}
