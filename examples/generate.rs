@@ -190,11 +190,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         (None, _) if conversation => Vec::new(),
         (None, Some(tok)) => {
             let prompt = args.prompt.clone().unwrap_or_else(|| "The capital of France is".to_string());
-            let text = match &template {
-                Some(template) => template.render(&[Message::new("user", &prompt)], true)?,
-                None => prompt,
-            };
-            tok.encode(text, false)?.get_ids().to_vec()
+            // A plain prompt gets what the tokenizer puts around a text (a
+            // BOS token, for most); a chat template writes its own.
+            match &template {
+                Some(template) => {
+                    tok.encode(template.render(&[Message::new("user", &prompt)], true)?, false)?
+                }
+                None => tok.encode(prompt, true)?,
+            }
+            .get_ids()
+            .to_vec()
         }
         (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
     };

@@ -181,3 +181,41 @@ fn bad_gguf_models_are_typed_errors() {
         "{err}"
     );
 }
+
+#[derive(serde::Deserialize)]
+struct SpmCase {
+    text: String,
+    ids: Vec<u32>,
+    decoded: String,
+}
+
+#[derive(serde::Deserialize)]
+struct SpmExpected {
+    bos_id: u32,
+    cases: Vec<SpmCase>,
+}
+
+/// A `llama` (SentencePiece BPE) tokenizer stored as llama.cpp stores one,
+/// without merges, encodes every text to the ids SentencePiece gives it
+/// (byte fallback, runs of spaces, digits and the dummy prefix included),
+/// puts BOS first when asked for special tokens, reads control tokens
+/// written as text as tokens, and decodes back as SentencePiece does
+/// (scripts/make_spm_fixture.py).
+#[test]
+fn sentencepiece_gguf_tokenizer_encodes_as_sentencepiece_does() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers");
+    let expected: SpmExpected =
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/spm.json")).unwrap()).unwrap();
+    let gguf = Gguf::open(format!("{dir}/spm.gguf")).unwrap();
+    let tokenizer = wgspark::tokenizer::from_gguf(&gguf).unwrap().expect("a llama tokenizer is built");
+    for case in &expected.cases {
+        let ids = tokenizer.encode(case.text.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, case.ids, "{:?}", case.text);
+        let with_bos = tokenizer.encode(case.text.as_str(), true).unwrap().get_ids().to_vec();
+        assert_eq!(with_bos, [&[expected.bos_id][..], &case.ids].concat(), "{:?} with BOS", case.text);
+        assert_eq!(tokenizer.decode(&case.ids, true).unwrap(), case.decoded, "{:?} decoded", case.text);
+    }
+    // Chat templates write control tokens as text: they are read as tokens.
+    let bos = tokenizer.encode("<s>", false).unwrap().get_ids().to_vec();
+    assert_eq!(bos, [expected.bos_id]);
+}

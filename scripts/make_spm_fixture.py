@@ -1,0 +1,103 @@
+"""Writes tests/fixtures/tokenizers/spm.gguf and spm.json: a SentencePiece
+BPE vocabulary (byte fallback on, identity normalization, a dummy space
+prefix, as Llama 2's and Mistral's tokenizers are) trained on a small
+corpus, stored as llama.cpp's converter stores a `llama` tokenizer
+(tokens, scores, token types; no merges), and the ids SentencePiece itself
+gives a set of texts. The Rust test builds the tokenizer from the GGUF and
+checks it encodes each text to those ids and decodes them back.
+
+    python3 -m venv /tmp/gv && /tmp/gv/bin/pip install gguf numpy sentencepiece
+    /tmp/gv/bin/python scripts/make_spm_fixture.py
+"""
+import io
+import json
+from pathlib import Path
+
+import gguf
+import sentencepiece as spm
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tokenizers"
+
+CORPUS = """The quick brown fox jumps over the lazy dog.
+A tokenizer splits text into pieces; the model sees only their ids.
+Paris is the capital of France, and Berlin is the capital of Germany.
+In 1969, 600 million people watched the landing on the Moon.
+Les élèves étudient la physique à l'école.
+def main():
+    print("hello, world")
+    return 0
+Numbers like 3.14159 and 2.71828 appear in mathematics.
+Tokenizers, tokenization and tokens: the same stem, three words.
+"""
+
+TEXTS = [
+    "Hello world",
+    "The capital of France is",
+    " leading space",
+    "two  spaces and   three",
+    "tabs\tand\nnew lines\n",
+    "digits 1234567890 and 3.14",
+    "accents: café, naïve, élève",
+    "unseen characters: 日本語 and 🙂 fall back to bytes",
+    "tokenization tokenizers",
+    "",
+]
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines() * 4),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=420,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        num_threads=1,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        if sp.is_unknown(i):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            types.append(gguf.TokenType.CONTROL)
+        elif sp.is_unused(i):
+            types.append(gguf.TokenType.UNUSED)
+        elif sp.is_byte(i):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+
+    w = gguf.GGUFWriter(str(OUT / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    cases = [{"text": t, "ids": sp.encode(t), "decoded": sp.decode(sp.encode(t))} for t in TEXTS]
+    expected = {"bos_id": sp.bos_id(), "cases": cases}
+    (OUT / "spm.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()
