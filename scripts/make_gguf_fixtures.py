@@ -59,6 +59,10 @@ CASES = {
     "gguf_mixtral_q5_1": ("llama", base(
         "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "Q5_1"),
     "gguf_llama_q4_1": ("llama", base("llama"), "Q4_1"),
+    "gguf_minimax_m2_q4_k_m": ("minimax-m2", base(
+        "minimax_m2", intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, rotary_dim=32,
+        scoring_func="sigmoid", use_routing_bias=True, rope_theta=5000000.0, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2), "Q4_K_M"),
 }
 
 
@@ -89,10 +93,10 @@ def layout(arch, cfg):
             (b + "attn_output.weight", p + "self_attn.o_proj.weight", None),
             (b + "ffn_norm.weight", p + "post_attention_layernorm.weight", None),
         ]
-        if arch.startswith("qwen3"):
+        if arch.startswith("qwen3") or arch == "minimax-m2":
             out += [(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", None),
                     (b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", None)]
-        if cfg["model_type"] in ("qwen3_moe", "mixtral"):
+        if cfg["model_type"] in ("qwen3_moe", "mixtral", "minimax_m2"):
             # transformers 5 fuses each layer's experts: gate_up_proj [E, 2I, H]
             # (gate rows, then up rows), down_proj [E, H, I].
             fused = p + "mlp.experts."
@@ -100,6 +104,8 @@ def layout(arch, cfg):
                     (b + "ffn_gate_exps.weight", ("half", fused + "gate_up_proj", 0), None),
                     (b + "ffn_up_exps.weight", ("half", fused + "gate_up_proj", 1), None),
                     (b + "ffn_down_exps.weight", fused + "down_proj", None)]
+            if cfg.get("use_routing_bias"):
+                out.append((b + "exp_probs_b.bias", p + "mlp.e_score_correction_bias", None))
         else:
             out += [(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", None),
                     (b + "ffn_up.weight", p + "mlp.up_proj.weight", None),
@@ -128,7 +134,7 @@ def write_f32_gguf(path, arch, cfg, sd):
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg.get("rotary_dim", cfg["head_dim"]))
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -137,6 +143,9 @@ def write_f32_gguf(path, arch, cfg, sd):
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg["model_type"] == "qwen3_moe":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg["model_type"] == "minimax_m2":
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("none")
@@ -164,6 +173,10 @@ def case(name, quantize):
                     p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
                 else:
                     p.uniform_(0.8, 1.2)
+            for pname, p in [*model.named_parameters(), *model.named_buffers()]:
+                if pname.endswith("e_score_correction_bias"):
+                    # Large enough to change which experts are chosen.
+                    p.normal_(0.0, 0.5)
         sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
         with tempfile.TemporaryDirectory() as tmp:
             f32_path, q_path = Path(tmp) / "f32.gguf", Path(tmp) / "q.gguf"

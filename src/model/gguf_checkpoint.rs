@@ -5,7 +5,9 @@
 //! `llama`-architecture models for its RoPE; they are put back in
 //! transformers' order as they are read (rows are whole blocks, so this
 //! works on quantized rows too). A MoE layer's experts are one 3-D tensor
-//! per projection, served to the upload as per-expert slices.
+//! per projection, served to the upload as per-expert slices; MiniMax-M2's
+//! router bias is `exp_probs_b.bias` and its gating function (sigmoid)
+//! `expert_gating_func`.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -20,7 +22,8 @@ use crate::format::WeightFormat;
 use crate::gguf::{Gguf, TensorInfo};
 
 /// The architectures a GGUF model may have, with the model type they load as.
-const ARCHITECTURES: &[(&str, &str)] = &[("llama", "llama"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")];
+const ARCHITECTURES: &[(&str, &str)] =
+    &[("llama", "llama"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe"), ("minimax-m2", "minimax_m2")];
 
 /// Where a Hugging Face tensor lives in the GGUF files.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,7 +150,10 @@ impl GgufCheckpoint {
         let mut config = json!({
             "model_type": if experts > 0 && model_type == "llama" { "mixtral" } else { model_type },
             "hidden_size": hidden,
-            "intermediate_size": self.meta_int("feed_forward_length")?,
+            // MiniMax-M2 has experts only: their width is the MLP width.
+            "intermediate_size": self.meta_int("feed_forward_length").or_else(|e| {
+                self.meta_int("expert_feed_forward_length").map_err(|_| e)
+            })?,
             "num_hidden_layers": self.meta_int("block_count")?,
             "num_attention_heads": heads,
             "num_key_value_heads": self.meta_int("attention.head_count_kv").unwrap_or(heads),
@@ -166,7 +172,7 @@ impl GgufCheckpoint {
             fields.insert("sliding_window".into(), json!(window));
         }
         if let Ok(rot) = self.meta_int("rope.dimension_count") {
-            fields.insert("partial_rotary_factor".into(), json!(rot as f64 / head_dim as f64));
+            fields.insert("rotary_dim".into(), json!(rot));
         }
         if self.meta().meta_str(&format!("{}.rope.scaling.type", self.arch)).ok() == Some("linear") {
             let factor = self.meta_float("rope.scaling.factor")?;
@@ -181,6 +187,18 @@ impl GgufCheckpoint {
                 fields.insert("moe_intermediate_size".into(), json!(ffn));
             }
             fields.insert("norm_topk_prob".into(), json!(true));
+            // llama.cpp's gating functions: 1 softmax, 2 sigmoid.
+            let scoring = match self.meta_int("expert_gating_func") {
+                Ok(1) => Some("softmax"),
+                Ok(2) => Some("sigmoid"),
+                Ok(other) => {
+                    return Err(self.meta().err(format!("expert_gating_func {other} is not 1 or 2")));
+                }
+                Err(_) => None,
+            };
+            if let Some(scoring) = scoring {
+                fields.insert("scoring_func".into(), json!(scoring));
+            }
         }
         let path = self.meta().path().to_path_buf();
         let mut config = ModelConfig::parse(&config.to_string(), &path)?;
@@ -242,6 +260,9 @@ impl GgufCheckpoint {
             "mlp.up_proj.weight" => blk("ffn_up"),
             "mlp.down_proj.weight" => blk("ffn_down"),
             "mlp.gate.weight" | "block_sparse_moe.gate.weight" => blk("ffn_gate_inp"),
+            "mlp.e_score_correction_bias" | "block_sparse_moe.e_score_correction_bias" => {
+                format!("blk.{layer}.exp_probs_b.bias")
+            }
             _ => {
                 // mlp.experts.{e}.{gate,up,down}_proj.weight (Qwen3-MoE) or
                 // block_sparse_moe.experts.{e}.{w1,w3,w2}.weight (Mixtral).
