@@ -97,7 +97,18 @@ fn edited_model(
     meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
 ) -> std::path::PathBuf {
-    let source = Gguf::open(common::checkpoint::fixture_dir("gguf_qwen3_q4_0").join("model.gguf")).unwrap();
+    edited_fixture("gguf_qwen3_q4_0", name, meta, tensor)
+}
+
+/// A copy of fixture `source`'s model.gguf, its metadata and tensors passed
+/// through `meta` and `tensor` (None drops a key, keeps a tensor).
+fn edited_fixture(
+    source: &str,
+    name: &str,
+    meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
+    tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
+) -> std::path::PathBuf {
+    let source = Gguf::open(common::checkpoint::fixture_dir(source).join("model.gguf")).unwrap();
     let mut w = GgufWriter::new();
     let mut keys: Vec<&String> = source.metadata.keys().collect();
     keys.sort();
@@ -180,6 +191,17 @@ fn bad_gguf_models_are_typed_errors() {
         matches!(&err, Error::Unsupported { value, .. } if value.contains("blk.1.attn_q.weight") && value.contains("Q8_1")),
         "{err}"
     );
+
+    // A router gating function llama.cpp does not define.
+    let gating_key = "minimax-m2.expert_gating_func";
+    let gating = edited_fixture(
+        "gguf_minimax_m2_q4_k_m",
+        "gguf_gating",
+        |k, v| if k == gating_key { Some(MetaValue::U32(7)) } else { same(k, v) },
+        |_| None,
+    );
+    let err = load(&gating);
+    assert!(err.to_string().contains("expert_gating_func 7"), "{err}");
 }
 
 #[derive(serde::Deserialize)]
