@@ -58,7 +58,11 @@ impl ChatTemplate {
     /// (`None`: there is no such file or it has no template).
     pub fn from_folder(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join("tokenizer_config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+        if !path.exists() {
+            return Ok(None);
+        }
+        crate::error::check_regular_file(&path)?;
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let config: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::Json { path: path.clone(), message: e.to_string() })?;
         let Some(source) = config.get("chat_template").and_then(|t| t.as_str()) else { return Ok(None) };

@@ -102,6 +102,21 @@ impl Error {
     }
 }
 
+/// Fails unless `path` is a regular file (links followed), checked before
+/// it is opened: a FIFO would block the open, a device (`/dev/zero`) never
+/// ends, and a directory fails with a message that does not say so.
+pub(crate) fn check_regular_file(path: &std::path::Path) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_file() {
+        return Ok(());
+    }
+    let kind = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+    Err(Error::io(
+        path,
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{kind}, not a model file")),
+    ))
+}
+
 /// What is wrong with a control vector file, or with its fit to a model.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ControlVectorProblem {

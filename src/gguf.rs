@@ -217,6 +217,7 @@ impl Cursor<'_> {
 impl Gguf {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
+        crate::error::check_regular_file(path)?;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the map is read-only; like every memory-mapped loader we
         // rely on the file not being truncated by another process meanwhile.

@@ -16,9 +16,10 @@ use crate::gguf::{Gguf, Meta};
 /// The tokenizer of a Hugging Face folder (`None`: it has no tokenizer.json).
 pub fn from_folder(dir: &Path) -> Result<Option<Tokenizer>> {
     let path = dir.join("tokenizer.json");
-    if !path.is_file() {
+    if !path.exists() {
         return Ok(None);
     }
+    crate::error::check_regular_file(&path)?;
     Tokenizer::from_file(&path)
         .map(Some)
         .map_err(|e| Error::Tokenizer { source_file: path.clone(), message: e.to_string() })

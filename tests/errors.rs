@@ -165,6 +165,51 @@ fn missing_files() {
     assert!(matches!(load_err(&dir), Error::Io { path, .. } if path.ends_with("shard-1.safetensors")));
 }
 
+/// Shards are files of the model folder: an index naming a path elsewhere
+/// is refused before anything is opened, and a tensor in two shards is an
+/// error rather than one silently winning.
+#[test]
+fn shard_index_that_leads_elsewhere_or_repeats_a_tensor() {
+    let dir = temp_dir("shards");
+    std::fs::copy(fixture_dir("llama_untied").join("config.json"), dir.join("config.json")).unwrap();
+    for shard in ["../model.safetensors", "/etc/passwd", "sub/model.safetensors", ".."] {
+        let index = serde_json::json!({"weight_map": {"a": shard}});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let err = load_err(&dir);
+        assert!(
+            matches!(&err, Error::Json { message, .. } if message.contains("not a file name")),
+            "{shard}: {err}"
+        );
+    }
+    let weights = fixture_dir("llama_untied").join("model.safetensors");
+    std::fs::copy(&weights, dir.join("a.safetensors")).unwrap();
+    std::fs::copy(&weights, dir.join("b.safetensors")).unwrap();
+    let index = serde_json::json!({"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let err = load_err(&dir);
+    assert!(matches!(&err, Error::Safetensors { message, .. } if message.contains("is also in")), "{err}");
+}
+
+/// A FIFO would block the read and a directory is not a file: both are
+/// named as what they are, without opening them.
+#[test]
+fn model_files_that_are_not_regular_files() {
+    let dir = temp_dir("not_regular");
+    let fifo = dir.join("config.json");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(made.success());
+    let err = load_err(&dir);
+    assert!(
+        matches!(&err, Error::Io { path, source } if path == &fifo && source.to_string().contains("FIFO")),
+        "{err}"
+    );
+    std::fs::remove_file(&fifo).unwrap();
+    std::fs::copy(fixture_dir("llama_untied").join("config.json"), &fifo).unwrap();
+    std::fs::create_dir(dir.join("model.safetensors")).unwrap();
+    let err = load_err(&dir);
+    assert!(matches!(&err, Error::Io { source, .. } if source.to_string().contains("a directory")), "{err}");
+}
+
 #[test]
 fn model_larger_than_the_device_budget() {
     let gpu = Gpu::new(&wgspark::GpuOptions {

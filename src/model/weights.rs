@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_regular_file};
 use crate::format::WeightFormat;
 use crate::gpu::{Gpu, GpuTensor};
 use crate::progress::Progress;
@@ -53,7 +53,7 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         let shard_names =
-            if index.exists() { shard_list(&index)? } else { vec!["model.safetensors".to_string()] };
+            if index.exists() { shard_list(&index, dir)? } else { vec!["model.safetensors".to_string()] };
         let mut checkpoint = Checkpoint { files: Vec::new(), tensors: HashMap::new() };
         for shard in shard_names {
             checkpoint.add_file(dir.join(shard))?;
@@ -62,6 +62,7 @@ impl Checkpoint {
     }
 
     fn add_file(&mut self, path: PathBuf) -> Result<()> {
+        check_regular_file(&path)?;
         let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
         // SAFETY: the file is opened read-only and the map lives as long as
         // the checkpoint; a checkpoint rewritten while loading is outside
@@ -73,15 +74,18 @@ impl Checkpoint {
         let file_index = self.files.len();
         for (name, info) in metadata.tensors() {
             let (lo, hi) = info.data_offsets;
-            self.tensors.insert(
-                canonical_name(&name).into_owned(),
-                Entry {
-                    file: file_index,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    bytes: data_start + lo..data_start + hi,
-                },
-            );
+            let entry = Entry {
+                file: file_index,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                bytes: data_start + lo..data_start + hi,
+            };
+            if let Some(earlier) = self.tensors.insert(canonical_name(&name).into_owned(), entry) {
+                return Err(Error::Safetensors {
+                    path: path.clone(),
+                    message: format!("tensor {name} is also in {}", self.files[earlier.file].0.display()),
+                });
+            }
         }
         self.files.push((path, map));
         Ok(())
@@ -176,17 +180,36 @@ impl Checkpoint {
     }
 }
 
-fn shard_list(index: &Path) -> Result<Vec<String>> {
+/// The shard files `index` names, each a plain file name in `dir`: a path
+/// that leads elsewhere (`../x`, `/etc/passwd`, `sub/x`) is refused rather
+/// than read.
+fn shard_list(index: &Path, dir: &Path) -> Result<Vec<String>> {
     #[derive(serde::Deserialize)]
     struct Index {
         weight_map: HashMap<String, String>,
     }
+    check_regular_file(index)?;
     let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
     let parsed: Index = serde_json::from_str(&text)
         .map_err(|e| Error::Json { path: index.to_path_buf(), message: e.to_string() })?;
     let mut shards: Vec<String> = parsed.weight_map.into_values().collect();
     shards.sort();
     shards.dedup();
+    for shard in &shards {
+        let plain = matches!(
+            Path::new(shard).components().collect::<Vec<_>>()[..],
+            [std::path::Component::Normal(_)]
+        );
+        if !plain {
+            return Err(Error::Json {
+                path: index.to_path_buf(),
+                message: format!(
+                    "weight_map names shard {shard:?}, which is not a file name in {}",
+                    dir.display()
+                ),
+            });
+        }
+    }
     Ok(shards)
 }
 
