@@ -71,6 +71,11 @@ pub enum Error {
     #[error("context overflow: position {position} does not fit a context of {context_len}")]
     ContextOverflow { position: usize, context_len: usize },
 
+    #[error(
+        "layer {layer}: the router's scores are not numbers (NaN or infinite activations: check the \
+         weights, rms_norm_eps, the rope factors and any control vectors)"
+    )]
+    NonFiniteRouting { layer: usize },
     #[error("empty prompt: prefill needs at least one token")]
     EmptyPrompt,
 

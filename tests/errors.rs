@@ -236,6 +236,29 @@ fn bad_backend_and_sampling_parameters() {
     }
 }
 
+/// NaN activations reach the router as scores that are not numbers: the
+/// routing readback says so (naming the layer) instead of indexing experts
+/// with what the top-k made of them.
+#[test]
+fn router_scores_that_are_not_numbers() {
+    let dir = edited_fixture("mixtral_8x2", |_, tensors| {
+        let (name, (dtype, _, bytes)) = tensors
+            .iter_mut()
+            .find(|(n, _)| {
+                n.starts_with("model.layers.1.") && n.ends_with("gate.weight") && !n.contains("expert")
+            })
+            .expect("layer 1 has a router");
+        assert_eq!(*dtype, Dtype::BF16, "{name}");
+        for b in bytes.chunks_exact_mut(2) {
+            b.copy_from_slice(&0x7fc0u16.to_le_bytes()); // a bf16 NaN
+        }
+    });
+    let model = Model::load(&dir, &gpu()).unwrap();
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let err = session.prefill(&[1, 2, 3]).unwrap_err();
+    assert!(matches!(err, Error::NonFiniteRouting { layer: 1 }), "{err}");
+}
+
 #[test]
 fn moe_config_errors() {
     let dir = edited_fixture("mixtral_8x2", |c, _| c["num_experts_per_tok"] = 9.into());

@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::{Dispatch, Gpu, MapWait, Readback};
 use crate::stats::{Phase, PhaseTimes, Stats, TimingSource};
 
@@ -161,11 +161,17 @@ impl<'a> Recorder<'a> {
     fn finish_routing(&mut self) -> Result<Option<Vec<u32>>> {
         let Some(r) = self.routing.take() else { return Ok(None) };
         let start = Instant::now();
-        let ids: Vec<u32> = r.readback.finish_map(self.gpu, MapWait::Spin, bytemuck::pod_collect_to_vec)?;
+        let mut ids: Vec<u32> =
+            r.readback.finish_map(self.gpu, MapWait::Spin, bytemuck::pod_collect_to_vec)?;
         self.stats.routing_wait += start.elapsed();
+        ids.truncate((r.bytes / 4) as usize);
+        // The top-k kernel answers NaN scores with an id past the experts.
+        if ids.iter().any(|&e| e as usize >= r.experts) {
+            return Err(Error::NonFiniteRouting { layer: r.layer });
+        }
         let histogram = &mut self.stats.router_histogram[r.layer];
         histogram.resize(r.experts, 0);
-        for &e in &ids[..(r.bytes / 4) as usize] {
+        for &e in &ids {
             histogram[e as usize] += 1;
         }
         Ok(Some(ids))
