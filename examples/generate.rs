@@ -29,7 +29,7 @@ use wgspark::{
 };
 
 #[derive(Parser, Debug)]
-#[command(about = "Generate text with wgspark")]
+#[command(about = "Generate text with wgspark", allow_negative_numbers = true)]
 struct Args {
     /// Hugging Face model folder (config.json, safetensors, tokenizer.json),
     /// or a GGUF file (or a folder holding one).
@@ -151,6 +151,13 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let sampling = if args.greedy || args.temperature == 0.0 {
+        Sampling::Greedy
+    } else {
+        Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p }
+    };
+    // Before anything is loaded or printed.
+    sampling.validate()?;
     let backend = match &args.backend {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,
@@ -237,11 +244,6 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let prompt_rows = if args.capture_all_prompt { PromptRows::All } else { PromptRows::Last };
         session.set_capture(Some(&CaptureOptions { layers: args.capture_layers.clone(), prompt_rows }))?;
     }
-    let sampling = if args.greedy || args.temperature == 0.0 {
-        Sampling::Greedy
-    } else {
-        Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p }
-    };
     let eos: &[u32] = if args.ignore_eos { &[] } else { &model.config.eos_token_ids };
     let options = GenerateOptions {
         sampling,

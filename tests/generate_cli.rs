@@ -146,6 +146,9 @@ fn bad_input_exits_with_a_message() {
             "out of range",
         ),
         (vec!["--backend".into(), "cuda".into(), "--prompt-ids".into(), "1".into()], "unknown backend"),
+        // A negative number is a value, not a flag: the sampler refuses it.
+        (on_fixture(&["--temperature", "-1"]), "temperature must be positive"),
+        (on_fixture(&["--temperature", "0.7", "--top-p", "-0.5"]), "top_p"),
         (
             on_fixture(&["--control-vector-scaled", &format!("{}:strong", cvec.display())]),
             "expected FILE:STRENGTH",
