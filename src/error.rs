@@ -76,6 +76,8 @@ pub enum Error {
          weights, rms_norm_eps, the rope factors and any control vectors)"
     )]
     NonFiniteRouting { layer: usize },
+    #[error("a context of {context_len} positions: {reason}")]
+    InvalidContext { context_len: usize, reason: String },
     #[error("empty prompt: prefill needs at least one token")]
     EmptyPrompt,
 

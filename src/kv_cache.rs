@@ -49,17 +49,19 @@ pub struct KvCache {
 
 impl KvCache {
     /// Bytes of every layer's cache for `context_len` positions.
+    /// Saturates rather than wraps: a context too large for any device
+    /// then fails the budget check.
     pub fn bytes(layers: usize, heads: Heads, context_len: usize, format: KvFormat) -> u64 {
-        (2 * layers * Self::layer_bytes(heads, context_len, format)) as u64
+        Self::layer_bytes(heads, context_len, format).saturating_mul(2 * layers as u64)
     }
 
-    /// Bytes of one layer's K (or V).
-    fn layer_bytes(heads: Heads, context_len: usize, format: KvFormat) -> usize {
-        context_len * heads.kv_width() * format.bytes_per_value()
+    /// Bytes of one layer's K (or V), saturating.
+    fn layer_bytes(heads: Heads, context_len: usize, format: KvFormat) -> u64 {
+        (context_len as u64).saturating_mul((heads.kv_width() * format.bytes_per_value()) as u64)
     }
 
     pub fn new(gpu: &Gpu, layers: usize, heads: Heads, context_len: usize, format: KvFormat) -> Result<Self> {
-        let layer_bytes = Self::layer_bytes(heads, context_len, format) as u64;
+        let layer_bytes = Self::layer_bytes(heads, context_len, format);
         if layer_bytes > gpu.caps.max_storage_binding {
             return Err(Error::Unsupported {
                 what: "context length",

@@ -116,13 +116,17 @@ impl<'m> Session<'m> {
         let c = &model.config;
         let context_len = options.context_len.unwrap_or_else(|| c.max_positions.min(DEFAULT_CONTEXT_CAP));
         if context_len == 0 {
-            return Err(Error::ContextOverflow { position: 0, context_len });
+            return Err(Error::InvalidContext {
+                context_len,
+                reason: "a session needs at least one position (SessionOptions::context_len, --context)"
+                    .into(),
+            });
         }
         let gpu = &model.gpu;
         let kv_bytes = KvCache::bytes(c.layers, c.heads, context_len, options.kv_format);
         gpu.check_budget(
             &format!("model weights and a KV cache of {context_len} positions"),
-            model.weights.bytes() + kv_bytes,
+            model.weights.bytes().saturating_add(kv_bytes),
         )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len, options.kv_format)?;
         let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));

@@ -62,6 +62,25 @@ fn context_overflow() {
     assert!(matches!(err, Error::ContextOverflow { position: 4, context_len: 4 }), "{err}");
 }
 
+/// A context no device holds (sizes that would overflow included) fails the
+/// budget or binding check; an empty one says which option sets it.
+#[test]
+fn context_sizes_out_of_reach() {
+    let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
+    let session = |len| model.session(&SessionOptions { context_len: Some(len), ..Default::default() });
+    for len in [1usize << 40, 1 << 59, 1 << 60, usize::MAX] {
+        let err = session(len).err().expect("does not fit");
+        let refused = match &err {
+            Error::OutOfDeviceMemory { needed_bytes, .. } => *needed_bytes > 1 << 40,
+            Error::Unsupported { what, .. } => what.contains("context"),
+            _ => false,
+        };
+        assert!(refused, "{len}: {err}");
+    }
+    let err = session(0).err().expect("no positions");
+    assert!(matches!(&err, Error::InvalidContext { .. }) && err.to_string().contains("--context"), "{err}");
+}
+
 #[test]
 fn empty_prompt() {
     let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
