@@ -137,6 +137,8 @@ pub struct Gguf {
 /// The metadata key of the data section's alignment, and its default.
 const ALIGNMENT_KEY: &str = "general.alignment";
 const DEFAULT_ALIGNMENT: usize = 32;
+/// Metadata arrays may hold arrays; real files nest one or two deep.
+const MAX_ARRAY_DEPTH: usize = 8;
 
 struct Cursor<'a> {
     bytes: &'a [u8],
@@ -187,7 +189,8 @@ impl Cursor<'_> {
         String::from_utf8(bytes).map_err(|_| self.err("string is not UTF-8"))
     }
 
-    fn value(&mut self, ty: u32) -> Result<Meta> {
+    /// A metadata value of type `ty`, inside `depth` arrays.
+    fn value(&mut self, ty: u32, depth: usize) -> Result<Meta> {
         Ok(match ty {
             0 => Meta::Int(self.array::<1>()?[0] as i64),
             1 => Meta::Int(self.array::<1>()?[0] as i8 as i64),
@@ -199,11 +202,15 @@ impl Cursor<'_> {
             7 => Meta::Bool(self.array::<1>()?[0] != 0),
             8 => Meta::Str(self.string()?),
             9 => {
+                // Bounded: nesting is read by recursion.
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err(self.err(format!("metadata arrays nested more than {MAX_ARRAY_DEPTH} deep")));
+                }
                 let elem = self.u32()?;
                 let n = self.len()?;
                 let mut items = Vec::with_capacity(n.min(1 << 20));
                 for _ in 0..n {
-                    items.push(self.value(elem)?);
+                    items.push(self.value(elem, depth + 1)?);
                 }
                 Meta::Array(items)
             }
@@ -243,12 +250,13 @@ impl Gguf {
         for _ in 0..n_kv {
             let key = c.string()?;
             let ty = c.u32()?;
-            let value = c.value(ty)?;
+            let value = c.value(ty, 0)?;
             if metadata.insert(key.clone(), value).is_some() {
                 return Err(c.err(format!("metadata key {key} appears twice")));
             }
         }
         let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors.min(1 << 16));
+        let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
             let name = c.string()?;
             let n_dims = c.u32()? as usize;
@@ -271,7 +279,7 @@ impl Gguf {
                 .filter(|n| n % block == 0)
                 .map(|n| n / block * block_bytes)
                 .ok_or_else(|| c.err(format!("tensor {name}: dims {dims:?} are not whole {ty} blocks")))?;
-            if tensors.iter().any(|t| t.name == name) {
+            if !names.insert(name.clone()) {
                 return Err(c.err(format!("tensor {name} appears twice")));
             }
             tensors.push(TensorInfo { name, dims, ty, offset, byte_len });

@@ -160,6 +160,8 @@ fn invalid_config_values() {
         (("hidden_size", serde_json::json!("wide")), "hidden_size"),
         (("rope_scaling", serde_json::json!({"rope_type": "dynamic", "factor": 2.0})), "dynamic"),
         (("head_dim", serde_json::json!(1024)), "head_dim"),
+        // Would size per-layer tables of 2^33 entries before any tensor is read.
+        (("num_hidden_layers", serde_json::json!(1u64 << 33)), "more than any model has"),
     ] {
         let dir = edited_fixture("llama_untied", |c, _| c[edit.0] = edit.1.clone());
         let err = load_err(&dir);

@@ -69,11 +69,24 @@ fn malformed_headers_are_rejected_with_the_file_named() {
     bad_type[type_at] = 99;
     let mut duplicate_key = GgufWriter::new();
     duplicate_key.meta("k", MetaValue::U32(1)).meta("k", MetaValue::U32(2));
+    let duplicate_tensor =
+        GgufWriter::new().tensor_f32("t", &[4], &[1.0; 4]).tensor_f32("t", &[4], &[2.0; 4]).to_bytes();
+    // Key "k" holding an array of an array of ... 40 000 deep (each one
+    // element), which a reader recursing without bound overflows its stack on.
+    let depth = 40_000;
+    let mut nested = [&b"GGUF"[..], &3u32.to_le_bytes(), &0u64.to_le_bytes(), &1u64.to_le_bytes()].concat();
+    nested.extend([&1u64.to_le_bytes()[..], b"k", &9u32.to_le_bytes()].concat());
+    for _ in 0..depth {
+        nested.extend([&9u32.to_le_bytes()[..], &1u64.to_le_bytes()].concat());
+    }
+    nested.extend([&4u32.to_le_bytes()[..], &0u64.to_le_bytes(), &7u32.to_le_bytes()].concat());
     for (name, bytes, needle) in [
         ("bad_magic", b"GGUX....".to_vec(), "bad magic"),
         ("bad_version", bad_version, "version 9"),
         ("unknown_type", bad_type, "unsupported ggml type 99"),
         ("duplicate_key", duplicate_key.to_bytes(), "appears twice"),
+        ("duplicate_tensor", duplicate_tensor, "tensor t appears twice"),
+        ("nested_arrays", nested, "nested more than"),
         ("truncated", valid[..valid.len() - 3].to_vec(), "truncated"),
     ] {
         let path = dir.join(format!("{name}.gguf"));

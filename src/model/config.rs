@@ -11,6 +11,10 @@ use crate::error::{Error, Result};
 use crate::kernels::Heads;
 
 /// The fields of `config.json` this engine reads, as written.
+
+/// More decoder layers than any model has: a config stating more is broken
+/// (and would size per-layer tables before any tensor is read).
+const MAX_LAYERS: usize = 1 << 16;
 #[derive(Debug, Clone, Deserialize)]
 struct RawConfig {
     model_type: Option<String>,
@@ -288,6 +292,13 @@ impl ModelConfig {
         if raw.num_hidden_layers == 0 || raw.vocab_size == 0 {
             return Err(invalid("num_hidden_layers and vocab_size must be positive".into()));
         }
+        // Checked before anything is sized by it.
+        if raw.num_hidden_layers > MAX_LAYERS {
+            return Err(invalid(format!(
+                "num_hidden_layers {} is more than any model has (at most {MAX_LAYERS})",
+                raw.num_hidden_layers
+            )));
+        }
 
         let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
         let moe = parse_moe(&raw, family, intermediate, &invalid)?;
@@ -384,7 +395,8 @@ fn parse_moe(
     if step == 0 {
         return Err(invalid("decoder_sparse_step must be positive".into()));
     }
-    let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
+    let dense_only: std::collections::HashSet<usize> =
+        raw.mlp_only_layers.iter().flatten().copied().collect();
     let sparse_layers =
         (0..raw.num_hidden_layers).map(|i| !dense_only.contains(&i) && (i + 1) % step == 0).collect();
     Ok(Some(MoeConfig { experts, top_k, intermediate, routing, sparse_layers }))
