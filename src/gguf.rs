@@ -25,6 +25,25 @@ pub enum Meta {
     Array(Vec<Meta>),
 }
 
+/// A short description for error messages: a value from a hostile file may
+/// be a megabyte of string or array, which a message must not quote whole.
+impl std::fmt::Display for Meta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const QUOTED_CHARS: usize = 64;
+        match self {
+            Meta::Int(v) => write!(f, "{v}"),
+            Meta::Float(v) => write!(f, "{v}"),
+            Meta::Bool(v) => write!(f, "{v}"),
+            Meta::Str(v) if v.chars().count() > QUOTED_CHARS => {
+                let head: String = v.chars().take(QUOTED_CHARS).collect();
+                write!(f, "{head:?}... ({} bytes)", v.len())
+            }
+            Meta::Str(v) => write!(f, "{v:?}"),
+            Meta::Array(items) => write!(f, "an array of {} values", items.len()),
+        }
+    }
+}
+
 /// A ggml tensor type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
@@ -287,7 +306,7 @@ impl Gguf {
         let alignment = match metadata.get(ALIGNMENT_KEY) {
             Some(Meta::Int(a)) if *a > 0 => *a as usize,
             None => DEFAULT_ALIGNMENT,
-            Some(other) => return Err(c.err(format!("{ALIGNMENT_KEY} is {other:?}"))),
+            Some(other) => return Err(c.err(format!("{ALIGNMENT_KEY} is {other}"))),
         };
         let data_start = c.pos.next_multiple_of(alignment);
         for t in &tensors {
@@ -321,7 +340,7 @@ impl Gguf {
     pub fn meta_int(&self, key: &str) -> Result<i64> {
         match self.meta(key)? {
             Meta::Int(v) => Ok(*v),
-            other => Err(self.err(format!("{key} is {other:?}, expected an integer"))),
+            other => Err(self.err(format!("{key} is {other}, expected an integer"))),
         }
     }
 
@@ -329,14 +348,14 @@ impl Gguf {
         match self.meta(key)? {
             Meta::Float(v) => Ok(*v),
             Meta::Int(v) => Ok(*v as f64),
-            other => Err(self.err(format!("{key} is {other:?}, expected a number"))),
+            other => Err(self.err(format!("{key} is {other}, expected a number"))),
         }
     }
 
     pub fn meta_str(&self, key: &str) -> Result<&str> {
         match self.meta(key)? {
             Meta::Str(v) => Ok(v),
-            other => Err(self.err(format!("{key} is {other:?}, expected a string"))),
+            other => Err(self.err(format!("{key} is {other}, expected a string"))),
         }
     }
 
@@ -346,10 +365,10 @@ impl Gguf {
                 .iter()
                 .map(|m| match m {
                     Meta::Str(s) => Ok(s.as_str()),
-                    other => Err(self.err(format!("{key} holds {other:?}, expected strings"))),
+                    other => Err(self.err(format!("{key} holds {other}, expected strings"))),
                 })
                 .collect(),
-            other => Err(self.err(format!("{key} is {other:?}, expected an array"))),
+            other => Err(self.err(format!("{key} is {other}, expected an array"))),
         }
     }
 

@@ -63,8 +63,7 @@ impl ControlVector {
                 return Err(problem(ControlVectorProblem::WrongArchitecture { found: other.into() }));
             }
             Err(_) => {
-                let found =
-                    gguf.metadata.get(ARCHITECTURE_KEY).map_or("(missing)".into(), |m| format!("{m:?}"));
+                let found = gguf.metadata.get(ARCHITECTURE_KEY).map_or("(missing)".into(), |m| m.to_string());
                 return Err(problem(ControlVectorProblem::WrongArchitecture { found }));
             }
         }

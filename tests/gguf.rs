@@ -205,6 +205,15 @@ fn bad_gguf_models_are_typed_errors() {
         "{err}"
     );
 
+    // A megabyte of string where a number belongs: named, not quoted whole.
+    let huge = edited_model(
+        "gguf_huge_value",
+        |k, v| if k == "qwen3.block_count" { Some(MetaValue::Str("9".repeat(1 << 20))) } else { same(k, v) },
+        |_| None,
+    );
+    let message = load(&huge).to_string();
+    assert!(message.contains("qwen3.block_count") && message.len() < 1000, "{} bytes", message.len());
+
     // A router gating function llama.cpp does not define.
     let gating_key = "minimax-m2.expert_gating_func";
     let gating = edited_fixture(
