@@ -73,7 +73,7 @@ impl ControlVector {
         let mut length = None;
         for t in &gguf.tensors {
             let layer =
-                t.name.strip_prefix("direction.").and_then(|n| n.parse::<usize>().ok()).ok_or_else(|| {
+                t.name.strip_prefix("direction.").and_then(layer_number).ok_or_else(|| {
                     problem(ControlVectorProblem::UnexpectedTensor { name: t.name.clone() })
                 })?;
             if layer == 0 {
@@ -233,4 +233,12 @@ impl SteeringPlan {
     pub fn layer(&self, layer: usize) -> Option<&wgpu::Buffer> {
         self.rows.get(layer)?.as_ref()
     }
+}
+
+/// N of `direction.N` written as llama.cpp writes it: decimal digits, no
+/// sign and no leading zero (`+1` and `01` would name layer 1 twice over).
+fn layer_number(n: &str) -> Option<usize> {
+    let canonical =
+        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && (n == "0" || !n.starts_with('0'));
+    canonical.then(|| n.parse().ok()).flatten()
 }

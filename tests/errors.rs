@@ -160,6 +160,10 @@ fn invalid_config_values() {
         (("hidden_size", serde_json::json!("wide")), "hidden_size"),
         (("rope_scaling", serde_json::json!({"rope_type": "dynamic", "factor": 2.0})), "dynamic"),
         (("head_dim", serde_json::json!(1024)), "head_dim"),
+        // Values that parse but mean nothing: zero as f32, negative, zero.
+        (("rope_theta", serde_json::json!(1e-50)), "rope_theta"),
+        (("rms_norm_eps", serde_json::json!(-1e-5)), "rms_norm_eps"),
+        (("rope_scaling", serde_json::json!({"rope_type": "linear", "factor": 0.0})), "factor"),
         // Would size per-layer tables of 2^33 entries before any tensor is read.
         (("num_hidden_layers", serde_json::json!(1u64 << 33)), "more than any model has"),
     ] {
@@ -413,6 +417,22 @@ fn control_vector_bad_files() {
                 w.tensor_f32("bias.1", &[64], &d);
             }),
             P::UnexpectedTensor { name: "bias.1".into() },
+        ),
+        (
+            "signed_layer",
+            Box::new(|w| {
+                well_formed(w, &[(2, d.clone())]);
+                w.tensor_f32("direction.+1", &[64], &d);
+            }),
+            P::UnexpectedTensor { name: "direction.+1".into() },
+        ),
+        (
+            "zero_padded_layer",
+            Box::new(|w| {
+                well_formed(w, &[(2, d.clone())]);
+                w.tensor_f32("direction.01", &[64], &d);
+            }),
+            P::UnexpectedTensor { name: "direction.01".into() },
         ),
         ("layer_zero", Box::new(|w| well_formed(w, &[(0, d.clone())])), P::LayerZero),
         (

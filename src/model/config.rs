@@ -314,6 +314,11 @@ impl ModelConfig {
             Some(false) => None,
             None => raw.sliding_window.filter(|&w| w > 0),
         };
+        let rms_eps = raw.rms_norm_eps.unwrap_or(1e-6) as f32;
+        if !(rms_eps > 0.0 && rms_eps.is_finite()) {
+            let stated = raw.rms_norm_eps.unwrap_or(1e-6);
+            return Err(invalid(format!("rms_norm_eps {stated} must be a positive finite f32")));
+        }
         Ok(ModelConfig {
             family,
             model_type,
@@ -321,7 +326,7 @@ impl ModelConfig {
             intermediate,
             layers: raw.num_hidden_layers,
             heads: Heads { q: heads_q, kv: heads_kv, dim: head_dim },
-            rms_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rms_eps,
             rope,
             vocab: raw.vocab_size,
             max_positions: raw.max_position_embeddings.unwrap_or(2048),
@@ -407,8 +412,10 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
     // keeps theta at the top level and scaling (if any) in rope_scaling.
     let params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
     let theta = params.and_then(|p| p.rope_theta).or(raw.rope_theta).unwrap_or(10_000.0);
-    if !(theta > 0.0) {
-        return Err(format!("rope_theta {theta} must be positive"));
+    // The rotation tables are computed in f32: a theta that is positive
+    // only as an f64 (1e-50) is 0 there.
+    if !(theta as f32 > 0.0 && (theta as f32).is_finite()) {
+        return Err(format!("rope_theta {theta} must be a positive finite f32"));
     }
     let partial = params.and_then(|p| p.partial_rotary_factor).or(raw.partial_rotary_factor);
     let rotary_dim = match (raw.rotary_dim, partial) {
@@ -444,5 +451,19 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
             return Err(format!("unsupported rope type {other:?} (supported: default, linear, llama3)"));
         }
     };
+    let factors: &[(f64, &str)] = match &scaling {
+        RopeScaling::None | RopeScaling::Divisors(_) => &[],
+        RopeScaling::Linear { factor } => &[(*factor, "factor")],
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, .. } => &[
+            (*factor, "factor"),
+            (*low_freq_factor, "low_freq_factor"),
+            (*high_freq_factor, "high_freq_factor"),
+        ],
+    };
+    for (value, name) in factors {
+        if !(*value as f32 > 0.0 && (*value as f32).is_finite()) {
+            return Err(format!("rope scaling {name} {value} must be a positive finite f32"));
+        }
+    }
     Ok(RopeConfig { theta, rotary_dim, scaling })
 }
