@@ -15,7 +15,7 @@
 //! ```
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
@@ -210,6 +210,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
         (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
     };
+    if let Some(path) = &args.capture {
+        refuse_model_file(path, &dir)?;
+    }
     let mut session = model.session(&SessionOptions {
         context_len: args.context,
         routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
@@ -337,6 +340,23 @@ impl Reporter {
             }
         }
     }
+}
+
+/// `--capture` must not overwrite the model: a file of the model folder, or
+/// the GGUF file itself or one beside it (a split set's other parts).
+fn refuse_model_file(capture: &Path, model: &Path) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let Ok(target) = capture.canonicalize() else { return Ok(()) };
+    let model = model.canonicalize()?;
+    let of_model = if model.is_dir() {
+        target.starts_with(&model)
+    } else {
+        target == model
+            || (target.parent() == model.parent() && target.extension().is_some_and(|e| e == "gguf"))
+    };
+    if of_model {
+        return Err(format!("--capture {} would overwrite a file of the model", capture.display()).into());
+    }
+    Ok(())
 }
 
 /// Writes the captured rows where `--capture` says.

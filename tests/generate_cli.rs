@@ -146,6 +146,17 @@ fn bad_input_exits_with_a_message() {
             "out of range",
         ),
         (vec!["--backend".into(), "cuda".into(), "--prompt-ids".into(), "1".into()], "unknown backend"),
+        // Capture into the model's own weights (a copy of the fixture).
+        (
+            {
+                let dir = common::checkpoint::edited_fixture("llama_untied", |_, _| {});
+                let weights = dir.join("model.safetensors").display().to_string();
+                let base =
+                    ["--model", &dir.display().to_string(), "--prompt-ids", "1", "--capture", &weights];
+                base.map(String::from).to_vec()
+            },
+            "would overwrite a file of the model",
+        ),
         // A negative number is a value, not a flag: the sampler refuses it.
         (on_fixture(&["--temperature", "-1"]), "temperature must be positive"),
         (on_fixture(&["--temperature", "0.7", "--top-p", "-0.5"]), "top_p"),
