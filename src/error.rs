@@ -76,6 +76,11 @@ pub enum Error {
          weights, rms_norm_eps, the rope factors and any control vectors)"
     )]
     NonFiniteRouting { layer: usize },
+    #[error(
+        "position {position}: logit {token} is {value} (NaN or infinite activations: check the weights, \
+         rms_norm_eps, the rope factors and any control vectors)"
+    )]
+    NonFiniteLogits { position: usize, token: usize, value: f32 },
     #[error("a context of {context_len} positions: {reason}")]
     InvalidContext { context_len: usize, reason: String },
     #[error("empty prompt: prefill needs at least one token")]

@@ -338,9 +338,15 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
+    /// The last position's logits; a value that is not a finite number
+    /// (NaN or overflowed activations) is an error rather than a row to use.
     fn read_logits(&self) -> Result<Vec<f32>> {
         let bytes = (self.model.config.vocab * 4) as u64;
-        self.logits_readback.read(&self.model.gpu, bytes)
+        let logits: Vec<f32> = self.logits_readback.read(&self.model.gpu, bytes)?;
+        if let Some(token) = logits.iter().position(|v| !v.is_finite()) {
+            return Err(Error::NonFiniteLogits { position: self.len - 1, token, value: logits[token] });
+        }
+        Ok(logits)
     }
 
     /// Records and submits the forward pass of `n_tokens` tokens at the

@@ -261,6 +261,21 @@ fn bad_backend_and_sampling_parameters() {
     }
 }
 
+/// A dense model whose activations turn NaN gives an error naming the
+/// position, not a row of NaN logits.
+#[test]
+fn logits_that_are_not_numbers() {
+    let dir = edited_fixture("llama_untied", |_, tensors| {
+        let (dtype, _, bytes) = tensors.get_mut("model.norm.weight").expect("the final norm");
+        assert_eq!(*dtype, Dtype::BF16);
+        bytes[..2].copy_from_slice(&0x7fc0u16.to_le_bytes()); // one bf16 NaN
+    });
+    let model = Model::load(&dir, &gpu()).unwrap();
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let err = session.prefill(&[1, 2, 3]).unwrap_err();
+    assert!(matches!(err, Error::NonFiniteLogits { position: 2, .. }), "{err}");
+}
+
 /// NaN activations reach the router as scores that are not numbers: the
 /// routing readback says so (naming the layer) instead of indexing experts
 /// with what the top-k made of them.
