@@ -100,33 +100,21 @@ fn sentencepiece_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
         normalizers.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
-    let post_processor = match token_at("tokenizer.ggml.bos_token_id") {
-        Some(bos) if bool_meta(g, "tokenizer.ggml.add_bos_token", true) => json!({
+    let bos_id = g.meta_int("tokenizer.ggml.bos_token_id").ok();
+    let post_processor = match (bos_id, token_at("tokenizer.ggml.bos_token_id")) {
+        (Some(id), Some(bos)) if bool_meta(g, "tokenizer.ggml.add_bos_token", true) => json!({
             "type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                      {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [tokens.iter().position(|t| *t == bos)], "tokens": [bos]}},
+            "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}},
         }),
         _ => Value::Null,
     };
-    let vocab: serde_json::Map<String, Value> =
-        tokens.iter().enumerate().map(|(i, t)| (t.to_string(), json!(i))).collect();
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_tokens(tokens, &types),
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": null,
-        "post_processor": post_processor,
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
-            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
-            "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges,
-        },
-    }))
+    let normalizer = json!({"type": "Sequence", "normalizers": normalizers});
+    let decoder = json!({"type": "Sequence", "decoders": decoders});
+    let bpe = json!({"unk_token": token_at("tokenizer.ggml.unknown_token_id"), "fuse_unk": true, "byte_fallback": true});
+    Ok(document(tokens, &types, merges, [normalizer, Value::Null, post_processor, decoder], bpe))
 }
 
 /// SentencePiece BPE merges the adjacent pair whose joined piece scores
@@ -177,21 +165,35 @@ fn tokenizer_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
     } else {
         byte_level.clone()
     };
+    let decoder =
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    let bpe = json!({"unk_token": null, "fuse_unk": false, "byte_fallback": false});
+    let merges = merges.into_iter().map(|m| json!(m)).collect();
+    Ok(document(tokens, &types, merges, [Value::Null, pre_tokenizer, byte_level, decoder], bpe))
+}
+
+/// A tokenizers-library `tokenizer.json` of a BPE model over `tokens`:
+/// `stages` are the normalizer, pre-tokenizer, post-processor and decoder,
+/// `bpe` the model fields that differ between vocabularies (unk_token,
+/// fuse_unk, byte_fallback).
+fn document(tokens: &[&str], types: &[i64], merges: Vec<Value>, stages: [Value; 4], bpe: Value) -> Value {
     let vocab: serde_json::Map<String, Value> =
         tokens.iter().enumerate().map(|(i, t)| (t.to_string(), json!(i))).collect();
-    Ok(json!({
+    let mut model = json!({
+        "type": "BPE", "dropout": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
+        "ignore_merges": false, "vocab": vocab, "merges": merges,
+    });
+    model.as_object_mut().unwrap().extend(bpe.as_object().cloned().unwrap_or_default());
+    let [normalizer, pre_tokenizer, post_processor, decoder] = stages;
+    json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": added_tokens(tokens, &types),
-        "normalizer": null,
+        "added_tokens": added_tokens(tokens, types),
+        "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": byte_level,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": merges,
-        },
-    }))
+        "post_processor": post_processor,
+        "decoder": decoder,
+        "model": model,
+    })
 }
