@@ -2,10 +2,11 @@
 //! bandwidth (plain and fused, over workgroup shapes; bf16 and quantized) as a fraction of the
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
 //! time by depth and cache format. `cargo bench --bench kernel_throughput`
-//! runs every section; `-- gemv` (or `copy`, `quantized`, `attention`) one of them.
+//! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`) one of them.
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
+use wgspark::kernels::gemm::{GemmKernel, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
@@ -94,7 +95,6 @@ fn main() {
         }
     }
 
-    let gemm = Gemm::new(&gpu).unwrap();
     let default_shape = GemvShape::for_gpu(&gpu);
     let mut shapes = vec![default_shape];
     if !cpu {
@@ -127,8 +127,8 @@ fn main() {
     for &(rows, cols) in sizes.iter().filter(|_| runs("gemv")) {
         let w = random_tensor(&gpu, WeightFormat::Bf16, rows, cols);
         let norm_w = GpuTensor { cols, ..norm.clone() };
-        let x = gpu.storage_buffer_init("x", &vec![0.01f32; 512 * cols.max(rows)]);
-        let y = gpu.storage_buffer("y", 512 * rows.max(cols)).unwrap();
+        let x = gpu.storage_buffer_init("x", &vec![0.01f32; cols]);
+        let y = gpu.storage_buffer("y", rows).unwrap();
         let bytes = (rows * cols * 2) as f64;
         for shape in &shapes {
             let gemv = Gemv::with_shape(&gpu, *shape);
@@ -169,21 +169,39 @@ fn main() {
                 );
             }
         }
-        let tokens = if cpu { 16 } else { 512 };
-        let s = step(&gpu, 0, tokens, 1);
-        let secs = time(
-            &gpu,
-            &gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y).unwrap(),
-            None,
-            tokens,
-            if cpu { 1 } else { 10 },
-        );
-        let flops = 2.0 * (rows * cols) as f64 * tokens as f64;
-        println!(
-            "gemm {tokens:>4} x {rows:>6} x {cols:>5}: {:8.3} ms, {:.2} TFLOP/s",
-            secs * 1e3,
-            flops / secs / 1e12
-        );
+    }
+
+    // GEMM: each kernel the device runs, bf16 and Q4_K weights, on a
+    // chunk of the default size and on a long one.
+    let gemm_sizes: &[(usize, usize)] = if cpu {
+        &[(1536, 576)]
+    } else {
+        &[(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 2048)]
+    };
+    let kernels: Vec<GemmKernel> =
+        Gemm::kernels(&gpu).into_iter().filter(|k| !matches!(k, GemmKernel::Alu(Tiling::Narrow))).collect();
+    for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
+        for format in [WeightFormat::Bf16, WeightFormat::Q4K] {
+            let w = random_tensor(&gpu, format, rows, cols);
+            for tokens in if cpu { vec![16u32] } else { vec![512, 4096] } {
+                let x = gpu.storage_buffer_init("x", &vec![0.01f32; tokens as usize * cols]);
+                let y = gpu.storage_buffer("y", tokens as usize * rows).unwrap();
+                let s = step(&gpu, 0, tokens, 1);
+                for kernel in &kernels {
+                    let gemm = Gemm::with_kernel(&gpu, *kernel).unwrap();
+                    let d = gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y).unwrap();
+                    time(&gpu, &d, None, tokens, 1);
+                    let secs = time(&gpu, &d, None, tokens, if cpu { 1 } else { 5 });
+                    let flops = 2.0 * (rows * cols) as f64 * tokens as f64;
+                    println!(
+                        "gemm {format:<5} {tokens:>4} x {rows:>6} x {cols:>5} {:<36}: {:8.3} ms, {:6.2} TFLOP/s",
+                        format!("{kernel:?}"),
+                        secs * 1e3,
+                        flops / secs / 1e12
+                    );
+                }
+            }
+        }
     }
 
     // Quantized GEMV: the formats of llama.cpp's common presets, on the

@@ -6,7 +6,7 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
-use wgspark::kernels::gemm::{GroupedBuffers, Tiling};
+use wgspark::kernels::gemm::GroupedBuffers;
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
 use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
 use wgspark::kernels::rms_norm::Rows;
@@ -377,27 +377,37 @@ fn check_attention(gpu: &Gpu) {
     let attention = Attention::new(gpu);
     use KvFormat::{F16, F32};
     use QkNorm::{None as NoNorm, PerHead, WholeProjection};
-    // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format)
-    for (heads, ctx, pos0, tokens, window, splits, norm, rot, format) in [
-        (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32),
-        (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16),
-        (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16),
-        (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32),
-        (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16),
-        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32),
-        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16),
-        (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32),
-        (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16),
+    // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format,
+    // growth of the keys' scale with their position)
+    for (heads, ctx, pos0, tokens, window, splits, norm, rot, format, growth) in [
+        (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32, 0.0),
+        (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16, 0.0),
+        (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16, 0.0),
+        (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32, 0.0),
+        (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16, 0.0),
+        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32, 0.0),
+        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16, 0.0),
+        (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32, 0.0),
+        (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16, 0.0),
+        // Chunks as the cooperative-matrix kernel takes them where the
+        // device has one (groups of 4, 8 and 1, a window, partial blocks of
+        // rows and keys; keys whose scale grows, so that the running maximum
+        // moves far past its reference), and a group of 3, which it leaves
+        // to the tiled kernel.
+        (Heads { q: 32, kv: 8, dim: 128 }, 300, 37, 200, 0, 1, NoNorm, 128, F16, 0.0),
+        (Heads { q: 16, kv: 2, dim: 128 }, 200, 10, 90, 50, 1, WholeProjection, 64, F16, 0.0),
+        (Heads { q: 4, kv: 4, dim: 32 }, 300, 100, 150, 0, 1, NoNorm, 32, F16, 40.0),
+        (Heads { q: 6, kv: 2, dim: 64 }, 100, 20, 40, 0, 1, NoNorm, 64, F16, 0.0),
         // Model-sized heads: the lanes' shares of a row, row blocks and
         // keys that end mid-pass.
-        (Heads { q: 32, kv: 8, dim: 128 }, 700, 650, 1, 0, 4, NoNorm, 128, F16),
-        (Heads { q: 32, kv: 2, dim: 128 }, 400, 333, 1, 0, 2, PerHead, 128, F16),
-        (Heads { q: 12, kv: 2, dim: 128 }, 300, 201, 1, 0, 1, NoNorm, 64, F32),
-        (Heads { q: 8, kv: 1, dim: 64 }, 90, 77, 1, 0, 1, NoNorm, 64, F16),
-        (Heads { q: 4, kv: 2, dim: 256 }, 100, 60, 1, 50, 3, WholeProjection, 128, F16),
+        (Heads { q: 32, kv: 8, dim: 128 }, 700, 650, 1, 0, 4, NoNorm, 128, F16, 0.0),
+        (Heads { q: 32, kv: 2, dim: 128 }, 400, 333, 1, 0, 2, PerHead, 128, F16, 0.0),
+        (Heads { q: 12, kv: 2, dim: 128 }, 300, 201, 1, 0, 1, NoNorm, 64, F32, 0.0),
+        (Heads { q: 8, kv: 1, dim: 64 }, 90, 77, 1, 0, 1, NoNorm, 64, F16, 0.0),
+        (Heads { q: 4, kv: 2, dim: 256 }, 100, 60, 1, 50, 3, WholeProjection, 128, F16, 0.0),
         // Rows of 3 and 6 quads: lanes past the row hold zeros.
-        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 24, F16),
-        (Heads { q: 24, kv: 2, dim: 48 }, 200, 190, 1, 0, 3, NoNorm, 32, F16),
+        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 24, F16, 0.0),
+        (Heads { q: 24, kv: 2, dim: 48 }, 200, 190, 1, 0, 3, NoNorm, 32, F16, 0.0),
     ] {
         let what = format!(
             "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?}"
@@ -417,7 +427,8 @@ fn check_attention(gpu: &Gpu) {
         );
         let qkv = rng.vec(tokens * width, 1.0);
         let round = |v: Vec<f32>| if format == F16 { reference::f16_round(&v) } else { v };
-        let mut k: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
+        let scale_at = |j: usize| 1.0 + growth * j as f32 / ctx as f32;
+        let mut k: Vec<Vec<f32>> = (0..ctx).map(|j| round(rng.vec(kvw, scale_at(j)))).collect();
         let mut v: Vec<Vec<f32>> = (0..ctx).map(|_| round(rng.vec(kvw, 1.0))).collect();
         let k_b = gpu.storage_buffer_init("k_cache", &cache_words(&k, format));
         let v_b = gpu.storage_buffer_init("v_cache", &cache_words(&v, format));
@@ -681,8 +692,8 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
         for limit in [None, Some(20_000)] {
             let gpu =
                 Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
-            for tiling in [Tiling::Narrow, Tiling::Wide] {
-                let gemm = Gemm::with_tiling(&gpu, tiling).unwrap();
+            for kernel in Gemm::kernels(&gpu) {
+                let gemm = Gemm::with_kernel(&gpu, kernel).unwrap();
                 let mut rng = Rng::new(12);
                 // Tokens around the 64-token tile, rows around the row tiles,
                 // k not a multiple of the 16-wide k tile.
@@ -701,8 +712,9 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                         .collect();
                     let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
                     let what =
-                        format!("gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, {tiling:?} tiles");
-                    assert_close(&got, &want, 1e-5 * (cols as f32).sqrt(), &what);
+                        format!("gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, {kernel:?}");
+                    let tolerance = kernel.activation_rounding().max(1e-5) * (cols as f32).sqrt();
+                    assert_close(&got, &want, tolerance, &what);
                 }
             }
         }
@@ -715,8 +727,8 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
         for limit in [None, Some(1000)] {
             let gpu =
                 Gpu::new(&GpuOptions { backend, max_storage_binding: limit, ..Default::default() }).unwrap();
-            for tiling in [Tiling::Narrow, Tiling::Wide] {
-                let gemm = Gemm::with_tiling(&gpu, tiling).unwrap();
+            for kernel in Gemm::kernels(&gpu) {
+                let gemm = Gemm::with_kernel(&gpu, kernel).unwrap();
                 let mut rng = Rng::new(13);
                 let (experts, rows, cols, k, tokens) = (5, 7, 100, 2, 70);
                 let w = bf16_round(&rng.vec(experts * rows * cols, 1.0));
@@ -758,11 +770,12 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
                         )
                     })
                     .collect();
+                let tolerance = kernel.activation_rounding().max(1e-5) * (cols as f32).sqrt();
                 assert_close(
                     &got,
                     &want,
-                    1e-4,
-                    &format!("grouped gemm, binding limit {limit:?}, {tiling:?} tiles"),
+                    tolerance,
+                    &format!("grouped gemm, binding limit {limit:?}, {kernel:?}"),
                 );
             }
         }

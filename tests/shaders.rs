@@ -1,8 +1,9 @@
 //! Every specialisation of every kernel family (each flag set the flow
 //! may build) parses and validates with naga, without optional
-//! capabilities unless it uses subgroups, and every entry point translates
-//! to MSL, HLSL and SPIR-V: a shader that would break Metal or DX12 fails
-//! here.
+//! capabilities unless it uses subgroups (or cooperative matrices), and
+//! every entry point translates to MSL, HLSL and SPIR-V (cooperative
+//! matrices: MSL and SPIR-V, the backends that offer them): a shader that
+//! would break Metal or DX12 fails here.
 
 use naga::back::pipeline_constants::process_overrides;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
@@ -16,6 +17,12 @@ fn sources() -> Vec<(String, String, Capabilities)> {
             let mut caps = Capabilities::empty();
             caps.set(Capabilities::SUBGROUP, b.uses_subgroups());
             caps.set(Capabilities::SHADER_FLOAT16_IN_FLOAT32, b.uses_f16_in_f32());
+            if b.uses_cooperative_matrix() {
+                caps |= Capabilities::COOPERATIVE_MATRIX
+                    | Capabilities::SHADER_FLOAT16
+                    | Capabilities::SHADER_FLOAT16_IN_FLOAT32
+                    | Capabilities::SUBGROUP;
+            }
             (format!("{}{:?}", b.family, b.flags), shader_source(b.family, &b.flags).unwrap(), caps)
         })
         .collect()
@@ -48,19 +55,45 @@ fn every_kernel_translates_to_msl_hlsl_and_spirv() {
             naga::back::msl::write_string(&m, &i, &msl_options, &Default::default())
                 .unwrap_or_else(|e| panic!("{label} -> MSL: {e}"));
 
-            let mut hlsl = String::new();
-            let hlsl_options = naga::back::hlsl::Options {
-                shader_model: naga::back::hlsl::ShaderModel::V6_0,
-                ..Default::default()
-            };
-            let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
-            naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
-                .write(&m, &i, None)
-                .unwrap_or_else(|e| panic!("{label} -> HLSL: {e}"));
+            if !caps.contains(Capabilities::COOPERATIVE_MATRIX) {
+                let mut hlsl = String::new();
+                let hlsl_options = naga::back::hlsl::Options {
+                    shader_model: naga::back::hlsl::ShaderModel::V6_0,
+                    ..Default::default()
+                };
+                let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
+                naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
+                    .write(&m, &i, None)
+                    .unwrap_or_else(|e| panic!("{label} -> HLSL: {e}"));
+                assert!(!hlsl.is_empty());
+            }
 
             let spv = naga::back::spv::write_vec(&m, &i, &Default::default(), None)
                 .unwrap_or_else(|e| panic!("{label} -> SPIR-V: {e}"));
-            assert!(!spv.is_empty() && !hlsl.is_empty());
+            assert!(!spv.is_empty());
+        }
+    }
+}
+
+/// On Vulkan the cooperative-matrix builds go to the driver as SPIR-V that
+/// the engine fixes up (`kernels::vulkan_memory_model`): every build, in
+/// every tile shape, goes through that translation.
+#[test]
+fn cooperative_builds_translate_to_spirv_under_the_vulkan_memory_model() {
+    let coop: Vec<_> = builds().into_iter().filter(|b| b.uses_cooperative_matrix()).collect();
+    assert!(coop.len() >= 2 * 13 + 2, "every weight format, with and without splits; attention");
+    for b in coop {
+        let source = shader_source(b.family, &b.flags).unwrap();
+        // Each entry point with every value of its shape constant.
+        let (entry, constant, values) = match b.family {
+            "gemm_coop" => ("main", "TILE_M", &[32.0, 64.0, 128.0][..]),
+            _ => ("attend_coop", "HD_FRAGS", &[4.0, 8.0][..]),
+        };
+        for &value in values {
+            let (words, _) =
+                wgspark::kernels::vulkan_memory_model::spirv(&source, entry, &[(constant, value)])
+                    .unwrap_or_else(|e| panic!("{}{:?} {constant} {value}: {e}", b.family, b.flags));
+            assert_eq!(words[0], 0x0723_0203, "SPIR-V magic");
         }
     }
 }

@@ -1,3 +1,7 @@
+#if COOP
+enable f16;
+enable wgpu_cooperative_matrix;
+#endif
 // Causal grouped-query attention over the KV cache, with the q/k norm,
 // RoPE and the cache store before it. For query head h of token t
 // (position pos = step.pos0 + t):
@@ -14,6 +18,7 @@
 // f32 words, or with KV_F16 as f16 pairs (pack2x16float
 // with F16_NATIVE, else the same conversion in integer arithmetic).
 // Entry points:
+//   attend_coop (COOP) the chunk's attention on cooperative matrices (below).
 //   rope_store  (a chunk) one workgroup per (KV head, token): k heads
 //               normalised, rotated and stored, v heads copied, into the cache.
 //   attend      one workgroup per (KV head, block of tokens_per_wg tokens,
@@ -326,12 +331,24 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
 
 @compute @workgroup_size(WG)
 fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
-    // K heads first, then V heads (qkv heads nq + c).
+    // K heads first, then V heads (qkv heads nq + c), then (for
+    // attend_coop) the query rows of each KV head.
     let c = wid.x;
     let t = wid.y;
     let hd = p.head_dim;
     let pos = step.pos0 + t;
     let nkv = p.n_kv_heads;
+    if (c >= 2u * nkv) {
+        // Normalised and rotated into `out`, where attend_coop reads them
+        // before it writes its results over them.
+        let g = c - 2u * nkv;
+        let group = p.n_q_heads / nkv;
+        load_rows(t, g, group, false, 0u, l);
+        for (var i = l; i < group * hd; i += WG) {
+            out[t * p.out_stride + g * group * hd + i] = q_sh[i];
+        }
+        return;
+    }
     if (c >= nkv) {
         let src = t * p.qkv_stride + (p.n_q_heads + c) * hd;
         for (var i = l; i < hd / 2u; i += WG) {
@@ -767,6 +784,302 @@ fn attend_lanes(
             out[qh * hd + d] = q_sh[o] / ml.y;
         }
     }
+}
+#endif
+
+#if COOP
+// ---- attend_coop: a chunk's attention on cooperative matrices ----
+// One workgroup per (KV head, block of 64 query rows = 64 / group tokens),
+// four subgroups of 16 rows. Each subgroup holds its rows' q (normalised
+// and rotated into `out` by rope_store) as f16 high and low parts (22 bits
+// of mantissa) in A fragments, staged in turn through the K/V tile's
+// memory. Keys go by in tiles of 32, K and V staged as the f16
+// cache stores them: S = q k^T into f32; a lane pair per row masks and
+// applies the online softmax; O += P V with P in f16, O held in f32
+// accumulators. The probabilities are taken against a reference maximum
+// that moves only when a row's scores exceed it by RESCALE_MARGIN, so P
+// stays below e^RESCALE_MARGIN and O is rescaled (through workgroup
+// memory) only then: rarely after a row's first keys.
+// Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
+// 16), a group dividing 16 and subgroups of 32.
+
+override HD_FRAGS: u32 = 8u;
+const C_KEYS: u32 = 32u;
+// Row stride of the K/V tiles in f16s (128 + 8 of padding).
+const C_STRIDE: u32 = 136u;
+const C_ROWS: u32 = 64u;
+const P_STRIDE: u32 = 40u;
+const RESCALE_MARGIN: f32 = 8.0;
+
+// The tile's K (rows 0 .. 31) and V (rows 32 .. 63); before the key loop,
+// the q rows' high, then low, parts.
+var<workgroup> kv_sh: array<f16, 8704>;
+const V_ROWS: u32 = 4352u;
+// Per subgroup: 16 rows x 32 scores, then one 16 x 16 block of O at a time.
+var<workgroup> sc_sh: array<f32, 2048>;
+var<workgroup> pc_sh: array<f16, 2560>;
+var<workgroup> alpha_sh: array<f32, C_ROWS>;
+var<workgroup> rescale_sg: array<u32, 4>;
+
+// Keys [k0, k0 + n) of KV head g into kv_sh, zero past n.
+fn load_coop_tile(k0: u32, n: u32, g: u32, l: u32) {
+    let quads = p.head_dim / 8u;
+    for (var i = l; i < C_KEYS * quads; i += WG) {
+        let j = i / quads;
+        let at = j * C_STRIDE + (i % quads) * 8u;
+        var kq = vec4<u32>(0u);
+        var vq = vec4<u32>(0u);
+        if (j < n) {
+            let q = kv_index(k0 + j, g, 0u) / 8u + i % quads;
+            kq = k_cache[q];
+            vq = v_cache[q];
+        }
+        for (var w = 0u; w < 4u; w++) {
+            let kh = vec2<f16>(unpack2x16float(kq[w]));
+            let vh = vec2<f16>(unpack2x16float(vq[w]));
+            kv_sh[at + 2u * w] = kh.x;
+            kv_sh[at + 2u * w + 1u] = kh.y;
+            kv_sh[V_ROWS + at + 2u * w] = vh.x;
+            kv_sh[V_ROWS + at + 2u * w + 1u] = vh.y;
+        }
+    }
+}
+
+// Multiplies the 16 x 16 block of subgroup sg's accumulator `o` by each
+// row's alpha_sh (all invocations call it).
+fn rescale(o: coop_mat16x16<f32, C>, sg: u32, lane: u32) -> coop_mat16x16<f32, C> {
+    coopStoreT(o, &sc_sh[sg * 512u], 16u);
+    workgroupBarrier();
+    for (var c = 0u; c < 8u; c++) {
+        let e = lane + 32u * c;
+        sc_sh[sg * 512u + e] *= alpha_sh[sg * 16u + e / 16u];
+    }
+    workgroupBarrier();
+    let scaled = coopLoadT<coop_mat16x16<f32, C>>(&sc_sh[sg * 512u], 16u);
+    workgroupBarrier();
+    return scaled;
+}
+
+// Fragment i (head dimensions 16 i ..) of subgroup sg's query rows, as
+// stage_q left them.
+fn q_frag(sg: u32, i: u32) -> coop_mat16x16<f16, A> {
+    return coopLoadT<coop_mat16x16<f16, A>>(&kv_sh[16u * sg * C_STRIDE + 16u * i], C_STRIDE);
+}
+
+// The high (or low) parts of the workgroup's query rows, as rope_store
+// left them in `out`, into kv_sh's 64 rows (zero past `rows`).
+fn stage_q(low: bool, t0: u32, g: u32, rows: u32, l: u32) {
+    let hd = p.head_dim;
+    let group = p.n_q_heads / p.n_kv_heads;
+    for (var i = l; i < C_ROWS * hd; i += WG) {
+        let row = i / hd;
+        var v = 0.0;
+        if (row < rows) {
+            v = out[(t0 + row / group) * p.out_stride + (g * group + row % group) * hd + i % hd];
+        }
+        let high = bitcast<f32>(bitcast<u32>(v) & 0xffffe000u);
+        kv_sh[row * C_STRIDE + i % hd] = f16(select(high, v - high, low));
+    }
+    workgroupBarrier();
+}
+
+// s + q k^T over head dimensions 16 i .. for the tile's keys 16 j ..
+fn qk(q_high: coop_mat16x16<f16, A>, q_low: coop_mat16x16<f16, A>, s: coop_mat16x16<f32, C>, j: u32, i: u32) -> coop_mat16x16<f32, C> {
+    let k = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[16u * j * C_STRIDE + 16u * i], C_STRIDE);
+    return coopMultiplyAdd(q_low, k, coopMultiplyAdd(q_high, k, s));
+}
+
+// o + P V for head dimensions 16 i .. (P: the tile's two blocks of keys).
+fn pv(p0: coop_mat16x16<f16, A>, p1: coop_mat16x16<f16, A>, o: coop_mat16x16<f32, C>, i: u32) -> coop_mat16x16<f32, C> {
+    let v0 = coopLoadT<coop_mat16x16<f16, B>>(&kv_sh[V_ROWS + 16u * i], C_STRIDE);
+    let v1 = coopLoadT<coop_mat16x16<f16, B>>(&kv_sh[V_ROWS + 16u * C_STRIDE + 16u * i], C_STRIDE);
+    return coopMultiplyAdd(p1, v1, coopMultiplyAdd(p0, v0, o));
+}
+
+// Writes head dimensions 16 i .. of subgroup sg's rows, times alpha_sh
+// (1 / the row's sum), to `out` (all invocations call it).
+fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: u32, rows: u32) {
+    coopStoreT(o, &sc_sh[sg * 512u], 16u);
+    workgroupBarrier();
+    let group = p.n_q_heads / p.n_kv_heads;
+    for (var c = 0u; c < 8u; c++) {
+        let e = lane + 32u * c;
+        let row = sg * 16u + e / 16u;
+        if (row < rows) {
+            let t = t0 + row / group;
+            let head = g * group + row % group;
+            out[t * p.out_stride + head * p.head_dim + 16u * i + e % 16u] = sc_sh[sg * 512u + e] * alpha_sh[row];
+        }
+    }
+    workgroupBarrier();
+}
+
+// Fragments are named rather than indexed: drivers may not index arrays
+// of cooperative matrices. Those past HD_FRAGS are loaded but unused.
+@compute @workgroup_size(WG)
+fn attend_coop(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) l: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    let g = wid.x;
+    let t0 = wid.y * p.tokens_per_wg;
+    let hd = p.head_dim;
+    let group = p.n_q_heads / p.n_kv_heads;
+    let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
+    let rows = n_tok * group;
+    let start = first_key(step.pos0 + t0);
+    let end = step.pos0 + t0 + n_tok;
+
+    stage_q(false, t0, g, rows, l);
+    let qh0 = q_frag(sg, 0u);
+    let qh1 = q_frag(sg, 1u);
+    let qh2 = q_frag(sg, 2u);
+    let qh3 = q_frag(sg, 3u);
+    let qh4 = q_frag(sg, 4u);
+    let qh5 = q_frag(sg, 5u);
+    let qh6 = q_frag(sg, 6u);
+    let qh7 = q_frag(sg, 7u);
+    workgroupBarrier();
+    stage_q(true, t0, g, rows, l);
+    let ql0 = q_frag(sg, 0u);
+    let ql1 = q_frag(sg, 1u);
+    let ql2 = q_frag(sg, 2u);
+    let ql3 = q_frag(sg, 3u);
+    let ql4 = q_frag(sg, 4u);
+    let ql5 = q_frag(sg, 5u);
+    let ql6 = q_frag(sg, 6u);
+    let ql7 = q_frag(sg, 7u);
+    workgroupBarrier();
+
+    var o0 = coop_mat16x16<f32, C>();
+    var o1 = coop_mat16x16<f32, C>();
+    var o2 = coop_mat16x16<f32, C>();
+    var o3 = coop_mat16x16<f32, C>();
+    var o4 = coop_mat16x16<f32, C>();
+    var o5 = coop_mat16x16<f32, C>();
+    var o6 = coop_mat16x16<f32, C>();
+    var o7 = coop_mat16x16<f32, C>();
+    // This lane's row (with its pair lane) in the softmax: running
+    // reference maximum and sum.
+    let r = lane / 2u;
+    let half = lane % 2u;
+    let row = sg * 16u + r;
+    let row_pos = step.pos0 + t0 + row / group;
+    var m_ref = NEG_BIG;
+    var l_sum = 0.0;
+
+    for (var k0 = start; k0 < end; k0 += C_KEYS) {
+        let n = min(C_KEYS, end - k0);
+        load_coop_tile(k0, n, g, l);
+        workgroupBarrier();
+
+        var s0 = coop_mat16x16<f32, C>();
+        var s1 = coop_mat16x16<f32, C>();
+        s0 = qk(qh0, ql0, s0, 0u, 0u);
+        s1 = qk(qh0, ql0, s1, 1u, 0u);
+        if (HD_FRAGS > 1u) {
+            s0 = qk(qh1, ql1, s0, 0u, 1u);
+            s1 = qk(qh1, ql1, s1, 1u, 1u);
+        }
+        if (HD_FRAGS > 2u) {
+            s0 = qk(qh2, ql2, s0, 0u, 2u);
+            s1 = qk(qh2, ql2, s1, 1u, 2u);
+        }
+        if (HD_FRAGS > 3u) {
+            s0 = qk(qh3, ql3, s0, 0u, 3u);
+            s1 = qk(qh3, ql3, s1, 1u, 3u);
+        }
+        if (HD_FRAGS > 4u) {
+            s0 = qk(qh4, ql4, s0, 0u, 4u);
+            s1 = qk(qh4, ql4, s1, 1u, 4u);
+        }
+        if (HD_FRAGS > 5u) {
+            s0 = qk(qh5, ql5, s0, 0u, 5u);
+            s1 = qk(qh5, ql5, s1, 1u, 5u);
+        }
+        if (HD_FRAGS > 6u) {
+            s0 = qk(qh6, ql6, s0, 0u, 6u);
+            s1 = qk(qh6, ql6, s1, 1u, 6u);
+        }
+        if (HD_FRAGS > 7u) {
+            s0 = qk(qh7, ql7, s0, 0u, 7u);
+            s1 = qk(qh7, ql7, s1, 1u, 7u);
+        }
+        coopStoreT(s0, &sc_sh[sg * 512u], 32u);
+        coopStoreT(s1, &sc_sh[sg * 512u + 16u], 32u);
+        workgroupBarrier();
+
+        var s: array<f32, 16>;
+        var m_tile = NEG_BIG;
+        for (var c = 0u; c < 16u; c++) {
+            let j = 16u * half + c;
+            let key = k0 + j;
+            let valid = j < n && row < rows && key <= row_pos && key >= first_key(row_pos);
+            s[c] = select(NEG_BIG, sc_sh[sg * 512u + r * 32u + j] * p.scale, valid);
+            m_tile = max(m_tile, s[c]);
+        }
+        m_tile = max(m_tile, subgroupShuffleXor(m_tile, 1u));
+        var alpha = 1.0;
+        if (m_tile > m_ref + RESCALE_MARGIN) {
+            alpha = exp(m_ref - m_tile);
+            m_ref = m_tile;
+        }
+        var sum = 0.0;
+        for (var c = 0u; c < 16u; c++) {
+            let pr = select(exp(s[c] - m_ref), 0.0, s[c] <= NEG_BIG);
+            sum += pr;
+            pc_sh[sg * 640u + r * P_STRIDE + 16u * half + c] = f16(pr);
+        }
+        sum += subgroupShuffleXor(sum, 1u);
+        // O holds earlier keys' sums only where l_sum > 0.
+        let grows = alpha != 1.0 && l_sum > 0.0;
+        l_sum = l_sum * alpha + sum;
+        if (half == 0u) {
+            alpha_sh[row] = alpha;
+        }
+        let any_grows = subgroupAny(grows);
+        if (lane == 0u) {
+            rescale_sg[sg] = select(0u, 1u, any_grows);
+        }
+        let flags = workgroupUniformLoad(&rescale_sg);
+        if (flags[0] + flags[1] + flags[2] + flags[3] > 0u) {
+            o0 = rescale(o0, sg, lane);
+            if (HD_FRAGS > 1u) { o1 = rescale(o1, sg, lane); }
+            if (HD_FRAGS > 2u) { o2 = rescale(o2, sg, lane); }
+            if (HD_FRAGS > 3u) { o3 = rescale(o3, sg, lane); }
+            if (HD_FRAGS > 4u) { o4 = rescale(o4, sg, lane); }
+            if (HD_FRAGS > 5u) { o5 = rescale(o5, sg, lane); }
+            if (HD_FRAGS > 6u) { o6 = rescale(o6, sg, lane); }
+            if (HD_FRAGS > 7u) { o7 = rescale(o7, sg, lane); }
+        }
+
+        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 640u], P_STRIDE);
+        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 640u + 16u], P_STRIDE);
+        o0 = pv(p0, p1, o0, 0u);
+        if (HD_FRAGS > 1u) { o1 = pv(p0, p1, o1, 1u); }
+        if (HD_FRAGS > 2u) { o2 = pv(p0, p1, o2, 2u); }
+        if (HD_FRAGS > 3u) { o3 = pv(p0, p1, o3, 3u); }
+        if (HD_FRAGS > 4u) { o4 = pv(p0, p1, o4, 4u); }
+        if (HD_FRAGS > 5u) { o5 = pv(p0, p1, o5, 5u); }
+        if (HD_FRAGS > 6u) { o6 = pv(p0, p1, o6, 6u); }
+        if (HD_FRAGS > 7u) { o7 = pv(p0, p1, o7, 7u); }
+        workgroupBarrier();
+    }
+
+    // out = O / l.
+    if (half == 0u) {
+        alpha_sh[row] = 1.0 / l_sum;
+    }
+    write_rows(o0, sg, lane, 0u, t0, g, rows);
+    if (HD_FRAGS > 1u) { write_rows(o1, sg, lane, 1u, t0, g, rows); }
+    if (HD_FRAGS > 2u) { write_rows(o2, sg, lane, 2u, t0, g, rows); }
+    if (HD_FRAGS > 3u) { write_rows(o3, sg, lane, 3u, t0, g, rows); }
+    if (HD_FRAGS > 4u) { write_rows(o4, sg, lane, 4u, t0, g, rows); }
+    if (HD_FRAGS > 5u) { write_rows(o5, sg, lane, 5u, t0, g, rows); }
+    if (HD_FRAGS > 6u) { write_rows(o6, sg, lane, 6u, t0, g, rows); }
+    if (HD_FRAGS > 7u) { write_rows(o7, sg, lane, 7u, t0, g, rows); }
 }
 #endif
 

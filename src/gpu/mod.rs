@@ -73,11 +73,54 @@ pub struct GpuOptions {
     /// fails with `OutOfDeviceMemory` before anything is allocated; the
     /// driver's own out-of-memory errors are reported the same way.
     pub memory_budget: Option<u64>,
+    /// Whether chunk products (prefill) run on cooperative matrices.
+    pub cooperative_matrix: CooperativeMatrix,
 }
 
 impl Default for GpuOptions {
     fn default() -> Self {
-        GpuOptions { backend: Backend::Auto, max_storage_binding: None, memory_budget: None }
+        GpuOptions {
+            backend: Backend::Auto,
+            max_storage_binding: None,
+            memory_budget: None,
+            cooperative_matrix: CooperativeMatrix::from_env().unwrap_or(CooperativeMatrix::Auto),
+        }
+    }
+}
+
+/// Use of cooperative matrices (tensor cores) by the prefill GEMM, which
+/// otherwise runs on the f32 ALUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CooperativeMatrix {
+    /// Where the adapter offers the configuration the kernel is written
+    /// for ([`crate::kernels::gemm_coop::usable`]).
+    Auto,
+    /// Never: the f32 GEMM everywhere.
+    Off,
+    /// Always: opening a device that lacks it is an error.
+    On,
+}
+
+impl CooperativeMatrix {
+    /// The choice named by `WGSPARK_COOPERATIVE_MATRIX` (`auto`, `on`,
+    /// `off`), if it is set.
+    pub fn from_env() -> Option<Self> {
+        std::env::var("WGSPARK_COOPERATIVE_MATRIX").ok().and_then(|v| v.parse().ok())
+    }
+}
+
+impl std::str::FromStr for CooperativeMatrix {
+    type Err = Error;
+    fn from_str(name: &str) -> Result<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "auto" => Ok(CooperativeMatrix::Auto),
+            "on" => Ok(CooperativeMatrix::On),
+            "off" => Ok(CooperativeMatrix::Off),
+            _ => Err(Error::Unsupported {
+                what: "cooperative matrix mode (auto, on or off)",
+                value: name.to_string(),
+            }),
+        }
     }
 }
 
@@ -91,6 +134,9 @@ pub struct Caps {
     pub f16_in_f32: bool,
     pub subgroups: bool,
     pub timestamps: bool,
+    /// The prefill GEMM runs on cooperative matrices (the device was opened
+    /// with the experimental feature).
+    pub cooperative_matrix: bool,
     /// A CPU rasteriser (lavapipe, llvmpipe, WARP): favours one row per
     /// invocation over workgroup reductions.
     pub is_cpu: bool,
@@ -163,14 +209,36 @@ impl Gpu {
 
         let info = adapter.get_info();
         let downlevel = adapter.get_downlevel_capabilities().flags;
-        let features = adapter.features() & WANTED_FEATURES;
+        let mut features = adapter.features() & WANTED_FEATURES;
         let limits = adapter.limits();
+        let cooperative = match options.cooperative_matrix {
+            CooperativeMatrix::Off => false,
+            CooperativeMatrix::Auto => crate::kernels::gemm_coop::usable(&adapter),
+            CooperativeMatrix::On if crate::kernels::gemm_coop::usable(&adapter) => true,
+            CooperativeMatrix::On => {
+                return Err(Error::Unsupported {
+                    what: "cooperative matrices (16 x 16 x 16 f16 products into f32, subgroups of 32)",
+                    value: format!("not offered by {}", info.name),
+                });
+            }
+        };
+        if cooperative {
+            features |= crate::kernels::gemm_coop::FEATURES;
+        }
+        let experimental_features = if cooperative {
+            // SAFETY: the only experimental feature requested; the kernel
+            // that uses it is validated by naga and tested against the CPU
+            // reference on every adapter that offers it.
+            unsafe { wgpu::ExperimentalFeatures::enabled() }
+        } else {
+            wgpu::ExperimentalFeatures::disabled()
+        };
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("wgspark"),
                 required_features: features,
                 required_limits: limits.clone(),
-                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                experimental_features,
                 memory_hints: wgpu::MemoryHints::Performance,
                 trace: wgpu::Trace::Off,
             })
@@ -192,6 +260,7 @@ impl Gpu {
             f16_in_f32: downlevel.contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32),
             subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            cooperative_matrix: cooperative,
             is_cpu: info.device_type == wgpu::DeviceType::Cpu || is_software_renderer(&info.name),
             max_storage_binding,
             max_buffer_size: limits.max_buffer_size,

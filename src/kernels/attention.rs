@@ -35,6 +35,12 @@ pub fn structs() -> Vec<&'static str> {
 pub const MAX_HEAD_DIM: usize = 256;
 /// Invocations per workgroup of every entry point.
 const WG: usize = 128;
+/// The flag of the cooperative-matrix build (`attend_coop`).
+pub const COOP: &str = "COOP";
+/// Query rows of one `attend_coop` workgroup: four subgroups of 16.
+const COOP_ROWS: usize = 64;
+/// Widest head `attend_coop` holds (its tiles' row stride).
+const COOP_MAX_HEAD_DIM: usize = 128;
 /// Most query rows (token, head) one workgroup holds.
 const MAX_ROWS: usize = 32;
 /// Largest number of query heads per KV head (one token's rows).
@@ -98,6 +104,8 @@ enum Entry {
     TokenAttend,
     /// `attend_lanes`: one token on subgroup lanes.
     LanesAttend(LaneLayout),
+    /// `attend_coop`: a chunk on cooperative matrices.
+    CoopAttend,
     Combine,
 }
 
@@ -107,6 +115,7 @@ impl Entry {
             Entry::RopeStore => "rope_store",
             Entry::ChunkAttend | Entry::TokenAttend => "attend",
             Entry::LanesAttend(_) => "attend_lanes",
+            Entry::CoopAttend => "attend_coop",
             Entry::Combine => "combine",
         }
     }
@@ -218,6 +227,7 @@ impl Attention {
         match entry {
             Entry::TokenAttend => flags.push("DECODE"),
             Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
+            Entry::CoopAttend => flags.push(COOP),
             _ => {}
         }
         if shape.kv_format == KvFormat::F16 {
@@ -226,7 +236,7 @@ impl Attention {
                 flags.push(super::F16_NATIVE);
             }
         }
-        match shape.qk_norm.map(|n| n.mode) {
+        match shape.qk_norm.map(|n| n.mode).filter(|_| entry != Entry::CoopAttend) {
             None | Some(QkNorm::None) => {}
             Some(QkNorm::PerHead) => flags.push("QK_NORM"),
             Some(QkNorm::WholeProjection) => flags.extend(["QK_NORM", "QK_NORM_WHOLE"]),
@@ -251,12 +261,14 @@ impl Attention {
         let function = entry.function();
         let constants = match entry {
             Entry::LanesAttend(layout) => layout.constants(),
+            Entry::CoopAttend => vec![("HD_FRAGS", (shape.heads.dim / 16) as f64)],
             _ => vec![],
         };
         let pipeline = super::pipeline(gpu, "attention", function, &flags, &constants)?;
         let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
         bound.extend_from_slice(buffers);
-        let rotates = entry != Entry::Combine;
+        // attend_coop reads its rows already normalised and rotated.
+        let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend);
         if let (true, Some(n)) = (rotates, shape.qk_norm.filter(|n| n.mode != QkNorm::None)) {
             bound.extend([(9, &n.q.parts[0].buffer), (10, &n.k.parts[0].buffer)]);
         }
@@ -281,28 +293,63 @@ impl Attention {
         let h = shape.heads;
         let group = h.group();
         debug_assert!(h.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * h.dim <= MAX_GROUP_WIDTH);
+        let coop = Self::coop_fits(gpu, shape);
         // The chunk's tokens share each K/V tile among as many query rows as fit.
-        let tokens_per_wg = (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1);
+        let tokens_per_wg = if coop {
+            COOP_ROWS / group
+        } else {
+            (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1)
+        };
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, tokens_per_wg));
+        // K and V heads; for attend_coop, the query rows too (into `out`).
+        let rope_groups = if coop { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
             gpu,
             shape,
             Entry::RopeStore,
             &params,
-            &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache)],
-            [(2 * h.kv) as u32, 1, 1],
+            &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)],
+            [rope_groups as u32, 1, 1],
             1,
         )?;
-        let attend = self.dispatch(
-            gpu,
-            shape,
-            Entry::ChunkAttend,
-            &params,
-            &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)],
-            [h.kv as u32, 1, 1],
-            tokens_per_wg as u32,
-        )?;
+        let attend = if coop {
+            // The rows come from `out`, already normalised and rotated.
+            let bound = [(1, b.step), (4, b.k_cache), (5, b.v_cache), (6, b.out)];
+            self.dispatch(
+                gpu,
+                shape,
+                Entry::CoopAttend,
+                &params,
+                &bound,
+                [h.kv as u32, 1, 1],
+                tokens_per_wg as u32,
+            )?
+        } else {
+            let bound = [(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)];
+            self.dispatch(
+                gpu,
+                shape,
+                Entry::ChunkAttend,
+                &params,
+                &bound,
+                [h.kv as u32, 1, 1],
+                tokens_per_wg as u32,
+            )?
+        };
         Ok(vec![rope, attend])
+    }
+
+    /// A chunk's attention runs on cooperative matrices: the device has
+    /// them, the cache is f16 (an f32 cache is asked for its precision,
+    /// which f16 tiles would lose), heads are whole 16-wide fragments of at
+    /// most [`COOP_MAX_HEAD_DIM`], and a group divides a subgroup's 16 rows.
+    pub fn coop_fits(gpu: &Gpu, shape: &AttentionShape<'_>) -> bool {
+        let h = shape.heads;
+        gpu.caps.cooperative_matrix
+            && shape.kv_format == KvFormat::F16
+            && h.dim.is_multiple_of(16)
+            && h.dim <= COOP_MAX_HEAD_DIM
+            && 16usize.is_multiple_of(h.group())
     }
 
     /// One token: q/k norm, RoPE, the K/V store and the attention in one
@@ -359,6 +406,9 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
         for norm in [&[][..], &["QK_NORM"], &["QK_NORM", "QK_NORM_WHOLE"]] {
             for decode in [&[][..], &["DECODE"], &[super::SUBGROUPS]] {
                 out.push([norm, kv, decode].concat());
+            }
+            if !kv.is_empty() && norm.is_empty() {
+                out.push([kv, &[COOP][..]].concat());
             }
         }
     }

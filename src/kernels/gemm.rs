@@ -1,6 +1,9 @@
-//! `wgsl/gemm.wgsl`: bf16 weight x f32 activations for a chunk of tokens,
-//! dense or over the tokens the host grouped under one expert.
+//! `wgsl/gemm.wgsl`: weights x f32 activations for a chunk of tokens, dense
+//! or over the tokens the host grouped under one expert; on cooperative
+//! matrices (`wgsl/gemm_coop.wgsl`, same parameters and bindings) where the
+//! device was opened with them.
 
+use super::gemm_coop;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
 
@@ -47,21 +50,74 @@ pub struct GroupedBuffers<'a> {
     pub pairs: &'a wgpu::Buffer,
 }
 
+/// The kernel that computes the products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// `gemm.wgsl`, on the f32 ALUs.
+    Alu(Tiling),
+    /// `gemm_coop.wgsl`, f16 products into f32; with `split`, each
+    /// activation (and each decoded weight of the formats f16 does not
+    /// hold) as two f16 parts.
+    Cooperative { split: bool },
+}
+
+impl GemmKernel {
+    /// Relative rounding of each activation (and each decoded weight of the
+    /// quantized formats) before it is multiplied: none on the ALUs (f32),
+    /// 2^-22 as two f16 parts, 2^-11 as one f16.
+    pub fn activation_rounding(self) -> f32 {
+        match self {
+            GemmKernel::Alu(_) => 0.0,
+            GemmKernel::Cooperative { split: true } => 2f32.powi(-22),
+            GemmKernel::Cooperative { split: false } => 2f32.powi(-11),
+        }
+    }
+}
+
+/// Activations staged as two f16 parts by default: [`GemmKernel::Cooperative`].
+pub const COOPERATIVE_SPLIT: bool = true;
+
 #[derive(Debug)]
 pub struct Gemm {
-    tiling: Tiling,
+    kernel: GemmKernel,
     /// Bound as `groups` and `pairs` by dense products, which never read them.
     no_groups: wgpu::Buffer,
 }
 
 impl Gemm {
+    /// On cooperative matrices where the device has them, else on the ALUs.
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Self::with_tiling(gpu, Tiling::Auto)
+        let kernel = if gpu.caps.cooperative_matrix {
+            GemmKernel::Cooperative { split: COOPERATIVE_SPLIT }
+        } else {
+            GemmKernel::Alu(Tiling::Auto)
+        };
+        Self::with_kernel(gpu, kernel)
     }
 
-    /// As [`Self::new`] with one tiling forced (tests exercise both).
-    pub fn with_tiling(gpu: &Gpu, tiling: Tiling) -> Result<Self> {
-        Ok(Gemm { tiling, no_groups: gpu.storage_buffer("gemm.no_groups", 2)? })
+    /// As [`Self::new`] with one kernel forced (tests and benches compare
+    /// them); cooperative matrices need a device opened with them.
+    pub fn with_kernel(gpu: &Gpu, kernel: GemmKernel) -> Result<Self> {
+        if matches!(kernel, GemmKernel::Cooperative { .. }) && !gpu.caps.cooperative_matrix {
+            return Err(crate::Error::Unsupported {
+                what: "cooperative-matrix GEMM",
+                value: format!("{} was opened without cooperative matrices", gpu.info.name),
+            });
+        }
+        Ok(Gemm { kernel, no_groups: gpu.storage_buffer("gemm.no_groups", 2)? })
+    }
+
+    /// Every kernel `gpu` can run, in every tiling and precision.
+    pub fn kernels(gpu: &Gpu) -> Vec<GemmKernel> {
+        let mut out = vec![GemmKernel::Alu(Tiling::Narrow), GemmKernel::Alu(Tiling::Wide)];
+        if gpu.caps.cooperative_matrix {
+            out.extend([GemmKernel::Cooperative { split: false }, GemmKernel::Cooperative { split: true }]);
+        }
+        out
+    }
+
+    pub fn kernel(&self) -> GemmKernel {
+        self.kernel
     }
 
     fn dispatch(
@@ -81,21 +137,31 @@ impl Gemm {
             });
         }
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
-        let wide = match self.tiling {
-            Tiling::Narrow => false,
-            Tiling::Wide => true,
-            Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
+        let (pipeline, tile_tokens, tile_rows) = match self.kernel {
+            GemmKernel::Alu(tiling) => {
+                let wide = match tiling {
+                    Tiling::Narrow => false,
+                    Tiling::Wide => true,
+                    Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
+                };
+                let tile = if wide { 128 } else { 64 };
+                let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
+                (super::pipeline(gpu, "gemm", "main", &flags, &constants)?, tile, tile)
+            }
+            GemmKernel::Cooperative { split } => {
+                let flags = gemm_coop::flags(gpu, part.format, split);
+                let tile = gemm_coop::tile_tokens(n_rows, max_tokens);
+                let constants = [("TILE_M", tile as f64)];
+                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &constants)?;
+                (pipeline, tile, gemm_coop::TILE_ROWS as u32)
+            }
         };
-        let tile = if wide { 128 } else { 64 };
-        let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
-        let pipeline = super::pipeline(gpu, "gemm", "main", &flags, &constants)?;
-        let tiles = (n_rows as u32).div_ceil(tile);
         Ok(Dispatch {
             label: "gemm",
             bind_group: gpu.bind("gemm", &pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
             pipeline,
-            workgroups: gpu.fold_grid(tiles),
-            tokens_per_workgroup: tile,
+            workgroups: gpu.fold_grid((n_rows as u32).div_ceil(tile_rows)),
+            tokens_per_workgroup: tile_tokens,
         })
     }
 

@@ -19,12 +19,14 @@ pub mod attention;
 pub mod copy;
 pub mod embed;
 pub mod gemm;
+pub mod gemm_coop;
 pub mod gemv;
 pub mod residual;
 pub mod rms_norm;
 pub mod router;
 pub mod sample;
 pub mod swiglu;
+pub mod vulkan_memory_model;
 
 pub use attention::Attention;
 pub use embed::Embed;
@@ -119,6 +121,12 @@ pub const FAMILIES: &[Family] = &[
         reads_weights: true,
     },
     Family {
+        name: "gemm_coop",
+        source: include_str!("../../wgsl/gemm_coop.wgsl"),
+        structs: gemm::structs,
+        reads_weights: true,
+    },
+    Family {
         name: "gemv",
         source: include_str!("../../wgsl/gemv.wgsl"),
         structs: gemv::structs,
@@ -172,6 +180,12 @@ impl Build {
         self.flags.contains(&SUBGROUPS)
     }
 
+    /// Uses cooperative matrices, f16 and subgroups (needs the adapter's
+    /// EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and SUBGROUP).
+    pub fn uses_cooperative_matrix(&self) -> bool {
+        self.family == "gemm_coop" || self.flags.contains(&attention::COOP)
+    }
+
     /// Uses `pack2x16float` / `unpack2x16float` (needs the adapter's
     /// SHADER_F16_IN_F32 downlevel flag).
     pub fn uses_f16_in_f32(&self) -> bool {
@@ -222,6 +236,7 @@ pub fn builds() -> Vec<Build> {
         let flag_sets = match family.name {
             "gemv" => gemv::flag_sets(),
             "embed" | "gemm" => weight_flag_sets(),
+            "gemm_coop" => gemm_coop::flag_sets(),
             "attention" => attention::flag_sets(),
             "residual" => residual::flag_sets(),
             "sample" => sample::flag_sets(),
@@ -234,12 +249,20 @@ pub fn builds() -> Vec<Build> {
 
 /// The complete source of a build as it is compiled: the shared helpers of
 /// `common.wgsl` and the family's file, with the family's parameter structs
-/// declared, and `#if` sections resolved by `flags`.
+/// declared, and `#if` sections resolved by `flags`. The `enable`
+/// directives a build keeps move to the top, where WGSL wants them.
 pub fn shader_source(family: &str, flags: &[&str]) -> Option<String> {
     let f = FAMILIES.iter().find(|f| f.name == family)?;
     let structs: String = std::iter::once(Step::WGSL).chain((f.structs)()).collect();
     let weights = if f.reads_weights { WEIGHTS } else { "" };
-    Some(preprocess(&format!("{structs}\n{COMMON}\n{weights}\n{}", f.source), flags))
+    let body = preprocess(f.source, flags);
+    let is_enable = |l: &&str| l.starts_with("enable ");
+    let enables: String = body.lines().filter(is_enable).map(|l| format!("{l}\n")).collect();
+    // The moved lines stay as empty lines, so the file's own line count is kept.
+    let body: String =
+        body.lines().map(|l| if is_enable(&l) { "\n".to_string() } else { format!("{l}\n") }).collect();
+    let prefix = preprocess(&format!("{structs}\n{COMMON}\n{weights}\n"), flags);
+    Some(format!("{enables}{prefix}{body}"))
 }
 
 /// Resolves `#if NAME`, `#if !NAME`, `#else` and `#endif` lines (nesting
@@ -325,6 +348,9 @@ fn compile(
     entry: &str,
     constants: &[(&str, f64)],
 ) -> Result<wgpu::ComputePipeline> {
+    if gpu.info.backend == wgpu::Backend::Vulkan && source.contains("enable wgpu_cooperative_matrix;") {
+        return compile_spirv(gpu, name, source, entry, constants);
+    }
     let desc = wgpu::ShaderModuleDescriptor {
         label: Some(name),
         source: wgpu::ShaderSource::Wgsl(source.to_string().into()),
@@ -346,6 +372,50 @@ fn compile(
             constants,
             zero_initialize_workgroup_memory: false,
         },
+        cache: None,
+    });
+    gpu.check(&format!("compiling kernel {name}:{entry}"))?;
+    Ok(pipeline)
+}
+
+/// A cooperative-matrix kernel on Vulkan: translated by
+/// [`vulkan_memory_model`] and passed to the driver as it is, with the
+/// bind group layout its bindings declare.
+fn compile_spirv(
+    gpu: &Gpu,
+    name: &str,
+    source: &str,
+    entry: &str,
+    constants: &[(&str, f64)],
+) -> Result<wgpu::ComputePipeline> {
+    let (words, module) = vulkan_memory_model::spirv(source, entry, constants)
+        .map_err(|e| crate::Error::Gpu(format!("compiling kernel {name}:{entry}: {e}")))?;
+    let group = vulkan_memory_model::bind_group_layout(&gpu.device, name, &module);
+    let layout = gpu.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: Some(name),
+        bind_group_layouts: &[Some(&group)],
+        immediate_size: 0,
+    });
+    let size = module.entry_points.iter().find(|e| e.name == entry).map_or([1, 1, 1], |e| e.workgroup_size);
+    let desc = wgpu::ShaderModuleDescriptorPassthrough {
+        label: Some(name),
+        entry_points: vec![wgpu::PassthroughShaderEntryPoint {
+            name: entry.into(),
+            workgroup_size: (size[0], size[1], size[2]),
+        }]
+        .into(),
+        spirv: Some(words.into()),
+        ..Default::default()
+    };
+    // SAFETY: the words are naga's translation of a module that naga
+    // validated, changed only in memory-access masks and barrier semantics.
+    let module = unsafe { gpu.device.create_shader_module_passthrough(desc) };
+    let pipeline = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(name),
+        layout: Some(&layout),
+        module: &module,
+        entry_point: Some(entry),
+        compilation_options: wgpu::PipelineCompilationOptions::default(),
         cache: None,
     });
     gpu.check(&format!("compiling kernel {name}:{entry}"))?;
