@@ -138,7 +138,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,
     };
-    let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
+    let cooperative_matrix = wgspark::CooperativeMatrix::from_env()?;
+    let gpu = Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?;
     println!("adapter: {}", gpu.describe());
     let copy = gpu.copy_bandwidth(1 << 30, 10)?;
     println!(

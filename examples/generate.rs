@@ -24,8 +24,8 @@ use wgspark::chat::{ChatTemplate, Message};
 use wgspark::progress::Progress;
 use wgspark::tokenizer::Tokenizer;
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, PromptRows,
-    RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
+    Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
+    Model, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -69,6 +69,10 @@ struct Args {
     /// vulkan, metal, dx12 or gl (default: WGSPARK_BACKEND, else the best adapter).
     #[arg(long)]
     backend: Option<String>,
+    /// Prefill on cooperative matrices: auto, on or off (default:
+    /// WGSPARK_COOPERATIVE_MATRIX, else auto).
+    #[arg(long)]
+    cooperative_matrix: Option<String>,
     /// KV cache positions (default: the model's, at most 8192).
     #[arg(long)]
     context: Option<usize>,
@@ -162,7 +166,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,
     };
-    let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
+    let cooperative_matrix = match &args.cooperative_matrix {
+        Some(name) => name.parse()?,
+        None => CooperativeMatrix::from_env()?,
+    };
+    let gpu = Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?;
     eprintln!("adapter: {}", gpu.describe());
 
     let mut reporter = Reporter::default();

@@ -64,7 +64,7 @@ pub use capture::{Capture, CaptureOptions, PromptRows};
 pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, RoutingMode};
 pub use format::WeightFormat;
-pub use gpu::{Backend, Gpu, GpuOptions};
+pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions};
 pub use kv_cache::KvFormat;
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};

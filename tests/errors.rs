@@ -579,3 +579,36 @@ fn chat_template_errors_name_the_file() {
     let err = wgspark::chat::ChatTemplate::from_folder(&dir).unwrap_err();
     assert!(matches!(err, Error::Json { .. }), "{err}");
 }
+
+/// Cooperative matrices: an unknown mode is refused, and asking for them
+/// on an adapter that lacks them (or forcing the cooperative GEMM on a
+/// device opened without them) names the adapter.
+#[test]
+fn cooperative_matrices_where_there_are_none() {
+    use wgspark::kernels::gemm::{Gemm, GemmKernel};
+    use wgspark::{CooperativeMatrix, GpuOptions};
+    let err = "sometimes".parse::<CooperativeMatrix>().unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }) && err.to_string().contains("sometimes"), "{err}");
+    for backend in common::backends() {
+        let plain = Gpu::new(&GpuOptions {
+            backend,
+            cooperative_matrix: CooperativeMatrix::Off,
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(!plain.caps.cooperative_matrix);
+        let err = Gemm::with_kernel(&plain, GemmKernel::Cooperative { split: true }).unwrap_err();
+        assert!(err.to_string().contains(&plain.info.name), "{err}");
+        match Gpu::new(&GpuOptions {
+            backend,
+            cooperative_matrix: CooperativeMatrix::On,
+            ..Default::default()
+        }) {
+            Ok(gpu) => assert!(gpu.caps.cooperative_matrix, "{} opened without them", gpu.describe()),
+            Err(err) => {
+                assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+                assert!(err.to_string().contains(&plain.info.name), "{err}");
+            }
+        }
+    }
+}

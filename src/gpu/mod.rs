@@ -83,7 +83,7 @@ impl Default for GpuOptions {
             backend: Backend::Auto,
             max_storage_binding: None,
             memory_budget: None,
-            cooperative_matrix: CooperativeMatrix::from_env().unwrap_or(CooperativeMatrix::Auto),
+            cooperative_matrix: CooperativeMatrix::Auto,
         }
     }
 }
@@ -103,9 +103,12 @@ pub enum CooperativeMatrix {
 
 impl CooperativeMatrix {
     /// The choice named by `WGSPARK_COOPERATIVE_MATRIX` (`auto`, `on`,
-    /// `off`), if it is set.
-    pub fn from_env() -> Option<Self> {
-        std::env::var("WGSPARK_COOPERATIVE_MATRIX").ok().and_then(|v| v.parse().ok())
+    /// `off`), or `Auto` when it is unset.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("WGSPARK_COOPERATIVE_MATRIX") {
+            Ok(name) if !name.is_empty() => name.parse(),
+            _ => Ok(CooperativeMatrix::Auto),
+        }
     }
 }
 
@@ -187,9 +190,11 @@ fn device_type_rank(t: wgpu::DeviceType) -> u8 {
 }
 
 impl Gpu {
-    /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter).
+    /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter),
+    /// with cooperative matrices as `WGSPARK_COOPERATIVE_MATRIX` says.
     pub fn from_env() -> Result<Self> {
-        Self::new(&GpuOptions { backend: Backend::from_env()?, ..GpuOptions::default() })
+        let cooperative_matrix = CooperativeMatrix::from_env()?;
+        Self::new(&GpuOptions { backend: Backend::from_env()?, cooperative_matrix, ..GpuOptions::default() })
     }
 
     pub fn new(options: &GpuOptions) -> Result<Self> {
@@ -289,7 +294,8 @@ impl Gpu {
 
     /// One line naming the adapter and backend, for logs.
     pub fn describe(&self) -> String {
-        format!("{} ({:?}, {:?})", self.info.name, self.info.backend, self.info.device_type)
+        let matrices = if self.caps.cooperative_matrix { ", cooperative matrices" } else { "" };
+        format!("{} ({:?}, {:?}{matrices})", self.info.name, self.info.backend, self.info.device_type)
     }
 
     /// Turns the first GPU error recorded since the last call into an `Error`.
