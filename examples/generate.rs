@@ -22,7 +22,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgspark::chat::{ChatTemplate, Message};
 use wgspark::progress::Progress;
-use wgspark::tokenizer::Tokenizer;
+use wgspark::tokenizer::{Tokenizer, encode};
 use wgspark::{
     Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
     Model, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
@@ -209,12 +209,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             // BOS token, for most); a chat template writes its own.
             match &template {
                 Some(template) => {
-                    tok.encode(template.render(&[Message::new("user", &prompt)], true)?, false)?
+                    encode(tok, &template.render(&[Message::new("user", &prompt)], true)?, false)?
                 }
-                None => tok.encode(prompt, true)?,
+                None => encode(tok, &prompt, true)?,
             }
-            .get_ids()
-            .to_vec()
         }
         (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
     };
@@ -476,7 +474,7 @@ fn converse(
             continue;
         }
         messages.push(Message::new("user", message));
-        let ids = tok.encode(template.render(&messages, true)?, false)?.get_ids().to_vec();
+        let ids = encode(tok, &template.render(&messages, true)?, false)?;
         // At least the last id is fed: its logits choose the reply's first.
         let kept = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
         session.truncate(kept);

@@ -81,6 +81,11 @@ pub enum Error {
          rms_norm_eps, the rope factors and any control vectors)"
     )]
     NonFiniteLogits { position: usize, token: usize, value: f32 },
+    #[error(
+        "position {position}: the logits the token was sampled from hold NaN or infinite values (NaN or \
+         infinite activations: check the weights, rms_norm_eps, the rope factors and any control vectors)"
+    )]
+    NonFiniteSample { position: usize },
     #[error("a context of {context_len} positions: {reason}")]
     InvalidContext { context_len: usize, reason: String },
     #[error("empty prompt: prefill needs at least one token")]

@@ -491,6 +491,12 @@ impl Generation<'_, '_> {
         }
         let (slot, index) = self.in_flight.pop_front().expect("an id is in flight while not stopped");
         let id = self.read_slot(slot, index)?;
+        if id == crate::kernels::sample::NON_FINITE {
+            // The logits of the last token fed (the prompt's, then each id's).
+            return Err(Error::NonFiniteSample {
+                position: (self.prompt_end + self.yielded).saturating_sub(1),
+            });
+        }
         self.yielded += 1;
         if self.stop_tokens.contains(&id) {
             self.stop(StopReason::StopToken(id));

@@ -20,9 +20,14 @@ pub fn from_folder(dir: &Path) -> Result<Option<Tokenizer>> {
         return Ok(None);
     }
     crate::error::check_regular_file(&path)?;
-    Tokenizer::from_file(&path)
-        .map(Some)
-        .map_err(|e| Error::Tokenizer { source_file: path.clone(), message: e.to_string() })
+    let size = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?.len();
+    let problem = |message: String| Error::Tokenizer { source_file: path.clone(), message };
+    if size > MAX_FILE_BYTES {
+        return Err(problem(format!("{size} bytes, more than a tokenizer's {MAX_FILE_BYTES}")));
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| problem(e.to_string()))?;
+    build(json).map(Some).map_err(problem)
 }
 
 /// The tokenizer a GGUF file describes (`None`: its tokenizer model is not
@@ -33,9 +38,105 @@ pub fn from_gguf(g: &Gguf) -> Result<Option<Tokenizer>> {
         Some("llama") => sentencepiece_json(g, &g.meta_strings("tokenizer.ggml.tokens")?)?,
         _ => return Ok(None),
     };
-    let tokenizer: Tokenizer = serde_json::from_value(json)
-        .map_err(|e| Error::Tokenizer { source_file: g.path().to_path_buf(), message: e.to_string() })?;
-    Ok(Some(tokenizer))
+    build(json).map(Some).map_err(|message| Error::Tokenizer { source_file: g.path().to_path_buf(), message })
+}
+
+/// Largest tokenizer.json read (the largest shipped ones are about 30 MB).
+pub const MAX_FILE_BYTES: u64 = 256 << 20;
+/// Longest padding or truncation length a tokenizer may ask for.
+pub const MAX_SEQUENCE: u64 = 1 << 24;
+/// Most a tokenizer's `Replace` normalizers may multiply a text's length by.
+pub const MAX_GROWTH: f64 = 64.0;
+/// Longest regular expression of a normalizer or pre-tokenizer.
+pub const MAX_PATTERN_BYTES: usize = 64 << 10;
+
+/// A `tokenizers` tokenizer from its JSON, once the JSON is known not to
+/// ask for unbounded work (see [`check_bounds`]); a panic while building
+/// it (in a regular expression engine, say) is an error like the others.
+fn build(json: Value) -> std::result::Result<Tokenizer, String> {
+    check_bounds(&json)?;
+    match std::panic::catch_unwind(move || serde_json::from_value::<Tokenizer>(json)) {
+        Ok(built) => built.map_err(|e| e.to_string()),
+        Err(_) => Err("building it panicked (a malformed pattern?)".into()),
+    }
+}
+
+/// `text` encoded by `tokenizer`, with a panic inside the library (a
+/// pattern that only fails on some input) turned into an error.
+pub fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+    let encoded = std::panic::catch_unwind(|| tokenizer.encode(text, add_special_tokens));
+    match encoded {
+        Ok(Ok(e)) => Ok(e.get_ids().to_vec()),
+        Ok(Err(e)) => Err(Error::Tokenizer { source_file: "prompt".into(), message: e.to_string() }),
+        Err(_) => Err(Error::Tokenizer { source_file: "prompt".into(), message: "encoding panicked".into() }),
+    }
+}
+
+/// Refuses the parts of a tokenizer.json that make loading or encoding
+/// unbounded: padding or truncation lengths past [`MAX_SEQUENCE`],
+/// chained `Replace` normalizers that can multiply a text's length by more
+/// than [`MAX_GROWTH`], and patterns longer than [`MAX_PATTERN_BYTES`].
+pub fn check_bounds(json: &Value) -> std::result::Result<(), String> {
+    let lengths = [("padding", "pad_to_multiple_of"), ("truncation", "max_length"), ("truncation", "stride")];
+    for (part, field) in lengths {
+        if let Some(n) = json[part][field].as_u64().filter(|&n| n > MAX_SEQUENCE) {
+            return Err(format!("{part}.{field} is {n}, more than {MAX_SEQUENCE}"));
+        }
+    }
+    if let Some(n) = json["padding"]["strategy"]["Fixed"].as_u64().filter(|&n| n > MAX_SEQUENCE) {
+        return Err(format!("padding.strategy.Fixed is {n}, more than {MAX_SEQUENCE}"));
+    }
+    let growth = normalizer_growth(&json["normalizer"]);
+    if growth > MAX_GROWTH {
+        return Err(format!(
+            "its normalizers can make a text {growth:.0} times longer (at most {MAX_GROWTH})"
+        ));
+    }
+    check_patterns(json)
+}
+
+/// The most the `Replace` steps of `normalizer` can multiply a text's
+/// length (in bytes) by. (Replacements chained one after another are the
+/// normalizers that grow a text geometrically; the others add a bounded
+/// amount, or change characters for a few others.)
+fn normalizer_growth(normalizer: &Value) -> f64 {
+    match normalizer["type"].as_str() {
+        Some("Sequence") => {
+            normalizer["normalizers"].as_array().into_iter().flatten().map(normalizer_growth).product()
+        }
+        Some("Replace") => {
+            let content = normalizer["content"].as_str().unwrap_or("").len() as f64;
+            match normalizer["pattern"]["String"].as_str() {
+                // Each match of the literal becomes the content.
+                Some(p) if !p.is_empty() => (content / p.len() as f64).max(1.0),
+                // A regular expression (or an empty literal) may match a
+                // single byte, or the nothing between every two.
+                _ => 1.0 + content,
+            }
+        }
+        _ => 1.0,
+    }
+}
+
+/// Every regular expression of the normalizers and pre-tokenizers is at
+/// most [`MAX_PATTERN_BYTES`] long.
+fn check_patterns(value: &Value) -> std::result::Result<(), String> {
+    match value {
+        Value::Object(map) => {
+            if let Some(Value::String(r)) = map.get("Regex").filter(|_| map.len() == 1) {
+                if r.len() > MAX_PATTERN_BYTES {
+                    return Err(format!(
+                        "a {} byte regular expression (at most {MAX_PATTERN_BYTES})",
+                        r.len()
+                    ));
+                }
+            }
+            // The vocabulary and merges hold no patterns.
+            map.iter().filter(|(k, _)| *k != "model").try_for_each(|(_, v)| check_patterns(v))
+        }
+        Value::Array(items) => items.iter().try_for_each(check_patterns),
+        _ => Ok(()),
+    }
 }
 
 /// llama.cpp's token types.

@@ -276,6 +276,27 @@ fn logits_that_are_not_numbers() {
     assert!(matches!(err, Error::NonFiniteLogits { position: 2, .. }), "{err}");
 }
 
+/// The same model generating (tokens chosen on the GPU, greedy or drawn):
+/// the sampler sees the logits are not numbers and generation stops with
+/// an error naming the position, instead of yielding id 0.
+#[test]
+fn sampling_from_logits_that_are_not_numbers() {
+    let dir = edited_fixture("llama_untied", |_, tensors| {
+        let (_, _, bytes) = tensors.get_mut("model.norm.weight").expect("the final norm");
+        bytes[..2].copy_from_slice(&0x7fc0u16.to_le_bytes()); // one bf16 NaN
+    });
+    let model = Model::load(&dir, &gpu()).unwrap();
+    let draw = Sampling::Random { temperature: 0.8, top_k: Some(5), top_p: Some(0.9) };
+    for sampling in [Sampling::Greedy, draw] {
+        let mut session = model.session(&SessionOptions::default()).unwrap();
+        let options = wgspark::GenerateOptions { max_tokens: 4, sampling, ..Default::default() };
+        let first = session.generate(&[1, 2, 3], &options).unwrap().next().expect("a first id");
+        let err = first.unwrap_err();
+        assert!(matches!(err, Error::NonFiniteSample { position: 2 }), "{sampling:?}: {err}");
+        assert_eq!(session.position(), 3, "the prompt stays, nothing after it");
+    }
+}
+
 /// NaN activations reach the router as scores that are not numbers: the
 /// routing readback says so (naming the layer) instead of indexing experts
 /// with what the top-k made of them.
@@ -297,6 +318,19 @@ fn router_scores_that_are_not_numbers() {
     let mut session = model.session(&SessionOptions::default()).unwrap();
     let err = session.prefill(&[1, 2, 3]).unwrap_err();
     assert!(matches!(err, Error::NonFiniteRouting { layer: 1 }), "{err}");
+    // Routing kept on the device is not read back (a chunk grouped by
+    // expert still reads it): the experts' weights become NaN, and so do
+    // the logits, which the sampler reports.
+    let device = SessionOptions { routing: wgspark::RoutingMode::DeviceResident, ..Default::default() };
+    let mut session = model.session(&device).unwrap();
+    let err = session.prefill(&[1, 2, 3]).unwrap_err();
+    let named =
+        matches!(err, Error::NonFiniteLogits { position: 2, .. } | Error::NonFiniteRouting { layer: 1 });
+    assert!(named, "{err}");
+    let mut session = model.session(&device).unwrap();
+    let options = wgspark::GenerateOptions { max_tokens: 2, ..Default::default() };
+    let err = session.generate(&[1, 2, 3], &options).unwrap().next().unwrap().unwrap_err();
+    assert!(matches!(err, Error::NonFiniteSample { position: 2 }), "{err}");
 }
 
 #[test]
@@ -611,4 +645,62 @@ fn cooperative_matrices_where_there_are_none() {
             }
         }
     }
+}
+
+/// A tokenizer.json that asks for unbounded work is refused when it is
+/// loaded, naming what it asks for; a pattern its regex engine rejects is
+/// an error, not a panic.
+#[test]
+fn hostile_tokenizers_are_refused() {
+    use serde_json::json;
+    use wgspark::tokenizer;
+    let base = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}
+    });
+    let load = |doc: &serde_json::Value| {
+        let dir = temp_dir("tokenizer");
+        std::fs::write(dir.join("tokenizer.json"), doc.to_string()).unwrap();
+        tokenizer::from_folder(&dir)
+    };
+    let tok = load(&base).unwrap().unwrap();
+    assert_eq!(tokenizer::encode(&tok, "a", false).unwrap(), [0]);
+
+    let replace = json!({"type": "Replace", "pattern": {"String": "a"}, "content": "aa"});
+    let padding = json!({"strategy": {"Fixed": 4_000_000_000u64}, "direction": "Right",
+        "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "a"});
+    let split = |pattern: String| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
+    let cases = [
+        ("padding", json!({"padding": padding}), "padding.strategy.Fixed"),
+        (
+            "chained replacements",
+            json!({"normalizer": {"type": "Sequence", "normalizers": vec![replace; 10]}}),
+            "1024 times longer",
+        ),
+        (
+            "a huge pattern",
+            json!({"pre_tokenizer": split("a".repeat(100_000))}),
+            "100000 byte regular expression",
+        ),
+        ("a malformed pattern", json!({"pre_tokenizer": split("(a".into())}), ""),
+    ];
+    for (what, edit, named) in cases {
+        let mut doc = base.clone();
+        for (k, v) in edit.as_object().unwrap() {
+            doc[k] = v.clone();
+        }
+        match load(&doc) {
+            Err(Error::Tokenizer { message, .. }) => assert!(message.contains(named), "{what}: {message}"),
+            Err(other) => panic!("{what}: {other}"),
+            Ok(_) => panic!("{what}: loaded"),
+        }
+    }
+
+    // Larger than any tokenizer: refused before it is read (a sparse file).
+    let dir = temp_dir("tokenizer");
+    let file = std::fs::File::create(dir.join("tokenizer.json")).unwrap();
+    file.set_len(tokenizer::MAX_FILE_BYTES + 1).unwrap();
+    let err = tokenizer::from_folder(&dir).unwrap_err();
+    assert!(err.to_string().contains("bytes, more than"), "{err}");
 }

@@ -823,17 +823,25 @@ fn gpu_greedy_is_the_host_argmax() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(20);
         // Several partial blocks of 1024, a tie across blocks (the lower id
-        // wins), NaN (never wins), and a vocabulary of one.
+        // wins), and a vocabulary of one.
         for vocab in [1, 50, 3000, 5000] {
             let mut logits = rng.vec(vocab, 10.0);
             if vocab > 2000 {
                 let best = logits.iter().copied().fold(f32::MIN, f32::max) + 1.0;
                 logits[2500] = best;
                 logits[1500] = best;
-                logits[7] = f32::NAN;
             }
             let got = sample_many(gpu, &logits, Sampling::Greedy, 0, 1);
             assert_eq!(got[0], wgspark::sampling::argmax(&logits), "greedy over {vocab}");
+            // One logit that is not a number, or infinite, in any block:
+            // the id says so instead, greedy or drawn.
+            let draw = Sampling::Random { temperature: 1.0, top_k: Some(3), top_p: Some(0.9) };
+            for (bad, sampling) in [(f32::NAN, Sampling::Greedy), (f32::INFINITY, draw)] {
+                let mut broken = logits.clone();
+                broken[vocab - 1] = bad;
+                let got = sample_many(gpu, &broken, sampling, 0, 1);
+                assert_eq!(got[0], wgspark::kernels::sample::NON_FINITE, "{bad} among {vocab}, {sampling:?}");
+            }
         }
     });
 }

@@ -255,10 +255,13 @@ fn main(
         // Wraps to a huge value (skipped) when the row is before this part.
         let row = ids[pair] * p.expert_rows + o - p.first_row;
         let live = pair_live(o, row);
+        var d = vec3<f32>(0.0);
         if (any(live)) {
-            let d = pair_dots(live, row, pair * p.cols, lane);
-            acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
+            d = pair_dots(live, row, pair * p.cols, lane);
         }
+        // Outside the test: a NaN weight (routing that failed, its expert
+        // id out of range) must reach the sum.
+        acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
     }
     let v = vec2<f32>(reduce_row(acc.x, lid.x, lane), reduce_row(acc.y, lid.x, lane));
     let written = vec2<bool>(o < p.outputs, OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs);

@@ -101,10 +101,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
             workgroupBarrier();
         }
         if (l == 0u) {
+            // No expert beats -3e38 only when the scores are not numbers:
+            // its weight is then NaN, so that the layer's output (and the
+            // logits, where the sampler reports it) says so.
             let e = best_index[0];
             ids[t * p.top_k + j] = e;
-            picked[j] = weight_of[e];
-            choice_of[e] = -3.4e38;
+            if (e < n) {
+                picked[j] = weight_of[e];
+                choice_of[e] = -3.4e38;
+            } else {
+                picked[j] = bitcast<f32>(0x7fc00000u);
+            }
         }
         workgroupBarrier();
     }

@@ -1,6 +1,6 @@
 // Token selection on the GPU, writing the chosen id to tokens[0], where
 // the next decode step's embedding reads it.
-//   greedy:  the highest logit, the lowest id on ties; NaN never wins.
+//   greedy:  the highest logit, the lowest id on ties.
 //   RANDOM:  a draw from softmax(logits / temperature) by the Gumbel-max
 //            trick: argmax_i (l_i / T + G_i), G_i = -log(-log(u_i)), u_i a
 //            hash of (seed, position of the token drawn, i): reproducible for
@@ -15,12 +15,17 @@
 // workgroup per PER_WG logits: the best of its block), `finish` (one
 // workgroup: the best of the partials, into tokens[0]).
 // Logits are compared as order-preserving u32 keys (NaN lowest).
+// Any logit that is NaN or infinite makes the id NON_FINITE instead: the
+// activations have failed, and the host reports it.
 // threshold's radix selection: 4 rounds of 8 bits, histograms of counts
 // (top-k) or of probability in 2^-31 units (top-p) in workgroup atomics.
 
 const WG: u32 = 256u;
 const PER_WG: u32 = 1024u;
 const NEG_INF: f32 = -3.4028235e38;
+const MAX_F32: f32 = 3.4028235e38;
+// The id written when a logit is not finite (kernels::sample::NON_FINITE).
+const NON_FINITE: u32 = 0xfffffffeu;
 
 @group(0) @binding(0) var<uniform> p: SampleParams;
 @group(0) @binding(1) var<uniform> step: Step;
@@ -58,6 +63,8 @@ fn gumbel(i: u32, pos: u32) -> f32 {
 
 var<workgroup> best_score: array<f32, WG>;
 var<workgroup> best_id: array<u32, WG>;
+// Set when a logit (partial) or a block (finish) is not finite.
+var<workgroup> non_finite: atomic<u32>;
 
 // Reduces (best_score, best_id) over the workgroup into slot 0: higher
 // score wins, then the lower id.
@@ -82,12 +89,19 @@ fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
 #if FILTER
     let floor_key = candidate_floor[0];
 #endif
+    if (l == 0u) {
+        atomicStore(&non_finite, 0u);
+    }
+    workgroupBarrier();
     var bs = NEG_INF;
     var bi = 0xffffffffu;
     for (var c = 0u; c < PER_WG / WG; c++) {
         let i = wid.x * PER_WG + c * WG + l;
         if (i < p.vocab) {
             let logit = logits[i];
+            if (!(abs(logit) <= MAX_F32)) {
+                atomicOr(&non_finite, 1u);
+            }
 #if FILTER
             if (key(logit) < floor_key) {
                 continue;
@@ -109,18 +123,27 @@ fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     best_id[l] = bi;
     reduce_best(l);
     if (l == 0u) {
-        partials[wid.x] = vec2<u32>(bitcast<u32>(best_score[0]), best_id[0]);
+        let id = select(best_id[0], NON_FINITE, atomicLoad(&non_finite) != 0u);
+        partials[wid.x] = vec2<u32>(bitcast<u32>(best_score[0]), id);
     }
 }
 
 @compute @workgroup_size(WG)
 fn finish(@builtin(local_invocation_index) l: u32) {
+    if (l == 0u) {
+        atomicStore(&non_finite, 0u);
+    }
+    workgroupBarrier();
     var bs = NEG_INF;
     var bi = 0xffffffffu;
     let n = (p.vocab + PER_WG - 1u) / PER_WG;
     for (var i = l; i < n; i += WG) {
         let s = bitcast<f32>(partials[i].x);
         let id = partials[i].y;
+        if (id == NON_FINITE) {
+            atomicOr(&non_finite, 1u);
+            continue;
+        }
         if (s > bs || (s == bs && id < bi)) {
             bs = s;
             bi = id;
@@ -130,8 +153,10 @@ fn finish(@builtin(local_invocation_index) l: u32) {
     best_id[l] = bi;
     reduce_best(l);
     if (l == 0u) {
-        // No candidate beat -inf (all NaN or -inf): id 0, as the CPU sampler.
-        tokens[0] = select(best_id[0], 0u, best_id[0] == 0xffffffffu);
+        // No candidate beat -inf (every one filtered out): id 0, as the
+        // CPU sampler.
+        let id = select(best_id[0], 0u, best_id[0] == 0xffffffffu);
+        tokens[0] = select(id, NON_FINITE, atomicLoad(&non_finite) != 0u);
     }
 }
 

@@ -27,6 +27,9 @@ pub fn structs() -> Vec<&'static str> {
 /// Logits per `partial` workgroup (`PER_WG` in the shader).
 const PER_WG: usize = 1024;
 
+/// The id written in place of a token when a logit is NaN or infinite.
+pub const NON_FINITE: u32 = 0xffff_fffe;
+
 /// Scratch of a selection: the best of each block of logits, and the
 /// candidates' smallest key.
 #[derive(Debug)]
