@@ -61,8 +61,7 @@ impl ChatTemplate {
         if !path.exists() {
             return Ok(None);
         }
-        crate::error::check_regular_file(&path)?;
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::error::read_text(&path, crate::error::MAX_JSON_BYTES)?;
         let config: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::Json { path: path.clone(), message: e.to_string() })?;
         let Some(source) = config.get("chat_template").and_then(|t| t.as_str()) else { return Ok(None) };

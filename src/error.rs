@@ -122,6 +122,23 @@ impl Error {
 /// Fails unless `path` is a regular file (links followed), checked before
 /// it is opened: a FIFO would block the open, a device (`/dev/zero`) never
 /// ends, and a directory fails with a message that does not say so.
+/// Most bytes of a JSON side file (config.json, a shard index,
+/// tokenizer_config.json) the engine reads: the largest real ones are a few
+/// hundred kilobytes.
+pub const MAX_JSON_BYTES: u64 = 16 << 20;
+
+/// The text of `path`, a regular file of at most `limit` bytes (checked
+/// before it is read).
+pub(crate) fn read_text(path: &std::path::Path, limit: u64) -> Result<String> {
+    check_regular_file(path)?;
+    let size = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    if size > limit {
+        let why = format!("{size} bytes, more than the {limit} such a file may have");
+        return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, why)));
+    }
+    std::fs::read_to_string(path).map_err(|e| Error::io(path, e))
+}
+
 pub(crate) fn check_regular_file(path: &std::path::Path) -> Result<()> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if meta.is_file() {

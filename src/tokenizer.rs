@@ -19,13 +19,8 @@ pub fn from_folder(dir: &Path) -> Result<Option<Tokenizer>> {
     if !path.exists() {
         return Ok(None);
     }
-    crate::error::check_regular_file(&path)?;
-    let size = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?.len();
+    let text = crate::error::read_text(&path, MAX_FILE_BYTES)?;
     let problem = |message: String| Error::Tokenizer { source_file: path.clone(), message };
-    if size > MAX_FILE_BYTES {
-        return Err(problem(format!("{size} bytes, more than a tokenizer's {MAX_FILE_BYTES}")));
-    }
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let json: Value = serde_json::from_str(&text).map_err(|e| problem(e.to_string()))?;
     build(json).map(Some).map_err(problem)
 }
@@ -41,12 +36,15 @@ pub fn from_gguf(g: &Gguf) -> Result<Option<Tokenizer>> {
     build(json).map(Some).map_err(|message| Error::Tokenizer { source_file: g.path().to_path_buf(), message })
 }
 
-/// Largest tokenizer.json read (the largest shipped ones are about 30 MB).
-pub const MAX_FILE_BYTES: u64 = 256 << 20;
+/// Largest tokenizer.json read (the largest shipped ones are about 35 MB).
+pub const MAX_FILE_BYTES: u64 = 64 << 20;
 /// Longest padding or truncation length a tokenizer may ask for.
 pub const MAX_SEQUENCE: u64 = 1 << 24;
 /// Most a tokenizer's `Replace` normalizers may multiply a text's length by.
 pub const MAX_GROWTH: f64 = 64.0;
+/// Longest added token: the library matches them all against every text
+/// (one of 64 KiB took seconds per prompt); real ones are a few dozen bytes.
+pub const MAX_ADDED_TOKEN_BYTES: usize = 1 << 10;
 /// Longest regular expression of a normalizer or pre-tokenizer.
 pub const MAX_PATTERN_BYTES: usize = 64 << 10;
 
@@ -75,7 +73,8 @@ pub fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Re
 /// Refuses the parts of a tokenizer.json that make loading or encoding
 /// unbounded: padding or truncation lengths past [`MAX_SEQUENCE`],
 /// chained `Replace` normalizers that can multiply a text's length by more
-/// than [`MAX_GROWTH`], and patterns longer than [`MAX_PATTERN_BYTES`].
+/// than [`MAX_GROWTH`], added tokens longer than [`MAX_ADDED_TOKEN_BYTES`],
+/// and patterns longer than [`MAX_PATTERN_BYTES`].
 pub fn check_bounds(json: &Value) -> std::result::Result<(), String> {
     let lengths = [("padding", "pad_to_multiple_of"), ("truncation", "max_length"), ("truncation", "stride")];
     for (part, field) in lengths {
@@ -86,6 +85,13 @@ pub fn check_bounds(json: &Value) -> std::result::Result<(), String> {
     if let Some(n) = json["padding"]["strategy"]["Fixed"].as_u64().filter(|&n| n > MAX_SEQUENCE) {
         return Err(format!("padding.strategy.Fixed is {n}, more than {MAX_SEQUENCE}"));
     }
+    for token in json["added_tokens"].as_array().into_iter().flatten() {
+        let len = token["content"].as_str().map_or(0, str::len);
+        if len > MAX_ADDED_TOKEN_BYTES {
+            return Err(format!("an added token of {len} bytes (at most {MAX_ADDED_TOKEN_BYTES})"));
+        }
+    }
+    check_merges(&json["model"])?;
     let growth = normalizer_growth(&json["normalizer"]);
     if growth > MAX_GROWTH {
         return Err(format!(
@@ -116,6 +122,23 @@ fn normalizer_growth(normalizer: &Value) -> f64 {
         }
         _ => 1.0,
     }
+}
+
+/// A BPE model's merges can each drop its continuing-subword prefix from
+/// the second part: the library slices the prefix off without checking.
+fn check_merges(model: &Value) -> std::result::Result<(), String> {
+    let prefix = model["continuing_subword_prefix"].as_str().unwrap_or("").len();
+    for merge in model["merges"].as_array().into_iter().flatten() {
+        let second = match merge {
+            Value::Array(parts) => parts.get(1).and_then(Value::as_str),
+            Value::String(pair) => pair.split_once(' ').map(|(_, b)| b),
+            _ => None,
+        };
+        if let Some(b) = second.filter(|b| b.len() < prefix || !b.is_char_boundary(prefix)) {
+            return Err(format!("the merge part {b:?} does not start with the continuing-subword prefix"));
+        }
+    }
+    Ok(())
 }
 
 /// Every regular expression of the normalizers and pre-tokenizers is at

@@ -683,6 +683,11 @@ fn hostile_tokenizers_are_refused() {
             json!({"pre_tokenizer": split("a".repeat(100_000))}),
             "100000 byte regular expression",
         ),
+        (
+            "a huge added token",
+            json!({"added_tokens": [{"id": 3, "content": "x".repeat(65_536), "special": true}]}),
+            "65536 bytes",
+        ),
         ("a malformed pattern", json!({"pre_tokenizer": split("(a".into())}), ""),
     ];
     for (what, edit, named) in cases {
@@ -702,5 +707,19 @@ fn hostile_tokenizers_are_refused() {
     let file = std::fs::File::create(dir.join("tokenizer.json")).unwrap();
     file.set_len(tokenizer::MAX_FILE_BYTES + 1).unwrap();
     let err = tokenizer::from_folder(&dir).unwrap_err();
-    assert!(err.to_string().contains("bytes, more than"), "{err}");
+    assert!(err.to_string().contains("bytes, more than the"), "{err}");
+}
+
+/// JSON side files far larger than any model ships are refused before
+/// they are read (sparse files).
+#[test]
+fn json_files_beyond_their_size() {
+    let dir = edited_fixture("llama_untied", |_, _| {});
+    let config = std::fs::OpenOptions::new().write(true).open(dir.join("config.json")).unwrap();
+    config.set_len(wgspark::error::MAX_JSON_BYTES + 1).unwrap();
+    let err = load_err(&dir);
+    assert!(
+        err.to_string().contains("config.json") && err.to_string().contains("bytes, more than the"),
+        "{err}"
+    );
 }

@@ -223,8 +223,7 @@ impl ModelConfig {
     /// Reads and validates `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        crate::error::check_regular_file(&path)?;
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::error::read_text(&path, crate::error::MAX_JSON_BYTES)?;
         Self::parse(&text, &path)
     }
 
