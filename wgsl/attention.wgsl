@@ -35,8 +35,8 @@ enable wgpu_cooperative_matrix;
 //               row, and `combine` merges them.
 // qkv is only read: a whole-projection q norm reads every q head, so no
 // head may be rewritten in place while others are normalised.
-// Limits: head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32 rows,
-// rows * head_dim <= 2048.
+// Limits (attend): head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32
+// rows, rows * head_dim <= 2048; attend_coop's are in its section.
 
 const WG: u32 = 128u;
 const Q_FLOATS: u32 = 2048u;
