@@ -6,13 +6,20 @@ GPU decodings against these bit for bit.
 Block bytes are random except the f16 scales, which are finite (one in
 eight subnormal, some negative) so that every value is a number.
 
-    python3 -m venv /tmp/gv && /tmp/gv/bin/pip install gguf numpy
+FP8 (`w.F8_E4M3`, stored as I8 bytes) is in the engine's row blocks of 128
+values, each an f32 scale and 128 float8_e4m3fn bytes, on rows of
+FP8_COLS values (the last block partial, zero-padded); its values are
+ml_dtypes' float8_e4m3fn decoding times the scale, in f32. Every byte but
+the two NaN codes occurs.
+
+    python3 -m venv /tmp/gv && /tmp/gv/bin/pip install gguf numpy ml_dtypes
     /tmp/gv/bin/python scripts/make_format_fixtures.py
 """
 from pathlib import Path
 
 import numpy as np
 import gguf
+import ml_dtypes
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
@@ -47,6 +54,27 @@ def blocks(rng, ty):
     return b.reshape(ROWS, COLS // block_elems * block_bytes)
 
 
+FP8_COLS = 500
+FP8_BLOCK = 128
+
+
+def fp8_blocks(rng):
+    """Row blocks of random FP8 bytes with their scales, and the values."""
+    blocks = -(-FP8_COLS // FP8_BLOCK)
+    finite = np.array([b for b in range(256) if b & 0x7f != 0x7f], dtype=np.uint8)
+    q = rng.choice(finite, size=(ROWS, FP8_COLS))
+    scales = (rng.standard_normal((ROWS, blocks)) * 0.01).astype(np.float32)
+    padded = np.zeros((ROWS, blocks * FP8_BLOCK), dtype=np.uint8)
+    padded[:, :FP8_COLS] = q
+    raw = np.concatenate(
+        [scales.reshape(ROWS, blocks, 1).view(np.uint8), padded.reshape(ROWS, blocks, FP8_BLOCK)], axis=2
+    ).reshape(ROWS, -1)
+    decoded = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values = decoded * np.repeat(scales, FP8_BLOCK, axis=1)[:, :FP8_COLS]
+    assert np.isfinite(values).all()
+    return raw, values.astype(np.float32)
+
+
 def main():
     rng = np.random.default_rng(2026)
     out = Path(__file__).resolve().parent.parent / "tests/fixtures/formats/blocks.gguf"
@@ -59,6 +87,9 @@ def main():
         assert np.isfinite(values).all()
         w.add_tensor(f"w.{ty.name}", raw, raw_shape=raw.shape, raw_dtype=ty)
         w.add_tensor(f"y.{ty.name}", values)
+    raw, values = fp8_blocks(rng)
+    w.add_tensor("w.F8_E4M3", raw, raw_shape=raw.shape, raw_dtype=T.I8)
+    w.add_tensor("y.F8_E4M3", values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

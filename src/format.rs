@@ -8,6 +8,13 @@
 //! 4-byte boundary: the blocks whose size is 2 mod 4 get two zero bytes
 //! after their leading f16 scale (Q4_0, Q5_0, Q8_0) or after their
 //! trailing one (Q3_K, Q6_K). The values and their bits are the file's.
+//!
+//! FP8 checkpoints (`float8_e4m3fn` weights with a `weight_scale_inv` per
+//! block of rows x 128 columns) are stored on the GPU, and handed over by
+//! the checkpoint, as row blocks of 128 values: the block's f32 scale,
+//! then its 128 bytes, the last block of a row zero-padded. The scale is
+//! repeated on every row of its block (4 bytes per 128 weights) so that a
+//! row is read like any other block format.
 
 use std::borrow::Cow;
 
@@ -29,6 +36,8 @@ pub enum WeightFormat {
     Q4K,
     Q5K,
     Q6K,
+    /// float8_e4m3fn with an f32 scale per 128 values of a row.
+    F8E4M3,
 }
 
 /// Where a block's two bytes of padding go on the GPU.
@@ -42,7 +51,7 @@ enum Padding {
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 13] = [
+    pub const ALL: [WeightFormat; 14] = [
         WeightFormat::Bf16,
         WeightFormat::F16,
         WeightFormat::F32,
@@ -56,6 +65,7 @@ impl WeightFormat {
         WeightFormat::Q4K,
         WeightFormat::Q5K,
         WeightFormat::Q6K,
+        WeightFormat::F8E4M3,
     ];
 
     /// The format of a GGUF tensor type, if weights may be stored in it.
@@ -78,8 +88,9 @@ impl WeightFormat {
         })
     }
 
-    pub fn ggml(self) -> GgmlType {
-        match self {
+    /// The GGUF tensor type (`None`: FP8, which GGUF files do not hold).
+    pub fn ggml(self) -> Option<GgmlType> {
+        Some(match self {
             Self::Bf16 => GgmlType::BF16,
             Self::F16 => GgmlType::F16,
             Self::F32 => GgmlType::F32,
@@ -93,6 +104,15 @@ impl WeightFormat {
             Self::Q4K => GgmlType::Q4K,
             Self::Q5K => GgmlType::Q5K,
             Self::Q6K => GgmlType::Q6K,
+            Self::F8E4M3 => return None,
+        })
+    }
+
+    /// The format's name: its GGUF type's, or safetensors' `F8_E4M3`.
+    pub fn name(self) -> &'static str {
+        match self.ggml() {
+            Some(ty) => ty.name(),
+            None => "F8_E4M3",
         }
     }
 
@@ -102,6 +122,7 @@ impl WeightFormat {
             Self::Bf16 | Self::F16 | Self::F32 => 1,
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
             Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            Self::F8E4M3 => FP8_BLOCK_ELEMS,
         }
     }
 
@@ -120,6 +141,7 @@ impl WeightFormat {
             Self::Q4K => 144,
             Self::Q5K => 176,
             Self::Q6K => 210,
+            Self::F8E4M3 => 4 + FP8_BLOCK_ELEMS,
         }
     }
 
@@ -140,19 +162,33 @@ impl WeightFormat {
     }
 
     /// Whether a row of `cols` values is whole blocks, and whole words on
-    /// the GPU (the float formats of 2 bytes need an even width).
+    /// the GPU (the float formats of 2 bytes need an even width); FP8 rows
+    /// end in a padded block, and need whole quads (kernels read four
+    /// values at a time).
     pub fn fits_row(self, cols: usize) -> bool {
-        cols.is_multiple_of(self.block_elements()) && (self.gpu_row_bytes(cols)).is_multiple_of(4)
+        match self {
+            Self::F8E4M3 => cols.is_multiple_of(4),
+            _ => cols.is_multiple_of(self.block_elements()) && (self.gpu_row_bytes(cols)).is_multiple_of(4),
+        }
     }
 
-    /// Bytes of a row of `cols` values in the file.
+    /// Blocks of a row of `cols` values (FP8: the last one padded).
+    fn row_blocks(self, cols: usize) -> usize {
+        match self {
+            Self::F8E4M3 => cols.div_ceil(FP8_BLOCK_ELEMS),
+            _ => cols / self.block_elements(),
+        }
+    }
+
+    /// Bytes of a row of `cols` values in the file (FP8: as the checkpoint
+    /// hands it over, in the GPU layout).
     pub fn file_row_bytes(self, cols: usize) -> usize {
-        cols / self.block_elements() * self.file_block_bytes()
+        self.row_blocks(cols) * self.file_block_bytes()
     }
 
     /// Bytes of a row of `cols` values on the GPU.
     pub fn gpu_row_bytes(self, cols: usize) -> usize {
-        cols / self.block_elements() * self.gpu_block_bytes()
+        self.row_blocks(cols) * self.gpu_block_bytes()
     }
 
     /// The build flag of the kernels that read this format (`None`: bf16,
@@ -172,6 +208,7 @@ impl WeightFormat {
             Self::Q4K => "W_Q4_K",
             Self::Q5K => "W_Q5_K",
             Self::Q6K => "W_Q6_K",
+            Self::F8E4M3 => "W_F8_E4M3",
         })
     }
 
@@ -192,12 +229,18 @@ impl WeightFormat {
         Cow::Owned(out)
     }
 
-    /// The values of whole blocks of file bytes (the reference decoding).
-    pub fn dequantize(self, file_bytes: &[u8]) -> Vec<f32> {
-        let block = self.file_block_bytes();
-        let mut out = vec![0.0f32; file_bytes.len() / block * self.block_elements()];
-        for (b, y) in file_bytes.chunks_exact(block).zip(out.chunks_exact_mut(self.block_elements())) {
-            dequantize_block(self, b, y);
+    /// The values of whole rows of `cols` values in file bytes (the
+    /// reference decoding).
+    pub fn dequantize(self, file_bytes: &[u8], cols: usize) -> Vec<f32> {
+        let (block, elements) = (self.file_block_bytes(), self.block_elements());
+        let row_bytes = self.file_row_bytes(cols);
+        let mut out = Vec::with_capacity(file_bytes.len().checked_div(row_bytes).unwrap_or(0) * cols);
+        let mut decoded = vec![0.0f32; self.row_blocks(cols) * elements];
+        for row in file_bytes.chunks_exact(row_bytes.max(1)).filter(|_| row_bytes > 0) {
+            for (b, y) in row.chunks_exact(block).zip(decoded.chunks_exact_mut(elements)) {
+                dequantize_block(self, b, y);
+            }
+            out.extend_from_slice(&decoded[..cols.min(decoded.len())]);
         }
         out
     }
@@ -205,8 +248,24 @@ impl WeightFormat {
 
 impl std::fmt::Display for WeightFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.ggml())
+        f.write_str(self.name())
     }
+}
+
+/// Values per FP8 block on the GPU: the column width of the checkpoints'
+/// scale blocks.
+pub const FP8_BLOCK_ELEMS: usize = 128;
+
+/// A float8_e4m3fn value: sign, 4 exponent bits (bias 7), 3 mantissa
+/// bits; no infinities, 0x7f and 0xff are NaN.
+pub fn f8_e4m3_to_f32(b: u8) -> f32 {
+    let (exponent, mantissa) = ((b >> 3) & 0xf, (b & 7) as f32);
+    let magnitude = match (exponent, b & 0x7f) {
+        (_, 0x7f) => f32::NAN,
+        (0, _) => mantissa / 8.0 * 2f32.powi(-6),
+        (e, _) => (1.0 + mantissa / 8.0) * 2f32.powi(e as i32 - 7),
+    };
+    if b & 0x80 != 0 { -magnitude } else { magnitude }
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -308,6 +367,12 @@ fn dequantize_block(format: WeightFormat, b: &[u8], y: &mut [f32]) {
                 let high = (qh[32 * n + r % 32] >> (2 * (r / 32))) & 3;
                 let q = (low | (high << 4)) as f32 - 32.0;
                 *v = d * scales[e / 16] as i8 as f32 * q;
+            }
+        }
+        F8E4M3 => {
+            let scale = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            for (v, &q) in y.iter_mut().zip(&b[4..]) {
+                *v = scale * f8_e4m3_to_f32(q);
             }
         }
     }

@@ -107,6 +107,10 @@ impl GgmlType {
         self.entry().1
     }
 
+    pub fn name(self) -> &'static str {
+        self.entry().2
+    }
+
     /// Elements per block and bytes per block.
     fn block(self) -> (usize, usize) {
         let e = self.entry();
@@ -116,7 +120,7 @@ impl GgmlType {
 
 impl fmt::Display for GgmlType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.entry().2)
+        f.write_str(self.name())
     }
 }
 
@@ -386,7 +390,7 @@ impl Gguf {
     /// the types weights may be stored in ([`WeightFormat`]).
     pub fn dequantize(&self, t: &TensorInfo) -> Result<Vec<f32>> {
         match WeightFormat::from_ggml(t.ty) {
-            Some(format) => Ok(format.dequantize(self.data(t))),
+            Some(format) => Ok(format.dequantize(self.data(t), t.dims.first().copied().unwrap_or(1))),
             None => Err(self.err(format!("tensor {}: cannot dequantize {}", t.name, t.ty))),
         }
     }

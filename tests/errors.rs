@@ -143,6 +143,55 @@ fn wrong_shape_names_both() {
     );
 }
 
+/// FP8 checkpoints: a weight's scale missing, of the wrong block grid or
+/// dtype; FP8 weights that config.json does not declare; quantization
+/// methods and layouts this engine does not read.
+#[test]
+fn fp8_checkpoint_errors() {
+    let (case, weight) = ("fp8_qwen3_dense", "model.layers.0.self_attn.k_proj.weight");
+    let scale = format!("{weight}_scale_inv");
+    let dir = edited_fixture(case, |_, t| {
+        t.remove(&scale);
+    });
+    assert!(matches!(load_err(&dir), Error::MissingTensor { name } if name == scale));
+    // k_proj is [128, 256]: its scales are [1, 2], in f32.
+    let dir = edited_fixture(case, |_, t| t.get_mut(&scale).unwrap().1 = vec![2, 1]);
+    let err = load_err(&dir);
+    assert!(
+        matches!(&err, Error::WrongShape { name, expected, .. } if name == &scale && expected == &[1, 2]),
+        "{err}"
+    );
+    let dir = edited_fixture(case, |_, t| t.get_mut(&scale).unwrap().0 = Dtype::I32);
+    let err = load_err(&dir);
+    assert!(
+        matches!(&err, Error::WrongDtype { name, found, .. } if name == &scale && found == "I32"),
+        "{err}"
+    );
+
+    let dir = edited_fixture(case, |c, _| {
+        c.as_object_mut().unwrap().remove("quantization_config");
+    });
+    let err = load_err(&dir);
+    assert!(matches!(err, Error::Unsupported { .. }) && err.to_string().contains("F8_E4M3"), "{err}");
+    for (edit, needle) in [
+        (serde_json::json!({"quant_method": "gptq", "bits": 4}), "gptq"),
+        (serde_json::json!({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}), "e5m2"),
+        (serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 64]}), "[128, 64]"),
+        (serde_json::json!({"quant_method": "fp8"}), "per-tensor"),
+    ] {
+        let dir = edited_fixture(case, |c, _| c["quantization_config"] = edit.clone());
+        let err = load_err(&dir);
+        assert!(
+            matches!(err, Error::Unsupported { .. }) && err.to_string().contains(needle),
+            "{edit}: {err}"
+        );
+    }
+    let dir = edited_fixture(case, |c, _| {
+        c["quantization_config"] = serde_json::json!({"quant_method": "fp8", "weight_block_size": [0, 128]})
+    });
+    assert!(matches!(load_err(&dir), Error::InvalidConfig { .. }));
+}
+
 #[test]
 fn malformed_json_is_reported_with_its_path() {
     let dir = temp_dir("bad-json");

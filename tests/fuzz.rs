@@ -207,14 +207,22 @@ fn config_json() {
 #[test]
 fn safetensors_files_and_shard_index() {
     use wgspark::model::weights::Checkpoint;
-    let seeds = read_all(["llama_untied", "qwen3_dense"].map(|c| fixture_dir(c).join("model.safetensors")));
+    let seeds = read_all(
+        ["llama_untied", "qwen3_dense", "fp8_partial_blocks"]
+            .map(|c| fixture_dir(c).join("model.safetensors")),
+    );
     let dir = temp_dir("fuzz_safetensors");
     // The header: its 8-byte length and the JSON after it.
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_bytes(rng, s, 2048);
+    let fp8 = Some(wgspark::model::Quantization::Fp8 { block_rows: 128 });
     fuzz("safetensors", &seeds, iterations(500), &dir, "model.safetensors", mutate, |dir| {
-        if let Ok(c) = Checkpoint::open(dir) {
+        if let Ok(c) = Checkpoint::open(dir, None) {
             let _ = c.bf16_bytes("model.norm.weight", &[64]);
             let _ = c.f32_values("model.layers.0.input_layernorm.weight");
+        }
+        if let Ok(c) = Checkpoint::open(dir, fp8) {
+            let name = "model.layers.0.self_attn.q_proj.weight";
+            let _ = c.format(name).and_then(|_| c.stored_bytes(name, &[240, 192]));
         }
     });
 
@@ -230,7 +238,7 @@ fn safetensors_files_and_shard_index() {
     let seeds = vec![index.to_string().into_bytes()];
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_json(rng, std::str::from_utf8(s).unwrap());
     fuzz("safetensors index", &seeds, iterations(300), &dir, "model.safetensors.index.json", mutate, |dir| {
-        let _ = Checkpoint::open(dir);
+        let _ = Checkpoint::open(dir, None);
     });
 }
 

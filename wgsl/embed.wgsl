@@ -29,7 +29,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
 #if WEIGHT_FORMAT
-    let values = weights4((token - p.first_row) * (p.hidden / BLOCK_ELEMS * BLOCK_WORDS), i);
+    let values = weights4((token - p.first_row) * row_words(p.hidden), i);
     for (var c = 0u; c < 4u; c++) {
         x[t * p.hidden + i + c] = values[c];
     }

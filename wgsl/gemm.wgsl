@@ -90,7 +90,7 @@ fn main(
     }
     let w_ok = n0 + ln < n_rows && w_local < p.rows;
 #if WEIGHT_FORMAT
-    let w_base = w_local * (p.cols / BLOCK_ELEMS * BLOCK_WORDS);
+    let w_base = w_local * row_words(p.cols);
     var wv = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
 #else
     let w_base = w_local * k_words;

@@ -120,15 +120,15 @@ fn sources(t: Tile, li: u32) -> Sources {
         s.x_base[r] = xrow * p.cols;
     }
 #if WEIGHT_FORMAT
-    let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
+    let words_per_row = row_words(p.cols);
 #else
-    let row_words = p.cols / 2u;
+    let words_per_row = p.cols / 2u;
 #endif
     for (var r = 0u; r < W_ROUNDS; r++) {
         let n = t.n0 + W_ROWS * r + li / (256u / W_ROWS);
         let w_row = part_row(t, n);
         s.w_ok[r] = n < t.n_rows && w_row < p.rows;
-        s.w_base[r] = select(0u, w_row * row_words, s.w_ok[r]);
+        s.w_base[r] = select(0u, w_row * words_per_row, s.w_ok[r]);
     }
     return s;
 }

@@ -77,9 +77,9 @@ fn x4(xq: u32, q: u32) -> vec4<f32> {
 
 fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
-    let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
-    let wa = row * row_words;
-    let wb = row_b * row_words;
+    let words_per_row = row_words(p.cols);
+    let wa = row * words_per_row;
+    let wb = row_b * words_per_row;
     let xq = xb / 4u;
     let units = p.cols / UNIT_ELEMS;
     for (var u0 = lane; u0 < units; u0 += THREADS_PER_ROW * UNROLL) {
@@ -105,9 +105,9 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
 fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
     let quads = p.cols / 4u;
-    let row_words = p.cols / BLOCK_ELEMS * BLOCK_WORDS;
-    let wa = row * row_words;
-    let wb = row_b * row_words;
+    let words_per_row = row_words(p.cols);
+    let wa = row * words_per_row;
+    let wb = row_b * words_per_row;
     let xq = xb / 4u;
     // A quad is a word or two of weights: four times as many per load round.
     for (var k0 = lane; k0 < quads; k0 += THREADS_PER_ROW * 4u * UNROLL) {

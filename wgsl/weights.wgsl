@@ -4,8 +4,9 @@
 // below (W_F16, W_F32, W_Q4_0, ... W_Q6_K) through
 //   weights4(row_word, e): elements e .. e + 3 (e % 4 == 0) of the row
 //                          whose first word is row_word,
-//   BLOCK_ELEMS, BLOCK_WORDS: a row of n elements is n / BLOCK_ELEMS blocks
-//                          of BLOCK_WORDS words.
+//   BLOCK_ELEMS, BLOCK_WORDS: a row of n elements is row_words(n) words,
+//                          ceil(n / BLOCK_ELEMS) blocks of BLOCK_WORDS
+//                          (a partial block only in FP8, zero-padded).
 // Blocks are the GGUF blocks with their fields on word boundaries
 // (src/format.rs); every product of a scale and a quant below is exact in
 // f32, so the values equal the reference decoding bit for bit whether or
@@ -26,6 +27,15 @@ fn f16_hi(w: u32) -> f32 {
 #else
     return f16_bits_to_f32(w >> 16u);
 #endif
+}
+
+// f32(v) - minus for unsigned v below 2^23 and integral minus below 2^23,
+// exactly, from the bits: 2^23 + v has v as its mantissa. An OR and a
+// subtraction, full-rate on GPUs that convert integers at a quarter of
+// their float rate (NVIDIA's), where the quantized kernels convert every
+// weight.
+fn uint_f32(v: vec4<u32>, minus: f32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(v | vec4<u32>(0x4b000000u)) - (8388608.0 + minus);
 }
 
 // Byte b of a word.
@@ -62,6 +72,22 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
 }
 #endif
 
+#if W_F8_E4M3
+const BLOCK_ELEMS: u32 = 128u;
+const BLOCK_WORDS: u32 = 33u;
+// F8_E4M3 (float8_e4m3fn): [scale f32][128 bytes]: scale v. Each byte's
+// exponent and mantissa move into an f16's (bias 15 rather than 7: a factor
+// 2^8 taken back exactly), subnormals included; 0x7f and 0xff are NaN.
+fn weights4(row: u32, e: u32) -> vec4<f32> {
+    let b = row + (e / 128u) * 33u;
+    let q = fields4(weight_word(b + 1u + (e % 128u) / 4u), 0u, 255u);
+    let h = ((q & vec4<u32>(0x7fu)) << vec4<u32>(7u)) | ((q & vec4<u32>(0x80u)) << vec4<u32>(8u));
+    let v = vec4<f32>(f16_lo(h.x | (h.y << 16u)), f16_hi(h.x | (h.y << 16u)), f16_lo(h.z | (h.w << 16u)), f16_hi(h.z | (h.w << 16u)));
+    let nan = (q & vec4<u32>(0x7fu)) == vec4<u32>(0x7fu);
+    return select(bitcast<f32>(weight_word(b)) * 256.0 * v, vec4<f32>(bitcast<f32>(0x7fc00000u)), nan);
+}
+#endif
+
 // Q4_0: [d f16, pad][16 bytes: element j low nibble, j + 16 high]: d (q - 8).
 #if W_Q4_0
 const BLOCK_ELEMS: u32 = 32u;
@@ -70,7 +96,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let b = row + (e / 32u) * 5u;
     let j = e % 32u;
     let q = fields4(weight_word(b + 1u + (j % 16u) / 4u), select(0u, 4u, j >= 16u), 15u);
-    return f16_lo(weight_word(b)) * (vec4<f32>(q) - 8.0);
+    return f16_lo(weight_word(b)) * uint_f32(q, 8.0);
 }
 #endif
 
@@ -83,7 +109,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let j = e % 32u;
     let q = fields4(weight_word(b + 1u + (j % 16u) / 4u), select(0u, 4u, j >= 16u), 15u);
     let dm = weight_word(b);
-    return f16_lo(dm) * vec4<f32>(q) + f16_hi(dm);
+    return f16_lo(dm) * uint_f32(q, 0.0) + f16_hi(dm);
 }
 #endif
 
@@ -100,7 +126,7 @@ const BLOCK_WORDS: u32 = 6u;
 fn q5_quants(b: u32, j: u32) -> vec4<f32> {
     let low = fields4(weight_word(b + 2u + (j % 16u) / 4u), select(0u, 4u, j >= 16u), 15u);
     let high = (vec4<u32>(weight_word(b + 1u)) >> (vec4<u32>(0u, 1u, 2u, 3u) + j)) & vec4<u32>(1u);
-    return vec4<f32>(low | (high << vec4<u32>(4u)));
+    return uint_f32(low | (high << vec4<u32>(4u)), 0.0);
 }
 #if W_Q5_0
 fn weights4(row: u32, e: u32) -> vec4<f32> {
@@ -123,8 +149,8 @@ const BLOCK_WORDS: u32 = 9u;
 fn weights4(row: u32, e: u32) -> vec4<f32> {
     let b = row + (e / 32u) * 9u;
     let w = weight_word(b + 1u + (e % 32u) / 4u);
-    let q = vec4<i32>(vec4<u32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u);
-    return f16_lo(weight_word(b)) * vec4<f32>(q);
+    // Signed bytes, biased by 128 to unsigned.
+    return f16_lo(weight_word(b)) * uint_f32(fields4(w ^ 0x80808080u, 0u, 255u), 128.0);
 }
 #endif
 
@@ -144,7 +170,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let i = e % 256u;
     let sc = block_byte(b, i / 16u);
     let dm = weight_word(b + 20u);
-    return f16_lo(dm) * f32(sc & 15u) * vec4<f32>(quants2(b + 4u, i)) - f16_hi(dm) * f32(sc >> 4u);
+    return f16_lo(dm) * f32(sc & 15u) * uint_f32(quants2(b + 4u, i), 0.0) - f16_hi(dm) * f32(sc >> 4u);
 }
 #endif
 
@@ -162,7 +188,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let high = (block_byte(b + 26u, s % 4u) >> (2u * (s / 4u))) & 3u;
     let sc = f32(low | (high << 4u)) - 32.0;
     let h = fields4(weight_word(b + (i % 32u) / 4u), i / 32u, 1u);
-    let q = vec4<f32>(quants2(b + 8u, i)) - 4.0 * (1.0 - vec4<f32>(h));
+    let q = uint_f32(quants2(b + 8u, i) | (h << vec4<u32>(2u)), 4.0);
     return f16_lo(weight_word(b + 27u)) * sc * q;
 }
 #endif
@@ -205,7 +231,7 @@ fn k4_weights(b: u32, i: u32, qs: u32, high: vec4<u32>) -> vec4<f32> {
     }
     let low = fields4(weight_word(qs + (32u * (i / 64u) + i % 32u) / 4u), select(0u, 4u, i % 64u >= 32u), 15u);
     let dm = weight_word(b);
-    return f16_lo(dm) * f32(sc) * vec4<f32>(low | high) - f16_hi(dm) * f32(m);
+    return f16_lo(dm) * f32(sc) * uint_f32(low | high, 0.0) - f16_hi(dm) * f32(m);
 }
 
 // Q6_K: [128 bytes: low 4 bits][64 bytes: high 2 bits][16 signed scales,
@@ -222,8 +248,15 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let high = fields4(weight_word(b + 32u + (32u * half + r % 32u) / 4u), 2u * (r / 32u), 3u);
     let s = i / 16u;
     let sc = f32((i32(weight_word(b + 48u + s / 4u)) << (24u - 8u * (s % 4u))) >> 24u);
-    let q = vec4<f32>(low | (high << vec4<u32>(4u))) - 32.0;
+    let q = uint_f32(low | (high << vec4<u32>(4u)), 32.0);
     return f16_lo(weight_word(b + 52u)) * sc * q;
+}
+#endif
+
+#if WEIGHT_FORMAT
+// Words of a row of n elements.
+fn row_words(n: u32) -> u32 {
+    return (n + BLOCK_ELEMS - 1u) / BLOCK_ELEMS * BLOCK_WORDS;
 }
 #endif
 
@@ -273,7 +306,7 @@ fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
         var xs = 0.0;
         for (var k = 0u; k < 4u; k++) {
             let a = x4(xq, x0 + 8u * s + k);
-            t += vec2<f32>(dot(vec4<f32>(fields4(qa[k], 2u * s, 3u)), a), dot(vec4<f32>(fields4(qb[k], 2u * s, 3u)), a));
+            t += vec2<f32>(dot(uint_f32(fields4(qa[k], 2u * s, 3u), 0.0), a), dot(uint_f32(fields4(qb[k], 2u * s, 3u), 0.0), a));
             xs += sum4(a);
         }
         let n = 8u * c + 2u * s + v;
@@ -286,7 +319,7 @@ fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
 const UNIT_ELEMS: u32 = 64u;
 // Field s of quants q, less 4 where hmask hm (bit 4 c + s) is clear.
 fn q3_quants(q: u32, hm: u32, c: u32, s: u32) -> vec4<f32> {
-    return vec4<f32>(fields4(q, 2u * s, 3u)) - 4.0 * (1.0 - vec4<f32>(fields4(hm, 4u * c + s, 1u)));
+    return uint_f32(fields4(q, 2u * s, 3u) | (fields4(hm, 4u * c + s, 1u) << vec4<u32>(2u)), 4.0);
 }
 // Scale n (of 16, 6 bits, less 32) of the block at word b.
 fn q3_scale(b: u32, n: u32) -> f32 {
@@ -357,7 +390,7 @@ fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
 fn k4_step(q: u32, qh: u32, j: u32, a: vec4<f32>, c: vec4<f32>) -> vec2<f32> {
     let lo = fields4(q, 0u, 15u) | (fields4(qh, 2u * j, 1u) << vec4<u32>(4u));
     let hi = fields4(q, 4u, 15u) | (fields4(qh, 2u * j + 1u, 1u) << vec4<u32>(4u));
-    return vec2<f32>(dot(vec4<f32>(lo), a), dot(vec4<f32>(hi), c));
+    return vec2<f32>(dot(uint_f32(lo, 0.0), a), dot(uint_f32(hi, 0.0), c));
 }
 // The unit's value from its quant dots t and x sums xs (low run, high run).
 fn k4_scaled(head: vec4<u32>, j: u32, t: vec2<f32>, xs: vec2<f32>) -> f32 {
@@ -393,7 +426,7 @@ const UNIT_ELEMS: u32 = 32u;
 fn q6_step(ql: u32, qh: u32, v: u32, a: vec4<f32>, c: vec4<f32>) -> vec2<f32> {
     let lo = fields4(ql, 0u, 15u) | (fields4(qh, 2u * (v / 2u), 3u) << vec4<u32>(4u));
     let hi = fields4(ql, 4u, 15u) | (fields4(qh, 2u * (2u + v / 2u), 3u) << vec4<u32>(4u));
-    return vec2<f32>(dot(vec4<f32>(lo), a), dot(vec4<f32>(hi), c));
+    return vec2<f32>(dot(uint_f32(lo, 0.0), a), dot(uint_f32(hi, 0.0), c));
 }
 // Scale n (signed byte) of the block at word b.
 fn q6_scale(b: u32, n: u32) -> f32 {

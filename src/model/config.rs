@@ -8,13 +8,14 @@ use serde::Deserialize;
 
 use super::family::{self, Family, Renormalize, RouterScoring};
 use crate::error::{Error, Result};
+use crate::format::FP8_BLOCK_ELEMS;
 use crate::kernels::Heads;
-
-/// The fields of `config.json` this engine reads, as written.
 
 /// More decoder layers than any model has: a config stating more is broken
 /// (and would size per-layer tables before any tensor is read).
 const MAX_LAYERS: usize = 1 << 16;
+
+/// The fields of `config.json` this engine reads, as written.
 #[derive(Debug, Clone, Deserialize)]
 struct RawConfig {
     model_type: Option<String>,
@@ -51,6 +52,15 @@ struct RawConfig {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     scoring_func: Option<String>,
+    quantization_config: Option<RawQuantization>,
+}
+
+/// `quantization_config`, as the hub's FP8 releases write it.
+#[derive(Debug, Clone, Deserialize)]
+struct RawQuantization {
+    quant_method: String,
+    fmt: Option<String>,
+    weight_block_size: Option<Vec<usize>>,
 }
 
 /// `rope_scaling` (hub) or `rope_parameters` (transformers 5, which also
@@ -173,6 +183,16 @@ pub struct MoeConfig {
     pub sparse_layers: Vec<bool>,
 }
 
+/// How a checkpoint's weights are quantized (`quantization_config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantization {
+    /// Block FP8: projections stored as float8_e4m3fn, each with a
+    /// `weight_scale_inv` holding one scale per block of `block_rows` rows
+    /// x [`FP8_BLOCK_ELEMS`] columns; the modules the release leaves
+    /// unconverted keep their own dtype.
+    Fp8 { block_rows: usize },
+}
+
 /// A validated model configuration: everything the layer flow needs.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -195,10 +215,13 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// `None` for dense models.
     pub moe: Option<MoeConfig>,
+    /// `None`: weights in bf16, f16 or f32.
+    pub quantization: Option<Quantization>,
 }
 
 impl ModelConfig {
-    /// Bytes the weights take on the GPU (bf16), known before loading.
+    /// Bytes the weights take on the GPU (bf16, projections in FP8 where
+    /// the config says so), known before loading.
     pub fn weight_bytes(&self) -> u64 {
         let (h, i, heads) = (self.hidden, self.intermediate, self.heads);
         let attn = h * heads.qkv_width() + heads.q * heads.dim * h;
@@ -207,17 +230,23 @@ impl ModelConfig {
             super::QkNorm::PerHead => 2 * heads.dim,
             super::QkNorm::WholeProjection => (heads.q + heads.kv) * heads.dim,
         };
-        let layers: usize = (0..self.layers)
-            .map(|l| {
-                let ffn = match &self.moe {
-                    Some(m) if m.sparse_layers[l] => m.experts * (h + 3 * h * m.intermediate),
-                    _ => 3 * h * i,
-                };
-                attn + qk_norm + ffn + 2 * h
-            })
-            .sum();
+        // Projection values, and the values kept in bf16 (norms, routers).
+        let (projections, others) = (0..self.layers).fold((0, 0), |(p, o), l| match &self.moe {
+            Some(m) if m.sparse_layers[l] => {
+                (p + attn + m.experts * 3 * h * m.intermediate, o + m.experts * h)
+            }
+            _ => (p + attn + 3 * h * i, o),
+        });
+        let others = others + self.layers * (qk_norm + 2 * h);
         let heads_and_embed = if self.tie_embeddings { 1 } else { 2 } * self.vocab * h;
-        2 * (layers + heads_and_embed + h) as u64
+        let projection_bytes = match self.quantization {
+            // A byte per value and a 4-byte scale per 128 of a row.
+            Some(Quantization::Fp8 { .. }) => {
+                projections as u64 * (FP8_BLOCK_ELEMS as u64 + 4) / FP8_BLOCK_ELEMS as u64
+            }
+            None => 2 * projections as u64,
+        };
+        projection_bytes + 2 * (others + heads_and_embed + h) as u64
     }
 
     /// Reads and validates `dir/config.json`.
@@ -300,6 +329,8 @@ impl ModelConfig {
         }
 
         let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
+        let quantization =
+            raw.quantization_config.as_ref().map(|q| parse_quantization(q, path)).transpose()?;
         let moe = parse_moe(&raw, family, intermediate, &invalid)?;
         // Qwen's `use_sliding_window` switches windows on for some layers
         // (`max_window_layers`); off, its `sliding_window` value is unused.
@@ -340,7 +371,37 @@ impl ModelConfig {
                 _ => Vec::new(),
             },
             moe,
+            quantization,
         })
+    }
+}
+
+/// The one method this engine reads: block FP8 (e4m3) with blocks 128
+/// columns wide, the layout of the hub's FP8 releases.
+fn parse_quantization(q: &RawQuantization, path: &Path) -> Result<Quantization> {
+    let unsupported =
+        |value: String| Error::Unsupported { what: "quantization_config in config.json", value };
+    if q.quant_method != "fp8" {
+        return Err(unsupported(format!(
+            "quant_method {:?} (this engine reads \"fp8\" safetensors and GGUF files)",
+            q.quant_method
+        )));
+    }
+    if let Some(fmt) = q.fmt.as_deref().filter(|f| !matches!(*f, "e4m3" | "float8_e4m3fn")) {
+        return Err(unsupported(format!("fp8 fmt {fmt:?} (e4m3 is supported)")));
+    }
+    match q.weight_block_size.as_deref() {
+        Some(&[rows, FP8_BLOCK_ELEMS]) if (1..=1 << 20).contains(&rows) => {
+            Ok(Quantization::Fp8 { block_rows: rows })
+        }
+        Some(&[rows, cols]) if rows > 0 && cols > 0 => Err(unsupported(format!(
+            "fp8 weight_block_size [{rows}, {cols}] (blocks {FP8_BLOCK_ELEMS} columns wide are supported)"
+        ))),
+        Some(other) => Err(Error::InvalidConfig {
+            path: path.to_path_buf(),
+            message: format!("quantization_config.weight_block_size {other:?} is not two positive sizes"),
+        }),
+        None => Err(unsupported("fp8 without weight_block_size (per-tensor scales)".to_string())),
     }
 }
 

@@ -9,7 +9,7 @@ pub mod weights;
 
 use std::path::{Path, PathBuf};
 
-pub use config::{ModelConfig, MoeConfig, RopeConfig, RopeScaling, Routing};
+pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Routing};
 pub use family::{Family, QkNorm};
 use weights::{Checkpoint, TensorSource, Uploader};
 
@@ -155,7 +155,8 @@ impl Model {
                     let bytes = config.weight_bytes();
                     // Before the checkpoint is opened: a model too large fails first.
                     gpu.check_budget("model weights", bytes)?;
-                    (config, Box::new(Checkpoint::open(dir)?), bytes, dir.to_path_buf())
+                    let checkpoint = Checkpoint::open(dir, config.quantization)?;
+                    (config, Box::new(checkpoint), bytes, dir.to_path_buf())
                 }
             };
         let kernels = Kernels::new(gpu)?;

@@ -1,7 +1,7 @@
 //! Checkpoint tensors: safetensors files (single or sharded), memory-mapped,
 //! looked up by canonical name, checked for dtype and shape, and streamed to
-//! the GPU one tensor at a time (as bf16; other sources, such as GGUF
-//! files, keep their tensors' own formats).
+//! the GPU one tensor at a time (as bf16, FP8 projections as FP8 blocks;
+//! other sources, such as GGUF files, keep their tensors' own formats).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use super::config::Quantization;
 use crate::error::{Error, Result, check_regular_file};
-use crate::format::WeightFormat;
+use crate::format::{FP8_BLOCK_ELEMS, WeightFormat};
 use crate::gpu::{Gpu, GpuTensor};
 use crate::progress::Progress;
 
@@ -45,16 +46,25 @@ struct Entry {
 pub struct Checkpoint {
     files: Vec<(PathBuf, Mmap)>,
     tensors: HashMap<String, Entry>,
+    /// Rows per FP8 scale block, where config.json declares block FP8.
+    fp8_block_rows: Option<usize>,
+}
+
+/// The scale tensor of an FP8 weight `name` (`...weight_scale_inv`).
+fn scale_name(name: &str) -> String {
+    format!("{name}_scale_inv")
 }
 
 impl Checkpoint {
     /// Opens `model.safetensors`, or the shards listed in
-    /// `model.safetensors.index.json` when that exists.
-    pub fn open(dir: &Path) -> Result<Self> {
+    /// `model.safetensors.index.json` when that exists; `quantization` is
+    /// config.json's.
+    pub fn open(dir: &Path, quantization: Option<Quantization>) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         let shard_names =
             if index.exists() { shard_list(&index, dir)? } else { vec!["model.safetensors".to_string()] };
-        let mut checkpoint = Checkpoint { files: Vec::new(), tensors: HashMap::new() };
+        let fp8_block_rows = quantization.map(|Quantization::Fp8 { block_rows }| block_rows);
+        let mut checkpoint = Checkpoint { files: Vec::new(), tensors: HashMap::new(), fp8_block_rows };
         for shard in shard_names {
             checkpoint.add_file(dir.join(shard))?;
         }
@@ -155,6 +165,80 @@ impl Checkpoint {
 }
 
 impl Checkpoint {
+    /// The format a tensor is uploaded in: FP8 for float8_e4m3fn weights
+    /// with their scales, else bf16.
+    pub fn format(&self, name: &str) -> Result<WeightFormat> {
+        let entry = self.entry(name)?;
+        if entry.dtype != Dtype::F8_E4M3 {
+            return Ok(WeightFormat::Bf16);
+        }
+        if self.fp8_block_rows.is_none() {
+            return Err(Error::Unsupported {
+                what: "F8_E4M3 weights without an fp8 quantization_config in config.json",
+                value: name.to_string(),
+            });
+        }
+        self.entry(&scale_name(name))?;
+        Ok(WeightFormat::F8E4M3)
+    }
+
+    /// An FP8 weight `[.., rows, cols]` as FP8 row blocks (see
+    /// [`crate::format`]): each 128 values of a row after their scale,
+    /// widened to f32 from the scale tensor `[.., rows / block_rows,
+    /// cols / 128]` (rounded up) in f32, bf16 or f16.
+    fn fp8_blocks(&self, name: &str, entry: &Entry, block_rows: usize) -> Result<Vec<u8>> {
+        let (rows, cols) = match entry.shape[..] {
+            [.., rows, cols] => (rows, cols),
+            _ => {
+                return Err(Error::WrongShape {
+                    name: name.to_string(),
+                    expected: vec![0, 0],
+                    found: entry.shape.clone(),
+                });
+            }
+        };
+        let matrices: usize = entry.shape[..entry.shape.len() - 2].iter().product();
+        let scale_name = scale_name(name);
+        let (scale_rows, blocks) = (rows.div_ceil(block_rows), cols.div_ceil(FP8_BLOCK_ELEMS));
+        let mut scale_shape = entry.shape[..entry.shape.len() - 2].to_vec();
+        scale_shape.extend([scale_rows, blocks]);
+        // Exactly: a grid of [1, 2] blocks read as [2, 1] would scale the
+        // wrong values.
+        let found = &self.entry(&scale_name)?.shape;
+        if found != &scale_shape {
+            return Err(Error::WrongShape { name: scale_name, expected: scale_shape, found: found.clone() });
+        }
+        let scales = self.f32_values(&scale_name)?;
+        let data = &self.files[entry.file].1[entry.bytes.clone()];
+        let block_bytes = 4 + FP8_BLOCK_ELEMS;
+        let mut out = vec![0u8; matrices * rows * blocks * block_bytes];
+        for (i, (row, out_row)) in
+            data.chunks_exact(cols).zip(out.chunks_exact_mut(blocks * block_bytes)).enumerate()
+        {
+            let (matrix, r) = (i / rows, i % rows);
+            let row_scales = &scales[(matrix * scale_rows + r / block_rows) * blocks..][..blocks];
+            for ((values, block), scale) in
+                row.chunks(FP8_BLOCK_ELEMS).zip(out_row.chunks_exact_mut(block_bytes)).zip(row_scales)
+            {
+                block[..4].copy_from_slice(&scale.to_le_bytes());
+                block[4..4 + values.len()].copy_from_slice(values);
+            }
+        }
+        Ok(out)
+    }
+
+    /// A tensor's bytes in the layout of its [`Self::format`].
+    pub fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+        let entry = self.entry(name)?;
+        match (entry.dtype, self.fp8_block_rows) {
+            (Dtype::F8_E4M3, Some(block_rows)) => {
+                self.check_shape(name, shape)?;
+                Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows)?))
+            }
+            _ => self.bf16_bytes(name, shape),
+        }
+    }
+
     /// A tensor's values as f32 (for small tensors kept in f32).
     pub fn f32_values(&self, name: &str) -> Result<Vec<f32>> {
         let entry = self.entry(name)?;
@@ -236,8 +320,11 @@ impl TensorSource for Checkpoint {
     fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
         Checkpoint::check_shape(self, name, shape)
     }
+    fn format(&self, name: &str) -> Result<WeightFormat> {
+        Checkpoint::format(self, name)
+    }
     fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
-        Checkpoint::bf16_bytes(self, name, shape)
+        Checkpoint::stored_bytes(self, name, shape)
     }
     fn f32_values(&self, name: &str, _len: usize) -> Result<Vec<f32>> {
         Checkpoint::f32_values(self, name)

@@ -38,9 +38,14 @@ pub fn gpu(backend: Backend) -> Gpu {
 }
 
 /// Runs `f` once per backend under test, naming the backend on failure.
+/// On GL one test at a time: wgpu's GL backend gives up on its context
+/// lock after 6 s (a panic), and one thread's shader compile on llvmpipe
+/// can hold it that long.
 pub fn on_each_backend(mut f: impl FnMut(&Gpu)) {
+    static GL: Mutex<()> = Mutex::new(());
     for backend in backends() {
         let gpu = gpu(backend);
+        let _turn = (backend == Backend::Gl).then(|| GL.lock().unwrap_or_else(|e| e.into_inner()));
         eprintln!("-- on {}", gpu.describe());
         f(&gpu);
     }
