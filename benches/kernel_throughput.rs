@@ -204,7 +204,7 @@ fn main() {
         }
     }
 
-    // Quantized GEMV: the formats of llama.cpp's common presets, on the
+    // Quantized GEMV: the formats of llama.cpp's common presets and FP8, on the
     // 8B shape's projections and head.
     let formats = [
         WeightFormat::Q4K,
@@ -214,6 +214,7 @@ fn main() {
         WeightFormat::Q4_0,
         WeightFormat::Q3K,
         WeightFormat::Q2K,
+        WeightFormat::F8E4M3,
     ];
     let sizes: &[(usize, usize)] =
         if cpu { &[(1536, 512)] } else { &[(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] };

@@ -148,6 +148,8 @@ fn control_vectors(args: &Args) -> Result<Vec<(PathBuf, f32)>, String> {
 fn main() {
     // SAFETY: first thing in main, before any other thread starts.
     unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
+    // RUST_LOG=wgpu_hal=info (for instance) shows why a backend fails.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("off")).init();
     if let Err(e) = run(Args::parse()) {
         eprintln!("error: {e}");
         std::process::exit(1);

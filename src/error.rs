@@ -19,8 +19,19 @@ pub enum Error {
     #[error("GPU error: {0}")]
     Gpu(String),
 
-    #[error("the model does not fit on the device ({what} needs {needed_bytes} bytes): {message}")]
-    OutOfDeviceMemory { what: String, needed_bytes: u64, message: String },
+    /// The device is gone (a driver reset, a removed GPU, or
+    /// `wgpu::Device::destroy`): nothing on it can run again. Open a new
+    /// [`crate::Gpu`] and load the model on it.
+    #[error("the GPU device was lost ({reason}): open a new device and load the model again")]
+    DeviceLost { reason: String },
+
+    /// `needed_bytes` where known: a budget or limit checked before
+    /// allocating; `None` where the driver refused an allocation.
+    #[error(
+        "out of device memory ({what}{}): {message}",
+        .needed_bytes.map(|b| format!(" needs {b} bytes")).unwrap_or_default()
+    )]
+    OutOfDeviceMemory { what: String, needed_bytes: Option<u64>, message: String },
 
     #[error("{path}: {source}")]
     Io {

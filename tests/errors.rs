@@ -7,8 +7,8 @@ use common::checkpoint::{edited_fixture, fixture_dir, temp_dir};
 use safetensors::Dtype;
 use wgspark::gguf::{GgmlType, GgufWriter, MetaValue};
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, ControlVectorProblem, Error, Gpu, Model, Sampler, Sampling,
-    SessionOptions, Steering,
+    Backend, CaptureOptions, ControlVector, ControlVectorProblem, Error, GenerateOptions, Gpu, Model,
+    Sampler, Sampling, SessionOptions, Steering,
 };
 
 fn gpu() -> Gpu {
@@ -71,7 +71,7 @@ fn context_sizes_out_of_reach() {
     for len in [1usize << 40, 1 << 59, 1 << 60, usize::MAX] {
         let err = session(len).err().expect("does not fit");
         let refused = match &err {
-            Error::OutOfDeviceMemory { needed_bytes, .. } => *needed_bytes > 1 << 40,
+            Error::OutOfDeviceMemory { needed_bytes, .. } => needed_bytes.is_some_and(|b| b > 1 << 40),
             Error::Unsupported { what, .. } => what.contains("context"),
             _ => false,
         };
@@ -771,4 +771,66 @@ fn json_files_beyond_their_size() {
         err.to_string().contains("config.json") && err.to_string().contains("bytes, more than the"),
         "{err}"
     );
+}
+
+/// A device that is lost mid-session (destroyed here, as a driver reset or
+/// a removed GPU leaves it) makes the next step a typed error, neither a
+/// panic nor a hang, in every mode of running; a new device, model and
+/// session work afterwards.
+#[test]
+fn a_lost_device_is_an_error_and_a_new_one_works() {
+    for backend in common::backends() {
+        lose_a_device_and_open_another(backend);
+    }
+}
+
+fn lose_a_device_and_open_another(backend: Backend) {
+    let open = || Gpu::new(&wgspark::GpuOptions { backend, ..Default::default() }).unwrap();
+    let prompt = [1, 5, 9, 17];
+    let gpu = open();
+    let model = Model::load(fixture_dir("llama_untied"), &gpu).unwrap();
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let before = session.prefill(&prompt).unwrap();
+    gpu.device.destroy();
+    let lost = |e: &Error| matches!(e, Error::DeviceLost { .. });
+    let err = session.step(3, prompt.len()).unwrap_err();
+    assert!(lost(&err), "step: {err}");
+    let err = session.prefill(&[2, 4]).unwrap_err();
+    assert!(lost(&err), "prefill: {err}");
+    let options = GenerateOptions { max_tokens: 4, ..GenerateOptions::default() };
+    match session.generate(&[2, 4], &options) {
+        Err(err) => assert!(lost(&err), "generate: {err}"),
+        Ok(mut generation) => {
+            let err = generation.find_map(|id| id.err()).expect("a lost device yields an error");
+            assert!(lost(&err), "generate: {err}");
+        }
+    }
+    let err = model.session(&SessionOptions::default()).err().expect("no session on a lost device");
+    assert!(lost(&err), "session: {err}");
+
+    let gpu = open();
+    let model = Model::load(fixture_dir("llama_untied"), &gpu).unwrap();
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    assert_eq!(session.prefill(&prompt).unwrap(), before);
+}
+
+/// A session refused for memory (a KV cache beyond the device) leaves the
+/// model as it was: the next session runs and computes what it would have.
+#[test]
+fn a_session_refused_for_memory_leaves_the_model_usable() {
+    let gpu = Gpu::new(&wgspark::GpuOptions {
+        backend: common::backends()[0],
+        memory_budget: Some(4 << 20),
+        ..Default::default()
+    })
+    .unwrap();
+    let model = Model::load(fixture_dir("llama_untied"), &gpu).unwrap();
+    let prompt = [1, 5, 9, 17];
+    let before = model.session(&SessionOptions::default()).unwrap().prefill(&prompt).unwrap();
+    // 2 layers x K and V x 2 heads of 16 x 2 bytes: 256 bytes a position.
+    let huge = SessionOptions { context_len: Some(100_000), ..Default::default() };
+    let err = model.session(&huge).err().expect("a cache beyond the device");
+    assert!(matches!(err, Error::OutOfDeviceMemory { .. }), "{err}");
+    let after = model.session(&SessionOptions::default()).unwrap().prefill(&prompt).unwrap();
+    assert_eq!(after, before);
 }

@@ -1,7 +1,5 @@
 //! Buffer creation and the recorded-dispatch type every kernel wrapper returns.
 
-use wgpu::util::DeviceExt;
-
 use super::Gpu;
 use crate::error::{Error, Result};
 
@@ -53,11 +51,7 @@ impl ParamsBuffer {
         // Uniform buffers are sized in 16-byte multiples.
         let mut contents = bytemuck::bytes_of(params).to_vec();
         contents.resize(contents.len().next_multiple_of(16), 0);
-        ParamsBuffer(gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some(label),
-            contents: &contents,
-            usage: wgpu::BufferUsages::UNIFORM,
-        }))
+        ParamsBuffer(gpu.buffer_with(label, &contents, wgpu::BufferUsages::UNIFORM))
     }
 }
 
@@ -73,7 +67,7 @@ impl Gpu {
         if size > self.caps.max_buffer_size {
             return Err(Error::OutOfDeviceMemory {
                 what: label.to_string(),
-                needed_bytes: size,
+                needed_bytes: Some(size),
                 message: format!(
                     "one buffer may hold at most {} bytes on this adapter",
                     self.caps.max_buffer_size
@@ -99,11 +93,21 @@ impl Gpu {
             padded.resize(bytes.len().max(16).next_multiple_of(16), 0);
             &padded
         };
-        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        self.buffer_with(label, contents, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC)
+    }
+
+    /// A buffer holding `contents` (a multiple of 4 bytes) once the queue
+    /// runs: written through the queue rather than mapped at creation,
+    /// which panics inside wgpu on a lost device.
+    fn buffer_with(&self, label: &str, contents: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
-            contents,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
-        })
+            size: contents.len() as u64,
+            usage: usage | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue.write_buffer(&buffer, 0, contents);
+        buffer
     }
 
     /// Splits `n` workgroups into an `(x, z)` grid within the per-dimension

@@ -161,6 +161,8 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     pub caps: Caps,
     errors: Arc<Mutex<Vec<wgpu::Error>>>,
+    /// Why the device was lost, once it is.
+    lost: Arc<Mutex<Option<String>>>,
     /// Every specialised pipeline built on this device.
     pub(crate) pipelines: Arc<crate::kernels::PipelineCache>,
 }
@@ -255,6 +257,11 @@ impl Gpu {
         let errors: Arc<Mutex<Vec<wgpu::Error>>> = Arc::default();
         let sink = errors.clone();
         device.on_uncaptured_error(Arc::new(move |e| sink.lock().unwrap().push(e)));
+        let lost: Arc<Mutex<Option<String>>> = Arc::default();
+        let lost_reason = lost.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            *lost_reason.lock().unwrap() = Some(format!("{reason:?}: {message}"));
+        });
 
         let mut max_storage_binding = limits.max_storage_buffer_binding_size;
         if let Some(cap) = options.max_storage_binding {
@@ -274,7 +281,7 @@ impl Gpu {
             subgroup_max_size: info.subgroup_max_size,
             memory_budget: options.memory_budget,
         };
-        Ok(Gpu { device, queue, info, features, limits, caps, errors, pipelines: Arc::default() })
+        Ok(Gpu { device, queue, info, features, limits, caps, errors, lost, pipelines: Arc::default() })
     }
 
     async fn best_adapter(backends: wgpu::Backends) -> Option<wgpu::Adapter> {
@@ -298,8 +305,19 @@ impl Gpu {
         format!("{} ({:?}, {:?}{matrices})", self.info.name, self.info.backend, self.info.device_type)
     }
 
-    /// Turns the first GPU error recorded since the last call into an `Error`.
+    /// Fails with `DeviceLost` once the device is lost.
+    pub fn alive(&self) -> Result<()> {
+        match self.lost.lock().unwrap().as_ref() {
+            Some(reason) => Err(Error::DeviceLost { reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// Turns the first GPU error recorded since the last call into an
+    /// `Error` (`DeviceLost` before any other: on a lost device every
+    /// call fails).
     pub fn check(&self, what: &str) -> Result<()> {
+        self.alive()?;
         let mut errors = self.errors.lock().unwrap();
         if errors.is_empty() {
             return Ok(());
@@ -309,7 +327,7 @@ impl Gpu {
         Err(match first {
             wgpu::Error::OutOfMemory { .. } => Error::OutOfDeviceMemory {
                 what: what.to_string(),
-                needed_bytes: 0,
+                needed_bytes: None,
                 message: "the device ran out of memory".to_string(),
             },
             other => {
@@ -330,7 +348,7 @@ impl Gpu {
         match self.caps.memory_budget {
             Some(budget) if bytes > budget => Err(Error::OutOfDeviceMemory {
                 what: what.to_string(),
-                needed_bytes: bytes,
+                needed_bytes: Some(bytes),
                 message: format!("the device memory budget is {budget} bytes"),
             }),
             _ => Ok(()),
@@ -339,8 +357,13 @@ impl Gpu {
 
     /// Blocks until all submitted work is done.
     pub fn wait(&self) -> Result<()> {
-        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| Error::Gpu(e.to_string()))?;
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| self.poll_error(e))?;
         Ok(())
+    }
+
+    /// A failed poll as an `Error`: `DeviceLost` where that is why.
+    pub fn poll_error(&self, e: wgpu::PollError) -> Error {
+        self.alive().err().unwrap_or_else(|| Error::Gpu(e.to_string()))
     }
 }
 

@@ -78,7 +78,7 @@ impl Readback {
     /// bytes to `f` and unmaps.
     pub fn finish_map<R>(&self, gpu: &Gpu, wait: MapWait, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let bytes = self.pending.lock().unwrap().take().expect("finish_map after start_map");
-        let poll_error = |e: wgpu::PollError| Error::Gpu(e.to_string());
+        let poll_error = |e: wgpu::PollError| gpu.poll_error(e);
         match wait {
             MapWait::Block(submission) => {
                 let poll = wgpu::PollType::Wait { submission_index: submission, timeout: None };
@@ -99,6 +99,7 @@ impl Readback {
             gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(poll_error)?;
         }
         let mapped = self.mapped.lock().unwrap().take().expect("checked above");
+        gpu.alive()?;
         mapped.map_err(|e| Error::Gpu(format!("map_async failed: {e}")))?;
         let slice = self.staging.slice(0..bytes);
         let out = {
