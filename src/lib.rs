@@ -66,7 +66,7 @@ pub use flow::{ChunkMatmul, RoutingMode};
 pub use format::WeightFormat;
 pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions};
 pub use kv_cache::KvFormat;
-pub use model::{Model, ModelConfig};
+pub use model::{LoadOptions, Model, ModelConfig};
 pub use sampling::{Sampler, Sampling};
 pub use session::{GenerateOptions, Generation, Session, SessionOptions, StopReason};
 pub use stats::Stats;

@@ -123,6 +123,16 @@ impl<'m> Session<'m> {
             });
         }
         let gpu = &model.gpu;
+        if let (Some(experts), RoutingMode::DeviceResident) = (&model.experts, options.routing) {
+            return Err(Error::Unsupported {
+                what: "device-resident routing with streamed experts (the host places each dispatch's experts)",
+                value: format!(
+                    "{} GPU slots per MoE layer of {} experts",
+                    experts.slots,
+                    model.config.moe.as_ref().map_or(0, |m| m.experts)
+                ),
+            });
+        }
         let kv_bytes = KvCache::bytes(c.layers, c.heads, context_len, options.kv_format);
         gpu.check_budget(
             &format!("model weights and a KV cache of {context_len} positions"),
@@ -368,7 +378,11 @@ impl<'m> Session<'m> {
         }
         let step = act.write_step(gpu, self.len, n_tokens, &self.model.config);
         let mut rec = Recorder::new(gpu, self.timer.as_mut(), &mut self.stats);
-        let routing = RoutingContext { mode: self.routing, readback: &self.routing_readback };
+        let routing = RoutingContext {
+            mode: self.routing,
+            readback: &self.routing_readback,
+            experts: self.model.experts.as_ref(),
+        };
         self.plan.forward(&mut rec, act, &step, head, &routing)?;
         if head == Head::Logits {
             let bytes = (self.model.config.vocab * 4) as u64;

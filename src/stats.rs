@@ -61,6 +61,9 @@ pub struct Stats {
     /// Residual capture readbacks: one per submission that captured rows,
     /// however many layers it captured.
     pub capture_readbacks: u64,
+    /// Expert streaming: the cache's hits, misses and uploads for this
+    /// session (zero when every expert is resident).
+    pub expert_cache: crate::model::experts::ExpertCacheStats,
     /// Per-phase time, when the session was opened with timing on.
     pub phases: Option<PhaseTimes>,
     pub timing_source: Option<TimingSource>,

@@ -13,6 +13,9 @@
 //     SLOTS  grid y = t * top_k + j: the rows of expert ids[t, j];
 //            output row (t * top_k + j)
 //     SUM    (with ADD) y[t, o] += sum_j route_weights[t, j] * W_{ids[t, j]}[o] . x[t * top_k + j]
+//     An id of EXPERT_ELSEWHERE (expert streaming: not on the GPU in this
+//     pass) skips its slot, and a token all of whose slots it marks is
+//     left as it is: another pass computes it.
 // Outputs o run over [0, outputs) and are written at out_offset + o. W is
 // one part (rows first_row .. first_row + rows) of a tensor that may be
 // split over bindings; an output whose rows this part does not hold is
@@ -34,6 +37,9 @@ override THREADS_PER_ROW: u32 = 1u;
 override WG: u32 = 64u; // = ROWS_PER_WG * THREADS_PER_ROW, set by the host
 // 8-weight loads (or units) each lane issues together (loads in flight).
 override UNROLL: u32 = 1u;
+
+// kernels::gemv::EXPERT_ELSEWHERE.
+const EXPERT_ELSEWHERE: u32 = 0xfffffffeu;
 
 @group(0) @binding(0) var<uniform> p: GemvParams;
 @group(0) @binding(1) var<storage, read> weight: array<vec4<u32>>;
@@ -250,8 +256,13 @@ fn main(
     let t = wid.y;
     let y_row = t;
     var acc = vec2<f32>(0.0);
+    var here = false;
     for (var j = 0u; j < p.top_k; j++) {
         let pair = t * p.top_k + j;
+        if (ids[pair] == EXPERT_ELSEWHERE) {
+            continue;
+        }
+        here = true;
         // Wraps to a huge value (skipped) when the row is before this part.
         let row = ids[pair] * p.expert_rows + o - p.first_row;
         let live = pair_live(o, row);
@@ -264,12 +275,13 @@ fn main(
         acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
     }
     let v = vec2<f32>(reduce_row(acc.x, lid.x, lane), reduce_row(acc.y, lid.x, lane));
-    let written = vec2<bool>(o < p.outputs, OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs);
+    let written = vec2<bool>(o < p.outputs && here, OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs && here);
 #else
 #if SLOTS
     let t = wid.y / p.top_k;
     let y_row = wid.y;
-    let first = ids[wid.y] * p.expert_rows;
+    // A slot whose expert is elsewhere starts past this part: nothing live.
+    let first = select(ids[wid.y] * p.expert_rows, p.first_row + p.rows, ids[wid.y] == EXPERT_ELSEWHERE);
 #else
     let t = wid.y;
     let y_row = t;

@@ -6,15 +6,24 @@
 //! runs and reads the choice before submitting it; a prompt chunk waits for
 //! it, groups its tokens by expert and runs one GEMM per chosen expert, so
 //! each expert's weights are read once per chunk.
+//!
+//! With expert streaming the host places the experts a dispatch needs in
+//! the layer's GPU slots before it runs ([`ExpertStreaming::place`]) and
+//! rewrites the ids the kernels read into slot numbers: a token's experts
+//! all at once (the tokens of a chunk in runs whose experts fit the
+//! slots, the others marked [`EXPERT_ELSEWHERE`]), or for a chunk grouped
+//! by expert, the chosen experts in waves of as many as there are slots.
+//! Each expert's products are the same arithmetic as when resident.
 
 use super::{Activations, Recorder};
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, Readback};
+use crate::gpu::{Dispatch, Gpu, GpuTensor, Readback};
 use crate::kernels::gemm::GroupedBuffers;
-use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
+use crate::kernels::gemv::{EXPERT_ELSEWHERE, GemvSpec, Input, Output, Rows};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::router::RouterBindings;
+use crate::model::experts::ExpertStreaming;
 use crate::model::{Model, MoeWeights};
 use crate::stats::Phase;
 
@@ -30,10 +39,12 @@ pub enum RoutingMode {
     DeviceResident,
 }
 
-/// What routing needs beyond the plan: the mode and the staging buffer.
+/// What routing needs beyond the plan: the mode, the staging buffer, and
+/// the model's streamed experts, if any.
 pub struct RoutingContext<'a> {
     pub mode: RoutingMode,
     pub readback: &'a Readback,
+    pub experts: Option<&'a ExpertStreaming>,
 }
 
 #[derive(Debug)]
@@ -51,6 +62,8 @@ pub struct MoePlan {
     ids: wgpu::Buffer,
     top_k_slots: usize,
     n_experts: usize,
+    /// The layer's expert slots, when its experts stream.
+    slots: Option<(GpuTensor, GpuTensor)>,
 }
 
 #[derive(Debug)]
@@ -74,11 +87,14 @@ impl MoePlan {
         let ffn_norm = &model.weights.layers[layer].ffn_norm;
         let (h, i, top_k) = (c.hidden, m.intermediate, m.top_k);
         let normed = Input::RmsNorm { weight: ffn_norm, eps: c.rms_eps };
+        let streamed = model.experts.as_ref().filter(|s| s.streams(layer));
+        // Expert `e`'s GEMMs, or slot `e`'s when the experts stream.
+        let held = streamed.map_or(m.experts, |s| s.slots);
         let grouped = act.chunk_gemm.then(|| -> Result<Grouped> {
             let b = |x, y| GroupedBuffers { x, y, groups: &a.groups, pairs: &a.pairs };
             Ok(Grouped {
                 norm: k.rms_norm.plan(gpu, ffn_norm, c.rms_eps, &act.x, &act.h, NormRows::vector(h)),
-                gate_up: (0..m.experts)
+                gate_up: (0..held)
                     .map(|e| {
                         k.gemm.plan_expert(
                             gpu,
@@ -92,7 +108,7 @@ impl MoePlan {
                     })
                     .collect::<Result<_>>()?,
                 swiglu: k.swiglu.plan(gpu, i, top_k, &a.expert_gate_up, &a.expert_act),
-                down: (0..m.experts)
+                down: (0..held)
                     .map(|e| {
                         k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b(&a.expert_act, &a.expert_out))
                     })
@@ -134,6 +150,7 @@ impl MoePlan {
             ids: a.route_ids.clone(),
             top_k_slots: top_k,
             n_experts: m.experts,
+            slots: streamed.map(|_| (w.gate_up.clone(), w.down.clone())),
         })
     }
 
@@ -190,6 +207,15 @@ impl MoePlan {
         rec.encode(Phase::Attention, &self.router, n_tokens);
         rec.encode(Phase::Attention, std::slice::from_ref(&self.top_k), n_tokens);
         let bytes = (n_tokens as usize * self.top_k_slots * 4) as u64;
+        if let (Some(experts), Some(slots)) = (routing.experts, &self.slots) {
+            let ids =
+                rec.submit_routing_and_wait(routing.readback, &self.ids, bytes, self.layer, self.n_experts)?;
+            let placed = Placement { experts, slots, layer: self.layer };
+            return match &self.grouped {
+                Some(grouped) if n_tokens > 1 => grouped.encode_in_waves(rec, n_tokens, &ids, &placed),
+                _ => self.encode_in_runs(rec, n_tokens, &ids, &placed),
+            };
+        }
         match (routing.mode, &self.grouped) {
             (RoutingMode::Readback, Some(grouped)) if n_tokens > 1 => {
                 let ids = rec.submit_routing_and_wait(
@@ -213,7 +239,123 @@ impl MoePlan {
     }
 }
 
+/// A streamed layer's experts and slots.
+struct Placement<'a> {
+    experts: &'a ExpertStreaming,
+    slots: &'a (GpuTensor, GpuTensor),
+    layer: usize,
+}
+
+impl Placement<'_> {
+    /// Puts `needed` in slots (uploading what is missing); their slots.
+    fn place(&self, rec: &mut Recorder<'_>, needed: &[usize]) -> Result<Vec<u32>> {
+        let gpu = rec.gpu();
+        let stats = &mut rec.stats().expert_cache;
+        self.experts.place(gpu, &self.slots.0, &self.slots.1, self.layer, needed, stats)
+    }
+}
+
+impl MoePlan {
+    /// The slot GEMVs over runs of tokens whose experts fit the slots
+    /// together, one submission per run: each run's tokens read their
+    /// experts' slots, the others are skipped ([`EXPERT_ELSEWHERE`]).
+    fn encode_in_runs(
+        &self,
+        rec: &mut Recorder<'_>,
+        n_tokens: u32,
+        ids: &[u32],
+        placed: &Placement<'_>,
+    ) -> Result<()> {
+        let (k, n) = (self.top_k_slots, n_tokens as usize);
+        let mut first = 0;
+        while first < n {
+            let mut needed: Vec<usize> = Vec::new();
+            let mut end = first;
+            while end < n {
+                let mut with = needed.clone();
+                for &e in &ids[end * k..(end + 1) * k] {
+                    if !with.contains(&(e as usize)) {
+                        with.push(e as usize);
+                    }
+                }
+                // A token's own experts always fit: there are at least top-k slots.
+                if with.len() > placed.experts.slots && end > first {
+                    break;
+                }
+                needed = with;
+                end += 1;
+            }
+            let slots = placed.place(rec, &needed)?;
+            let slot_ids: Vec<u32> = ids
+                .iter()
+                .enumerate()
+                .map(|(pair, &e)| match (first..end).contains(&(pair / k)) {
+                    true => slots[needed.iter().position(|&x| x == e as usize).expect("placed above")],
+                    false => EXPERT_ELSEWHERE,
+                })
+                .collect();
+            rec.gpu().queue.write_buffer(&self.ids, 0, bytemuck::cast_slice(&slot_ids));
+            rec.encode(Phase::Routed, &self.gate_up, n_tokens);
+            rec.encode(Phase::Routed, &self.down, n_tokens);
+            first = end;
+            if first < n {
+                // The next run's ids land before the next submission.
+                rec.submit()?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Grouped {
+    /// [`Self::encode`] with the chosen experts in waves of as many as
+    /// there are slots, one submission per wave: each wave's GEMMs, the
+    /// SwiGLU of every row (those of other waves recomputed as they were,
+    /// or not yet needed), then the weighted sum once.
+    fn encode_in_waves(
+        &self,
+        rec: &mut Recorder<'_>,
+        n_tokens: u32,
+        ids: &[u32],
+        placed: &Placement<'_>,
+    ) -> Result<()> {
+        let mut chosen: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        chosen.sort_unstable();
+        chosen.dedup();
+        let waves: Vec<&[usize]> = chosen.chunks(placed.experts.slots).collect();
+        rec.encode(Phase::Routed, std::slice::from_ref(&self.norm), n_tokens);
+        for (w, wave) in waves.iter().enumerate() {
+            let slots = placed.place(rec, wave)?;
+            let mut slot_of = vec![None; chosen.last().map_or(0, |&e| e + 1)];
+            for (&e, &s) in wave.iter().zip(&slots) {
+                slot_of[e] = Some(s);
+            }
+            let pair_slots: Vec<Option<u32>> = ids.iter().map(|&e| slot_of[e as usize]).collect();
+            let counts = self.group_by_slot(rec.gpu(), &pair_slots, placed.experts.slots);
+            for (s, &count) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+                rec.encode(Phase::Routed, &self.gate_up[s], count);
+            }
+            rec.encode(Phase::Routed, std::slice::from_ref(&self.swiglu), n_tokens);
+            for (s, &count) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+                rec.encode(Phase::Routed, &self.down[s], count);
+            }
+            if w + 1 < waves.len() {
+                // The next wave's groups and uploads land before its submission.
+                rec.submit()?;
+            }
+        }
+        rec.encode(Phase::Routed, std::slice::from_ref(&self.output), n_tokens);
+        Ok(())
+    }
+
+    /// Writes the (token, slot) pairs whose expert sits in a slot this
+    /// wave, grouped by slot; returns each slot's count.
+    fn group_by_slot(&self, gpu: &Gpu, pair_slots: &[Option<u32>], n_slots: usize) -> Vec<u32> {
+        let ids: Vec<(usize, u32)> =
+            pair_slots.iter().enumerate().filter_map(|(pair, s)| s.map(|s| (pair, s))).collect();
+        self.write_groups(gpu, &ids, n_slots)
+    }
+
     fn encode(&self, rec: &mut Recorder<'_>, n_tokens: u32, ids: &[u32], n_experts: usize) {
         let counts = self.group_by_expert(rec.gpu(), ids, n_experts);
         rec.encode(Phase::Routed, std::slice::from_ref(&self.norm), n_tokens);
@@ -235,20 +377,27 @@ impl Grouped {
     /// grouped GEMMs; returns each expert's count. The queue writes land
     /// before the next submission, which is the one that reads them.
     fn group_by_expert(&self, gpu: &Gpu, ids: &[u32], n_experts: usize) -> Vec<u32> {
-        let mut counts = vec![0u32; n_experts];
-        for &e in ids {
+        let pairs: Vec<(usize, u32)> = ids.iter().copied().enumerate().collect();
+        self.write_groups(gpu, &pairs, n_experts)
+    }
+
+    /// Writes `(pair, group)` grouped by group (`groups` entries for
+    /// `n_groups`), in pair order within each; returns the counts.
+    fn write_groups(&self, gpu: &Gpu, ids: &[(usize, u32)], n_groups: usize) -> Vec<u32> {
+        let mut counts = vec![0u32; n_groups];
+        for &(_, e) in ids {
             counts[e as usize] += 1;
         }
-        let mut offsets = vec![0u32; n_experts];
-        let mut groups = Vec::with_capacity(2 * n_experts);
+        let mut offsets = vec![0u32; n_groups];
+        let mut groups = Vec::with_capacity(2 * n_groups);
         let mut next = 0;
         for (e, &count) in counts.iter().enumerate() {
             offsets[e] = next;
             groups.extend([next, count]);
             next += count;
         }
-        let mut pairs = vec![0u32; ids.len()];
-        for (pair, &e) in ids.iter().enumerate() {
+        let mut pairs = vec![0u32; ids.len().max(1)];
+        for &(pair, e) in ids {
             pairs[offsets[e as usize] as usize] = pair as u32;
             offsets[e as usize] += 1;
         }

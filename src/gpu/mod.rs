@@ -5,11 +5,13 @@ mod buffers;
 mod measure;
 mod readback;
 mod tensor;
+mod upload_ring;
 
 pub use buffers::{Dispatch, ParamsBuffer, encode_all};
 pub use measure::CopyBandwidth;
 pub use readback::{MapWait, Readback};
 pub use tensor::{GpuTensor, TensorPart};
+pub use upload_ring::UploadRing;
 
 use std::sync::{Arc, Mutex};
 

@@ -31,6 +31,10 @@ pub fn structs() -> Vec<&'static str> {
     vec![GemvParams::WGSL]
 }
 
+/// An expert id that [`Rows::Slots`] and [`Rows::Sum`] skip (the expert
+/// is not on the GPU in this pass; `wgsl/gemv.wgsl` has the same value).
+pub const EXPERT_ELSEWHERE: u32 = 0xffff_fffe;
+
 /// How rows are spread over a workgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemvShape {

@@ -2,18 +2,22 @@
 //! (uploaded once, bf16) and the pipelines that run them.
 
 pub mod config;
+pub mod experts;
 pub mod family;
 pub mod gguf_checkpoint;
 mod synthetic;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Routing};
+use experts::{ExpertStreaming, ExpertTensors, StreamedLayer};
 pub use family::{Family, QkNorm};
 use weights::{Checkpoint, TensorSource, Uploader};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::format::WeightFormat;
 use crate::gpu::{Gpu, GpuTensor};
 use crate::kernels::Kernels;
 use crate::progress::Progress;
@@ -47,7 +51,9 @@ pub enum FfnWeights {
 /// `[e * 2I, (e + 1) * 2I)` of `gate_up` (its gate and up rows
 /// interleaved, as a dense layer's) and rows `[e * H, (e + 1) * H)` of
 /// `down`: per-expert tensors and transformers 5's fused ones are both
-/// stacked into this layout.
+/// stacked into this layout. With expert streaming the two hold the
+/// layer's slots instead, in the same layout: slot `s` is where expert `e`
+/// would be.
 #[derive(Debug)]
 pub struct MoeWeights {
     /// `[experts, hidden]`.
@@ -112,6 +118,151 @@ impl LayerWeights {
     }
 }
 
+/// How a model is placed on the GPU.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadOptions {
+    /// Bytes of GPU memory the weights may take: the resident weights
+    /// first, the rest as expert slots. A MoE model whose experts do not
+    /// all fit then streams them (`generate --gpu-memory`).
+    pub gpu_memory: Option<u64>,
+    /// GPU slots per MoE layer (at least the router's top-k), instead of a
+    /// budget: fewer than the experts streams them (`--expert-slots`).
+    pub expert_slots: Option<usize>,
+}
+
+impl LoadOptions {
+    fn streams_nothing(&self) -> bool {
+        self.gpu_memory.is_none() && self.expert_slots.is_none()
+    }
+}
+
+/// The budget error of a MoE model, pointing at expert streaming.
+fn suggest_streaming(e: Error, c: &ModelConfig) -> Error {
+    match (e, &c.moe) {
+        (Error::OutOfDeviceMemory { what, needed_bytes, message }, Some(_)) => Error::OutOfDeviceMemory {
+            what,
+            needed_bytes,
+            message: format!(
+                "{message}; a MoE model can keep its experts in host memory: give the GPU memory \
+                 the weights may take (--gpu-memory, LoadOptions::gpu_memory)"
+            ),
+        },
+        (e, _) => e,
+    }
+}
+
+/// GPU slots per MoE layer when experts stream (`None`: every weight is
+/// resident), after checking what is placed against the device's budget.
+fn expert_slots(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    source: &dyn TensorSource,
+    total_bytes: u64,
+    options: &LoadOptions,
+) -> Result<Option<usize>> {
+    let resident_only = |bytes: u64| -> Result<Option<usize>> {
+        if let Some(budget) = options.gpu_memory.filter(|&b| bytes > b) {
+            return Err(Error::OutOfDeviceMemory {
+                what: "model weights".into(),
+                needed_bytes: Some(bytes),
+                message: format!("the GPU memory budget (--gpu-memory) is {budget} bytes"),
+            });
+        }
+        gpu.check_budget("model weights", bytes).map_err(|e| suggest_streaming(e, c))?;
+        Ok(None)
+    };
+    if let (Some(n), None) = (options.expert_slots, &c.moe) {
+        return Err(Error::Unsupported {
+            what: "expert slots for a model without experts",
+            value: format!("{n} slots for {}", c.model_type),
+        });
+    }
+    let Some(moe) = c.moe.as_ref().filter(|_| !options.streams_nothing()) else {
+        return resident_only(total_bytes);
+    };
+    let per_slot: u64 = (0..c.layers)
+        .filter(|&l| moe.sparse_layers[l])
+        .map(|l| streamed_layer(c, moe, source, l).map(|s| s.expert_bytes(c.hidden, moe.intermediate)))
+        .sum::<Result<u64>>()?;
+    let resident = total_bytes.saturating_sub(moe.experts as u64 * per_slot);
+    let slots = match (options.expert_slots, options.gpu_memory) {
+        (Some(n), _) if n < moe.top_k => {
+            return Err(Error::Unsupported {
+                what: "expert slots per MoE layer (at least the router's top-k)",
+                value: format!("{n} slots, top-k {}", moe.top_k),
+            });
+        }
+        (Some(n), _) => n,
+        (None, Some(budget)) => experts::slots_for_budget(budget, resident, per_slot, moe)?,
+        (None, None) => unreachable!("filtered above"),
+    };
+    if slots >= moe.experts {
+        return resident_only(total_bytes);
+    }
+    gpu.check_budget("resident weights and expert slots", resident + slots as u64 * per_slot)?;
+    Ok(Some(slots))
+}
+
+/// Where layer `layer`'s experts are and their formats, which a streamed
+/// layer's slots must share.
+fn streamed_layer(
+    c: &ModelConfig,
+    moe: &MoeConfig,
+    source: &dyn TensorSource,
+    layer: usize,
+) -> Result<StreamedLayer> {
+    let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
+    let (h, i, e) = (c.hidden, moe.intermediate, moe.experts);
+    let fused = name("mlp.experts.gate_up_proj");
+    let tensors = if source.contains(&fused) {
+        source.check_shape(&fused, &[e, 2 * i, h])?;
+        ExpertTensors::Fused { gate_up: fused, down: name("mlp.experts.down_proj") }
+    } else {
+        let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
+        let expert = |x: usize, which: &str| name(&format!("{}.experts.{x}.{which}.weight", names.block));
+        ExpertTensors::PerExpert {
+            gate: (0..e).map(|x| expert(x, names.gate)).collect(),
+            up: (0..e).map(|x| expert(x, names.up)).collect(),
+            down: (0..e).map(|x| expert(x, names.down)).collect(),
+        }
+    };
+    let one_format = |names: &[&String], shape: &[usize]| -> Result<WeightFormat> {
+        let mut formats = names.iter().map(|n| {
+            source.check_shape(n, shape)?;
+            source.format(n)
+        });
+        let first = formats.next().expect("a MoE layer has experts")?;
+        for (n, f) in names.iter().zip(formats) {
+            let f = f?;
+            if f != first {
+                return Err(Error::Unsupported {
+                    what: "streamed experts stored in different formats",
+                    value: format!("{n} is {f}, {} is {first}", names[0]),
+                });
+            }
+        }
+        Ok(first)
+    };
+    let (gate_up_format, down_format) = match &tensors {
+        ExpertTensors::Fused { gate_up, down } => {
+            (one_format(&[gate_up], &[e, 2 * i, h])?, one_format(&[down], &[e, h, i])?)
+        }
+        ExpertTensors::PerExpert { gate, up, down } => {
+            let gate_up: Vec<&String> = gate.iter().chain(up).collect();
+            (one_format(&gate_up, &[i, h])?, one_format(&down.iter().collect::<Vec<_>>(), &[h, i])?)
+        }
+    };
+    for (format, cols) in [(gate_up_format, h), (down_format, i)] {
+        if !format.fits_row(cols) {
+            return Err(Error::Unsupported {
+                what: "row width for the experts' format",
+                value: format!("layer {layer}: {cols} columns of {format}"),
+            });
+        }
+    }
+    Ok(StreamedLayer { tensors, gate_up_format, down_format })
+}
+
 /// A loaded model, ready to open sessions on.
 #[derive(Debug)]
 pub struct Model {
@@ -119,6 +270,9 @@ pub struct Model {
     pub gpu: Gpu,
     pub weights: Weights,
     pub kernels: Kernels,
+    /// `Some` when routed experts live in host memory and stream into GPU
+    /// slots ([`LoadOptions`]).
+    pub experts: Option<ExpertStreaming>,
     /// Where the model's files describe its tokenizer, read on request
     /// ([`Model::tokenizer`]), so that a caller who gives ids never needs it.
     tokenizer_source: Option<PathBuf>,
@@ -138,32 +292,61 @@ impl Model {
     pub fn load_with_progress(
         path: impl AsRef<Path>,
         gpu: &Gpu,
+        progress: impl FnMut(Progress<'_>),
+    ) -> Result<Model> {
+        Self::load_with(path, gpu, &LoadOptions::default(), progress)
+    }
+
+    /// [`Self::load_with_progress`], with a GPU memory budget or a number of
+    /// expert slots that streams a MoE model's experts.
+    pub fn load_with(
+        path: impl AsRef<Path>,
+        gpu: &Gpu,
+        options: &LoadOptions,
         mut progress: impl FnMut(Progress<'_>),
     ) -> Result<Model> {
         let dir = path.as_ref();
-        let (config, checkpoint, bytes, tokenizer_source): (_, Box<dyn TensorSource>, _, _) =
+        let (config, checkpoint, bytes, tokenizer_source): (_, Arc<dyn TensorSource + Send + Sync>, _, _) =
             match gguf_checkpoint::gguf_in(dir)? {
                 Some(file) => {
                     let checkpoint = gguf_checkpoint::GgufCheckpoint::open(&file)?;
                     let config = checkpoint.config()?;
                     let bytes = checkpoint.gpu_bytes();
-                    gpu.check_budget("model weights", bytes)?;
-                    (config, Box::new(checkpoint), bytes, file)
+                    (config, Arc::new(checkpoint), bytes, file)
                 }
                 None => {
                     let config = ModelConfig::load(dir)?;
                     let bytes = config.weight_bytes();
                     // Before the checkpoint is opened: a model too large fails first.
-                    gpu.check_budget("model weights", bytes)?;
+                    if options.streams_nothing() {
+                        gpu.check_budget("model weights", bytes)
+                            .map_err(|e| suggest_streaming(e, &config))?;
+                    }
                     let checkpoint = Checkpoint::open(dir, config.quantization)?;
-                    (config, Box::new(checkpoint), bytes, dir.to_path_buf())
+                    (config, Arc::new(checkpoint), bytes, dir.to_path_buf())
                 }
             };
+        let slots = expert_slots(gpu, &config, checkpoint.as_ref(), bytes, options)?;
         let kernels = Kernels::new(gpu)?;
         progress(Progress::Begin { what: &format!("loading {}", dir.display()), total_bytes: Some(bytes) });
-        let weights = upload(gpu, &config, checkpoint.as_ref(), &mut progress)?;
+        let (weights, streamed) = upload(gpu, &config, checkpoint.as_ref(), slots, &mut progress)?;
+        let experts = match (slots, &config.moe) {
+            (Some(slots), Some(moe)) => {
+                let streaming = ExpertStreaming::new(gpu, checkpoint, moe, (config.hidden, slots), streamed);
+                streaming.fill_slots(gpu, &weights)?;
+                Some(streaming)
+            }
+            _ => None,
+        };
         progress(Progress::End);
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: Some(tokenizer_source) })
+        Ok(Model {
+            config,
+            gpu: gpu.clone(),
+            weights,
+            kernels,
+            experts,
+            tokenizer_source: Some(tokenizer_source),
+        })
     }
 
     /// The chat template the model's files carry: a GGUF's
@@ -192,19 +375,38 @@ impl Model {
     /// by `1/sqrt(fan_in)`), for benchmarks at full size without a
     /// checkpoint.
     pub fn synthetic(config: ModelConfig, gpu: &Gpu, seed: u64) -> Result<Model> {
-        gpu.check_budget("model weights", config.weight_bytes())?;
+        Self::synthetic_with(config, gpu, seed, &LoadOptions::default())
+    }
+
+    /// [`Self::synthetic`] with [`LoadOptions`]: random experts stream
+    /// from host memory like a checkpoint's.
+    pub fn synthetic_with(config: ModelConfig, gpu: &Gpu, seed: u64, options: &LoadOptions) -> Result<Model> {
+        let source: Arc<dyn TensorSource + Send + Sync> = Arc::new(synthetic::RandomWeights { seed });
+        let slots = expert_slots(gpu, &config, source.as_ref(), config.weight_bytes(), options)?;
         let kernels = Kernels::new(gpu)?;
-        let weights = upload(gpu, &config, &synthetic::RandomWeights { seed }, &mut |_| {})?;
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels, tokenizer_source: None })
+        let (weights, streamed) = upload(gpu, &config, source.as_ref(), slots, &mut |_| {})?;
+        let experts = match (slots, &config.moe) {
+            (Some(slots), Some(moe)) => {
+                let streaming = ExpertStreaming::new(gpu, source, moe, (config.hidden, slots), streamed);
+                streaming.fill_slots(gpu, &weights)?;
+                Some(streaming)
+            }
+            _ => None,
+        };
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels, experts, tokenizer_source: None })
     }
 }
 
+/// Uploads the weights; with `slots`, a MoE layer's experts get that many
+/// empty slots instead, and where they are comes back per layer.
 fn upload(
     gpu: &Gpu,
     c: &ModelConfig,
     checkpoint: &dyn TensorSource,
+    slots: Option<usize>,
     progress: &mut dyn FnMut(Progress<'_>),
-) -> Result<Weights> {
+) -> Result<(Weights, Vec<Option<StreamedLayer>>)> {
+    let mut streamed = Vec::with_capacity(c.layers);
     let mut up = Uploader::new(gpu, checkpoint, progress);
     let (hidden, heads) = (c.hidden, c.heads);
     let q_rows = heads.q * heads.dim;
@@ -230,6 +432,7 @@ fn upload(
                 Some(up.norm(&name("self_attn.k_norm.weight"), kv_rows)?),
             ),
         };
+        let mut streamed_here = None;
         layers.push(LayerWeights {
             attn_norm: up.norm(&name("input_layernorm.weight"), hidden)?,
             qkv: up.stack(
@@ -243,7 +446,15 @@ fn upload(
             o_proj: up.matrix(&name("self_attn.o_proj.weight"), hidden, q_rows)?,
             ffn_norm: up.norm(&name("post_attention_layernorm.weight"), hidden)?,
             ffn: match &c.moe {
-                Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
+                Some(moe) if moe.sparse_layers[i] => match slots {
+                    Some(slots) => {
+                        let layer = streamed_layer(c, moe, checkpoint, i)?;
+                        let weights = moe_slots(&mut up, gpu, c, moe, i, slots, &layer)?;
+                        streamed_here = Some(layer);
+                        FfnWeights::Moe(weights)
+                    }
+                    None => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
+                },
                 _ => FfnWeights::Dense {
                     gate_up: up.gate_up(
                         &name("mlp.gate_up"),
@@ -258,11 +469,61 @@ fn upload(
                 },
             },
         });
+        streamed.push(streamed_here);
     }
     let final_norm = up.norm("model.norm.weight", hidden)?;
     let lm_head = if c.tie_embeddings { None } else { Some(up.matrix("lm_head.weight", c.vocab, hidden)?) };
     up.flush()?;
-    Ok(Weights { embed, layers, final_norm, lm_head })
+    Ok((Weights { embed, layers, final_norm, lm_head }, streamed))
+}
+
+/// A streamed MoE layer: its router (resident) and `slots` empty expert
+/// slots in the experts' formats.
+fn moe_slots(
+    up: &mut Uploader<'_>,
+    gpu: &Gpu,
+    c: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+    slots: usize,
+    streamed: &StreamedLayer,
+) -> Result<MoeWeights> {
+    let (h, i) = (c.hidden, moe.intermediate);
+    let label = |what: &str| format!("model.layers.{layer}.experts.{what} ({slots} slots)");
+    let (router, score_bias) = upload_router(up, c, moe, layer)?;
+    Ok(MoeWeights {
+        router,
+        score_bias,
+        gate_up: GpuTensor::alloc_in(
+            gpu,
+            &label("gate_up"),
+            streamed.gate_up_format,
+            slots * 2 * i,
+            h,
+            2 * i,
+        )?,
+        down: GpuTensor::alloc_in(gpu, &label("down"), streamed.down_format, slots * h, i, h)?,
+    })
+}
+
+/// A MoE layer's router and its score-correction bias, if the family has one.
+fn upload_router(
+    up: &mut Uploader<'_>,
+    c: &ModelConfig,
+    moe: &MoeConfig,
+    layer: usize,
+) -> Result<(GpuTensor, Option<wgpu::Buffer>)> {
+    let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
+    let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
+    let block = if up.contains(&name("mlp.experts.gate_up_proj")) { "mlp" } else { names.block };
+    let score_bias = match moe.routing {
+        Routing::SigmoidWithBias => {
+            Some(up.f32_vector(&name(&format!("{block}.e_score_correction_bias")), moe.experts)?)
+        }
+        Routing::Softmax { .. } => None,
+    };
+    let router = up.matrix(&name(&format!("{block}.{}.weight", names.router)), moe.experts, c.hidden)?;
+    Ok((router, score_bias))
 }
 
 /// A MoE layer, from the fused 3-D layout (`mlp.experts.gate_up_proj`) when
@@ -294,16 +555,6 @@ fn upload_moe(up: &mut Uploader<'_>, c: &ModelConfig, moe: &MoeConfig, layer: us
             up.stack(&name(&format!("{block}.experts.down")), &down_sources, i, h)?,
         )
     };
-    let score_bias = match moe.routing {
-        Routing::SigmoidWithBias => {
-            Some(up.f32_vector(&name(&format!("{block}.e_score_correction_bias")), e)?)
-        }
-        Routing::Softmax { .. } => None,
-    };
-    Ok(MoeWeights {
-        router: up.matrix(&name(&format!("{block}.{}.weight", names.router)), e, h)?,
-        score_bias,
-        gate_up,
-        down,
-    })
+    let (router, score_bias) = upload_router(up, c, moe, layer)?;
+    Ok(MoeWeights { router, score_bias, gate_up, down })
 }

@@ -134,8 +134,12 @@ impl Checkpoint {
     pub fn bf16_bytes(&self, name: &str, expected_shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         self.check_shape(name, expected_shape)?;
         let entry = self.entry(name)?;
-        let data = &self.files[entry.file].1[entry.bytes.clone()];
-        Ok(match entry.dtype {
+        Self::bf16_of(name, entry.dtype, &self.files[entry.file].1[entry.bytes.clone()])
+    }
+
+    /// `data` of `dtype` as bf16 bytes.
+    fn bf16_of<'d>(name: &str, dtype: Dtype, data: &'d [u8]) -> Result<Cow<'d, [u8]>> {
+        Ok(match dtype {
             Dtype::BF16 => Cow::Borrowed(data),
             Dtype::F16 => Cow::Owned(
                 data.chunks_exact(2)
@@ -186,7 +190,13 @@ impl Checkpoint {
     /// [`crate::format`]): each 128 values of a row after their scale,
     /// widened to f32 from the scale tensor `[.., rows / block_rows,
     /// cols / 128]` (rounded up) in f32, bf16 or f16.
-    fn fp8_blocks(&self, name: &str, entry: &Entry, block_rows: usize) -> Result<Vec<u8>> {
+    fn fp8_blocks(
+        &self,
+        name: &str,
+        entry: &Entry,
+        block_rows: usize,
+        range: Option<Range<usize>>,
+    ) -> Result<Vec<u8>> {
         let (rows, cols) = match entry.shape[..] {
             [.., rows, cols] => (rows, cols),
             _ => {
@@ -209,13 +219,14 @@ impl Checkpoint {
             return Err(Error::WrongShape { name: scale_name, expected: scale_shape, found: found.clone() });
         }
         let scales = self.f32_values(&scale_name)?;
-        let data = &self.files[entry.file].1[entry.bytes.clone()];
+        let range = range.unwrap_or(0..matrices * rows);
+        let data = &self.files[entry.file].1[entry.bytes.clone()][range.start * cols..range.end * cols];
         let block_bytes = 4 + FP8_BLOCK_ELEMS;
-        let mut out = vec![0u8; matrices * rows * blocks * block_bytes];
+        let mut out = vec![0u8; range.len() * blocks * block_bytes];
         for (i, (row, out_row)) in
             data.chunks_exact(cols).zip(out.chunks_exact_mut(blocks * block_bytes)).enumerate()
         {
-            let (matrix, r) = (i / rows, i % rows);
+            let (matrix, r) = ((range.start + i) / rows, (range.start + i) % rows);
             let row_scales = &scales[(matrix * scale_rows + r / block_rows) * blocks..][..blocks];
             for ((values, block), scale) in
                 row.chunks(FP8_BLOCK_ELEMS).zip(out_row.chunks_exact_mut(block_bytes)).zip(row_scales)
@@ -233,9 +244,36 @@ impl Checkpoint {
         match (entry.dtype, self.fp8_block_rows) {
             (Dtype::F8_E4M3, Some(block_rows)) => {
                 self.check_shape(name, shape)?;
-                Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows)?))
+                Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows, None)?))
             }
             _ => self.bf16_bytes(name, shape),
+        }
+    }
+
+    /// Rows `rows` of a tensor read as `[rows, last dim]`, in the layout of
+    /// its [`Self::format`] (bf16 borrowed from the map).
+    pub fn stored_rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Cow<'_, [u8]>> {
+        self.check_shape(name, shape)?;
+        let entry = self.entry(name)?;
+        let cols = *shape.last().unwrap_or(&1);
+        let total = shape.iter().product::<usize>() / cols.max(1);
+        if rows.end > total || rows.start > rows.end {
+            return Err(Error::WrongShape {
+                name: name.to_string(),
+                expected: vec![rows.end, cols],
+                found: entry.shape.clone(),
+            });
+        }
+        match (entry.dtype, self.fp8_block_rows) {
+            (Dtype::F8_E4M3, Some(block_rows)) => {
+                Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows, Some(rows))?))
+            }
+            (dtype, _) => {
+                let width = dtype.bitsize().div_ceil(8);
+                let data = &self.files[entry.file].1[entry.bytes.clone()];
+                let part = data.get(rows.start * cols * width..rows.end * cols * width).unwrap_or_default();
+                Self::bf16_of(name, dtype, part)
+            }
         }
     }
 
@@ -309,6 +347,18 @@ pub trait TensorSource {
     /// The bytes of a tensor whose shape was checked, in the file layout of
     /// its [`Self::format`] (bf16: little-endian pairs).
     fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>>;
+    /// Rows `rows` of a tensor whose shape was checked, read as `[rows,
+    /// last dim]`: that part of [`Self::stored_bytes`].
+    fn stored_rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Cow<'_, [u8]>> {
+        let row_bytes = self.format(name)?.file_row_bytes(*shape.last().unwrap_or(&1));
+        let bytes = self.stored_bytes(name, shape)?;
+        let part = bytes.get(rows.start * row_bytes..rows.end * row_bytes);
+        part.map(|b| Cow::Owned(b.to_vec())).ok_or_else(|| Error::WrongShape {
+            name: name.to_string(),
+            expected: vec![rows.end],
+            found: shape.to_vec(),
+        })
+    }
     /// The values of a vector of `len` whose shape was checked.
     fn f32_values(&self, name: &str, len: usize) -> Result<Vec<f32>>;
 }
@@ -325,6 +375,9 @@ impl TensorSource for Checkpoint {
     }
     fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         Checkpoint::stored_bytes(self, name, shape)
+    }
+    fn stored_rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Cow<'_, [u8]>> {
+        Checkpoint::stored_rows(self, name, shape, rows)
     }
     fn f32_values(&self, name: &str, _len: usize) -> Result<Vec<f32>> {
         Checkpoint::f32_values(self, name)

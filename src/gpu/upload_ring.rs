@@ -1,0 +1,102 @@
+//! Host-to-device uploads through a fixed ring of mapped staging buffers:
+//! the host fills a buffer while it is mapped, a copy command moves it to
+//! its destination, and the buffer is mapped again once the GPU has run
+//! the copy. The footprint is the ring, whatever is uploaded; nothing is
+//! allocated per upload.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::Gpu;
+use crate::error::Result;
+
+#[derive(Debug)]
+struct Slot {
+    buffer: wgpu::Buffer,
+    /// Filled, its copy recorded in the batch not yet submitted.
+    recorded: bool,
+    /// Mapped: free to fill (after a submission, once the GPU ran the copy).
+    mapped: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+pub struct UploadRing {
+    slots: Vec<Slot>,
+    next: usize,
+    /// The copies recorded since the last submission.
+    batch: Option<wgpu::CommandEncoder>,
+}
+
+impl UploadRing {
+    /// `count` staging buffers of `bytes` each (the largest single upload).
+    pub fn new(gpu: &Gpu, count: usize, bytes: u64) -> Self {
+        let slots = (0..count.max(1))
+            .map(|i| Slot {
+                buffer: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(&format!("upload ring {i}")),
+                    size: bytes.max(4).next_multiple_of(4),
+                    usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: true,
+                }),
+                recorded: false,
+                mapped: Arc::new(AtomicBool::new(true)),
+            })
+            .collect();
+        UploadRing { slots, next: 0, batch: None }
+    }
+
+    /// Host memory the ring holds.
+    pub fn bytes(&self) -> u64 {
+        self.slots.iter().map(|s| s.buffer.size()).sum()
+    }
+
+    /// Copies `pieces`, one after the other, to `dst` at `offset` (their
+    /// total and the offset multiples of 4, the total at most the ring's
+    /// buffer size). The copy runs with the next [`Self::submit`], before
+    /// anything submitted after it.
+    pub fn upload(&mut self, gpu: &Gpu, dst: &wgpu::Buffer, offset: u64, pieces: &[&[u8]]) -> Result<()> {
+        let len: usize = pieces.iter().map(|p| p.len()).sum();
+        let i = self.next;
+        self.next = (self.next + 1) % self.slots.len();
+        if self.slots[i].recorded {
+            self.submit(gpu)?;
+        }
+        let slot = &mut self.slots[i];
+        while !slot.mapped.load(Ordering::Acquire) {
+            gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu.poll_error(e))?;
+            gpu.alive()?;
+        }
+        {
+            let mut view = slot
+                .buffer
+                .slice(..len as u64)
+                .get_mapped_range_mut()
+                .map_err(|e| crate::Error::Gpu(format!("upload staging: {e}")))?;
+            let mut at = 0;
+            for piece in pieces {
+                view.slice(at..at + piece.len()).copy_from_slice(piece);
+                at += piece.len();
+            }
+        }
+        slot.buffer.unmap();
+        slot.mapped.store(false, Ordering::Release);
+        slot.recorded = true;
+        let encoder =
+            self.batch.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()));
+        encoder.copy_buffer_to_buffer(&slot.buffer, 0, dst, offset, len as u64);
+        Ok(())
+    }
+
+    /// Submits the recorded copies and asks for their buffers back.
+    pub fn submit(&mut self, gpu: &Gpu) -> Result<()> {
+        let Some(encoder) = self.batch.take() else { return Ok(()) };
+        gpu.queue.submit([encoder.finish()]);
+        for slot in self.slots.iter_mut().filter(|s| s.recorded) {
+            let mapped = slot.mapped.clone();
+            slot.buffer
+                .map_async(wgpu::MapMode::Write, .., move |r| mapped.store(r.is_ok(), Ordering::Release));
+            slot.recorded = false;
+        }
+        gpu.check("uploading experts")
+    }
+}
