@@ -8,6 +8,7 @@
 //! cargo run --release --example bench -- --shape qwen3-30b-a3b-16l --routing both
 //! cargo run --release --example bench -- --shape llama-3.1-8b --prompt 4096 --decode 64 --depth 0
 //! cargo run --release --example bench -- --model DIR
+//! cargo run --release --example bench -- --shape qwen3-30b-a3b --routing readback --expert-budget 100,50,25
 //! ```
 //! Shapes match those `synth_gguf.py` writes for llama.cpp's `llama-bench`,
 //! so both engines measure the same sizes; `--depth D` is llama-bench's
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, ModelConfig,
-    RoutingMode, Session, SessionOptions, Steering,
+    RoutingMode, Sampling, Session, SessionOptions, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -55,6 +56,11 @@ struct Args {
     steering: bool,
     #[arg(long)]
     backend: Option<String>,
+    /// MoE shapes: GPU slots per layer as percentages of the experts
+    /// (comma list; at least top-k slots), each measured with its experts
+    /// streamed from host memory (100: all resident).
+    #[arg(long, value_delimiter = ',')]
+    expert_budget: Vec<f64>,
 }
 
 /// (name, config.json) of every synthetic shape.
@@ -150,12 +156,34 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     );
     let round_trip = gpu.readback_round_trip(4, 50)?;
     println!("readback round trip (submit, map, read 4 bytes): {:.3} ms", round_trip.as_secs_f64() * 1e3);
+    if !args.expert_budget.is_empty() {
+        println!(
+            "host-to-device upload: {:.1} GB/s (256 MiB through the queue)",
+            gpu.upload_bandwidth(256 << 20)? / 1e9
+        );
+    }
 
     for name in &args.shape {
-        let start = Instant::now();
-        let model = Model::synthetic(shape_config(name)?, &gpu, 1)?;
-        eprintln!("{name}: random weights uploaded in {:.1} s", start.elapsed().as_secs_f64());
-        measure(&args, copy.best, round_trip, name, &model)?;
+        let config = shape_config(name)?;
+        let budgets: Vec<Option<usize>> = match &config.moe {
+            Some(m) if !args.expert_budget.is_empty() => args
+                .expert_budget
+                .iter()
+                .map(|pct| Some(((m.experts as f64 * pct / 100.0).ceil() as usize).clamp(m.top_k, m.experts)))
+                .collect(),
+            _ => vec![None],
+        };
+        for expert_slots in budgets {
+            let start = Instant::now();
+            let load = wgspark::LoadOptions { expert_slots, ..Default::default() };
+            let model = Model::synthetic_with(config.clone(), &gpu, 1, &load)?;
+            eprintln!("{name}: random weights uploaded in {:.1} s", start.elapsed().as_secs_f64());
+            let label = match expert_slots {
+                Some(slots) => format!("{name}, {slots} expert slots per layer"),
+                None => name.clone(),
+            };
+            measure(&args, copy.best, round_trip, &label, &model)?;
+        }
     }
     if let Some(dir) = &args.model {
         let model = Model::load(dir, &gpu)?;
@@ -174,6 +202,8 @@ fn measure(
     let c = &model.config;
     println!("\n{name}: {:.3} GB of weights, depth {}", model.weights.bytes() as f64 / 1e9, args.depth);
     let modes: &[RoutingMode] = match (c.moe.is_some(), args.routing.as_str()) {
+        // Streamed experts need the host to see the routing.
+        _ if model.experts.is_some() => &[RoutingMode::Readback],
         (false, _) | (true, "readback") => &[RoutingMode::Readback],
         (true, "device") => &[RoutingMode::DeviceResident],
         (true, "both") => &[RoutingMode::DeviceResident, RoutingMode::Readback],
@@ -221,7 +251,35 @@ fn measure(
             );
         }
         if args.decode > 0 {
-            let per_token = best_decode(&mut session, &fill, args.decode, args.reps, c.vocab)?;
+            let cache_before = session.stats().expert_cache;
+            let decode_start = Instant::now();
+            // With streamed experts, tokens drawn at temperature 1 from the
+            // random model's near-uniform logits: routing then changes
+            // every step (the worst case for the cache), where greedy
+            // decoding of random weights tends to repeat a token.
+            let sampling = match args.expert_budget.is_empty() {
+                true => Sampling::Greedy,
+                false => Sampling::Random { temperature: 1.0, top_k: None, top_p: None },
+            };
+            let per_token = best_decode(&mut session, &fill, args.decode, args.reps, c.vocab, sampling)?;
+            if let Some(experts) = &model.experts {
+                let mut cache = session.stats().expert_cache;
+                let secs = decode_start.elapsed().as_secs_f64();
+                let tokens = ((args.reps.max(1) + 1) * (args.decode + 1)) as f64;
+                cache.hits -= cache_before.hits;
+                cache.misses -= cache_before.misses;
+                cache.bytes_uploaded -= cache_before.bytes_uploaded;
+                println!(
+                    "  expert cache{mode}: {} of {} slots per layer, {:.1} % hits, {:.1} MB uploaded per token, \
+                     {:.1} GB/s of uploads while decoding (staging ring {:.0} MB)",
+                    experts.slots,
+                    c.moe.as_ref().map_or(0, |m| m.experts),
+                    100.0 * cache.hits as f64 / (cache.hits + cache.misses).max(1) as f64,
+                    cache.bytes_uploaded as f64 / tokens / 1e6,
+                    cache.bytes_uploaded as f64 / secs / 1e9,
+                    experts.staging_bytes() as f64 / 1e6
+                );
+            }
             let bytes = decode_bytes(model, args.depth + args.decode / 2, args.kv_cache);
             let achieved = bytes as f64 / per_token;
             let stats = session.stats();
@@ -264,16 +322,17 @@ fn measure(
     Ok(())
 }
 
-/// Seconds per decoded token, best of `reps` generations of `n` greedy
-/// tokens (no stop token) from the filled context.
+/// Seconds per decoded token, best of `reps` generations of `n` tokens
+/// (no stop token) from the filled context.
 fn best_decode(
     session: &mut Session<'_>,
     fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
     n: usize,
     reps: usize,
     vocab: usize,
+    sampling: Sampling,
 ) -> wgspark::Result<f64> {
-    let options = GenerateOptions { max_tokens: n + 1, ..Default::default() };
+    let options = GenerateOptions { max_tokens: n + 1, sampling, ..Default::default() };
     let mut best = f64::MAX;
     // The first round warms up.
     for round in 0..=reps.max(1) {
@@ -349,7 +408,7 @@ fn steering_cost(
         for ((steer, capture), best) in variants.iter().zip(&mut best) {
             session.set_steering(*steer)?;
             session.set_capture(*capture)?;
-            *best = best.min(best_decode(session, fill, n.div_ceil(4), 1, c.vocab)?);
+            *best = best.min(best_decode(session, fill, n.div_ceil(4), 1, c.vocab, Sampling::Greedy)?);
         }
     }
     let [plain, steered, captured_one, captured_all] = best;

@@ -95,6 +95,15 @@ struct Args {
     /// MoE layers keep the router's choice on the GPU (no readback).
     #[arg(long)]
     device_routing: bool,
+    /// GPU memory the weights may take (24GiB, 512MiB, 8GB, bytes): a MoE
+    /// model that does not fit keeps its experts in host memory and streams
+    /// them into the GPU slots the rest leaves.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    gpu_memory: Option<u64>,
+    /// GPU slots per MoE layer (at least the router's top-k), instead of
+    /// --gpu-memory: fewer than the experts streams them.
+    #[arg(long, value_name = "N")]
+    expert_slots: Option<usize>,
     /// Add a control vector (llama.cpp GGUF) at strength 1. Repeatable.
     #[arg(long, value_name = "FILE")]
     control_vector: Vec<PathBuf>,
@@ -181,7 +190,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         None => wgspark::fetch::default_model(|p| reporter.report(p))?,
     };
     let load_start = Instant::now();
-    let model = Model::load_with_progress(&dir, &gpu, |p| reporter.report(p))?;
+    let load = wgspark::LoadOptions { gpu_memory: args.gpu_memory, expert_slots: args.expert_slots };
+    let model = Model::load_with(&dir, &gpu, &load, |p| reporter.report(p))?;
     eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
     let tokenizer = match args.prompt_ids {
         // Ids need no tokenizer, but one shows the text where there is one.
@@ -521,8 +531,49 @@ fn with_logits(
     Ok((generated, rows, prefill_secs, decode_start.elapsed().as_secs_f64()))
 }
 
+/// A byte count: a number with an optional unit (B, KB, MB, GB, TB in
+/// powers of 1000; KiB, MiB, GiB, TiB in powers of 1024).
+fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let number: f64 = number.parse().map_err(|_| format!("{text:?} is not a size such as 24GiB"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            ));
+        }
+    };
+    let bytes = number * scale;
+    if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
+        return Err(format!("{text:?} is not a size of at least one byte"));
+    }
+    Ok(bytes as u64)
+}
+
 fn print_stats(stats: &Stats) {
     eprintln!("forward passes: {}", stats.forward_passes);
+    let cache = &stats.expert_cache;
+    if cache.hits + cache.misses > 0 {
+        eprintln!(
+            "expert cache: {} hits, {} misses, {} bytes uploaded ({:.1} % hits, {:.3} ms uploading)",
+            cache.hits,
+            cache.misses,
+            cache.bytes_uploaded,
+            100.0 * cache.hits as f64 / (cache.hits + cache.misses) as f64,
+            cache.upload_time.as_secs_f64() * 1e3
+        );
+    }
     if stats.decode_dispatches > 0 {
         eprintln!("dispatches per token: {}", stats.decode_dispatches);
     }

@@ -104,6 +104,24 @@ impl Gpu {
         Ok(times.into_iter().min().unwrap())
     }
 
+    /// Host-to-device bandwidth in bytes per second: `bytes` (a multiple of
+    /// 4) of host memory written into a device buffer through the queue
+    /// and waited for, best of 3 (the reference for expert uploads).
+    pub fn upload_bandwidth(&self, bytes: u64) -> Result<f64> {
+        let dst = self.storage_buffer_bytes("upload.dst", bytes)?;
+        let host = vec![0x5au8; bytes as usize];
+        let mut best = Duration::MAX;
+        for _ in 0..4 {
+            let start = Instant::now();
+            self.queue.write_buffer(&dst, 0, &host);
+            self.queue.submit([]);
+            self.wait()?;
+            best = best.min(start.elapsed());
+        }
+        self.check("measuring upload bandwidth")?;
+        Ok(bytes as f64 / best.as_secs_f64())
+    }
+
     /// One submission of a `bytes`-byte copy (a multiple of 4), mapped
     /// and read on the host, waited for as routing readbacks are (spinning).
     /// With 4 bytes: the fixed cost of every routing readback; with a

@@ -193,6 +193,29 @@ fn device_type_rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
+/// What to do when a GL device will not open because of its context:
+/// where the driver offers desktop OpenGL, wgpu's GL backend asks EGL for
+/// an OpenGL 3.3 context, and a driver that gives exactly that (NVIDIA's,
+/// headless) leaves out compute shaders, which need OpenGL 4.3 or OpenGL
+/// ES 3.1.
+fn gl_context_hint(backend: wgpu::Backend, driver_info: &str) -> Option<String> {
+    let version: Vec<u32> = driver_info
+        .split_whitespace()
+        .next()?
+        .split('.')
+        .take(2)
+        .map(|n| n.parse().ok())
+        .collect::<Option<_>>()?;
+    let old = backend == wgpu::Backend::Gl && !driver_info.contains("OpenGL ES") && version < vec![4, 3];
+    old.then(|| {
+        format!(
+            "wgpu's GL backend got an OpenGL {driver_info} context, which has no compute shaders \
+             (they need OpenGL 4.3 or OpenGL ES 3.1): use the Vulkan backend on this adapter \
+             (--backend vulkan, WGSPARK_BACKEND=vulkan)"
+        )
+    })
+}
+
 impl Gpu {
     /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter),
     /// with cooperative matrices as `WGSPARK_COOPERATIVE_MATRIX` says.
@@ -252,7 +275,13 @@ impl Gpu {
                 trace: wgpu::Trace::Off,
             })
             .await
-            .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), message: e.to_string() })?;
+            .map_err(|e| {
+                let mut message = e.to_string();
+                if let Some(hint) = gl_context_hint(info.backend, &info.driver_info) {
+                    message.push_str(&format!(" ({hint})"));
+                }
+                Error::RequestDevice { adapter: info.name.clone(), message }
+            })?;
 
         // Validation and out-of-memory errors are collected instead of
         // panicking, and turned into `Error`s at the next checkpoint.
@@ -402,4 +431,20 @@ fn is_software_renderer(name: &str) -> bool {
     ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
         .iter()
         .any(|s| name.contains(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gl_context_hint;
+
+    /// NVIDIA's headless EGL gives wgpu OpenGL 3.3; Mesa gives 4.5, and a
+    /// GLES context names itself.
+    #[test]
+    fn an_opengl_context_without_compute_gets_a_hint() {
+        let hint = gl_context_hint(wgpu::Backend::Gl, "3.3.0 NVIDIA 580.159.04").expect("a hint");
+        assert!(hint.contains("3.3.0 NVIDIA") && hint.contains("--backend vulkan"), "{hint}");
+        assert_eq!(gl_context_hint(wgpu::Backend::Gl, "4.5 (Core Profile) Mesa 22.3.6"), None);
+        assert_eq!(gl_context_hint(wgpu::Backend::Gl, "OpenGL ES 3.2 NVIDIA 580.159.04"), None);
+        assert_eq!(gl_context_hint(wgpu::Backend::Vulkan, "3.3.0"), None);
+    }
 }

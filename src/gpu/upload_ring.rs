@@ -66,18 +66,7 @@ impl UploadRing {
             gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu.poll_error(e))?;
             gpu.alive()?;
         }
-        {
-            let mut view = slot
-                .buffer
-                .slice(..len as u64)
-                .get_mapped_range_mut()
-                .map_err(|e| crate::Error::Gpu(format!("upload staging: {e}")))?;
-            let mut at = 0;
-            for piece in pieces {
-                view.slice(at..at + piece.len()).copy_from_slice(piece);
-                at += piece.len();
-            }
-        }
+        fill_in_parallel(&slot.buffer, pieces)?;
         slot.buffer.unmap();
         slot.mapped.store(false, Ordering::Release);
         slot.recorded = true;
@@ -99,4 +88,45 @@ impl UploadRing {
         }
         gpu.check("uploading experts")
     }
+}
+
+/// Uploads of this size or more are filled by several threads: one core's
+/// copy into mapped (often write-combined) memory runs well below the bus.
+const PARALLEL_FILL_BYTES: usize = 1 << 20;
+
+/// Writes `pieces` one after the other into `buffer` (mapped), by up to 8
+/// threads, each through its own view of a run of whole pieces (views
+/// start on the 8-byte boundaries mapping needs).
+fn fill_in_parallel(buffer: &wgpu::Buffer, pieces: &[&[u8]]) -> Result<()> {
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let share = if total >= PARALLEL_FILL_BYTES { total.div_ceil(threads) } else { total };
+    let mut runs = Vec::new();
+    let (mut first, mut at, mut start) = (0, 0, 0);
+    for (i, piece) in pieces.iter().enumerate() {
+        at += piece.len();
+        if at - start >= share && at % wgpu::MAP_ALIGNMENT as usize == 0 || i + 1 == pieces.len() {
+            runs.push((start, at, &pieces[first..=i]));
+            (first, start) = (i + 1, at);
+        }
+    }
+    let copy = |(start, end, run): (usize, usize, &[&[u8]])| -> Result<()> {
+        let mut view = buffer
+            .slice(start as u64..end as u64)
+            .get_mapped_range_mut()
+            .map_err(|e| crate::Error::Gpu(format!("upload staging: {e}")))?;
+        let mut at = 0;
+        for piece in run {
+            view.slice(at..at + piece.len()).copy_from_slice(piece);
+            at += piece.len();
+        }
+        Ok(())
+    };
+    if runs.len() == 1 {
+        return copy(runs[0]);
+    }
+    std::thread::scope(|scope| {
+        let copies: Vec<_> = runs.into_iter().map(|run| scope.spawn(move || copy(run))).collect();
+        copies.into_iter().map(|c| c.join().expect("a staging copy does not panic")).collect()
+    })
 }

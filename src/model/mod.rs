@@ -372,8 +372,8 @@ impl Model {
     }
 
     /// A model of `config`'s shapes with seeded random bf16 weights (scaled
-    /// by `1/sqrt(fan_in)`), for benchmarks at full size without a
-    /// checkpoint.
+    /// by `1/sqrt(fan_in)`; a MoE layer's experts share one random tensor
+    /// per projection), for benchmarks at full size without a checkpoint.
     pub fn synthetic(config: ModelConfig, gpu: &Gpu, seed: u64) -> Result<Model> {
         Self::synthetic_with(config, gpu, seed, &LoadOptions::default())
     }
@@ -381,7 +381,7 @@ impl Model {
     /// [`Self::synthetic`] with [`LoadOptions`]: random experts stream
     /// from host memory like a checkpoint's.
     pub fn synthetic_with(config: ModelConfig, gpu: &Gpu, seed: u64, options: &LoadOptions) -> Result<Model> {
-        let source: Arc<dyn TensorSource + Send + Sync> = Arc::new(synthetic::RandomWeights { seed });
+        let source: Arc<dyn TensorSource + Send + Sync> = Arc::new(synthetic::RandomWeights::new(seed));
         let slots = expert_slots(gpu, &config, source.as_ref(), config.weight_bytes(), options)?;
         let kernels = Kernels::new(gpu)?;
         let (weights, streamed) = upload(gpu, &config, source.as_ref(), slots, &mut |_| {})?;

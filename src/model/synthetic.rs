@@ -1,16 +1,35 @@
 //! Random weights of any shape, generated as they are uploaded: full-size
-//! benchmark models without a checkpoint on disk.
+//! benchmark models without a checkpoint on disk. The routed experts of
+//! every layer share one random tensor per projection, generated once and
+//! kept in host memory: a streamed model then copies experts from memory,
+//! as it would from a checkpoint in the page cache, without the host
+//! holding a whole model's experts (their values do not change the speed,
+//! and routing stays random since the routers are).
 
 use std::borrow::Cow;
+use std::sync::OnceLock;
 
 use super::weights::TensorSource;
 use crate::error::Result;
 
 pub struct RandomWeights {
     pub seed: u64,
+    /// The experts' gate, up and down tensors.
+    experts: [OnceLock<Vec<u8>>; 3],
 }
 
 impl RandomWeights {
+    pub fn new(seed: u64) -> Self {
+        RandomWeights { seed, experts: Default::default() }
+    }
+
+    /// Which shared expert tensor `name` is, if it is one.
+    fn expert_kind(name: &str) -> Option<usize> {
+        let (_, which) = name.split_once(".experts.")?;
+        let kind = which.rsplit('.').nth(1)?;
+        ["gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"].iter().position(|k| *k == kind).map(|i| i % 3)
+    }
+
     fn stream(&self, name: &str) -> u64 {
         // FNV-1a of the name: every tensor gets its own stream.
         let hash =
@@ -30,6 +49,22 @@ impl TensorSource for RandomWeights {
     }
 
     fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+        if let Some(kind) = Self::expert_kind(name) {
+            let shared = self.experts[kind].get_or_init(|| self.generate(name, shape));
+            return Ok(Cow::Borrowed(shared));
+        }
+        Ok(Cow::Owned(self.generate(name, shape)))
+    }
+
+    fn f32_values(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let bytes = self.stored_bytes(name, &[len])?;
+        Ok(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect())
+    }
+}
+
+impl RandomWeights {
+    /// `shape`'s values for `name`, as bf16 bytes.
+    fn generate(&self, name: &str, shape: &[usize]) -> Vec<u8> {
         let n: usize = shape.iter().product();
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         // 1-D tensors are norm weights, around 1, or a router's bias, around
@@ -57,11 +92,6 @@ impl TensorSource for RandomWeights {
                 });
             }
         });
-        Ok(Cow::Owned(bytes))
-    }
-
-    fn f32_values(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        let bytes = self.stored_bytes(name, &[len])?;
-        Ok(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect())
+        bytes
     }
 }
