@@ -95,9 +95,11 @@ impl Weights {
             .iter()
             .map(|l| match &l.ffn {
                 FfnWeights::Moe(m) => {
-                    let experts = m.router.rows as u64;
+                    // Experts (or slots, when they stream) held: `down` is
+                    // `[held * hidden, intermediate]`.
+                    let held = (m.down.rows / m.router.cols.max(1)).max(1) as u64;
                     l.bytes() - m.gate_up.bytes() - m.down.bytes()
-                        + (m.gate_up.bytes() + m.down.bytes()) * top_k as u64 / experts
+                        + (m.gate_up.bytes() + m.down.bytes()) * top_k as u64 / held
                 }
                 FfnWeights::Dense { .. } => l.bytes(),
             })
