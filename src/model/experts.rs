@@ -227,11 +227,14 @@ impl ExpertStreaming {
             // Least recently used; slots placed for this dispatch were just
             // marked `now`, so they are never chosen.
             let victim = (0..self.slots).min_by_key(|&s| table.last_used[s]).expect("at least one slot");
-            table.expert[victim] = Some(x);
+            // Empty until the upload is recorded: a failed one leaves no
+            // stale expert behind.
+            table.expert[victim] = None;
             table.last_used[victim] = now;
+            served.bytes_uploaded += self.upload(gpu, ring, streamed, (gate_up, down), x, victim)?;
+            table.expert[victim] = Some(x);
             slots[k] = Some(victim);
             served.misses += 1;
-            served.bytes_uploaded += self.upload(gpu, ring, streamed, (gate_up, down), x, victim)?;
         }
         ring.submit(gpu)?;
         if served.misses > 0 {
