@@ -1,8 +1,8 @@
 //! Host-to-device uploads through a fixed ring of mapped staging buffers:
 //! the host fills a buffer while it is mapped, a copy command moves it to
 //! its destination, and the buffer is mapped again once the GPU has run
-//! the copy. The footprint is the ring, whatever is uploaded; nothing is
-//! allocated per upload.
+//! the copy. The footprint is the ring, whatever is uploaded: no staging
+//! memory is allocated per upload.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,9 +13,7 @@ use crate::error::Result;
 #[derive(Debug)]
 struct Slot {
     buffer: wgpu::Buffer,
-    /// Filled, its copy recorded in the batch not yet submitted.
-    recorded: bool,
-    /// Mapped: free to fill (after a submission, once the GPU ran the copy).
+    /// Mapped: free to fill (after its copy ran on the GPU).
     mapped: Arc<AtomicBool>,
 }
 
@@ -23,8 +21,6 @@ struct Slot {
 pub struct UploadRing {
     slots: Vec<Slot>,
     next: usize,
-    /// The copies recorded since the last submission.
-    batch: Option<wgpu::CommandEncoder>,
 }
 
 impl UploadRing {
@@ -38,11 +34,10 @@ impl UploadRing {
                     usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
                     mapped_at_creation: true,
                 }),
-                recorded: false,
                 mapped: Arc::new(AtomicBool::new(true)),
             })
             .collect();
-        UploadRing { slots, next: 0, batch: None }
+        UploadRing { slots, next: 0 }
     }
 
     /// Host memory the ring holds.
@@ -52,16 +47,12 @@ impl UploadRing {
 
     /// Copies `pieces`, one after the other, to `dst` at `offset` (their
     /// total and the offset multiples of 4, the total at most the ring's
-    /// buffer size). The copy runs with the next [`Self::submit`], before
-    /// anything submitted after it.
+    /// buffer size), submitted at once: the bus carries it while the next
+    /// one is filled, and it runs before anything submitted after it.
     pub fn upload(&mut self, gpu: &Gpu, dst: &wgpu::Buffer, offset: u64, pieces: &[&[u8]]) -> Result<()> {
         let len: usize = pieces.iter().map(|p| p.len()).sum();
-        let i = self.next;
+        let slot = &self.slots[self.next];
         self.next = (self.next + 1) % self.slots.len();
-        if self.slots[i].recorded {
-            self.submit(gpu)?;
-        }
-        let slot = &mut self.slots[i];
         while !slot.mapped.load(Ordering::Acquire) {
             gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu.poll_error(e))?;
             gpu.alive()?;
@@ -69,38 +60,27 @@ impl UploadRing {
         fill_in_parallel(&slot.buffer, pieces)?;
         slot.buffer.unmap();
         slot.mapped.store(false, Ordering::Release);
-        slot.recorded = true;
-        let encoder =
-            self.batch.get_or_insert_with(|| gpu.device.create_command_encoder(&Default::default()));
+        let mut encoder = gpu.device.create_command_encoder(&Default::default());
         encoder.copy_buffer_to_buffer(&slot.buffer, 0, dst, offset, len as u64);
-        Ok(())
-    }
-
-    /// Submits the recorded copies and asks for their buffers back.
-    pub fn submit(&mut self, gpu: &Gpu) -> Result<()> {
-        let Some(encoder) = self.batch.take() else { return Ok(()) };
         gpu.queue.submit([encoder.finish()]);
-        for slot in self.slots.iter_mut().filter(|s| s.recorded) {
-            let mapped = slot.mapped.clone();
-            slot.buffer
-                .map_async(wgpu::MapMode::Write, .., move |r| mapped.store(r.is_ok(), Ordering::Release));
-            slot.recorded = false;
-        }
+        let mapped = slot.mapped.clone();
+        slot.buffer.map_async(wgpu::MapMode::Write, .., move |r| mapped.store(r.is_ok(), Ordering::Release));
         gpu.check("uploading experts")
     }
 }
 
-/// Uploads of this size or more are filled by several threads: one core's
-/// copy into mapped (often write-combined) memory runs well below the bus.
-const PARALLEL_FILL_BYTES: usize = 1 << 20;
+/// Bytes one thread fills: one core's copy into mapped (often
+/// write-combined) memory runs well below the bus, and a thread costs a
+/// spawn.
+const BYTES_PER_FILL_THREAD: usize = 1 << 20;
 
 /// Writes `pieces` one after the other into `buffer` (mapped), by up to 8
 /// threads, each through its own view of a run of whole pieces (views
 /// start on the 8-byte boundaries mapping needs).
 fn fill_in_parallel(buffer: &wgpu::Buffer, pieces: &[&[u8]]) -> Result<()> {
     let total: usize = pieces.iter().map(|p| p.len()).sum();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-    let share = if total >= PARALLEL_FILL_BYTES { total.div_ceil(threads) } else { total };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let share = total.div_ceil(total.div_ceil(BYTES_PER_FILL_THREAD).clamp(1, cores));
     let mut runs = Vec::new();
     let (mut first, mut at, mut start) = (0, 0, 0);
     for (i, piece) in pieces.iter().enumerate() {

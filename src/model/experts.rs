@@ -189,7 +189,7 @@ impl ExpertStreaming {
                 self.upload(gpu, &mut cache.ring, streamed, (&moe.gate_up, &moe.down), slot, slot)?;
             }
         }
-        cache.ring.submit(gpu)
+        Ok(())
     }
 
     /// Puts `needed` (distinct experts of `layer`, at most [`Self::slots`])
@@ -236,7 +236,6 @@ impl ExpertStreaming {
             slots[k] = Some(victim);
             served.misses += 1;
         }
-        ring.submit(gpu)?;
         if served.misses > 0 {
             served.upload_time = start.elapsed();
         }
