@@ -92,7 +92,7 @@ fn gpu_memory_budgets_become_expert_slots() {
                 |_| {},
             )
         };
-        let minimum = match load(1).err().expect("a budget of one byte") {
+        let minimum = match load(1).expect_err("a budget of one byte") {
             Error::OutOfDeviceMemory { needed_bytes: Some(n), ref message, .. } => {
                 assert!(message.contains("--gpu-memory"), "{case}: {message}");
                 n
@@ -102,7 +102,7 @@ fn gpu_memory_budgets_become_expert_slots() {
         let model = load(minimum).unwrap();
         let top_k = model.config.moe.as_ref().unwrap().top_k;
         assert_eq!(model.experts.as_ref().map(|e| e.slots), Some(top_k), "{case}");
-        let err = load(minimum - 1).err().expect("a byte short");
+        let err = load(minimum - 1).expect_err("a byte short");
         assert!(
             matches!(err, Error::OutOfDeviceMemory { needed_bytes: Some(n), .. } if n == minimum),
             "{case}"
@@ -119,18 +119,17 @@ fn streaming_modes_that_cannot_work_are_errors() {
     let slots = |n| {
         Model::load_with(&dir, &gpu, &LoadOptions { expert_slots: Some(n), ..Default::default() }, |_| {})
     };
-    let err = slots(1).err().expect("fewer slots than top-k");
+    let err = slots(1).expect_err("fewer slots than top-k");
     assert!(matches!(err, Error::Unsupported { .. }) && err.to_string().contains("top-k"), "{err}");
     let model = slots(2).unwrap();
     let device = SessionOptions { routing: RoutingMode::DeviceResident, ..Default::default() };
-    let err = model.session(&device).err().expect("device-resident routing needs every expert");
+    let Err(err) = model.session(&device) else { panic!("device-resident routing needs every expert") };
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
     // A dense model has nothing to stream.
     let dense = fixture_dir("llama_untied");
     let err =
         Model::load_with(&dense, &gpu, &LoadOptions { expert_slots: Some(2), ..Default::default() }, |_| {})
-            .err()
-            .expect("no experts");
+            .expect_err("no experts");
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
 }
 

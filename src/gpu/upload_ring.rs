@@ -107,6 +107,6 @@ fn fill_in_parallel(buffer: &wgpu::Buffer, pieces: &[&[u8]]) -> Result<()> {
     }
     std::thread::scope(|scope| {
         let copies: Vec<_> = runs.into_iter().map(|run| scope.spawn(move || copy(run))).collect();
-        copies.into_iter().map(|c| c.join().expect("a staging copy does not panic")).collect()
+        copies.into_iter().try_for_each(|c| c.join().expect("a staging copy does not panic"))
     })
 }

@@ -363,15 +363,25 @@ fn compile(
     let checks =
         wgpu::ShaderRuntimeChecks { force_loop_bounding: false, ..wgpu::ShaderRuntimeChecks::checked() };
     let module = unsafe { gpu.device.create_shader_module_trusted(desc, checks) };
+    let options = wgpu::PipelineCompilationOptions { constants, zero_initialize_workgroup_memory: false };
+    create_pipeline(gpu, (name, entry), &module, None, options)
+}
+
+/// The pipeline of `entry` in `module` (`layout`: the module's own when
+/// `None`), failing with the GPU's complaint.
+fn create_pipeline(
+    gpu: &Gpu,
+    (name, entry): (&str, &str),
+    module: &wgpu::ShaderModule,
+    layout: Option<&wgpu::PipelineLayout>,
+    compilation_options: wgpu::PipelineCompilationOptions<'_>,
+) -> Result<wgpu::ComputePipeline> {
     let pipeline = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(name),
-        layout: None,
-        module: &module,
+        layout,
+        module,
         entry_point: Some(entry),
-        compilation_options: wgpu::PipelineCompilationOptions {
-            constants,
-            zero_initialize_workgroup_memory: false,
-        },
+        compilation_options,
         cache: None,
     });
     gpu.check(&format!("compiling kernel {name}:{entry}"))?;
@@ -410,16 +420,7 @@ fn compile_spirv(
     // SAFETY: the words are naga's translation of a module that naga
     // validated, changed only in memory-access masks and barrier semantics.
     let module = unsafe { gpu.device.create_shader_module_passthrough(desc) };
-    let pipeline = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some(name),
-        layout: Some(&layout),
-        module: &module,
-        entry_point: Some(entry),
-        compilation_options: wgpu::PipelineCompilationOptions::default(),
-        cache: None,
-    });
-    gpu.check(&format!("compiling kernel {name}:{entry}"))?;
-    Ok(pipeline)
+    create_pipeline(gpu, (name, entry), &module, Some(&layout), Default::default())
 }
 
 /// All kernels of the layer flow, created once per model; specialisations
