@@ -153,16 +153,23 @@ fn suggest_streaming(e: Error, c: &ModelConfig) -> Error {
     }
 }
 
-/// GPU slots per MoE layer when experts stream (`None`: every weight is
+/// How a MoE model's experts stream: GPU slots per MoE layer and, per
+/// layer, where its experts are (`None` for dense layers).
+struct StreamingPlan {
+    slots: usize,
+    layers: Vec<Option<StreamedLayer>>,
+}
+
+/// The streaming a model's options ask for (`None`: every weight is
 /// resident), after checking what is placed against the device's budget.
-fn expert_slots(
+fn plan_streaming(
     gpu: &Gpu,
     c: &ModelConfig,
     source: &dyn TensorSource,
     total_bytes: u64,
     options: &LoadOptions,
-) -> Result<Option<usize>> {
-    let resident_only = |bytes: u64| -> Result<Option<usize>> {
+) -> Result<Option<StreamingPlan>> {
+    let resident_only = |bytes: u64| -> Result<Option<StreamingPlan>> {
         if let Some(budget) = options.gpu_memory.filter(|&b| bytes > b) {
             return Err(Error::OutOfDeviceMemory {
                 what: "model weights".into(),
@@ -182,10 +189,10 @@ fn expert_slots(
     let Some(moe) = c.moe.as_ref().filter(|_| !options.streams_nothing()) else {
         return resident_only(total_bytes);
     };
-    let per_slot: u64 = (0..c.layers)
-        .filter(|&l| moe.sparse_layers[l])
-        .map(|l| streamed_layer(c, moe, source, l).map(|s| s.expert_bytes(c.hidden, moe.intermediate)))
-        .sum::<Result<u64>>()?;
+    let layers = (0..c.layers)
+        .map(|l| moe.sparse_layers[l].then(|| streamed_layer(c, moe, source, l)).transpose())
+        .collect::<Result<Vec<_>>>()?;
+    let per_slot: u64 = layers.iter().flatten().map(|s| s.expert_bytes(c.hidden, moe.intermediate)).sum();
     let resident = total_bytes.saturating_sub(moe.experts as u64 * per_slot);
     let slots = match (options.expert_slots, options.gpu_memory) {
         (Some(n), _) if n < moe.top_k => {
@@ -202,7 +209,7 @@ fn expert_slots(
         return resident_only(total_bytes);
     }
     gpu.check_budget("resident weights and expert slots", resident + slots as u64 * per_slot)?;
-    Ok(Some(slots))
+    Ok(Some(StreamingPlan { slots, layers }))
 }
 
 /// Where layer `layer`'s experts are and their formats, which a streamed
@@ -328,27 +335,38 @@ impl Model {
                     (config, Arc::new(checkpoint), bytes, dir.to_path_buf())
                 }
             };
-        let slots = expert_slots(gpu, &config, checkpoint.as_ref(), bytes, options)?;
+        let what = format!("loading {}", dir.display());
+        let mut model = Self::place(config, gpu, checkpoint, bytes, options, (&what, &mut progress))?;
+        model.tokenizer_source = Some(tokenizer_source);
+        Ok(model)
+    }
+
+    /// The model of `config` with weights from `source` (`bytes` of them),
+    /// resident or with experts streamed as `options` ask; the upload is
+    /// reported to `progress` as `what`.
+    fn place(
+        config: ModelConfig,
+        gpu: &Gpu,
+        source: Arc<dyn TensorSource + Send + Sync>,
+        bytes: u64,
+        options: &LoadOptions,
+        (what, progress): (&str, &mut dyn FnMut(Progress<'_>)),
+    ) -> Result<Model> {
+        let streaming = plan_streaming(gpu, &config, source.as_ref(), bytes, options)?;
         let kernels = Kernels::new(gpu)?;
-        progress(Progress::Begin { what: &format!("loading {}", dir.display()), total_bytes: Some(bytes) });
-        let (weights, streamed) = upload(gpu, &config, checkpoint.as_ref(), slots, &mut progress)?;
-        let experts = match (slots, &config.moe) {
-            (Some(slots), Some(moe)) => {
-                let streaming = ExpertStreaming::new(gpu, checkpoint, moe, (config.hidden, slots), streamed);
-                streaming.fill_slots(gpu, &weights)?;
-                Some(streaming)
+        progress(Progress::Begin { what, total_bytes: Some(bytes) });
+        let weights = upload(gpu, &config, source.as_ref(), streaming.as_ref(), progress)?;
+        let experts = match (streaming, &config.moe) {
+            (Some(plan), Some(moe)) => {
+                let experts =
+                    ExpertStreaming::new(gpu, source, moe, (config.hidden, plan.slots), plan.layers);
+                experts.fill_slots(gpu, &weights)?;
+                Some(experts)
             }
             _ => None,
         };
         progress(Progress::End);
-        Ok(Model {
-            config,
-            gpu: gpu.clone(),
-            weights,
-            kernels,
-            experts,
-            tokenizer_source: Some(tokenizer_source),
-        })
+        Ok(Model { config, gpu: gpu.clone(), weights, kernels, experts, tokenizer_source: None })
     }
 
     /// The chat template the model's files carry: a GGUF's
@@ -383,32 +401,21 @@ impl Model {
     /// [`Self::synthetic`] with [`LoadOptions`]: random experts stream
     /// from host memory like a checkpoint's.
     pub fn synthetic_with(config: ModelConfig, gpu: &Gpu, seed: u64, options: &LoadOptions) -> Result<Model> {
-        let source: Arc<dyn TensorSource + Send + Sync> = Arc::new(synthetic::RandomWeights::new(seed));
-        let slots = expert_slots(gpu, &config, source.as_ref(), config.weight_bytes(), options)?;
-        let kernels = Kernels::new(gpu)?;
-        let (weights, streamed) = upload(gpu, &config, source.as_ref(), slots, &mut |_| {})?;
-        let experts = match (slots, &config.moe) {
-            (Some(slots), Some(moe)) => {
-                let streaming = ExpertStreaming::new(gpu, source, moe, (config.hidden, slots), streamed);
-                streaming.fill_slots(gpu, &weights)?;
-                Some(streaming)
-            }
-            _ => None,
-        };
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels, experts, tokenizer_source: None })
+        let source = Arc::new(synthetic::RandomWeights::new(seed));
+        let bytes = config.weight_bytes();
+        Self::place(config, gpu, source, bytes, options, ("random weights", &mut |_| {}))
     }
 }
 
-/// Uploads the weights; with `slots`, a MoE layer's experts get that many
-/// empty slots instead, and where they are comes back per layer.
+/// Uploads the weights; with a streaming plan, a streamed layer's experts
+/// get the plan's number of empty slots instead.
 fn upload(
     gpu: &Gpu,
     c: &ModelConfig,
     checkpoint: &dyn TensorSource,
-    slots: Option<usize>,
+    streaming: Option<&StreamingPlan>,
     progress: &mut dyn FnMut(Progress<'_>),
-) -> Result<(Weights, Vec<Option<StreamedLayer>>)> {
-    let mut streamed = Vec::with_capacity(c.layers);
+) -> Result<Weights> {
     let mut up = Uploader::new(gpu, checkpoint, progress);
     let (hidden, heads) = (c.hidden, c.heads);
     let q_rows = heads.q * heads.dim;
@@ -434,7 +441,6 @@ fn upload(
                 Some(up.norm(&name("self_attn.k_norm.weight"), kv_rows)?),
             ),
         };
-        let mut streamed_here = None;
         layers.push(LayerWeights {
             attn_norm: up.norm(&name("input_layernorm.weight"), hidden)?,
             qkv: up.stack(
@@ -448,15 +454,13 @@ fn upload(
             o_proj: up.matrix(&name("self_attn.o_proj.weight"), hidden, q_rows)?,
             ffn_norm: up.norm(&name("post_attention_layernorm.weight"), hidden)?,
             ffn: match &c.moe {
-                Some(moe) if moe.sparse_layers[i] => match slots {
-                    Some(slots) => {
-                        let layer = streamed_layer(c, moe, checkpoint, i)?;
-                        let weights = moe_slots(&mut up, gpu, c, moe, i, slots, &layer)?;
-                        streamed_here = Some(layer);
-                        FfnWeights::Moe(weights)
+                Some(moe) if moe.sparse_layers[i] => FfnWeights::Moe(match streaming {
+                    Some(plan) => {
+                        let layer = plan.layers[i].as_ref().expect("the plan has every MoE layer");
+                        moe_slots(&mut up, gpu, c, moe, i, plan.slots, layer)?
                     }
-                    None => FfnWeights::Moe(upload_moe(&mut up, c, moe, i)?),
-                },
+                    None => upload_moe(&mut up, c, moe, i)?,
+                }),
                 _ => FfnWeights::Dense {
                     gate_up: up.gate_up(
                         &name("mlp.gate_up"),
@@ -471,12 +475,11 @@ fn upload(
                 },
             },
         });
-        streamed.push(streamed_here);
     }
     let final_norm = up.norm("model.norm.weight", hidden)?;
     let lm_head = if c.tie_embeddings { None } else { Some(up.matrix("lm_head.weight", c.vocab, hidden)?) };
     up.flush()?;
-    Ok((Weights { embed, layers, final_norm, lm_head }, streamed))
+    Ok(Weights { embed, layers, final_norm, lm_head })
 }
 
 /// A streamed MoE layer: its router (resident) and `slots` empty expert
