@@ -12,7 +12,7 @@ use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuTensor};
-use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Embed, Gemm, Gemv};
 
@@ -128,23 +128,30 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(11);
         let one_per_invocation =
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true };
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: false };
         let gpu_shape = GemvShape::for_gpu(gpu);
         for shape in [
             one_per_invocation,
             GemvShape { units: false, ..one_per_invocation },
-            gpu_shape,
-            GemvShape { units: false, ..gpu_shape },
+            GemvShape { int8: true, ..one_per_invocation },
+            GemvShape { int8: false, ..gpu_shape },
+            GemvShape { units: false, int8: false, ..gpu_shape },
+            GemvShape { int8: true, ..gpu_shape },
         ] {
             let gemv = Gemv::with_shape(gpu, shape);
             for c in cases() {
                 let (rows, cols, tokens) = (c.rows, c.cols, 2);
                 let what = format!("{} {shape:?}", c.format);
                 let weight = upload(gpu, &c);
+                // The activations as the kernel multiplies them.
+                let int8 = shape.int8 && has_int8_units(c.format);
+                let staged = |x: &[f32]| if int8 { reference::int8_activations(x) } else { x.to_vec() };
                 let x = rng.vec(tokens * cols, 1.0);
                 let xb = gpu.storage_buffer_init("x", &x);
                 let products: Vec<f32> = (0..tokens)
-                    .flat_map(|t| reference::gemv(&c.values, rows, cols, &x[t * cols..(t + 1) * cols]))
+                    .flat_map(|t| {
+                        reference::gemv(&c.values, rows, cols, &staged(&x[t * cols..(t + 1) * cols]))
+                    })
                     .collect();
                 let tol = 1e-5 * (cols as f32).sqrt();
 
@@ -181,13 +188,124 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
                 let want: Vec<f32> = (0..tokens)
                     .flat_map(|t| {
                         let h = reference::rms_norm(&x[t * cols..(t + 1) * cols], &norm, 1e-5);
-                        let p = reference::gemv(&c.values, rows, cols, &h);
+                        let p = reference::gemv(&c.values, rows, cols, &staged(&h));
                         p.chunks_exact(2).map(|gu| reference::silu(gu[0]) * gu[1]).collect::<Vec<f32>>()
                     })
                     .collect();
                 let got = gpu.read_buffer(&yb, tokens * (rows / 2)).unwrap();
                 // A product of two dot products: their relative errors add.
                 assert_close(&got, &want, 2.0 * tol, &format!("{what} norm swiglu"));
+            }
+        }
+    });
+}
+
+/// Random blocks of `format` whose f16 scales are small and finite.
+fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) -> Vec<u8> {
+    use WeightFormat::*;
+    let scales: &[usize] = match format {
+        Q8_0 | Q4_0 | Q5_0 => &[0],
+        Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
+        Q6K => &[208],
+        other => panic!("no scale offsets for {other}"),
+    };
+    let block = format.file_block_bytes();
+    let mut bytes: Vec<u8> = (0..format.file_row_bytes(cols) * rows).map(|_| rng.next_u32() as u8).collect();
+    for b in bytes.chunks_exact_mut(block) {
+        for &at in scales {
+            let v = half::f16::from_f32(0.02 * rng.uniform());
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// The byte-activation GEMV stages x in chunks of 8192: rows wider than
+/// one chunk, ending mid-chunk, in every format it reads, plain, normed
+/// (the norm's sum of squares over every chunk) and summed over experts.
+#[test]
+fn int8_gemv_spans_chunks_of_the_activations() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(12);
+        let (rows, cols, tokens) = (6, 8192 + 2048 + 256, 2);
+        for shape in [
+            GemvShape::for_gpu(gpu),
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: true },
+        ] {
+            let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
+            for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
+                let what = format!("{format} {shape:?}");
+                let bytes = random_blocks(&mut rng, format, rows, cols);
+                let values = format.dequantize(&bytes, cols);
+                let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
+                weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+                let x = rng.vec(tokens * cols, 1.0);
+                let xb = gpu.storage_buffer_init("x", &x);
+                let tol = 1e-5 * (cols as f32).sqrt();
+
+                let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+                run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);
+                let want: Vec<f32> = x
+                    .chunks_exact(cols)
+                    .flat_map(|x| reference::gemv(&values, rows, cols, &reference::int8_activations(x)))
+                    .collect();
+                assert_close(&gpu.read_buffer(&yb, tokens * rows).unwrap(), &want, tol, &what);
+
+                let norm: Vec<f32> = common::bf16_round(&rng.vec(cols, 1.0));
+                let norm_t = GpuTensor::vector_f32(gpu, "norm", &norm).unwrap();
+                let spec = GemvSpec {
+                    input: Input::RmsNorm { weight: &norm_t, eps: 1e-5 },
+                    ..GemvSpec::plain(&weight, &xb, &yb)
+                };
+                run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
+                let want: Vec<f32> = x
+                    .chunks_exact(cols)
+                    .flat_map(|x| {
+                        let h = reference::rms_norm(x, &norm, 1e-5);
+                        reference::gemv(&values, rows, cols, &reference::int8_activations(&h))
+                    })
+                    .collect();
+                assert_close(
+                    &gpu.read_buffer(&yb, tokens * rows).unwrap(),
+                    &want,
+                    tol,
+                    &format!("{what} norm"),
+                );
+
+                // Experts of 2 rows: token t's slots are experts 2 and 0,
+                // weighted 0.75 and 0.25, each slot with its own input.
+                let (top_k, expert_rows) = (2, 2);
+                let ids = gpu.storage_buffer_init("ids", &[2u32, 0, 2, 0]);
+                let route = gpu.storage_buffer_init("route", &[0.75f32, 0.25, 0.75, 0.25]);
+                let slots_x = rng.vec(tokens * top_k * cols, 1.0);
+                let slots_xb = gpu.storage_buffer_init("x", &slots_x);
+                let residual = rng.vec(tokens * expert_rows, 1.0);
+                let yb = gpu.storage_buffer_init("y", &residual);
+                let spec = GemvSpec {
+                    output: Output::Add(LayerOutput::default()),
+                    rows: Rows::Sum { ids: &ids, weights: &route, top_k, expert_rows },
+                    ..GemvSpec::plain(&weight, &slots_xb, &yb)
+                };
+                run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
+                let expert = |e: usize, x: &[f32]| {
+                    let rows_e = &values[e * expert_rows * cols..(e + 1) * expert_rows * cols];
+                    reference::gemv(rows_e, expert_rows, cols, &reference::int8_activations(x))
+                };
+                let want: Vec<f32> = (0..tokens)
+                    .flat_map(|t| {
+                        let slot = |j: usize| &slots_x[(t * top_k + j) * cols..(t * top_k + j + 1) * cols];
+                        let (a, b) = (expert(2, slot(0)), expert(0, slot(1)));
+                        (0..expert_rows)
+                            .map(|o| residual[t * expert_rows + o] + 0.75 * a[o] + 0.25 * b[o])
+                            .collect::<Vec<f32>>()
+                    })
+                    .collect();
+                assert_close(
+                    &gpu.read_buffer(&yb, tokens * expert_rows).unwrap(),
+                    &want,
+                    tol,
+                    &format!("{what} experts"),
+                );
             }
         }
     });

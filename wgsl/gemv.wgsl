@@ -67,10 +67,170 @@ fn weight_word(i: u32) -> u32 {
 // (each load of x serves both rows), x multiplied by norm_w with NORM, and
 // of x . x in .z.
 #if WEIGHT_FORMAT
-#if UNIT_DOTS
 fn weight_quad(q: u32) -> vec4<u32> {
     return weight[q];
 }
+
+#if INT8_DOTS
+// x, a chunk of X_CHUNK elements at a time, staged by the whole workgroup:
+// each block of 32 elements (times norm_w with NORM) rounded to steps of
+// s = max |x| / (63 * 2^16), as three signed bytes h, m, l of 256^2 h +
+// 256 m + l, so that the rows' quants meet x on the integer dot units.
+// The error is at most 2^-23 of the block's largest element (f32: 2^-24
+// of each element; two bytes gave errors of 1e-3 in the fixtures' logits).
+const X_CHUNK: u32 = 4096u;
+// Run r (16 elements) of the chunk: its bytes h, m, l.
+var<workgroup> x_high: array<vec4<u32>, 256>;
+var<workgroup> x_mid: array<vec4<u32>, 256>;
+var<workgroup> x_low: array<vec4<u32>, 256>;
+// s of each block of 32, and the sum of each run of the values staged.
+var<workgroup> x_scale: array<f32, 128>;
+var<workgroup> x_sums: array<f32, 256>;
+
+fn x_run16(q: vec4<u32>, r: u32) -> f32 {
+    let h = x_high[r];
+    let m = x_mid[r];
+    let l = x_low[r];
+    let high = dot4I8Packed(q.x, h.x) + dot4I8Packed(q.y, h.y) + dot4I8Packed(q.z, h.z) + dot4I8Packed(q.w, h.w);
+    let mid = dot4I8Packed(q.x, m.x) + dot4I8Packed(q.y, m.y) + dot4I8Packed(q.z, m.z) + dot4I8Packed(q.w, m.w);
+    let low = dot4I8Packed(q.x, l.x) + dot4I8Packed(q.y, l.y) + dot4I8Packed(q.z, l.z) + dot4I8Packed(q.w, l.w);
+    // 256 mid + low is at most 16 * 127 * 32768 in magnitude: exact in i32.
+    return x_scale[r / 2u] * (f32(high) * 65536.0 + f32(256 * mid + low));
+}
+
+fn x_sum16(r: u32) -> f32 {
+    return x_sums[r];
+}
+
+// 1.5 * 2^23: the bits of v + ROUNDER less those of ROUNDER are v rounded
+// to an integer (|v| < 2^22), read as integers: rounding without a
+// float-to-integer conversion (a quarter of the float rate on NVIDIA), and
+// without a float subtraction that a compiler may fold into v.
+const ROUNDER: f32 = 12582912.0;
+
+// The lowest base-256 digit of n in -128 .. 127 (n less it is a multiple of 256).
+fn balanced_digit(n: vec4<i32>) -> vec4<i32> {
+    return ((n + vec4<i32>(128)) & vec4<i32>(255)) - vec4<i32>(128);
+}
+
+// Bytes b0 .. b3 (low 8 bits of each) as one word.
+fn pack_bytes(b: vec4<i32>) -> u32 {
+    let u = bitcast<vec4<u32>>(b) & vec4<u32>(0xffu);
+    return u.x | (u.y << 8u) | (u.z << 16u) | (u.w << 24u);
+}
+
+// Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
+// first quad is xq; returns this invocation's share of their sum of
+// squares (before norm_w). Every invocation calls it (between barriers).
+fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
+    var squares = 0.0;
+    for (var block = li; block < n / 32u; block += WG) {
+        let q0 = (c0 + 32u * block) / 4u;
+        var v: array<vec4<f32>, 8>;
+        var largest = 0.0;
+        var total = 0.0;
+        for (var k = 0u; k < 8u; k++) {
+            var a = x[xq + q0 + k];
+#if NORM
+            squares += dot(a, a);
+            a *= norm_w[q0 + k];
+#endif
+            v[k] = a;
+            let m = abs(a);
+            largest = max(largest, max(max(m.x, m.y), max(m.z, m.w)));
+            total += m.x + m.y + m.z + m.w;
+        }
+        // Each value as n steps, n = 65536 h + 256 m + l in balanced digits
+        // (each in -128 .. 127).
+        let inv = select(0.0, 63.0 * 65536.0 / largest, largest > 0.0);
+        var sums = vec2<i32>(0);
+        for (var k = 0u; k < 8u; k++) {
+            let n = bitcast<vec4<i32>>(v[k] * inv + ROUNDER) - vec4<i32>(0x4b400000);
+            let l = balanced_digit(n);
+            let n1 = (n - l) >> vec4<u32>(8u);
+            let m = balanced_digit(n1);
+            let run = 2u * block + k / 4u;
+            x_high[run][k % 4u] = pack_bytes((n1 - m) >> vec4<u32>(8u));
+            x_mid[run][k % 4u] = pack_bytes(m);
+            x_low[run][k % 4u] = pack_bytes(l);
+            sums[k / 4u] += n.x + n.y + n.z + n.w;
+        }
+        // A NaN or infinity anywhere in the block (which max may pass over)
+        // makes its scale NaN, so that it reaches every product.
+        let finite = (bitcast<u32>(total) & 0x7f800000u) != 0x7f800000u;
+        let scale = select(bitcast<f32>(0x7fc00000u), largest / (63.0 * 65536.0), finite);
+        x_scale[block] = scale;
+        x_sums[2u * block] = f32(sums.x) * scale;
+        x_sums[2u * block + 1u] = f32(sums.y) * scale;
+    }
+    return squares;
+}
+
+// This lane's share of the two rows' dots with chunk c0 .. c0 + n of x.
+fn chunk_dots(row: u32, row_b: u32, lane: u32, c0: u32, n: u32) -> vec2<f32> {
+    var r = vec2<f32>(0.0);
+    let words_per_row = row_words(p.cols);
+    let wa = row * words_per_row;
+    let wb = row_b * words_per_row;
+    let end = (c0 + n) / UNIT_ELEMS;
+    for (var u0 = c0 / UNIT_ELEMS + lane; u0 < end; u0 += THREADS_PER_ROW * UNROLL) {
+      for (var i = 0u; i < UNROLL; i++) {
+        let u = u0 + i * THREADS_PER_ROW;
+        if (u >= end) {
+            break;
+        }
+        r += unit_dots(wa, wb, u, c0 / 16u);
+      }
+    }
+    return r;
+}
+
+#if NORM
+var<workgroup> squares_partial: array<f32, WG>;
+#endif
+
+// The sum over the workgroup of every invocation's v (all call it).
+fn workgroup_sum(v: f32, li: u32) -> f32 {
+#if NORM
+    squares_partial[li] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            squares_partial[li] += squares_partial[li + s];
+        }
+        workgroupBarrier();
+    }
+    let total = squares_partial[0];
+    workgroupBarrier();
+    return total;
+#else
+    return v;
+#endif
+}
+
+// pair_dots over x staged chunk by chunk; .z is the whole workgroup's sum
+// of squares. Every invocation calls it.
+fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32) -> vec3<f32> {
+    let a = select(row + 1u, row, live.x);
+    let b = select(a, row + 1u, live.y);
+    var d = vec3<f32>(0.0);
+    for (var c0 = 0u; c0 < p.cols; c0 += X_CHUNK) {
+        let n = min(X_CHUNK, p.cols - c0);
+        // The previous chunk (or product) may still be being read.
+        workgroupBarrier();
+        d.z += stage_x(xb / 4u, c0, n, li);
+        workgroupBarrier();
+        if (any(live)) {
+            let c = chunk_dots(a, b, lane, c0, n);
+            d.x += c.x;
+            d.y += c.y;
+        }
+    }
+    d.z = workgroup_sum(d.z, li);
+    return d;
+}
+#else
+#if UNIT_DOTS
 
 // Quad q of the vector whose first quad is xq, times norm_w with NORM.
 fn x4(xq: u32, q: u32) -> vec4<f32> {
@@ -133,6 +293,7 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     }
     return r;
 }
+#endif
 #endif
 #else
 fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
@@ -235,11 +396,31 @@ fn pair_live(o: u32, row: u32) -> vec2<bool> {
     return vec2<bool>(o < p.outputs && row < p.rows, second);
 }
 
+#if !INT8_DOTS
 // lane_dots of rows row (.x) and row + 1 (.y) where live says so (a dead
 // row's dot is a copy of the other's).
 fn pair_dots(live: vec2<bool>, row: u32, xb: u32, lane: u32) -> vec3<f32> {
     let a = select(row + 1u, row, live.x);
     return lane_dots(a, select(a, row + 1u, live.y), xb, lane);
+}
+
+// pair_dots where a row is live.
+fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32) -> vec3<f32> {
+    if (any(live)) {
+        return pair_dots(live, row, xb, lane);
+    }
+    return vec3<f32>(0.0);
+}
+#endif
+
+// The sum of squares of x from product's .z: the lanes' shares of the
+// output's group, or (INT8_DOTS) already the workgroup's sum.
+fn sum_of_squares(z: f32, l: u32, lane: u32) -> f32 {
+#if INT8_DOTS
+    return z;
+#else
+    return reduce_row(z, l, lane);
+#endif
 }
 
 @compute @workgroup_size(WG)
@@ -266,10 +447,7 @@ fn main(
         // Wraps to a huge value (skipped) when the row is before this part.
         let row = ids[pair] * p.expert_rows + o - p.first_row;
         let live = pair_live(o, row);
-        var d = vec3<f32>(0.0);
-        if (any(live)) {
-            d = pair_dots(live, row, pair * p.cols, lane);
-        }
+        let d = product(live, row, pair * p.cols, lane, lid.x);
         // Outside the test: a NaN weight (routing that failed, its expert
         // id out of range) must reach the sum.
         acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
@@ -294,12 +472,9 @@ fn main(
     let row = first + o - p.first_row;
     let live = pair_live(o, row);
 #endif
-    var d = vec3<f32>(0.0);
-    if (any(live)) {
-        d = pair_dots(live, row, t * p.cols, lane);
-    }
+    let d = product(live, row, t * p.cols, lane, lid.x);
 #if NORM
-    let scale = inverseSqrt(reduce_row(d.z, lid.x, lane) / f32(p.cols) + p.eps);
+    let scale = inverseSqrt(sum_of_squares(d.z, lid.x, lane) / f32(p.cols) + p.eps);
 #else
     let scale = 1.0;
 #endif

@@ -253,6 +253,24 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
 }
 #endif
 
+// Words i .. i + 3 of the bound weight part.
+fn words4(i: u32) -> vec4<u32> {
+    return vec4<u32>(weight_word(i), weight_word(i + 1u), weight_word(i + 2u), weight_word(i + 3u));
+}
+
+// The scale and min numbered n of a Q4_K / Q5_K block whose first quad is head.
+fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
+    if (n < 4u) {
+        return vec2<f32>(f32(byte_of(head.y, n) & 63u), f32(byte_of(head.z, n) & 63u));
+    }
+    let sc = (byte_of(head.w, n - 4u) & 15u) | ((byte_of(head.y, n - 4u) >> 6u) << 4u);
+    let m = (byte_of(head.w, n - 4u) >> 4u) | ((byte_of(head.z, n - 4u) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+// Scale n (signed byte) of the block at word b.
+fn q6_scale(b: u32, n: u32) -> f32 {
+    return f32((i32(weight_word(b + 48u + n / 4u)) << (24u - 8u * (n % 4u))) >> 24u);
+}
 #if WEIGHT_FORMAT
 // Words of a row of n elements.
 fn row_words(n: u32) -> u32 {
@@ -272,13 +290,21 @@ fn row_words(n: u32) -> u32 {
 // look at the block's packed scales, rather than one look per four
 // weights. Quants are dotted with x first and scaled after (one multiply
 // per run of elements that share a scale).
+//
+// INT8_DOTS (instead of UNIT_DOTS): the GEMV's activations are quantized to
+// two signed bytes per element (see gemv.wgsl); the family defines
+// `weight_quad(q)` and
+//   x_run16(q, r): the 16 signed bytes of q dotted with run r of x
+//                  (elements 16 r .. 16 r + 15 of the staged chunk), scaled,
+//   x_sum16(r):    the sum of run r of x,
+// and gets unit_dots(wa, wb, u, r0) over the same units, runs numbered from
+// r0. The quants go to the integer dot units (dot4I8Packed) four at a time
+// as they lie in their bytes, masked into place, never converted to floats
+// one by one: the formats whose quants fit a signed byte have them (Q8_0,
+// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 #if UNIT_DOTS
 fn sum4(a: vec4<f32>) -> f32 {
     return dot(a, vec4<f32>(1.0));
-}
-
-fn words4(i: u32) -> vec4<u32> {
-    return vec4<u32>(weight_word(i), weight_word(i + 1u), weight_word(i + 2u), weight_word(i + 3u));
 }
 
 // Q2_K / Q3_K: unit u is quant bytes 32 c + 16 v .. + 15 (c = u / 2 % 2,
@@ -377,15 +403,6 @@ fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
         weight_quad(bb), weight_quad(bb + 3u + u % 8u), weight_quad(bb + 1u + u % 2u), u, xq);
 }
 #endif
-// The scale and min numbered n of a Q4_K / Q5_K block whose first quad is head.
-fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
-    if (n < 4u) {
-        return vec2<f32>(f32(byte_of(head.y, n) & 63u), f32(byte_of(head.z, n) & 63u));
-    }
-    let sc = (byte_of(head.w, n - 4u) & 15u) | ((byte_of(head.y, n - 4u) >> 6u) << 4u);
-    let m = (byte_of(head.w, n - 4u) >> 4u) | ((byte_of(head.z, n - 4u) >> 6u) << 4u);
-    return vec2<f32>(f32(sc), f32(m));
-}
 // (low nibbles . a, high nibbles . c) of one quant word q, fifth bits in qh.
 fn k4_step(q: u32, qh: u32, j: u32, a: vec4<f32>, c: vec4<f32>) -> vec2<f32> {
     let lo = fields4(q, 0u, 15u) | (fields4(qh, 2u * j, 1u) << vec4<u32>(4u));
@@ -428,10 +445,6 @@ fn q6_step(ql: u32, qh: u32, v: u32, a: vec4<f32>, c: vec4<f32>) -> vec2<f32> {
     let hi = fields4(ql, 4u, 15u) | (fields4(qh, 2u * (2u + v / 2u), 3u) << vec4<u32>(4u));
     return vec2<f32>(dot(uint_f32(lo, 0.0), a), dot(uint_f32(hi, 0.0), c));
 }
-// Scale n (signed byte) of the block at word b.
-fn q6_scale(b: u32, n: u32) -> f32 {
-    return f32((i32(weight_word(b + 48u + n / 4u)) << (24u - 8u * (n % 4u))) >> 24u);
-}
 fn q6_scaled(b: u32, n: u32, t: vec2<f32>, xs: vec2<f32>) -> f32 {
     return f16_lo(weight_word(b + 52u)) * (q6_scale(b, n) * (t.x - 32.0 * xs.x) + q6_scale(b, n + 4u) * (t.y - 32.0 * xs.y));
 }
@@ -457,6 +470,159 @@ fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
     }
     let n = 8u * half + v;
     return vec2<f32>(q6_scaled(ba, n, ta, xs), q6_scaled(bb, n, tb, xs));
+}
+#endif
+#endif
+
+#if INT8_DOTS
+// The low and high nibbles of 16 bytes, as 16 bytes.
+fn nibbles_lo(q: vec4<u32>) -> vec4<u32> {
+    return q & vec4<u32>(0x0f0f0f0fu);
+}
+fn nibbles_hi(q: vec4<u32>) -> vec4<u32> {
+    return (q >> vec4<u32>(4u)) & vec4<u32>(0x0f0f0f0fu);
+}
+// Bits `shift` .. of qh's bytes, `mask` each (0x01010101: one bit), moved
+// to bit 4 of each byte: the fifth (and sixth) bits of 16 quants.
+fn high_bits(qh: vec4<u32>, shift: u32, mask: u32) -> vec4<u32> {
+    return ((qh >> vec4<u32>(shift)) & vec4<u32>(mask)) << vec4<u32>(4u);
+}
+
+// Q8_0: a unit is half a block, 16 quants with the block's scale.
+#if W_Q8_0
+const UNIT_ELEMS: u32 = 16u;
+fn q8_0_unit(w: u32, u: u32, r: u32) -> f32 {
+    let b = w + (u / 2u) * 9u;
+    return f16_lo(weight_word(b)) * x_run16(words4(b + 1u + 4u * (u % 2u)), r);
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    return vec2<f32>(q8_0_unit(wa, u, u - r0), q8_0_unit(wb, u, u - r0));
+}
+#endif
+
+// Q4_0, Q4_1, Q5_0, Q5_1: a unit is a block, its low nibbles elements 0..15
+// (run r) and its high nibbles 16..31 (run r + 1); Q5's fifth bits are bit
+// e of qh for element e.
+#if W_Q4_0
+const UNIT_ELEMS: u32 = 32u;
+fn q4_0_unit(w: u32, u: u32, r: u32) -> f32 {
+    let b = w + u * 5u;
+    let q = words4(b + 1u);
+    let t = x_run16(nibbles_lo(q), r) + x_run16(nibbles_hi(q), r + 1u);
+    return f16_lo(weight_word(b)) * (t - 8.0 * (x_sum16(r) + x_sum16(r + 1u)));
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    return vec2<f32>(q4_0_unit(wa, u, 2u * u - r0), q4_0_unit(wb, u, 2u * u - r0));
+}
+#endif
+#if W_Q4_1
+const UNIT_ELEMS: u32 = 32u;
+fn q4_1_unit(w: u32, u: u32, r: u32) -> f32 {
+    let b = w + u * 5u;
+    let q = words4(b + 1u);
+    let dm = weight_word(b);
+    let t = x_run16(nibbles_lo(q), r) + x_run16(nibbles_hi(q), r + 1u);
+    return f16_lo(dm) * t + f16_hi(dm) * (x_sum16(r) + x_sum16(r + 1u));
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    return vec2<f32>(q4_1_unit(wa, u, 2u * u - r0), q4_1_unit(wb, u, 2u * u - r0));
+}
+#endif
+// The dots of a Q5 block at word b with runs r and r + 1: its quants with
+// their fifth bits (bit e of qh to bit 4 of element e's byte).
+fn q5_dots(b: u32, r: u32) -> f32 {
+    let qh = weight_word(b + 1u);
+    let q = words4(b + 2u);
+    // Bits 4 k .. 4 k + 3 of qh spread over the bytes of word k.
+    let nib = (vec4<u32>(qh) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
+    let spread = (nib & vec4<u32>(1u)) | ((nib & vec4<u32>(2u)) << vec4<u32>(7u))
+        | ((nib & vec4<u32>(4u)) << vec4<u32>(14u)) | ((nib & vec4<u32>(8u)) << vec4<u32>(21u));
+    let nib_hi = (vec4<u32>(qh) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u);
+    let spread_hi = (nib_hi & vec4<u32>(1u)) | ((nib_hi & vec4<u32>(2u)) << vec4<u32>(7u))
+        | ((nib_hi & vec4<u32>(4u)) << vec4<u32>(14u)) | ((nib_hi & vec4<u32>(8u)) << vec4<u32>(21u));
+    return x_run16(nibbles_lo(q) | (spread << vec4<u32>(4u)), r)
+        + x_run16(nibbles_hi(q) | (spread_hi << vec4<u32>(4u)), r + 1u);
+}
+#if W_Q5_0
+const UNIT_ELEMS: u32 = 32u;
+fn q5_0_unit(w: u32, u: u32, r: u32) -> f32 {
+    let b = w + u * 6u;
+    return f16_lo(weight_word(b)) * (q5_dots(b, r) - 16.0 * (x_sum16(r) + x_sum16(r + 1u)));
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    return vec2<f32>(q5_0_unit(wa, u, 2u * u - r0), q5_0_unit(wb, u, 2u * u - r0));
+}
+#endif
+#if W_Q5_1
+const UNIT_ELEMS: u32 = 32u;
+fn q5_1_unit(w: u32, u: u32, r: u32) -> f32 {
+    let b = w + u * 6u;
+    let dm = weight_word(b);
+    return f16_lo(dm) * q5_dots(b, r) + f16_hi(dm) * (x_sum16(r) + x_sum16(r + 1u));
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    return vec2<f32>(q5_1_unit(wa, u, 2u * u - r0), q5_1_unit(wb, u, 2u * u - r0));
+}
+#endif
+
+// Q4_K / Q5_K: the units of UNIT_DOTS (16 nibble bytes: run r in the low
+// nibbles, scale 2 j, and run r + 2 in the high ones, scale 2 j + 1).
+#if W_Q4_K
+const UNIT_ELEMS: u32 = 32u;
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    let ba = (wa + (u / 8u) * 36u) / 4u;
+    let bb = (wb + (u / 8u) * 36u) / 4u;
+    let none = vec4<u32>(0u);
+    let r = k4_run(u) - r0;
+    return vec2<f32>(
+        k4_unit(weight_quad(ba), weight_quad(ba + 1u + u % 8u), none, u, r),
+        k4_unit(weight_quad(bb), weight_quad(bb + 1u + u % 8u), none, u, r));
+}
+#endif
+#if W_Q5_K
+const UNIT_ELEMS: u32 = 32u;
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    let ba = (wa + (u / 8u) * 44u) / 4u;
+    let bb = (wb + (u / 8u) * 44u) / 4u;
+    let r = k4_run(u) - r0;
+    return vec2<f32>(
+        k4_unit(weight_quad(ba), weight_quad(ba + 3u + u % 8u), weight_quad(ba + 1u + u % 2u), u, r),
+        k4_unit(weight_quad(bb), weight_quad(bb + 3u + u % 8u), weight_quad(bb + 1u + u % 2u), u, r));
+}
+#endif
+// The first run of Q4_K / Q5_K unit u: elements 256 (u / 8) + 64 j + 16 h.
+fn k4_run(u: u32) -> u32 {
+    return 16u * (u / 8u) + 4u * (u / 2u % 4u) + u % 2u;
+}
+fn k4_unit(head: vec4<u32>, q: vec4<u32>, qh: vec4<u32>, u: u32, r: u32) -> f32 {
+    let j = u / 2u % 4u;
+    let lo = nibbles_lo(q) | high_bits(qh, 2u * j, 0x01010101u);
+    let hi = nibbles_hi(q) | high_bits(qh, 2u * j + 1u, 0x01010101u);
+    let s0 = k4_scale_min(head, 2u * j);
+    let s1 = k4_scale_min(head, 2u * j + 1u);
+    return f16_lo(head.x) * (s0.x * x_run16(lo, r) + s1.x * x_run16(hi, r + 2u))
+        - f16_hi(head.x) * (s0.y * x_sum16(r) + s1.y * x_sum16(r + 2u));
+}
+
+// Q6_K: the units of UNIT_DOTS (run r in the low nibbles, scale n, run
+// r + 4 in the high ones, scale n + 4; quants less 32 through the run sums).
+#if W_Q6_K
+const UNIT_ELEMS: u32 = 32u;
+fn q6_unit(w: u32, u: u32, r: u32) -> f32 {
+    let half = u / 4u % 2u;
+    let v = u % 4u;
+    let b = w + (u / 8u) * 53u;
+    let ql = words4(b + 16u * half + 4u * v);
+    let qh = words4(b + 32u + 8u * half + 4u * (v % 2u));
+    let lo = nibbles_lo(ql) | high_bits(qh, 2u * (v / 2u), 0x03030303u);
+    let hi = nibbles_hi(ql) | high_bits(qh, 2u * (2u + v / 2u), 0x03030303u);
+    let n = 8u * half + v;
+    return f16_lo(weight_word(b + 52u)) * (q6_scale(b, n) * (x_run16(lo, r) - 32.0 * x_sum16(r))
+        + q6_scale(b, n + 4u) * (x_run16(hi, r + 4u) - 32.0 * x_sum16(r + 4u)));
+}
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    let r = 16u * (u / 8u) + 8u * (u / 4u % 2u) + u % 4u - r0;
+    return vec2<f32>(q6_unit(wa, u, r), q6_unit(wb, u, r));
 }
 #endif
 #endif

@@ -47,9 +47,17 @@ pub struct GemvShape {
     /// 8-weight loads (or units) a lane issues together.
     pub unroll: u32,
     /// Whether rows in the 256-element block formats are read by units
-    /// (`unit_dot` in `weights.wgsl`) rather than four weights at a time.
+    /// (`unit_dots` in `weights.wgsl`) rather than four weights at a time.
     pub units: bool,
+    /// Whether rows in the formats whose quants fit a signed byte meet the
+    /// activations on the integer dot units, the activations quantized in
+    /// workgroup memory to three bytes each: see [`INT8_ROUNDING`].
+    pub int8: bool,
 }
+
+/// The largest error of an activation quantized for [`GemvShape::int8`],
+/// relative to the largest magnitude in its block of 32.
+pub const INT8_ROUNDING: f32 = 1.0 / (2.0 * 63.0 * 65536.0);
 
 impl GemvShape {
     /// CPU rasterisers do best with one output per invocation (no
@@ -57,7 +65,7 @@ impl GemvShape {
     /// output, whose lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true }
+            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: true }
         } else {
             let lanes = subgroup_width(gpu).unwrap_or(32);
             GemvShape {
@@ -65,6 +73,7 @@ impl GemvShape {
                 threads_per_row: lanes,
                 unroll: 2,
                 units: true,
+                int8: true,
             }
         }
     }
@@ -177,7 +186,9 @@ impl Gemv {
     ) -> Result<Dispatch> {
         let w = spec.weight;
         let mut flags = super::weight_flags(gpu, part.format);
-        if self.shape.units && has_units(part.format) {
+        if self.shape.int8 && has_int8_units(part.format) {
+            flags.push(INT8_DOTS);
+        } else if self.shape.units && has_units(part.format) {
             flags.push(UNIT_DOTS);
         }
         // bf16 rows need few loads of x per weight: pairing rows to share
@@ -277,10 +288,19 @@ impl Gemv {
 /// Rows in a format that `weights.wgsl` gives units are read by units.
 const UNIT_DOTS: &str = "UNIT_DOTS";
 
-/// The formats `weights.wgsl` defines `unit_dot` for.
+/// The formats `weights.wgsl` defines `unit_dots` for.
 fn has_units(format: WeightFormat) -> bool {
     use WeightFormat::*;
     matches!(format, Q2K | Q3K | Q4K | Q5K | Q6K)
+}
+
+/// Rows dotted with activations quantized to bytes, on the integer dot units.
+const INT8_DOTS: &str = "INT8_DOTS";
+
+/// The formats `weights.wgsl` defines `unit_dots` against byte activations for.
+pub fn has_int8_units(format: WeightFormat) -> bool {
+    use WeightFormat::*;
+    matches!(format, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K)
 }
 
 /// The flag sets of every GEMV the flow builds (for the shader test).
@@ -303,10 +323,15 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     }
     // Every format, in the forms the flow builds, with one reduction.
     for format in WeightFormat::ALL.into_iter().filter(|f| f.flag().is_some()) {
-        let units: &[&str] = if has_units(format) { &[UNIT_DOTS] } else { &[] };
+        let mut reads: Vec<&[&str]> = vec![if has_units(format) { &[UNIT_DOTS] } else { &[] }];
+        if has_int8_units(format) {
+            reads.push(&[INT8_DOTS]);
+        }
         for weights in super::weight_flag_sets().into_iter().filter(|f| f.contains(&format.flag().unwrap())) {
             for form in [&["NORM"][..], &["NORM", "SWIGLU", "EXPERTS", "SLOTS"], &["ADD", "EXPERTS", "SUM"]] {
-                out.push([form, &weights, units].concat());
+                for read in &reads {
+                    out.push([form, &weights, read].concat());
+                }
             }
         }
     }

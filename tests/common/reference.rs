@@ -112,3 +112,17 @@ pub fn sampling_distribution(
 pub fn f16_round(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
 }
+
+/// Activations as the GEMV's integer path stages them
+/// (`GemvShape::int8`): each block of 32 rounded to steps of
+/// max |x| / (63 * 2^16) (three signed bytes).
+pub fn int8_activations(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|block| {
+            let largest = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let inv = if largest > 0.0 { 63.0 * 65536.0 / largest } else { 0.0 };
+            let step = largest / (63.0 * 65536.0);
+            block.iter().map(move |v| step * (v * inv).round_ties_even())
+        })
+        .collect()
+}
