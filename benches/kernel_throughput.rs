@@ -7,7 +7,7 @@
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
 use wgspark::kernels::gemm::{GemmKernel, Tiling};
-use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
 use wgspark::{KvFormat, WeightFormat};
@@ -222,7 +222,16 @@ fn main() {
         ("default", default_shape),
         ("x1", GemvShape { unroll: 1, ..default_shape }),
         ("x4", GemvShape { unroll: 4, ..default_shape }),
-        ("by quads", GemvShape { units: false, ..default_shape }),
+        (
+            "wg 256",
+            GemvShape { int8_rows_per_workgroup: 256 / default_shape.threads_per_row, ..default_shape },
+        ),
+        (
+            "wg 1024",
+            GemvShape { int8_rows_per_workgroup: 1024 / default_shape.threads_per_row, ..default_shape },
+        ),
+        ("f32", GemvShape { int8: false, ..default_shape }),
+        ("f32 quads", GemvShape { units: false, int8: false, ..default_shape }),
     ];
     for format in formats.into_iter().filter(|_| runs("quantized")) {
         for &(rows, cols) in sizes {
@@ -242,7 +251,10 @@ fn main() {
                         | WeightFormat::Q5K
                         | WeightFormat::Q6K
                 );
-                if !shape.units && !k_quant {
+                // Variants that read the format as the default does.
+                let int8 = has_int8_units(format);
+                let int8_variant = shape.int8_rows_per_workgroup != default_shape.int8_rows_per_workgroup;
+                if (!shape.units && !k_quant) || (!shape.int8 && !int8) || (int8_variant && !int8) {
                     continue;
                 }
                 let gemv = Gemv::with_shape(&gpu, *shape);
@@ -261,11 +273,12 @@ fn main() {
                         gemv.plan(&gpu, &spec).unwrap()
                     })
                     .collect();
-                // The first pass over fresh buffers is slower: warm up.
-                time(&gpu, &dispatches, None, 1, 2);
+                // The first passes over fresh buffers are slower (clocks
+                // rise after the host's uploads): warm up.
+                time(&gpu, &dispatches, None, 1, 20);
                 let secs = time(&gpu, &dispatches, None, 1, reps) / copies as f64;
                 println!(
-                    "gemv {format:<5} {rows:>6} x {cols:>5}{:<12} {read:<8}: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
+                    "gemv {format:<5} {rows:>6} x {cols:>5}{:<12} {read:<9}: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
                     if rows == 28672 { " norm+swiglu" } else { "" },
                     secs * 1e3,
                     bytes as f64 / secs / 1e12,

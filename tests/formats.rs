@@ -127,8 +127,14 @@ fn fp8_nan_codes_decode_to_nan() {
 fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(11);
-        let one_per_invocation =
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: false };
+        let one_per_invocation = GemvShape {
+            rows_per_workgroup: 64,
+            threads_per_row: 1,
+            unroll: 1,
+            units: true,
+            int8: false,
+            int8_rows_per_workgroup: 64,
+        };
         let gpu_shape = GemvShape::for_gpu(gpu);
         for shape in [
             one_per_invocation,
@@ -230,7 +236,14 @@ fn int8_gemv_spans_chunks_of_the_activations() {
         let (rows, cols, tokens) = (6, 8192 + 2048 + 256, 2);
         for shape in [
             GemvShape::for_gpu(gpu),
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: true },
+            GemvShape {
+                rows_per_workgroup: 64,
+                threads_per_row: 1,
+                unroll: 1,
+                units: true,
+                int8: true,
+                int8_rows_per_workgroup: 64,
+            },
         ] {
             let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
             for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
@@ -306,6 +319,33 @@ fn int8_gemv_spans_chunks_of_the_activations() {
                     tol,
                     &format!("{what} experts"),
                 );
+            }
+        }
+    });
+}
+
+/// A NaN or an infinity in the activations must reach the byte-activation
+/// GEMV's outputs (as it would in f32), not vanish in the rounding to bytes.
+#[test]
+fn int8_gemv_keeps_activations_that_are_not_numbers_visible() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(13);
+        let (rows, cols) = (4, 512);
+        let gemv = Gemv::new(gpu);
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4K] {
+            let bytes = random_blocks(&mut rng, format, rows, cols);
+            let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
+            weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                // Token 0 is clean, token 1 has one bad value.
+                let mut x = rng.vec(2 * cols, 1.0);
+                x[cols + 77] = bad;
+                let xb = gpu.storage_buffer_init("x", &x);
+                let yb = gpu.storage_buffer("y", 2 * rows).unwrap();
+                run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), 2);
+                let y: Vec<f32> = gpu.read_buffer(&yb, 2 * rows).unwrap();
+                assert!(y[..rows].iter().all(|v| v.is_finite()), "{format} {bad}: clean token {y:?}");
+                assert!(y[rows..].iter().all(|v| !v.is_finite()), "{format} {bad}: bad token {y:?}");
             }
         }
     });

@@ -44,8 +44,22 @@ const GEMV_SIZES: &[(usize, usize, usize)] = &[(1, 2, 1), (37, 100, 1), (130, 25
 /// workgroup reduction, and the adapter's own.
 fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
     vec![
-        GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: false },
-        GemvShape { rows_per_workgroup: 4, threads_per_row: 16, unroll: 3, units: true, int8: true },
+        GemvShape {
+            rows_per_workgroup: 64,
+            threads_per_row: 1,
+            unroll: 1,
+            units: true,
+            int8: false,
+            int8_rows_per_workgroup: 64,
+        },
+        GemvShape {
+            rows_per_workgroup: 4,
+            threads_per_row: 16,
+            unroll: 3,
+            units: true,
+            int8: true,
+            int8_rows_per_workgroup: 4,
+        },
         GemvShape::for_gpu(gpu),
     ]
 }

@@ -119,49 +119,69 @@ fn pack_bytes(b: vec4<i32>) -> u32 {
     return u.x | (u.y << 8u) | (u.z << 16u) | (u.w << 24u);
 }
 
+// Per quad of the chunk: its largest magnitude (infinite where a value is
+// not finite), then the sum of its steps.
+var<workgroup> quad_max: array<f32, 1024>;
+var<workgroup> quad_steps: array<f32, 1024>;
+
+// Steps per block scale.
+const STEPS: f32 = 63.0 * 65536.0;
+
+// Quad q of the chunk at c0 of the vector whose first quad is xq, times
+// norm_w with NORM.
+fn chunk_quad(xq: u32, c0: u32, q: u32) -> vec4<f32> {
+#if NORM
+    return x[xq + c0 / 4u + q] * norm_w[c0 / 4u + q];
+#else
+    return x[xq + c0 / 4u + q];
+#endif
+}
+
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
-// first quad is xq; returns this invocation's share of their sum of
-// squares (before norm_w). Every invocation calls it (between barriers).
+// first quad is xq, one quad per invocation at a time; returns this
+// invocation's share of their sum of squares (before norm_w). Every
+// invocation calls it (it has barriers).
 fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
     var squares = 0.0;
-    for (var block = li; block < n / 32u; block += WG) {
-        let q0 = (c0 + 32u * block) / 4u;
-        var v: array<vec4<f32>, 8>;
-        var largest = 0.0;
-        var total = 0.0;
-        for (var k = 0u; k < 8u; k++) {
-            var a = x[xq + q0 + k];
+    for (var q = li; q < n / 4u; q += WG) {
 #if NORM
-            squares += dot(a, a);
-            a *= norm_w[q0 + k];
+        let raw = x[xq + c0 / 4u + q];
+        squares += dot(raw, raw);
 #endif
-            v[k] = a;
-            let m = abs(a);
-            largest = max(largest, max(max(m.x, m.y), max(m.z, m.w)));
-            total += m.x + m.y + m.z + m.w;
-        }
-        // Each value as n steps, n = 65536 h + 256 m + l in balanced digits
-        // (each in -128 .. 127).
-        let inv = select(0.0, 63.0 * 65536.0 / largest, largest > 0.0);
-        var sums = vec2<i32>(0);
+        let a = chunk_quad(xq, c0, q);
+        let m = abs(a);
+        let finite = all((bitcast<vec4<u32>>(a) & vec4<u32>(0x7f800000u)) != vec4<u32>(0x7f800000u));
+        quad_max[q] = select(bitcast<f32>(0x7f800000u), max(max(m.x, m.y), max(m.z, m.w)), finite);
+    }
+    workgroupBarrier();
+    for (var q = li; q < n / 4u; q += WG) {
+        let block = q / 8u;
+        var largest = 0.0;
         for (var k = 0u; k < 8u; k++) {
-            let n = bitcast<vec4<i32>>(v[k] * inv + ROUNDER) - vec4<i32>(0x4b400000);
-            let l = balanced_digit(n);
-            let n1 = (n - l) >> vec4<u32>(8u);
-            let m = balanced_digit(n1);
-            let run = 2u * block + k / 4u;
-            x_high[run][k % 4u] = pack_bytes((n1 - m) >> vec4<u32>(8u));
-            x_mid[run][k % 4u] = pack_bytes(m);
-            x_low[run][k % 4u] = pack_bytes(l);
-            sums[k / 4u] += n.x + n.y + n.z + n.w;
+            largest = max(largest, quad_max[8u * block + k]);
         }
-        // A NaN or infinity anywhere in the block (which max may pass over)
-        // makes its scale NaN, so that it reaches every product.
-        let finite = (bitcast<u32>(total) & 0x7f800000u) != 0x7f800000u;
-        let scale = select(bitcast<f32>(0x7fc00000u), largest / (63.0 * 65536.0), finite);
-        x_scale[block] = scale;
-        x_sums[2u * block] = f32(sums.x) * scale;
-        x_sums[2u * block + 1u] = f32(sums.y) * scale;
+        // Each value as t steps, t = 65536 h + 256 m + l in balanced
+        // digits (each in -128 .. 127). An infinite largest gives no steps
+        // and a NaN scale, which reaches every product of the block.
+        let inv = select(0.0, STEPS / largest, largest > 0.0);
+        let t = bitcast<vec4<i32>>(chunk_quad(xq, c0, q) * inv + ROUNDER) - vec4<i32>(0x4b400000);
+        let l = balanced_digit(t);
+        let n1 = (t - l) >> vec4<u32>(8u);
+        let m = balanced_digit(n1);
+        x_high[q / 4u][q % 4u] = pack_bytes((n1 - m) >> vec4<u32>(8u));
+        x_mid[q / 4u][q % 4u] = pack_bytes(m);
+        x_low[q / 4u][q % 4u] = pack_bytes(l);
+        // At most 4 * STEPS: exact in f32.
+        quad_steps[q] = f32(t.x + t.y + t.z + t.w);
+        if (q % 8u == 0u) {
+            let infinite = bitcast<u32>(largest) == 0x7f800000u;
+            x_scale[block] = select(largest / STEPS, bitcast<f32>(0x7fc00000u), infinite);
+        }
+    }
+    workgroupBarrier();
+    for (var r = li; r < n / 16u; r += WG) {
+        let steps = quad_steps[4u * r] + quad_steps[4u * r + 1u] + quad_steps[4u * r + 2u] + quad_steps[4u * r + 3u];
+        x_sums[r] = steps * x_scale[r / 2u];
     }
     return squares;
 }

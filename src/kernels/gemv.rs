@@ -53,7 +53,13 @@ pub struct GemvShape {
     /// activations on the integer dot units, the activations quantized in
     /// workgroup memory to three bytes each: see [`INT8_ROUNDING`].
     pub int8: bool,
+    /// `rows_per_workgroup` of those builds: each workgroup stages the
+    /// activations once for all its rows, so more rows amortise it.
+    pub int8_rows_per_workgroup: u32,
 }
+
+/// Invocations per workgroup of the byte-activation builds on GPUs.
+const INT8_WORKGROUP: u32 = 512;
 
 /// The largest error of an activation quantized for [`GemvShape::int8`],
 /// relative to the largest magnitude in its block of 32.
@@ -65,7 +71,14 @@ impl GemvShape {
     /// output, whose lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
-            GemvShape { rows_per_workgroup: 64, threads_per_row: 1, unroll: 1, units: true, int8: true }
+            GemvShape {
+                rows_per_workgroup: 64,
+                threads_per_row: 1,
+                unroll: 1,
+                units: true,
+                int8: true,
+                int8_rows_per_workgroup: 64,
+            }
         } else {
             let lanes = subgroup_width(gpu).unwrap_or(32);
             GemvShape {
@@ -74,6 +87,10 @@ impl GemvShape {
                 unroll: 2,
                 units: true,
                 int8: true,
+                int8_rows_per_workgroup: (INT8_WORKGROUP
+                    .min(gpu.limits.max_compute_invocations_per_workgroup)
+                    / lanes)
+                    .max(1),
             }
         }
     }
@@ -186,7 +203,8 @@ impl Gemv {
     ) -> Result<Dispatch> {
         let w = spec.weight;
         let mut flags = super::weight_flags(gpu, part.format);
-        if self.shape.int8 && has_int8_units(part.format) {
+        let int8 = self.shape.int8 && has_int8_units(part.format);
+        if int8 {
             flags.push(INT8_DOTS);
         } else if self.shape.units && has_units(part.format) {
             flags.push(UNIT_DOTS);
@@ -260,10 +278,11 @@ impl Gemv {
             flags.push(super::SUBGROUPS);
         }
         let s = self.shape;
+        let groups = if int8 { s.int8_rows_per_workgroup } else { s.rows_per_workgroup };
         constants.extend([
-            ("ROWS_PER_WG", s.rows_per_workgroup as f64),
+            ("ROWS_PER_WG", groups as f64),
             ("THREADS_PER_ROW", s.threads_per_row as f64),
-            ("WG", (s.rows_per_workgroup * s.threads_per_row) as f64),
+            ("WG", (groups * s.threads_per_row) as f64),
             ("UNROLL", s.unroll as f64),
         ]);
         let pipeline = super::pipeline(gpu, "gemv", "main", &flags, &constants)?;
@@ -272,7 +291,7 @@ impl Gemv {
         // A group of lanes computes two rows (two outputs, or one SwiGLU)
         // or one.
         let outputs_per_group = if swiglu || one_row { 1 } else { 2 };
-        let blocks = (outputs as u32).div_ceil(s.rows_per_workgroup * outputs_per_group);
+        let blocks = (outputs as u32).div_ceil(groups * outputs_per_group);
         let mut workgroups = gpu.fold_grid(blocks);
         workgroups[1] = grid_y;
         Ok(Dispatch {
