@@ -7,7 +7,7 @@
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
 use wgspark::kernels::gemm::{GemmKernel, Tiling};
-use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, has_int8_units};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
 use wgspark::{KvFormat, WeightFormat};
@@ -283,6 +283,62 @@ fn main() {
                     secs * 1e3,
                     bytes as f64 / secs / 1e12,
                     100.0 * bytes as f64 / secs / copy
+                );
+            }
+        }
+    }
+
+    // Routed experts of Qwen3-30B-A3B's geometry (128 experts of 768 x
+    // 2048, top 8) at decode: every slot's normed gate/up in one dispatch,
+    // the router-weighted sum of their down projections in another; bytes
+    // are those of the 8 experts read.
+    let (experts, top_k, hidden, inter) = (128usize, 8usize, 2048usize, 768usize);
+    let ids = gpu.storage_buffer_init("ids", &[3u32, 17, 40, 58, 77, 90, 101, 126]);
+    let route = gpu.storage_buffer_init("route", &[0.125f32; 8]);
+    for format in [WeightFormat::Bf16, WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q8_0]
+        .into_iter()
+        .filter(|_| runs("experts") && !cpu)
+    {
+        let gate_up = random_tensor(&gpu, format, experts * 2 * inter, hidden);
+        let down = random_tensor(&gpu, format, experts * hidden, inter);
+        let norm_w = GpuTensor { cols: hidden, ..norm.clone() };
+        let x = gpu.storage_buffer_init("x", &vec![0.01f32; hidden]);
+        let act = gpu.storage_buffer_init("act", &vec![0.01f32; top_k * inter]);
+        let y = gpu.storage_buffer("y", top_k * inter.max(hidden)).unwrap();
+        let mut shapes =
+            vec![("default", default_shape), ("f32", GemvShape { int8: false, ..default_shape })];
+        if has_int8_units(format) {
+            for (name, threads) in [("wg 128", 128), ("wg 256", 256), ("wg 1024", 1024)] {
+                let groups = threads / default_shape.threads_per_row;
+                shapes.push((name, GemvShape { int8_rows_per_workgroup: groups, ..default_shape }));
+            }
+        } else {
+            shapes.truncate(1);
+        }
+        for (name, shape) in shapes {
+            let gemv = Gemv::with_shape(&gpu, shape);
+            let gu = GemvSpec {
+                input: Input::RmsNorm { weight: &norm_w, eps: 1e-5 },
+                output: Output::Swiglu,
+                rows: Rows::Slots { ids: &ids, top_k, expert_rows: 2 * inter },
+                ..GemvSpec::plain(&gate_up, &x, &y)
+            };
+            let dn = GemvSpec {
+                output: Output::Add(LayerOutput::default()),
+                rows: Rows::Sum { ids: &ids, weights: &route, top_k, expert_rows: hidden },
+                ..GemvSpec::plain(&down, &act, &y)
+            };
+            for (what, spec, rows, cols) in [("gate/up", gu, 2 * inter, hidden), ("down", dn, hidden, inter)]
+            {
+                let d = gemv.plan(&gpu, &spec).unwrap();
+                time(&gpu, &d, None, 1, 20);
+                let secs = time(&gpu, &d, None, 1, reps);
+                let bytes = (top_k * rows * format.gpu_row_bytes(cols)) as f64;
+                println!(
+                    "experts {format:<5} {what:<8} 8 x {rows:>5} x {cols:>5} {name:<8}: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
+                    secs * 1e3,
+                    bytes / secs / 1e12,
+                    100.0 * bytes / secs / copy
                 );
             }
         }
