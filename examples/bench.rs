@@ -54,6 +54,9 @@ struct Args {
     /// Also measure steering and capture against plain decode.
     #[arg(long)]
     steering: bool,
+    /// Time one decode step's dispatches one by one (GPU timestamps).
+    #[arg(long)]
+    profile: bool,
     #[arg(long)]
     backend: Option<String>,
     /// MoE shapes: GPU slots per layer as percentages of the experts
@@ -302,7 +305,7 @@ fn measure(
                     per(stats.submit_time)
                 );
             }
-            gpu_time(model, &options, &fill, c.vocab)?;
+            gpu_time(args.profile, model, &options, &fill, c.vocab)?;
             decode_per_mode.push((routing, per_token));
         }
         if args.steering && routing == modes[0] && args.decode > 0 {
@@ -354,12 +357,14 @@ fn best_decode(
 /// GPU time per decode step (timestamps where the adapter has them)
 /// against wall time, each step waited for.
 fn gpu_time(
+    profile: bool,
     model: &Model,
     options: &SessionOptions,
     fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
     vocab: usize,
 ) -> wgspark::Result<()> {
-    let mut timed = model.session(&SessionOptions { timing: true, ..options.clone() })?;
+    let mut timed =
+        model.session(&SessionOptions { timing: true, time_dispatches: profile, ..options.clone() })?;
     fill(&mut timed)?;
     let n = 32;
     let before = timed.stats();
@@ -380,7 +385,34 @@ fn gpu_time(
             wall * 1e3
         );
     }
+    if profile {
+        print_profile(&after.last_passes);
+    }
     Ok(())
+}
+
+/// One step's dispatches, each timed in a pass of its own: the total per
+/// kernel and the first `SHOWN` in order (a layer and more).
+fn print_profile(passes: &[(&'static str, Duration)]) {
+    const SHOWN: usize = 24;
+    let mut totals: Vec<(&str, Duration, usize)> = Vec::new();
+    for &(label, t) in passes {
+        match totals.iter_mut().find(|(l, _, _)| *l == label) {
+            Some(entry) => {
+                entry.1 += t;
+                entry.2 += 1;
+            }
+            None => totals.push((label, t, 1)),
+        }
+    }
+    let us = |t: Duration| t.as_secs_f64() * 1e6;
+    let all: Duration = passes.iter().map(|p| p.1).sum();
+    println!("  one step, each dispatch in its own pass: {:.1} us in {} passes", us(all), passes.len());
+    for (label, t, n) in totals {
+        println!("    {label:<16} {n:>4} x {:8.2} us = {:8.1} us", us(t) / n as f64, us(t));
+    }
+    let first: Vec<String> = passes.iter().take(SHOWN).map(|(l, t)| format!("{l} {:.1}", us(*t))).collect();
+    println!("    in order: {}", first.join(", "));
 }
 
 /// Plain decode, steering every layer, and steering while capturing one

@@ -48,7 +48,16 @@ pub struct SessionOptions {
     /// else wall clock with a submission at every phase boundary). Each
     /// submission is then waited for.
     pub timing: bool,
+    /// With `timing` on an adapter with GPU timestamps: every dispatch in a
+    /// compute pass of its own, timed ([`Stats::last_passes`]), for
+    /// profiling (the extra passes cost some time of their own).
+    pub time_dispatches: bool,
 }
+
+/// Passes timed per forward pass with [`SessionOptions::time_dispatches`]
+/// (two timestamps each, wgpu's most per query set; the passes past it go
+/// untimed).
+const MAX_TIMED_PASSES: usize = 2048;
 
 /// How [`Session::generate`] chooses and stops.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,8 +156,10 @@ impl<'m> Session<'m> {
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
         let routing_readback = Readback::new(gpu, "routing.readback", (chunk * top_k * 4) as u64);
         let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
-        // Passes per forward: attention and routed per MoE layer, the rest, the head.
-        let timer = options.timing.then(|| PhaseTimer::new(gpu, 2 * moe_layers + 2));
+        // Passes per forward: attention and routed per MoE layer, the rest,
+        // the head; or, timing dispatches, at most MAX_TIMED_PASSES.
+        let passes = if options.time_dispatches { MAX_TIMED_PASSES } else { 2 * moe_layers + 2 };
+        let timer = options.timing.then(|| PhaseTimer::new(gpu, passes, options.time_dispatches));
         gpu.check("creating the session")?;
         let stats = Stats {
             router_histogram: vec![Vec::new(); c.layers],
@@ -194,6 +205,7 @@ impl<'m> Session<'m> {
     pub fn stats(&self) -> Stats {
         let mut stats = self.stats.clone();
         stats.phases = self.timer.as_ref().map(|t| t.totals.clone());
+        stats.last_passes = self.timer.as_ref().map(|t| t.last_passes.clone()).unwrap_or_default();
         stats
     }
 

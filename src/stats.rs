@@ -32,6 +32,16 @@ pub struct PhaseTimes {
     pub head: Duration,
 }
 
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Attention => "attention",
+            Phase::Routed => "routed experts",
+            Phase::Head => "head",
+        }
+    }
+}
+
 impl PhaseTimes {
     pub fn add(&mut self, phase: Phase, d: Duration) {
         match phase {
@@ -66,5 +76,9 @@ pub struct Stats {
     pub expert_cache: crate::model::experts::ExpertCacheStats,
     /// Per-phase time, when the session was opened with timing on.
     pub phases: Option<PhaseTimes>,
+    /// With [`crate::SessionOptions::time_dispatches`]: the last forward
+    /// pass's compute passes in order, each one dispatch (by its kernel's
+    /// label) or the phase's, and its GPU time.
+    pub last_passes: Vec<(&'static str, std::time::Duration)>,
     pub timing_source: Option<TimingSource>,
 }

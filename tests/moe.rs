@@ -113,6 +113,18 @@ fn stats_report_router_histograms_and_phase_times() {
             !phases.attention.is_zero() && !phases.routed.is_zero() && !phases.head.is_zero(),
             "{phases:?}"
         );
+        // Timing dispatches: each in a pass of its own, by kernel, in order.
+        let options = SessionOptions { timing: true, time_dispatches: true, ..Default::default() };
+        let (_, session) = replay_with(&model, case, &options);
+        let passes = session.stats().last_passes;
+        if gpu.caps.timestamps {
+            let count = |label| passes.iter().filter(|p| p.0 == label).count();
+            assert_eq!(count("embed"), 1, "{passes:?}");
+            assert!(count("gemv") >= 3 * model.config.layers, "{passes:?}");
+            assert_eq!(count("router"), moe_layers as usize, "{passes:?}");
+        } else {
+            assert!(passes.is_empty(), "dispatches are timed only with GPU timestamps");
+        }
         eprintln!(
             "{:?}: {:?}; routing readback {:.3} ms each",
             gpu.info.backend,

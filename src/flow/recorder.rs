@@ -34,11 +34,23 @@ pub struct Recorder<'a> {
     stats: &'a mut Stats,
     routing: Option<PendingRouting<'a>>,
     dispatches: u64,
+    /// The label of the next pass (a dispatch timed alone), else its phase's.
+    label: Option<&'static str>,
 }
 
 impl<'a> Recorder<'a> {
     pub fn new(gpu: &'a Gpu, timer: Option<&'a mut PhaseTimer>, stats: &'a mut Stats) -> Self {
-        Recorder { gpu, encoder: None, pass: None, phase: None, timer, stats, routing: None, dispatches: 0 }
+        Recorder {
+            gpu,
+            encoder: None,
+            pass: None,
+            phase: None,
+            timer,
+            stats,
+            routing: None,
+            dispatches: 0,
+            label: None,
+        }
     }
 
     pub fn gpu(&self) -> &'a Gpu {
@@ -50,11 +62,19 @@ impl<'a> Recorder<'a> {
         self.dispatches
     }
 
-    /// Encodes `dispatches` for `n_tokens` tokens in the pass of `phase`.
+    /// Encodes `dispatches` for `n_tokens` tokens in the pass of `phase`
+    /// (each in a pass of its own when the timer times dispatches).
     pub fn encode(&mut self, phase: Phase, dispatches: &[Dispatch], n_tokens: u32) {
-        let pass = self.pass(phase);
+        let alone = self.timer.as_ref().is_some_and(|t| t.per_dispatch);
         for d in dispatches {
-            d.encode(pass, n_tokens);
+            if alone {
+                self.end_pass();
+                self.label = Some(d.label);
+            }
+            d.encode(self.pass(phase), n_tokens);
+        }
+        if alone {
+            self.end_pass();
         }
         self.dispatches += dispatches.len() as u64;
     }
@@ -79,16 +99,10 @@ impl<'a> Recorder<'a> {
             let encoder = self.encoder.get_or_insert_with(|| {
                 gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("forward") })
             });
-            let timestamp_writes = self.timer.as_deref_mut().and_then(|t| t.pass_writes(phase));
+            let label = self.label.take().unwrap_or(phase.name());
+            let timestamp_writes = self.timer.as_deref_mut().and_then(|t| t.pass_writes(phase, label));
             let pass = encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some(match phase {
-                        Phase::Attention => "attention",
-                        Phase::Routed => "routed experts",
-                        Phase::Head => "head",
-                    }),
-                    timestamp_writes,
-                })
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes })
                 .forget_lifetime();
             if let Some(timer) = self.timer.as_deref_mut() {
                 timer.phase_started(phase);
@@ -200,10 +214,15 @@ impl<'a> Recorder<'a> {
     }
 }
 
-/// Accumulates per-phase time over forward passes.
+/// Accumulates per-phase time over forward passes; with `per_dispatch`
+/// (GPU timestamps only) every dispatch runs in a pass of its own, and the
+/// last forward pass's passes are kept in order, by label.
 pub struct PhaseTimer {
     pub totals: PhaseTimes,
     pub source: TimingSource,
+    pub per_dispatch: bool,
+    /// The last forward pass: each pass's label and GPU time, in order.
+    pub last_passes: Vec<(&'static str, Duration)>,
     gpu: Option<GpuTimestamps>,
     /// Wall clock: the phase running since when.
     current: Option<(Phase, Instant)>,
@@ -214,15 +233,16 @@ struct GpuTimestamps {
     resolved: wgpu::Buffer,
     readback: Readback,
     capacity: u32,
-    /// The phase of each pass, in query-pair order, this forward pass.
-    passes: Vec<Phase>,
+    /// The phase and label of each pass, in query-pair order, this forward pass.
+    passes: Vec<(Phase, &'static str)>,
     period_ns: f32,
 }
 
 impl PhaseTimer {
     /// GPU timestamps where the adapter has them, else wall clock; room
-    /// for `max_passes` passes per forward pass.
-    pub fn new(gpu: &Gpu, max_passes: usize) -> Self {
+    /// for `max_passes` passes per forward pass (dispatches, when timed
+    /// alone, which needs timestamps).
+    pub fn new(gpu: &Gpu, max_passes: usize, per_dispatch: bool) -> Self {
         let gpu_timestamps = gpu.caps.timestamps.then(|| {
             let capacity = (2 * max_passes) as u32;
             GpuTimestamps {
@@ -244,6 +264,8 @@ impl PhaseTimer {
             }
         });
         PhaseTimer {
+            per_dispatch: per_dispatch && gpu_timestamps.is_some(),
+            last_passes: Vec::new(),
             totals: PhaseTimes::default(),
             source: if gpu_timestamps.is_some() {
                 TimingSource::GpuTimestamps
@@ -255,13 +277,17 @@ impl PhaseTimer {
         }
     }
 
-    fn pass_writes(&mut self, phase: Phase) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+    fn pass_writes(
+        &mut self,
+        phase: Phase,
+        label: &'static str,
+    ) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
         let ts = self.gpu.as_mut()?;
         let index = 2 * ts.passes.len() as u32;
         if index + 2 > ts.capacity {
             return None;
         }
-        ts.passes.push(phase);
+        ts.passes.push((phase, label));
         Some(wgpu::ComputePassTimestampWrites {
             query_set: &ts.queries,
             beginning_of_pass_write_index: Some(index),
@@ -310,10 +336,12 @@ impl PhaseTimer {
                 let n = ts.passes.len();
                 if n > 0 {
                     let ticks: Vec<u64> = ts.readback.read(gpu, n as u64 * 16)?;
-                    for (i, phase) in ts.passes.drain(..).enumerate() {
+                    self.last_passes.clear();
+                    for (i, (phase, label)) in ts.passes.drain(..).enumerate() {
                         let dt = ticks[2 * i + 1].saturating_sub(ticks[2 * i]);
-                        let ns = dt as f64 * ts.period_ns as f64;
-                        self.totals.add(phase, Duration::from_nanos(ns as u64));
+                        let time = Duration::from_nanos((dt as f64 * ts.period_ns as f64) as u64);
+                        self.totals.add(phase, time);
+                        self.last_passes.push((label, time));
                     }
                 }
             }

@@ -80,7 +80,7 @@ impl GemvShape {
                 int8_rows_per_workgroup: 64,
             }
         } else {
-            let lanes = subgroup_width(gpu).unwrap_or(32);
+            let lanes = super::subgroup_width(gpu).unwrap_or(32);
             GemvShape {
                 rows_per_workgroup: (256 / lanes).max(1),
                 threads_per_row: lanes,
@@ -94,13 +94,6 @@ impl GemvShape {
             }
         }
     }
-}
-
-/// The subgroup size when the adapter has subgroups of one fixed size
-/// (each output's lanes are then exactly one subgroup).
-fn subgroup_width(gpu: &Gpu) -> Option<u32> {
-    let (min, max) = (gpu.caps.subgroup_min_size, gpu.caps.subgroup_max_size);
-    (gpu.caps.subgroups && min == max && min.is_power_of_two() && (4..=128).contains(&min)).then_some(min)
 }
 
 /// What the product reads: `x` as it is, or its RMSNorm.
@@ -169,7 +162,7 @@ impl Gemv {
 
     pub fn with_shape(gpu: &Gpu, shape: GemvShape) -> Self {
         assert!(shape.threads_per_row.is_power_of_two());
-        Gemv { shape, subgroups: subgroup_width(gpu) == Some(shape.threads_per_row) }
+        Gemv { shape, subgroups: super::subgroup_width(gpu) == Some(shape.threads_per_row) }
     }
 
     /// The dispatches of `spec`, one per weight part, in part order.

@@ -195,6 +195,14 @@ impl Build {
 
 /// The flag of builds that use subgroup operations.
 pub const SUBGROUPS: &str = "SUBGROUPS";
+
+/// The subgroup size when the adapter has subgroups of one fixed size, so
+/// that a kernel may make a group of lanes (or a workgroup) exactly one
+/// subgroup.
+pub(crate) fn subgroup_width(gpu: &Gpu) -> Option<u32> {
+    let (min, max) = (gpu.caps.subgroup_min_size, gpu.caps.subgroup_max_size);
+    (gpu.caps.subgroups && min == max && min.is_power_of_two() && (4..=128).contains(&min)).then_some(min)
+}
 /// The flag of builds that convert f16 with the WGSL builtins.
 pub const F16_NATIVE: &str = "F16_NATIVE";
 /// The flag of builds that read weights in a format other than bf16 (with
@@ -240,6 +248,7 @@ pub fn builds() -> Vec<Build> {
             "attention" => attention::flag_sets(),
             "residual" => residual::flag_sets(),
             "sample" => sample::flag_sets(),
+            "router" => vec![vec![], vec![SUBGROUPS]],
             _ => vec![vec![]],
         };
         out.extend(flag_sets.into_iter().map(|flags| Build { family: family.name, flags }));

@@ -4,6 +4,9 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 use crate::model::config::Routing;
 
+/// Invocations per token without subgroups (a power of two).
+const WORKGROUP: u32 = 64;
+
 /// Limits of the kernel's workgroup arrays.
 pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
@@ -39,11 +42,16 @@ pub struct Router {
 }
 
 impl Router {
+    /// One subgroup per token where the adapter's subgroups have one size,
+    /// else a workgroup of [`WORKGROUP`] with barriered reductions.
     pub fn new(gpu: &Gpu) -> Result<Self> {
-        Ok(Router {
-            pipeline: super::pipeline(gpu, "router", "main", &[], &[])?,
-            no_bias: gpu.storage_buffer("router.no_bias", 1)?,
-        })
+        let pipeline = match super::subgroup_width(gpu) {
+            Some(width) => {
+                super::pipeline(gpu, "router", "main", &[super::SUBGROUPS], &[("WG", width as f64)])?
+            }
+            None => super::pipeline(gpu, "router", "main", &[], &[("WG", WORKGROUP as f64)])?,
+        };
+        Ok(Router { pipeline, no_bias: gpu.storage_buffer("router.no_bias", 1)? })
     }
 
     /// Selects `top_k` of `n_experts` for every token in flight.
