@@ -12,7 +12,7 @@ use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuTensor};
-use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
+use wgspark::kernels::gemv::{GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Embed, Gemm, Gemv};
 
@@ -255,6 +255,13 @@ fn int8_gemv_spans_chunks_of_the_activations() {
                 let x = rng.vec(tokens * cols, 1.0);
                 let xb = gpu.storage_buffer_init("x", &x);
                 let tol = 1e-5 * (cols as f32).sqrt();
+                // The staged values keep the bound the kernel documents.
+                for (block, staged) in x.chunks(32).zip(reference::int8_activations(&x).chunks(32)) {
+                    let largest = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    for (v, s) in block.iter().zip(staged) {
+                        assert!((v - s).abs() <= INT8_ROUNDING * largest, "{v} staged as {s}");
+                    }
+                }
 
                 let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
                 run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);

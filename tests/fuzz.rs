@@ -8,7 +8,8 @@
 //! temporary files and named in the message.
 //!
 //! `WGSPARK_FUZZ_ITERATIONS=N` sets the executions per target (default: a
-//! short smoke run).
+//! short smoke run), `WGSPARK_FUZZ_SEED=S` the mutations' seed (runs with
+//! different seeds try different inputs).
 
 mod common;
 
@@ -159,7 +160,8 @@ fn fuzz(
     target: impl Fn(&Path),
 ) {
     assert!(!seeds.is_empty(), "{name}: no seed files");
-    let mut rng = Rng::new(0xf022);
+    let seed: u64 = std::env::var("WGSPARK_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut rng = Rng::new(0xf022 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let path = dir.join(file);
     let started = Instant::now();
     for i in 0..iterations {

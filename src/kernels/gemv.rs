@@ -62,8 +62,10 @@ pub struct GemvShape {
 const INT8_WORKGROUP: u32 = 512;
 
 /// The largest error of an activation quantized for [`GemvShape::int8`],
-/// relative to the largest magnitude in its block of 32.
-pub const INT8_ROUNDING: f32 = 1.0 / (2.0 * 63.0 * 65536.0);
+/// relative to the largest magnitude in its block of 32: two steps of
+/// 1 / (63 * 2^16) (half a step of rounding, and the f32 roundings of the
+/// value in steps and back).
+pub const INT8_ROUNDING: f32 = 2.0 / (63.0 * 65536.0);
 
 impl GemvShape {
     /// CPU rasterisers do best with one output per invocation (no
