@@ -9,6 +9,7 @@
 //! cargo run --release --example bench -- --shape llama-3.1-8b --prompt 4096 --decode 64 --depth 0
 //! cargo run --release --example bench -- --model DIR
 //! cargo run --release --example bench -- --shape qwen3-30b-a3b --routing readback --expert-budget 100,50,25
+//! cargo run --release --example bench -- --shape llama-3.1-8b --prompt 0 --decode 32 --profile
 //! ```
 //! Shapes match those `synth_gguf.py` writes for llama.cpp's `llama-bench`,
 //! so both engines measure the same sizes; `--depth D` is llama-bench's

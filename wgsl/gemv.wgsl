@@ -29,7 +29,8 @@
 // with WEIGHT_FORMAT, rows in any format of weights.wgsl are read by its
 // units (UNIT_DOTS: the 256-element block formats), consecutive lanes on
 // consecutive units, or else four weights at a time, consecutive lanes on
-// consecutive quads.
+// consecutive quads; INT8_DOTS: by units against x staged by the whole
+// workgroup as bytes (below), for the formats whose quants fit a byte.
 // Grid: output blocks folded over x and z, y = token (SLOTS: token * top_k + slot).
 
 override ROWS_PER_WG: u32 = 64u;
