@@ -127,14 +127,7 @@ fn fp8_nan_codes_decode_to_nan() {
 fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(11);
-        let one_per_invocation = GemvShape {
-            rows_per_workgroup: 64,
-            threads_per_row: 1,
-            unroll: 1,
-            units: true,
-            int8: false,
-            int8_rows_per_workgroup: 64,
-        };
+        let one_per_invocation = GemvShape { int8: false, ..GemvShape::ONE_PER_INVOCATION };
         let gpu_shape = GemvShape::for_gpu(gpu);
         for shape in [
             one_per_invocation,
@@ -234,17 +227,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(12);
         let (rows, cols, tokens) = (6, 8192 + 2048 + 256, 2);
-        for shape in [
-            GemvShape::for_gpu(gpu),
-            GemvShape {
-                rows_per_workgroup: 64,
-                threads_per_row: 1,
-                unroll: 1,
-                units: true,
-                int8: true,
-                int8_rows_per_workgroup: 64,
-            },
-        ] {
+        for shape in [GemvShape::for_gpu(gpu), GemvShape::ONE_PER_INVOCATION] {
             let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
             for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
                 let what = format!("{format} {shape:?}");

@@ -44,14 +44,7 @@ const GEMV_SIZES: &[(usize, usize, usize)] = &[(1, 2, 1), (37, 100, 1), (130, 25
 /// workgroup reduction, and the adapter's own.
 fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
     vec![
-        GemvShape {
-            rows_per_workgroup: 64,
-            threads_per_row: 1,
-            unroll: 1,
-            units: true,
-            int8: false,
-            int8_rows_per_workgroup: 64,
-        },
+        GemvShape { int8: false, ..GemvShape::ONE_PER_INVOCATION },
         GemvShape {
             rows_per_workgroup: 4,
             threads_per_row: 16,

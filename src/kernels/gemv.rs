@@ -68,19 +68,22 @@ const INT8_WORKGROUP: u32 = 512;
 pub const INT8_ROUNDING: f32 = 2.0 / (63.0 * 65536.0);
 
 impl GemvShape {
+    /// 64 outputs per workgroup, one per invocation (no barriers).
+    pub const ONE_PER_INVOCATION: GemvShape = GemvShape {
+        rows_per_workgroup: 64,
+        threads_per_row: 1,
+        unroll: 1,
+        units: true,
+        int8: true,
+        int8_rows_per_workgroup: 64,
+    };
+
     /// CPU rasterisers do best with one output per invocation (no
     /// barriers); GPUs with a subgroup (or else a workgroup) reduction per
     /// output, whose lanes read consecutive weights.
     pub fn for_gpu(gpu: &Gpu) -> Self {
         if gpu.caps.is_cpu {
-            GemvShape {
-                rows_per_workgroup: 64,
-                threads_per_row: 1,
-                unroll: 1,
-                units: true,
-                int8: true,
-                int8_rows_per_workgroup: 64,
-            }
+            Self::ONE_PER_INVOCATION
         } else {
             let lanes = super::subgroup_width(gpu).unwrap_or(32);
             GemvShape {
