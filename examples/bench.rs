@@ -121,14 +121,21 @@ const MIXTRAL_8X7B: &str = r#"{"model_type": "mixtral", "hidden_size": 4096, "in
 /// per-layer cost is what is compared, where a whole model would not fit
 /// llama.cpp's disk as a file).
 fn shape_config(name: &str) -> Result<ModelConfig, String> {
-    let (_, json) = SHAPES.iter().find(|(n, _)| *n == name).ok_or_else(|| {
+    let layers =
+        name.rsplit_once('-').and_then(|(base, s)| Some((base, s.strip_suffix('l')?.parse::<u64>().ok()?)));
+    let base = match layers {
+        Some((base, _)) if !SHAPES.iter().any(|(n, _)| *n == name) => base,
+        _ => name,
+    };
+    let (_, json) = SHAPES.iter().find(|(n, _)| *n == base).ok_or_else(|| {
         let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
-        format!("unknown shape {name:?} (one of {})", names.join(", "))
+        format!(
+            "unknown shape {name:?} (one of {}, each also as NAME-Nl: its first N layers)",
+            names.join(", ")
+        )
     })?;
     let mut value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
-    if let Some(layers) =
-        name.rsplit('-').next().and_then(|s| s.strip_suffix('l')).and_then(|n| n.parse::<u64>().ok())
-    {
+    if let Some((_, layers)) = layers {
         value["num_hidden_layers"] = layers.into();
     }
     ModelConfig::parse(&value.to_string(), std::path::Path::new(name)).map_err(|e| e.to_string())
@@ -273,14 +280,18 @@ fn measure(
                 cache.hits -= cache_before.hits;
                 cache.misses -= cache_before.misses;
                 cache.bytes_uploaded -= cache_before.bytes_uploaded;
+                cache.upload_time -= cache_before.upload_time;
                 println!(
                     "  expert cache{mode}: {} of {} slots per layer, {:.1} % hits, {:.1} MB uploaded per token, \
-                     {:.1} GB/s of uploads while decoding (staging ring {:.0} MB)",
+                     {:.1} GB/s of uploads while decoding, {:.1} GB/s while uploading ({:.2} ms per token) \
+                     (staging ring {:.0} MB)",
                     experts.slots,
                     c.moe.as_ref().map_or(0, |m| m.experts),
                     100.0 * cache.hits as f64 / (cache.hits + cache.misses).max(1) as f64,
                     cache.bytes_uploaded as f64 / tokens / 1e6,
                     cache.bytes_uploaded as f64 / secs / 1e9,
+                    cache.bytes_uploaded as f64 / cache.upload_time.as_secs_f64().max(1e-9) / 1e9,
+                    cache.upload_time.as_secs_f64() * 1e3 / tokens,
                     experts.staging_bytes() as f64 / 1e6
                 );
             }

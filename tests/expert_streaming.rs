@@ -133,24 +133,31 @@ fn streaming_modes_that_cannot_work_are_errors() {
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
 }
 
-/// The staging ring: uploads larger than one thread fills (pieces of odd
+/// The staging ring: uploads larger than one fill task (pieces of odd
 /// sizes, split across threads) land whole, in order, at their offsets,
-/// including when the ring wraps and waits for a buffer to come back.
+/// when one call holds more uploads than the ring has buffers (it goes in
+/// batches) and when the next call finds the ring's buffers still in use.
 #[test]
 fn upload_ring_copies_every_piece_in_order() {
     on_each_backend(|gpu| {
         let row = 4100; // a multiple of 4, not of 8
         let rows = 700;
-        let mut ring = wgspark::gpu::UploadRing::new(gpu, 2, (row * rows) as u64);
-        let dst = gpu.storage_buffer_bytes("dst", 3 * (row * rows) as u64 + 16).unwrap();
+        let size = row * rows;
+        let mut ring = wgspark::gpu::UploadRing::new(gpu, 2, size as u64);
+        let dst = gpu.storage_buffer_bytes("dst", 5 * size as u64 + 16).unwrap();
         let mut rng = common::Rng::new(7);
-        let mut want = vec![0u8; 3 * row * rows + 16];
-        for upload in 0..3 {
-            let data: Vec<u8> = (0..row * rows).map(|_| rng.next_u32() as u8).collect();
-            let pieces: Vec<&[u8]> = data.chunks(row).collect();
-            let offset = 16 + upload * row * rows;
-            ring.upload(gpu, &dst, offset as u64, &pieces).unwrap();
-            want[offset..offset + data.len()].copy_from_slice(&data);
+        let mut want = vec![0u8; 5 * size + 16];
+        let data: Vec<Vec<u8>> = (0..5).map(|_| (0..size).map(|_| rng.next_u32() as u8).collect()).collect();
+        let upload = |i: usize| wgspark::gpu::Upload {
+            dst: &dst,
+            offset: (16 + i * size) as u64,
+            pieces: data[i].chunks(row).collect(),
+        };
+        let empty = wgspark::gpu::Upload { dst: &dst, offset: 0, pieces: vec![] };
+        ring.upload(gpu, &[upload(0), empty, upload(1), upload(2)]).unwrap();
+        ring.upload(gpu, &[upload(3), upload(4)]).unwrap();
+        for (i, d) in data.iter().enumerate() {
+            want[16 + i * size..16 + (i + 1) * size].copy_from_slice(d);
         }
         let got: Vec<u32> = gpu.read_buffer(&dst, want.len() / 4).unwrap();
         assert!(bytemuck::cast_slice::<u32, u8>(&got) == &want[..], "uploaded bytes differ");

@@ -11,7 +11,7 @@ pub use buffers::{Dispatch, ParamsBuffer, encode_all};
 pub use measure::CopyBandwidth;
 pub use readback::{MapWait, Readback};
 pub use tensor::{GpuTensor, TensorPart};
-pub use upload_ring::UploadRing;
+pub use upload_ring::{Upload, UploadRing};
 
 use std::sync::{Arc, Mutex};
 

@@ -3,9 +3,10 @@
 //! stored format) and are copied on demand into a fixed pool of GPU slots
 //! per MoE layer. Everything else is resident. The routing readback tells
 //! the host which experts the next dispatch needs: those in a slot are
-//! hits; the others are uploaded (through [`UploadRing`]) into the least
-//! recently used slots the dispatch does not need, and the expert kernels
-//! read slot numbers where they would read expert numbers.
+//! hits; the others are uploaded together (through [`UploadRing`]) into the
+//! slots the dispatch does not need whose experts the router has asked for
+//! least lately (its histogram, decayed), and the expert kernels read slot
+//! numbers where they would read expert numbers.
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -15,7 +16,7 @@ use super::MoeConfig;
 use super::weights::TensorSource;
 use crate::error::{Error, Result};
 use crate::format::WeightFormat;
-use crate::gpu::{Gpu, GpuTensor, UploadRing};
+use crate::gpu::{Gpu, GpuTensor, Upload, UploadRing};
 
 /// How the expert cache served a session (or, from [`ExpertStreaming::totals`],
 /// the model): experts a dispatch found in a slot, experts it had to wait
@@ -96,6 +97,28 @@ impl StreamedLayer {
 struct LayerSlots {
     expert: Vec<Option<usize>>,
     last_used: Vec<u64>,
+    /// How often each expert was needed lately: every need adds 1, and
+    /// the counts halve every [`DEMAND_HALF_LIFE`] dispatches.
+    demand: Vec<f32>,
+}
+
+/// Dispatches over which an expert's past demand halves: long enough to
+/// tell the experts a layer's router favours from those it picked once,
+/// short enough to follow a change of subject.
+const DEMAND_HALF_LIFE: f32 = 256.0;
+
+impl LayerSlots {
+    /// The slot to evict: not used at `now`, holding the expert least in
+    /// demand (an empty slot first), the least recently used among equals.
+    fn victim(&self, now: u64) -> Option<usize> {
+        let demand = |s: usize| match self.expert[s] {
+            Some(x) => self.demand[x],
+            None => f32::NEG_INFINITY,
+        };
+        (0..self.expert.len())
+            .filter(|&s| self.last_used[s] != now)
+            .min_by(|&a, &b| demand(a).total_cmp(&demand(b)).then(self.last_used[a].cmp(&self.last_used[b])))
+    }
 }
 
 #[derive(Debug)]
@@ -143,7 +166,11 @@ impl ExpertStreaming {
             })
             .max()
             .unwrap_or(0);
-        let slot_table = || LayerSlots { expert: (0..slots).map(Some).collect(), last_used: vec![0; slots] };
+        let slot_table = || LayerSlots {
+            expert: (0..slots).map(Some).collect(),
+            last_used: vec![0; slots],
+            demand: vec![0.0; moe.experts],
+        };
         let cache = Cache {
             layers: layers.iter().map(|_| slot_table()).collect(),
             // Two of each kind per slot of a dispatch: one dispatch's
@@ -185,17 +212,17 @@ impl ExpertStreaming {
             let (Some(streamed), super::FfnWeights::Moe(moe)) = (streamed, &weights.layers[layer].ffn) else {
                 continue;
             };
-            for slot in 0..self.slots {
-                self.upload(gpu, &mut cache.ring, streamed, (&moe.gate_up, &moe.down), slot, slot)?;
-            }
+            let placements: Vec<(usize, usize)> = (0..self.slots).map(|s| (s, s)).collect();
+            self.upload(gpu, &mut cache.ring, streamed, (&moe.gate_up, &moe.down), &placements)?;
         }
         Ok(())
     }
 
     /// Puts `needed` (distinct experts of `layer`, at most [`Self::slots`])
-    /// on the GPU: the missing ones are uploaded into the least recently
-    /// used slots that `needed` does not occupy. Returns each one's slot;
-    /// the uploads run before anything submitted after this returns.
+    /// on the GPU: the missing ones are uploaded, together, into the slots
+    /// that `needed` does not occupy holding the experts least in demand
+    /// ([`LayerSlots::victim`]). Returns each one's slot; the uploads run before anything submitted after this
+    /// returns.
     pub fn place(
         &self,
         gpu: &Gpu,
@@ -212,6 +239,11 @@ impl ExpertStreaming {
         *clock += 1;
         let now = *clock;
         let table = &mut layers[layer];
+        let decay = 0.5f32.powf(1.0 / DEMAND_HALF_LIFE);
+        table.demand.iter_mut().for_each(|d| *d *= decay);
+        for &x in needed {
+            table.demand[x] += 1.0;
+        }
         let mut slots: Vec<Option<usize>> =
             needed.iter().map(|&x| table.expert.iter().position(|&held| held == Some(x))).collect();
         let mut served = ExpertCacheStats::default();
@@ -219,77 +251,104 @@ impl ExpertStreaming {
             table.last_used[*s] = now;
         }
         served.hits = slots.iter().flatten().count() as u64;
-        let start = Instant::now();
+        let mut misses = Vec::new();
         for (k, &x) in needed.iter().enumerate() {
             if slots[k].is_some() {
                 continue;
             }
-            // Least recently used; slots placed for this dispatch were just
-            // marked `now`, so they are never chosen.
-            let victim = (0..self.slots).min_by_key(|&s| table.last_used[s]).expect("at least one slot");
+            // The expert least in demand, of those this dispatch does not
+            // need (just marked `now`); the least recently used of equals.
             // Empty until the upload is recorded: a failed one leaves no
-            // stale expert behind.
+            // stale expert.
+            let victim = table.victim(now).expect("fewer needed experts than slots");
             table.expert[victim] = None;
             table.last_used[victim] = now;
-            served.bytes_uploaded += self.upload(gpu, ring, streamed, (gate_up, down), x, victim)?;
-            table.expert[victim] = Some(x);
             slots[k] = Some(victim);
-            served.misses += 1;
+            misses.push((x, victim));
         }
-        if served.misses > 0 {
+        if !misses.is_empty() {
+            let start = Instant::now();
+            served.bytes_uploaded = self.upload(gpu, ring, streamed, (gate_up, down), &misses)?;
             served.upload_time = start.elapsed();
+            served.misses = misses.len() as u64;
+            for (x, slot) in misses {
+                table.expert[slot] = Some(x);
+            }
         }
         totals.add(&served);
         stats.add(&served);
         Ok(slots.into_iter().map(|s| s.expect("every needed expert has a slot") as u32).collect())
     }
 
-    /// Copies expert `x` of a layer into `slot`: its gate and up rows
-    /// interleaved, and its down rows. Returns the bytes copied.
+    /// Copies each `(expert, slot)` of a layer into its slot (its gate and
+    /// up rows interleaved, and its down rows), as many experts at a time
+    /// as the ring holds. Returns the bytes copied.
     fn upload(
         &self,
         gpu: &Gpu,
         ring: &mut UploadRing,
         streamed: &StreamedLayer,
         (gate_up_slots, down_slots): (&GpuTensor, &GpuTensor),
-        x: usize,
-        slot: usize,
+        placements: &[(usize, usize)],
     ) -> Result<u64> {
         let (h, i) = self.dims;
-        let [gate, up, down] = streamed.tensors.read(self.source.as_ref(), x, (self.experts, h, i))?;
-        let (gate, up) =
-            (streamed.gate_up_format.to_gpu_layout(&gate), streamed.gate_up_format.to_gpu_layout(&up));
-        let down = streamed.down_format.to_gpu_layout(&down);
-        let row = streamed.gate_up_format.gpu_row_bytes(h);
-        let interleaved: Vec<&[u8]> =
-            gate.chunks_exact(row).zip(up.chunks_exact(row)).flat_map(|(g, u)| [g, u]).collect();
-        copy_rows(gpu, ring, gate_up_slots, slot * 2 * i, &interleaved)?;
-        let down_rows: Vec<&[u8]> = down.chunks_exact(streamed.down_format.gpu_row_bytes(i)).collect();
-        copy_rows(gpu, ring, down_slots, slot * h, &down_rows)?;
-        Ok((gate.len() + up.len() + down.len()) as u64)
+        let gate_up_row = streamed.gate_up_format.gpu_row_bytes(h);
+        let down_row = streamed.down_format.gpu_row_bytes(i);
+        let mut bytes = 0;
+        for group in placements.chunks(ring.uploads_at_once().div_ceil(2)) {
+            let values = group
+                .iter()
+                .map(|&(x, _)| {
+                    let [gate, up, down] =
+                        streamed.tensors.read(self.source.as_ref(), x, (self.experts, h, i))?;
+                    Ok([
+                        gpu_layout(streamed.gate_up_format, gate),
+                        gpu_layout(streamed.gate_up_format, up),
+                        gpu_layout(streamed.down_format, down),
+                    ])
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut uploads = Vec::new();
+            for (&(_, slot), [gate, up, down]) in group.iter().zip(&values) {
+                let interleaved: Vec<&[u8]> = gate
+                    .chunks_exact(gate_up_row)
+                    .zip(up.chunks_exact(gate_up_row))
+                    .flat_map(|(g, u)| [g, u])
+                    .collect();
+                uploads.extend(row_uploads(gate_up_slots, slot * 2 * i, interleaved));
+                uploads.extend(row_uploads(down_slots, slot * h, down.chunks_exact(down_row).collect()));
+                bytes += (gate.len() + up.len() + down.len()) as u64;
+            }
+            ring.upload(gpu, &uploads)?;
+        }
+        Ok(bytes)
     }
 }
 
-/// Copies `rows` (each one row in the tensor's GPU layout) to `tensor` from
-/// row `first` on, one ring upload per part they fall in.
-fn copy_rows(
-    gpu: &Gpu,
-    ring: &mut UploadRing,
-    tensor: &GpuTensor,
-    first: usize,
-    rows: &[&[u8]],
-) -> Result<()> {
+/// `file` (bytes of `format` as the checkpoint stores them) in the GPU
+/// layout, still borrowed from the checkpoint where the two agree.
+fn gpu_layout(format: WeightFormat, file: Cow<'_, [u8]>) -> Cow<'_, [u8]> {
+    let converted = match format.to_gpu_layout(&file) {
+        Cow::Owned(bytes) => Some(bytes),
+        Cow::Borrowed(_) => None,
+    };
+    converted.map_or(file, Cow::Owned)
+}
+
+/// The uploads that put `rows` (each one row in the tensor's GPU layout)
+/// into `tensor` from row `first` on: one per part they fall in.
+fn row_uploads<'a>(tensor: &'a GpuTensor, first: usize, rows: Vec<&'a [u8]>) -> Vec<Upload<'a>> {
     let end = first + rows.len();
+    let mut out = Vec::new();
     for part in &tensor.parts {
         let (lo, hi) = (first.max(part.first_row), end.min(part.first_row + part.rows));
         if lo >= hi {
             continue;
         }
-        let row_bytes = rows[0].len() as u64;
-        let offset = (lo - part.first_row) as u64 * row_bytes;
-        ring.upload(gpu, &part.buffer, offset, &rows[lo - first..hi - first])?;
+        let offset = (lo - part.first_row) as u64 * rows[0].len() as u64;
+        out.push(Upload { dst: &part.buffer, offset, pieces: rows[lo - first..hi - first].to_vec() });
     }
-    Ok(())
+    out
 }
 
 /// GPU slots per MoE layer for a weight budget of `gpu_memory` bytes:
@@ -311,4 +370,29 @@ pub fn slots_for_budget(gpu_memory: u64, resident: u64, expert_bytes: u64, moe: 
         });
     }
     Ok(slots.min(moe.experts as u64) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LayerSlots;
+
+    fn table(expert: Vec<Option<usize>>, last_used: Vec<u64>, demand: Vec<f32>) -> LayerSlots {
+        LayerSlots { expert, last_used, demand }
+    }
+
+    #[test]
+    fn the_victim_is_the_expert_least_in_demand_that_the_dispatch_does_not_need() {
+        // Slot 1 holds the expert least in demand, but this dispatch (at 9) uses it.
+        let t = table(vec![Some(0), Some(1), Some(2), Some(3)], vec![5, 9, 3, 4], vec![4.0, 0.5, 2.0, 1.0]);
+        assert_eq!(t.victim(9), Some(3));
+        // Equal demand: the least recently used.
+        let t = table(vec![Some(0), Some(1), Some(2)], vec![7, 2, 5], vec![1.0, 1.0, 1.0]);
+        assert_eq!(t.victim(9), Some(1));
+        // An empty slot (a failed upload left it so) goes first.
+        let t = table(vec![Some(0), None, Some(2)], vec![1, 8, 2], vec![0.0, 3.0, 0.0]);
+        assert_eq!(t.victim(9), Some(1));
+        // Every slot in use by the dispatch: none.
+        let t = table(vec![Some(0), Some(1)], vec![9, 9], vec![0.0, 0.0]);
+        assert_eq!(t.victim(9), None);
+    }
 }
