@@ -773,6 +773,74 @@ fn json_files_beyond_their_size() {
     );
 }
 
+/// A copy of the GGUF fixture `case`, each tensor passed through `tensor`
+/// (None keeps it), then `extra` tensors added.
+fn edited_gguf(
+    case: &str,
+    tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
+    extra: &[(&str, Vec<usize>, GgmlType, Vec<u8>)],
+) -> std::path::PathBuf {
+    use wgspark::gguf::{Gguf, Meta};
+    let source = Gguf::open(fixture_dir(case).join("model.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (key, value) in &source.metadata {
+        w.meta(
+            key,
+            match value {
+                Meta::Int(v) => MetaValue::U32(*v as u32),
+                Meta::Float(v) => MetaValue::F32(*v as f32),
+                Meta::Bool(v) => MetaValue::Bool(*v),
+                Meta::Str(v) => MetaValue::Str(v.clone()),
+                Meta::Array(_) => panic!("the fixture has no array metadata"),
+            },
+        );
+    }
+    for t in &source.tensors {
+        let (dims, ty, bytes) = tensor(&t.name).unwrap_or((t.dims.clone(), t.ty, source.data(t).to_vec()));
+        w.tensor_bytes(&t.name, &dims, ty, bytes);
+    }
+    for (name, dims, ty, bytes) in extra {
+        w.tensor_bytes(name, dims, *ty, bytes.clone());
+    }
+    let path = temp_dir(case).join("model.gguf");
+    w.write(&path).unwrap();
+    path
+}
+
+/// A GGUF tensor of no dimensions is a scalar (llama.cpp reads it as one
+/// value): a model carrying one loads, and a token embedding that is not a
+/// matrix, scalar or vector, is named. (Found by `fuzz/`'s gguf_model
+/// target: both were index panics.)
+#[test]
+fn gguf_tensors_of_no_dimensions() {
+    let embedding = |dims: Vec<usize>| {
+        let bytes = vec![0u8; 4 * dims.iter().product::<usize>()];
+        edited_gguf(
+            "gguf_llama_q8_0_tied",
+            |name| (name == "token_embd.weight").then(|| (dims.clone(), GgmlType::F32, bytes.clone())),
+            &[],
+        )
+    };
+    for dims in [vec![], vec![256]] {
+        let err = load_err(&embedding(dims.clone()));
+        assert!(
+            matches!(&err, Error::Gguf { message, .. }
+                if message.contains(&format!("token_embd.weight has dims {dims:?}, expected 2"))),
+            "{err}"
+        );
+    }
+
+    let scalar =
+        edited_gguf("gguf_llama_q8_0_tied", |_| None, &[("scale", vec![], GgmlType::F32, vec![0; 4])]);
+    let checkpoint = wgspark::model::gguf_checkpoint::GgufCheckpoint::open(&scalar).unwrap();
+    let whole = wgspark::model::gguf_checkpoint::GgufCheckpoint::open(
+        &fixture_dir("gguf_llama_q8_0_tied").join("model.gguf"),
+    )
+    .unwrap();
+    assert_eq!(checkpoint.gpu_bytes(), whole.gpu_bytes() + 4, "the scalar counts as one f32");
+    Model::load(&scalar, &gpu()).expect("a model with a scalar tensor loads");
+}
+
 /// A device that is lost mid-session (destroyed here, as a driver reset or
 /// a removed GPU leaves it) makes the next step a typed error, neither a
 /// panic nor a hang, in every mode of running; a new device, model and

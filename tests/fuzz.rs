@@ -5,13 +5,18 @@
 //! files (the fixtures), byte by byte or, for JSON, node by node, and must
 //! answer with `Ok` or a typed error: never a panic, never more than
 //! [`SLOWEST`] for one input. A failing input is written next to the
-//! temporary files and named in the message.
+//! temporary files and named in the message. What a target does with an
+//! input is `fuzz/src/lib.rs`, which the coverage-guided (cargo-fuzz)
+//! targets share.
 //!
 //! `WGSPARK_FUZZ_ITERATIONS=N` sets the executions per target (default: a
 //! short smoke run), `WGSPARK_FUZZ_SEED=S` the mutations' seed (runs with
 //! different seeds try different inputs).
 
 mod common;
+#[allow(dead_code)]
+#[path = "../fuzz/src/lib.rs"]
+mod targets;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -20,6 +25,7 @@ use std::time::{Duration, Instant};
 use common::Rng;
 use common::checkpoint::{fixture_dir, temp_dir};
 use serde_json::Value;
+use targets::Target;
 
 /// Longest any single input may take.
 const SLOWEST: Duration = Duration::from_secs(5);
@@ -148,30 +154,28 @@ fn mutate_json(rng: &mut Rng, seed: &str) -> Vec<u8> {
 }
 
 /// Runs `target` on `iterations` mutants of the seeds, each written to
-/// `file` (in `dir`) first; fails naming the first input that panics or
-/// takes too long, kept as `failing-<file>`.
+/// its file in a temporary folder first; fails naming the first input that
+/// panics or takes too long, kept as `failing-<file>`.
 fn fuzz(
-    name: &str,
+    target: &Target,
     seeds: &[Vec<u8>],
     iterations: usize,
-    dir: &Path,
-    file: &str,
     mut mutate: impl FnMut(&mut Rng, &[u8]) -> Vec<u8>,
-    target: impl Fn(&Path),
 ) {
+    let name = target.name;
     assert!(!seeds.is_empty(), "{name}: no seed files");
     let seed: u64 = std::env::var("WGSPARK_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut rng = Rng::new(0xf022 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let path = dir.join(file);
+    let dir = temp_dir(name);
+    target.prepare(Path::new(env!("CARGO_MANIFEST_DIR")), &dir).unwrap();
     let started = Instant::now();
     for i in 0..iterations {
         let input = mutate(&mut rng, &seeds[i % seeds.len()]);
-        std::fs::write(&path, &input).unwrap();
         let t = Instant::now();
-        let outcome = catch_unwind(AssertUnwindSafe(|| target(dir)));
+        let outcome = catch_unwind(AssertUnwindSafe(|| target.execute(&dir, &input)));
         let took = t.elapsed();
         if outcome.is_err() || took > SLOWEST {
-            let kept = dir.join(format!("failing-{file}"));
+            let kept = dir.join(format!("failing-{}", target.file));
             std::fs::write(&kept, &input).unwrap();
             let what = if outcome.is_err() { "panicked".to_string() } else { format!("took {took:?}") };
             panic!("{name}: input {i} {what}; kept as {}", kept.display());
@@ -197,76 +201,41 @@ fn fixture_files(file: &str) -> Vec<PathBuf> {
 #[test]
 fn config_json() {
     let seeds = read_all(fixture_files("config.json"));
-    let dir = temp_dir("fuzz_config");
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_json(rng, std::str::from_utf8(s).unwrap());
-    fuzz("config.json", &seeds, iterations(2000), &dir, "config.json", mutate, |dir| {
-        let path = dir.join("config.json");
-        let text = String::from_utf8_lossy(&std::fs::read(&path).unwrap()).into_owned();
-        let _ = wgspark::ModelConfig::parse(&text, &path);
-    });
+    fuzz(&targets::CONFIG_JSON, &seeds, iterations(2000), mutate);
 }
 
 #[test]
 fn safetensors_files_and_shard_index() {
-    use wgspark::model::weights::Checkpoint;
     let seeds = read_all(
         ["llama_untied", "qwen3_dense", "fp8_partial_blocks"]
             .map(|c| fixture_dir(c).join("model.safetensors")),
     );
-    let dir = temp_dir("fuzz_safetensors");
     // The header: its 8-byte length and the JSON after it.
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_bytes(rng, s, 2048);
-    let fp8 = Some(wgspark::model::Quantization::Fp8 { block_rows: 128 });
-    fuzz("safetensors", &seeds, iterations(500), &dir, "model.safetensors", mutate, |dir| {
-        if let Ok(c) = Checkpoint::open(dir, None) {
-            let _ = c.bf16_bytes("model.norm.weight", &[64]);
-            let _ = c.f32_values("model.layers.0.input_layernorm.weight");
-        }
-        if let Ok(c) = Checkpoint::open(dir, fp8) {
-            let name = "model.layers.0.self_attn.q_proj.weight";
-            let _ = c.format(name).and_then(|_| c.stored_bytes(name, &[240, 192]));
-        }
-    });
+    fuzz(&targets::SAFETENSORS_HEADER, &seeds, iterations(500), mutate);
 
     // An index whose shard names and tensor lists are mutated, beside a
     // real shard.
-    let dir = temp_dir("fuzz_index");
-    std::fs::copy(fixture_dir("llama_untied").join("model.safetensors"), dir.join("model.safetensors"))
-        .unwrap();
     let index = serde_json::json!({
         "metadata": {"total_size": 189_000},
         "weight_map": {"model.norm.weight": "model.safetensors", "lm_head.weight": "model.safetensors"}
     });
     let seeds = vec![index.to_string().into_bytes()];
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_json(rng, std::str::from_utf8(s).unwrap());
-    fuzz("safetensors index", &seeds, iterations(300), &dir, "model.safetensors.index.json", mutate, |dir| {
-        let _ = Checkpoint::open(dir, None);
-    });
+    fuzz(&targets::SHARD_INDEX, &seeds, iterations(300), mutate);
 }
 
 #[test]
 fn gguf_models() {
-    use wgspark::model::gguf_checkpoint::GgufCheckpoint;
     let seeds = read_all(
         ["gguf_llama_q4_k_m", "gguf_qwen3moe_q4_k_m", "gguf_minimax_m2_q4_k_m", "gguf_llama_q8_0_tied"]
             .iter()
             .flat_map(|c| std::fs::read_dir(fixture_dir(c)).unwrap().map(|e| e.unwrap().path()))
             .filter(|p| p.extension().is_some_and(|e| e == "gguf")),
     );
-    let dir = temp_dir("fuzz_gguf");
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_bytes(rng, s, 1 << 16);
-    fuzz("gguf model", &seeds, iterations(150), &dir, "model.gguf", mutate, |dir| {
-        let path = dir.join("model.gguf");
-        if let Ok(checkpoint) = GgufCheckpoint::open(&path) {
-            let _ = checkpoint.config();
-        }
-        if let Ok(g) = wgspark::gguf::Gguf::open(&path) {
-            let _ = wgspark::tokenizer::from_gguf(&g);
-            for t in g.tensors.iter().filter(|t| t.elements() < 1 << 16) {
-                let _ = g.dequantize(t);
-            }
-        }
-    });
+    fuzz(&targets::GGUF_MODEL, &seeds, iterations(150), mutate);
 }
 
 #[test]
@@ -278,11 +247,8 @@ fn gguf_control_vectors() {
             .flat_map(|case| std::fs::read_dir(case.unwrap().path()).unwrap().map(|e| e.unwrap().path()))
             .filter(|p| p.extension().is_some_and(|e| e == "gguf")),
     );
-    let dir = temp_dir("fuzz_control_vector");
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_bytes(rng, s, 4096);
-    fuzz("control vector", &seeds, iterations(1000), &dir, "vector.gguf", mutate, |dir| {
-        let _ = wgspark::ControlVector::load(dir.join("vector.gguf"));
-    });
+    fuzz(&targets::GGUF_CONTROL_VECTOR, &seeds, iterations(1000), mutate);
 }
 
 #[test]
@@ -303,11 +269,6 @@ fn tokenizer_json() {
             "merges": [["a", "b"]]}
     });
     let seeds = vec![seed.to_string().into_bytes()];
-    let dir = temp_dir("fuzz_tokenizer");
     let mutate = |rng: &mut Rng, s: &[u8]| mutate_json(rng, std::str::from_utf8(s).unwrap());
-    fuzz("tokenizer.json", &seeds, iterations(500), &dir, "tokenizer.json", mutate, |dir| {
-        if let Ok(Some(tok)) = wgspark::tokenizer::from_folder(dir) {
-            let _ = wgspark::tokenizer::encode(&tok, "ab ba aab b", true);
-        }
-    });
+    fuzz(&targets::TOKENIZER_JSON, &seeds, iterations(500), mutate);
 }

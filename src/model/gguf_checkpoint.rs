@@ -142,7 +142,13 @@ impl GgufCheckpoint {
         let model_type = ARCHITECTURES.iter().find(|(a, _)| *a == self.arch).map(|(_, t)| *t).unwrap();
         let (_, embed) =
             self.tensor("token_embd.weight").ok_or_else(|| self.meta().err("no token_embd.weight".into()))?;
-        let vocab = embed.shape()[0];
+        let vocab = match embed.shape()[..] {
+            [vocab, _] => vocab,
+            _ => {
+                let dims = &embed.dims;
+                return Err(self.meta().err(format!("token_embd.weight has dims {dims:?}, expected 2")));
+            }
+        };
         let heads = self.meta_int("attention.head_count")?;
         let hidden = self.meta_int("embedding_length")?;
         let head_dim = self.meta_int("attention.key_length").unwrap_or(hidden / heads.max(1));
@@ -222,9 +228,11 @@ impl GgufCheckpoint {
         let mut total = 0u64;
         for g in &self.files {
             for t in &g.tensors {
+                // A tensor of no dimensions (a scalar) is one row of one value.
+                let cols = t.dims.first().copied().unwrap_or(1);
                 let bytes = match WeightFormat::from_ggml(t.ty) {
-                    Some(f) if t.dims[0].is_multiple_of(f.block_elements()) => {
-                        f.gpu_row_bytes(t.dims[0]) * (t.elements() / t.dims[0].max(1))
+                    Some(f) if cols.is_multiple_of(f.block_elements()) => {
+                        f.gpu_row_bytes(cols) * (t.elements() / cols.max(1))
                     }
                     _ => g.data(t).len(),
                 };
