@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, ModelConfig,
-    RoutingMode, Sampling, Session, SessionOptions, Steering,
+    Backend, CaptureOptions, ControlVector, ExpertPrefetch, GenerateOptions, Gpu, GpuOptions, KvFormat,
+    Model, ModelConfig, RoutingMode, Sampling, Session, SessionOptions, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -65,6 +65,9 @@ struct Args {
     /// streamed from host memory (100: all resident).
     #[arg(long, value_delimiter = ',')]
     expert_budget: Vec<f64>,
+    /// Streamed experts: off, predicted, or both (compared).
+    #[arg(long, default_value = "off")]
+    expert_prefetch: String,
 }
 
 /// (name, config.json) of every synthetic shape.
@@ -220,16 +223,27 @@ fn measure(
         (true, "both") => &[RoutingMode::DeviceResident, RoutingMode::Readback],
         (true, other) => return Err(format!("--routing {other:?}: readback, device or both").into()),
     };
+    let prefetches: &[ExpertPrefetch] = match (model.experts.is_some(), args.expert_prefetch.as_str()) {
+        (false, _) | (true, "off") => &[ExpertPrefetch::Off],
+        (true, "predicted") => &[ExpertPrefetch::Predicted],
+        (true, "both") => &[ExpertPrefetch::Off, ExpertPrefetch::Predicted],
+        (true, other) => return Err(format!("--expert-prefetch {other:?}: off, predicted or both").into()),
+    };
     let mut decode_per_mode = Vec::new();
-    for &routing in modes {
+    for (routing, expert_prefetch) in modes.iter().flat_map(|&r| prefetches.iter().map(move |&p| (r, p))) {
         let options = SessionOptions {
             context_len: Some(args.depth + args.prompt.max(args.decode) + 1),
             prefill_chunk: args.prefill_chunk,
             kv_format: args.kv_cache,
             routing,
+            expert_prefetch,
             ..Default::default()
         };
-        let mode = if c.moe.is_some() { format!(" ({routing:?} routing)") } else { String::new() };
+        let mode = match (c.moe.is_some(), model.experts.is_some()) {
+            (true, true) => format!(" ({routing:?} routing, prefetch {expert_prefetch:?})"),
+            (true, false) => format!(" ({routing:?} routing)"),
+            _ => String::new(),
+        };
         let mut session = model.session(&options)?;
         let context: Vec<u32> = (0..args.depth).map(|i| (i * 7919 % c.vocab) as u32).collect();
         let fill = |session: &mut Session<'_>| -> wgspark::Result<()> {
@@ -281,13 +295,19 @@ fn measure(
                 cache.misses -= cache_before.misses;
                 cache.bytes_uploaded -= cache_before.bytes_uploaded;
                 cache.upload_time -= cache_before.upload_time;
+                cache.prefetched -= cache_before.prefetched;
+                cache.prefetch_hits -= cache_before.prefetch_hits;
                 println!(
-                    "  expert cache{mode}: {} of {} slots per layer, {:.1} % hits, {:.1} MB uploaded per token, \
+                    "  expert cache{mode}: {} of {} slots per layer, {:.1} % hits ({:.1} % prefetched), \
+                     {:.1} of {:.1} prefetched per token used, {:.1} MB uploaded per token, \
                      {:.1} GB/s of uploads while decoding, {:.1} GB/s while uploading ({:.2} ms per token) \
                      (staging ring {:.0} MB)",
                     experts.slots,
                     c.moe.as_ref().map_or(0, |m| m.experts),
                     100.0 * cache.hits as f64 / (cache.hits + cache.misses).max(1) as f64,
+                    100.0 * cache.prefetch_hits as f64 / (cache.hits + cache.misses).max(1) as f64,
+                    cache.prefetch_hits as f64 / tokens,
+                    cache.prefetched as f64 / tokens,
                     cache.bytes_uploaded as f64 / tokens / 1e6,
                     cache.bytes_uploaded as f64 / secs / 1e9,
                     cache.bytes_uploaded as f64 / cache.upload_time.as_secs_f64().max(1e-9) / 1e9,

@@ -566,12 +566,15 @@ fn print_stats(stats: &Stats) {
     let cache = &stats.expert_cache;
     if cache.hits + cache.misses > 0 {
         eprintln!(
-            "expert cache: {} hits, {} misses, {} bytes uploaded ({:.1} % hits, {:.3} ms uploading)",
+            "expert cache: {} hits, {} misses, {} bytes uploaded ({:.1} % hits, {:.3} ms uploading; \
+             {} prefetched, {} of them used)",
             cache.hits,
             cache.misses,
             cache.bytes_uploaded,
             100.0 * cache.hits as f64 / (cache.hits + cache.misses) as f64,
-            cache.upload_time.as_secs_f64() * 1e3
+            cache.upload_time.as_secs_f64() * 1e3,
+            cache.prefetched,
+            cache.prefetch_hits
         );
     }
     if stats.decode_dispatches > 0 {

@@ -62,7 +62,7 @@ pub mod tokenizer;
 
 pub use capture::{Capture, CaptureOptions, PromptRows};
 pub use error::{ControlVectorProblem, Error, Result};
-pub use flow::{ChunkMatmul, RoutingMode};
+pub use flow::{ChunkMatmul, ExpertPrefetch, RoutingMode};
 pub use format::WeightFormat;
 pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions};
 pub use kv_cache::KvFormat;

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
-use crate::flow::moe::RoutingContext;
+use crate::flow::moe::{ExpertPrefetch, RoutingContext};
 use crate::flow::{Activations, ChunkMatmul, Head, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::{MapWait, Readback};
 use crate::kv_cache::{KvCache, KvFormat};
@@ -36,6 +36,10 @@ pub struct SessionOptions {
     pub context_len: Option<usize>,
     /// How MoE layers hand the router's choice to the expert kernels.
     pub routing: RoutingMode,
+    /// Whether a decode step uploads the streamed experts it predicts the
+    /// next MoE layer will choose while this layer's experts run (off
+    /// unless asked for: see [`ExpertPrefetch`]).
+    pub expert_prefetch: ExpertPrefetch,
     /// Prompt tokens per submission in [`Session::prefill`] (default
     /// [`DEFAULT_PREFILL_CHUNK`]; lowered if the activations of a chunk
     /// would not fit one storage binding).
@@ -108,6 +112,7 @@ pub struct Session<'m> {
     plan: Plan,
     logits_readback: Readback,
     routing_readback: Readback,
+    expert_prefetch: ExpertPrefetch,
     /// Where generated ids come back, one slot per step in flight.
     id_readbacks: Vec<Readback>,
     /// The token selection the plan was built with.
@@ -154,7 +159,8 @@ impl<'m> Session<'m> {
         let plan = Plan::new(model, &activations, &kv)?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
-        let routing_readback = Readback::new(gpu, "routing.readback", (chunk * top_k * 4) as u64);
+        // A chunk's choices, or one token's and its prediction of the next layer's.
+        let routing_readback = Readback::new(gpu, "routing.readback", (chunk.max(2) * top_k * 4) as u64);
         let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
         // Passes per forward: attention and routed per MoE layer, the rest,
         // the head; or, timing dispatches, at most MAX_TIMED_PASSES.
@@ -176,6 +182,7 @@ impl<'m> Session<'m> {
             id_readbacks: Vec::new(),
             sampling: None,
             routing: options.routing,
+            expert_prefetch: options.expert_prefetch,
             timer,
             steering: None,
             capture: None,
@@ -394,6 +401,7 @@ impl<'m> Session<'m> {
             mode: self.routing,
             readback: &self.routing_readback,
             experts: self.model.experts.as_ref(),
+            prefetch: self.expert_prefetch,
         };
         self.plan.forward(&mut rec, act, &step, head, &routing)?;
         if head == Head::Logits {

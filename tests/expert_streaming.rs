@@ -10,21 +10,27 @@ use common::checkpoint::fixture_dir;
 use common::fixtures::{Case, cases};
 use common::on_each_backend;
 use wgspark::model::LoadOptions;
-use wgspark::{ChunkMatmul, Error, Gpu, Model, RoutingMode, SessionOptions};
+use wgspark::model::experts::ExpertCacheStats;
+use wgspark::{ChunkMatmul, Error, ExpertPrefetch, Gpu, Model, RoutingMode, SessionOptions};
 
 /// Logits of the prompt (in chunks of 5 tokens) and of each generated id
 /// fed back, and the session's expert cache counts.
-fn replay(model: &Model, case: &Case, chunk_matmul: ChunkMatmul) -> (Vec<Vec<f32>>, (u64, u64)) {
+fn replay(
+    model: &Model,
+    case: &Case,
+    chunk_matmul: ChunkMatmul,
+    expert_prefetch: ExpertPrefetch,
+) -> (Vec<Vec<f32>>, ExpertCacheStats) {
     let e = &case.expected;
-    let options = SessionOptions { prefill_chunk: Some(5), chunk_matmul, ..common::fixtures::exact() };
+    let options =
+        SessionOptions { prefill_chunk: Some(5), chunk_matmul, expert_prefetch, ..common::fixtures::exact() };
     let mut session = model.session(&options).unwrap();
     let mut rows = vec![session.prefill(&e.prompt_ids).unwrap()];
     for &id in &e.generated_ids[..e.generated_ids.len() - 1] {
         let pos = session.position();
         rows.push(session.step(id, pos).unwrap());
     }
-    let cache = session.stats().expert_cache;
-    (rows, (cache.hits, cache.misses))
+    (rows, session.stats().expert_cache)
 }
 
 fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -51,6 +57,7 @@ fn streamed_experts_give_the_resident_logits_bit_for_bit() {
     on_each_backend(|gpu| {
         let cases = moe_cases(gpu);
         assert!(cases.len() >= 8, "{} MoE fixtures", cases.len());
+        let mut prefetched = 0;
         for (case, resident) in &cases {
             let moe = resident.config.moe.as_ref().unwrap();
             // The grouped GEMM (a GPU's prefill) on a few cases: each build
@@ -61,18 +68,35 @@ fn streamed_experts_give_the_resident_logits_bit_for_bit() {
                 }
                 _ => &[ChunkMatmul::Gemv],
             };
+            // Two streamed MoE layers at least: decode predicts the next one's experts.
+            let predicts = moe.sparse_layers.iter().filter(|&&s| s).count() > 1;
             for &path in paths {
-                let (want, _) = replay(resident, case, path);
-                for slots in [moe.top_k, moe.top_k + 1] {
+                let (want, _) = replay(resident, case, path, ExpertPrefetch::Off);
+                let runs = [
+                    (moe.top_k, ExpertPrefetch::Predicted),
+                    (moe.top_k, ExpertPrefetch::Off),
+                    (moe.top_k + 1, ExpertPrefetch::Predicted),
+                ];
+                for (slots, prefetch) in runs {
                     let model = streamed(case, gpu, slots);
                     assert_eq!(model.experts.as_ref().map(|e| e.slots), Some(slots), "{}", case.name);
-                    let (got, (hits, misses)) = replay(&model, case, path);
-                    let what = format!("{} on {:?}, {slots} slots, {path:?}", case.name, gpu.info.backend);
+                    let (got, cache) = replay(&model, case, path, prefetch);
+                    let what = format!(
+                        "{} on {:?}, {slots} slots, {path:?}, prefetch {prefetch:?}",
+                        case.name, gpu.info.backend
+                    );
                     assert!(bits(&got) == bits(&want), "{what}: logits differ from the resident run");
-                    assert!(misses > 0 && hits + misses > 0, "{what}: {hits} hits, {misses} misses");
+                    assert!(cache.misses > 0, "{what}: {cache:?}");
+                    if predicts && prefetch == ExpertPrefetch::Predicted {
+                        prefetched += cache.prefetched;
+                    } else {
+                        assert_eq!(cache.prefetched, 0, "{what}: {cache:?}");
+                    }
+                    assert!(cache.prefetch_hits <= cache.prefetched.min(cache.hits), "{what}: {cache:?}");
                 }
             }
         }
+        assert!(prefetched > 0, "no decode step prefetched an expert");
     });
 }
 

@@ -56,6 +56,11 @@ pub struct MoeActivations {
     pub expert_gate_up: wgpu::Buffer,
     pub expert_act: wgpu::Buffer,
     pub expert_out: wgpu::Buffer,
+    /// One token's guess at the next MoE layer's choice (its router on
+    /// this layer's input), for prefetching streamed experts.
+    pub predicted_logits: wgpu::Buffer,
+    pub predicted_ids: wgpu::Buffer,
+    pub predicted_weights: wgpu::Buffer,
     /// Prefill grouping by expert, written by the host after the routing
     /// readback: u32 `[experts, 2]` (offset, count) and the pair indices
     /// `token * top_k + slot` of each expert, in expert order.
@@ -93,6 +98,9 @@ impl Activations {
                 expert_gate_up: buf("expert_gate_up", m.top_k * 2 * m.intermediate)?,
                 expert_act: buf("expert_act", m.top_k * m.intermediate)?,
                 expert_out: buf("expert_out", m.top_k * c.hidden)?,
+                predicted_logits: gpu.storage_buffer("predicted_logits", m.experts)?,
+                predicted_ids: gpu.storage_buffer("predicted_ids", m.top_k)?,
+                predicted_weights: gpu.storage_buffer("predicted_weights", m.top_k)?,
                 groups: gpu.storage_buffer("moe_groups", 2 * m.experts)?,
                 pairs: buf("moe_pairs", m.top_k)?,
             }),

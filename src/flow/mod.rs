@@ -30,7 +30,7 @@ pub(crate) mod moe;
 mod recorder;
 
 pub use buffers::{Activations, MoeActivations};
-pub use moe::RoutingMode;
+pub use moe::{ExpertPrefetch, RoutingMode};
 pub use recorder::{PhaseTimer, Recorder};
 
 use crate::capture::CapturePlan;

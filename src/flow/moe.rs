@@ -14,6 +14,14 @@
 //! slots, the others marked [`EXPERT_ELSEWHERE`]), or for a chunk grouped
 //! by expert, the chosen experts in waves of as many as there are slots.
 //! Each expert's products are the same arithmetic as when resident.
+//!
+//! Prefetch: in a decode step of a streamed layer, the next MoE layer's
+//! router also runs on this layer's input (the residual changes little from
+//! one layer to the next), and its choice is read back with this layer's.
+//! Once this layer's experts are submitted, the host uploads the predicted
+//! experts the next layer's slots lack, while the GPU runs; a right guess
+//! is a hit when that layer's routing arrives. The guess only moves
+//! experts between slots: the logits are the same with or without it.
 
 use super::{Activations, Recorder};
 use crate::error::Result;
@@ -39,12 +47,31 @@ pub enum RoutingMode {
     DeviceResident,
 }
 
+/// Whether a decode step prefetches the streamed experts it predicts the
+/// next MoE layer will choose. Off by default: a guess that is wrong
+/// costs a whole expert's upload, and where the uploads are what a token
+/// waits for (a GPU that computes a layer in a fraction of the time its
+/// misses take to cross the bus) a right guess saves little, so a guess
+/// must be nearly always right to pay. On random-weight models a third of
+/// the guessed uploads are used and decode runs at half the speed (see
+/// README); a real checkpoint's residual stream may be more predictable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertPrefetch {
+    /// Upload only what a dispatch needs, when it needs it.
+    #[default]
+    Off,
+    /// Predict with the next layer's router on this layer's input, and
+    /// upload what it chooses while this layer's experts run.
+    Predicted,
+}
+
 /// What routing needs beyond the plan: the mode, the staging buffer, and
-/// the model's streamed experts, if any.
+/// the model's streamed experts, if any, with their prefetch.
 pub struct RoutingContext<'a> {
     pub mode: RoutingMode,
     pub readback: &'a Readback,
     pub experts: Option<&'a ExpertStreaming>,
+    pub prefetch: ExpertPrefetch,
 }
 
 #[derive(Debug)]
@@ -64,6 +91,19 @@ pub struct MoePlan {
     n_experts: usize,
     /// The layer's expert slots, when its experts stream.
     slots: Option<(GpuTensor, GpuTensor)>,
+    /// The guess at the next MoE layer's choice, when both stream.
+    prediction: Option<Prediction>,
+}
+
+/// The next MoE layer's router and top-k, run on this layer's input (the
+/// next layer's FFN norm applied to it), and that layer's slots.
+#[derive(Debug)]
+struct Prediction {
+    router: Vec<Dispatch>,
+    top_k: Dispatch,
+    ids: wgpu::Buffer,
+    layer: usize,
+    slots: (GpuTensor, GpuTensor),
 }
 
 #[derive(Debug)]
@@ -151,7 +191,41 @@ impl MoePlan {
             top_k_slots: top_k,
             n_experts: m.experts,
             slots: streamed.map(|_| (w.gate_up.clone(), w.down.clone())),
+            prediction: streamed.map(|_| Self::prediction(model, act, layer)).transpose()?.flatten(),
         })
+    }
+
+    /// The next MoE layer's router on `act.x` as this layer's router sees
+    /// it, when that layer's experts stream too.
+    fn prediction(model: &Model, act: &Activations, layer: usize) -> Result<Option<Prediction>> {
+        let (gpu, k, c) = (&model.gpu, &model.kernels, &model.config);
+        let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
+        let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
+        let streams = |l: usize| model.experts.as_ref().is_some_and(|s| s.streams(l));
+        let Some(next) = (layer + 1..c.layers).find(|&l| streams(l)) else { return Ok(None) };
+        let crate::model::FfnWeights::Moe(w) = &model.weights.layers[next].ffn else { return Ok(None) };
+        let normed = Input::RmsNorm { weight: &model.weights.layers[next].ffn_norm, eps: c.rms_eps };
+        Ok(Some(Prediction {
+            router: k.gemv.plan(
+                gpu,
+                &GemvSpec { input: normed, ..GemvSpec::plain(&w.router, &act.x, &a.predicted_logits) },
+            )?,
+            top_k: k.router.plan(
+                gpu,
+                m.routing,
+                m.experts,
+                m.top_k,
+                RouterBindings {
+                    logits: &a.predicted_logits,
+                    bias: w.score_bias.as_ref(),
+                    ids: &a.predicted_ids,
+                    weights: &a.predicted_weights,
+                },
+            ),
+            ids: a.predicted_ids.clone(),
+            layer: next,
+            slots: (w.gate_up.clone(), w.down.clone()),
+        }))
     }
 
     fn down(
@@ -208,9 +282,13 @@ impl MoePlan {
         rec.encode(Phase::Attention, std::slice::from_ref(&self.top_k), n_tokens);
         let bytes = (n_tokens as usize * self.top_k_slots * 4) as u64;
         if let (Some(experts), Some(slots)) = (routing.experts, &self.slots) {
+            let placed = Placement { experts, slots, layer: self.layer };
+            let prediction = self.prediction.as_ref().filter(|_| n_tokens == 1);
+            if let (Some(p), ExpertPrefetch::Predicted) = (prediction, routing.prefetch) {
+                return self.run_predicting(rec, routing, &placed, p);
+            }
             let ids =
                 rec.submit_routing_and_wait(routing.readback, &self.ids, bytes, self.layer, self.n_experts)?;
-            let placed = Placement { experts, slots, layer: self.layer };
             return match &self.grouped {
                 Some(grouped) if n_tokens > 1 => grouped.encode_in_waves(rec, n_tokens, &ids, &placed),
                 _ => self.encode_in_runs(rec, n_tokens, &ids, &placed),
@@ -236,6 +314,38 @@ impl MoePlan {
         rec.encode(Phase::Routed, &self.gate_up, n_tokens);
         rec.encode(Phase::Routed, &self.down, n_tokens);
         Ok(())
+    }
+}
+
+impl MoePlan {
+    /// One token through a streamed layer with a prediction: its experts
+    /// placed and submitted, then the predicted experts of the next layer
+    /// uploaded while they run.
+    fn run_predicting<'a>(
+        &self,
+        rec: &mut Recorder<'a>,
+        routing: &RoutingContext<'a>,
+        placed: &Placement<'_>,
+        p: &Prediction,
+    ) -> Result<()> {
+        rec.encode(Phase::Attention, &p.router, 1);
+        rec.encode(Phase::Attention, std::slice::from_ref(&p.top_k), 1);
+        let bytes = (self.top_k_slots * 4) as u64;
+        let (ids, predicted) = rec.submit_routing_and_wait_with_prediction(
+            routing.readback,
+            (&self.ids, &p.ids),
+            bytes,
+            self.layer,
+            self.n_experts,
+        )?;
+        self.encode_in_runs(rec, 1, &ids, placed)?;
+        rec.submit()?;
+        // A guess from non-finite scores (ids past the experts) is no guess.
+        let guess: Vec<usize> =
+            predicted.iter().map(|&e| e as usize).filter(|&e| e < self.n_experts).collect();
+        let gpu = rec.gpu();
+        let stats = &mut rec.stats().expert_cache;
+        placed.experts.prefetch(gpu, (&p.slots.0, &p.slots.1), p.layer, &guess, stats)
     }
 }
 

@@ -21,6 +21,8 @@ struct PendingRouting<'a> {
     layer: usize,
     bytes: u64,
     experts: usize,
+    /// Bytes of a predicted choice read back after the choice.
+    predicted_bytes: u64,
 }
 
 /// Records into the current encoder, in one compute pass per phase.
@@ -151,7 +153,7 @@ impl<'a> Recorder<'a> {
         readback.record(self.encoder(), ids, 0, bytes);
         self.submit()?;
         readback.start_map(bytes);
-        self.routing = Some(PendingRouting { readback, layer, bytes, experts });
+        self.routing = Some(PendingRouting { readback, layer, bytes, experts, predicted_bytes: 0 });
         self.stats.routing_readbacks += 1;
         Ok(())
     }
@@ -170,15 +172,39 @@ impl<'a> Recorder<'a> {
         Ok(self.finish_routing()?.expect("a routing readback is in flight"))
     }
 
+    /// As [`Self::submit_routing_and_wait`], with a guess at the next
+    /// layer's choice (`predicted`, `bytes` long) read back in the same
+    /// copy and returned beside the choice, as the top-k kernel wrote it.
+    pub fn submit_routing_and_wait_with_prediction(
+        &mut self,
+        readback: &'a Readback,
+        (ids, predicted): (&wgpu::Buffer, &wgpu::Buffer),
+        bytes: u64,
+        layer: usize,
+        experts: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>)> {
+        readback.record(self.encoder(), ids, 0, bytes);
+        readback.record_at(self.encoder(), predicted, 0, bytes, bytes);
+        self.submit()?;
+        readback.start_map(2 * bytes);
+        self.routing = Some(PendingRouting { readback, layer, bytes, experts, predicted_bytes: bytes });
+        self.stats.routing_readbacks += 1;
+        let mut ids = self.finish_routing()?.expect("a routing readback is in flight");
+        let predicted = ids.split_off((bytes / 4) as usize);
+        Ok((ids, predicted))
+    }
+
     /// Waits for the routing readback in flight, counts its choices in the
-    /// router histogram and returns them.
+    /// router histogram and returns them (followed by the predicted choice
+    /// where one was read back).
     fn finish_routing(&mut self) -> Result<Option<Vec<u32>>> {
         let Some(r) = self.routing.take() else { return Ok(None) };
         let start = Instant::now();
         let mut ids: Vec<u32> =
             r.readback.finish_map(self.gpu, MapWait::Spin, bytemuck::pod_collect_to_vec)?;
         self.stats.routing_wait += start.elapsed();
-        ids.truncate((r.bytes / 4) as usize);
+        ids.truncate(((r.bytes + r.predicted_bytes) / 4) as usize);
+        let predicted = ids.split_off((r.bytes / 4) as usize);
         // The top-k kernel answers NaN scores with an id past the experts.
         if ids.iter().any(|&e| e as usize >= r.experts) {
             return Err(Error::NonFiniteRouting { layer: r.layer });
@@ -188,6 +214,7 @@ impl<'a> Recorder<'a> {
         for &e in &ids {
             histogram[e as usize] += 1;
         }
+        ids.extend(predicted);
         Ok(Some(ids))
     }
 

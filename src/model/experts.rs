@@ -26,10 +26,15 @@ pub struct ExpertCacheStats {
     pub hits: u64,
     pub misses: u64,
     pub bytes_uploaded: u64,
-    /// Host time from the first upload of a dispatch's misses to their
-    /// submission (reading the checkpoint, filling the staging ring,
-    /// waiting for a staging buffer to come back).
+    /// Host time from the first upload of a dispatch's misses (or a
+    /// prefetch) to their submission (reading the checkpoint, filling the
+    /// staging ring, waiting for a staging buffer to come back).
     pub upload_time: Duration,
+    /// Experts uploaded ahead of their dispatch, on a prediction
+    /// ([`crate::ExpertPrefetch`]), and how many of them the dispatch then
+    /// needed (counted among its hits).
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
 }
 
 impl ExpertCacheStats {
@@ -38,6 +43,8 @@ impl ExpertCacheStats {
         self.misses += other.misses;
         self.bytes_uploaded += other.bytes_uploaded;
         self.upload_time += other.upload_time;
+        self.prefetched += other.prefetched;
+        self.prefetch_hits += other.prefetch_hits;
     }
 }
 
@@ -100,6 +107,8 @@ struct LayerSlots {
     /// How often each expert was needed lately: every need adds 1, and
     /// the counts halve every [`DEMAND_HALF_LIFE`] dispatches.
     demand: Vec<f32>,
+    /// Per slot: holds a prefetched expert no dispatch has used yet.
+    prefetched: Vec<bool>,
 }
 
 /// Dispatches over which an expert's past demand halves: long enough to
@@ -170,6 +179,7 @@ impl ExpertStreaming {
             expert: (0..slots).map(Some).collect(),
             last_used: vec![0; slots],
             demand: vec![0.0; moe.experts],
+            prefetched: vec![false; slots],
         };
         let cache = Cache {
             layers: layers.iter().map(|_| slot_table()).collect(),
@@ -247,8 +257,9 @@ impl ExpertStreaming {
         let mut slots: Vec<Option<usize>> =
             needed.iter().map(|&x| table.expert.iter().position(|&held| held == Some(x))).collect();
         let mut served = ExpertCacheStats::default();
-        for s in slots.iter().flatten() {
-            table.last_used[*s] = now;
+        for &s in slots.iter().flatten() {
+            table.last_used[s] = now;
+            served.prefetch_hits += std::mem::take(&mut table.prefetched[s]) as u64;
         }
         served.hits = slots.iter().flatten().count() as u64;
         let mut misses = Vec::new();
@@ -262,6 +273,7 @@ impl ExpertStreaming {
             // stale expert.
             let victim = table.victim(now).expect("fewer needed experts than slots");
             table.expert[victim] = None;
+            table.prefetched[victim] = false;
             table.last_used[victim] = now;
             slots[k] = Some(victim);
             misses.push((x, victim));
@@ -278,6 +290,57 @@ impl ExpertStreaming {
         totals.add(&served);
         stats.add(&served);
         Ok(slots.into_iter().map(|s| s.expect("every needed expert has a slot") as u32).collect())
+    }
+
+    /// Uploads the experts of `guess` (distinct experts of `layer`, at most
+    /// [`Self::slots`]) that no slot holds, as [`Self::place`] would, ahead
+    /// of the dispatch that may need them. The experts of the guess already
+    /// there are kept from eviction by it; demand does not change (only
+    /// needs count).
+    pub fn prefetch(
+        &self,
+        gpu: &Gpu,
+        (gate_up, down): (&GpuTensor, &GpuTensor),
+        layer: usize,
+        guess: &[usize],
+        stats: &mut ExpertCacheStats,
+    ) -> Result<()> {
+        let streamed = self.layers[layer].as_ref().expect("prefetching experts of a streamed layer");
+        let mut guard = self.cache.lock().unwrap();
+        let Cache { layers, ring, clock, totals } = &mut *guard;
+        *clock += 1;
+        let now = *clock;
+        let table = &mut layers[layer];
+        let mut uploads = Vec::new();
+        for &x in guess.iter().take(self.slots) {
+            match table.expert.iter().position(|&held| held == Some(x)) {
+                Some(s) => table.last_used[s] = now,
+                None => {
+                    let victim = table.victim(now).expect("fewer guessed experts than slots");
+                    table.expert[victim] = None;
+                    table.prefetched[victim] = false;
+                    table.last_used[victim] = now;
+                    uploads.push((x, victim));
+                }
+            }
+        }
+        if uploads.is_empty() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let served = ExpertCacheStats {
+            bytes_uploaded: self.upload(gpu, ring, streamed, (gate_up, down), &uploads)?,
+            upload_time: start.elapsed(),
+            prefetched: uploads.len() as u64,
+            ..Default::default()
+        };
+        for (x, slot) in uploads {
+            table.expert[slot] = Some(x);
+            table.prefetched[slot] = true;
+        }
+        totals.add(&served);
+        stats.add(&served);
+        Ok(())
     }
 
     /// Copies each `(expert, slot)` of a layer into its slot (its gate and
@@ -377,7 +440,8 @@ mod tests {
     use super::LayerSlots;
 
     fn table(expert: Vec<Option<usize>>, last_used: Vec<u64>, demand: Vec<f32>) -> LayerSlots {
-        LayerSlots { expert, last_used, demand }
+        let prefetched = vec![false; expert.len()];
+        LayerSlots { expert, last_used, demand, prefetched }
     }
 
     #[test]
