@@ -230,6 +230,9 @@ fn main() {
             "wg 1024",
             GemvShape { int8_rows_per_workgroup: 1024 / default_shape.threads_per_row, ..default_shape },
         ),
+        ("one block each", GemvShape { int8_workgroups: 0, ..default_shape }),
+        ("132 wgs", GemvShape { int8_workgroups: 132, ..default_shape }),
+        ("264 wgs", GemvShape { int8_workgroups: 264, ..default_shape }),
         ("f32", GemvShape { int8: false, ..default_shape }),
         ("f32 quads", GemvShape { units: false, int8: false, ..default_shape }),
     ];

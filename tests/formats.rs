@@ -120,6 +120,13 @@ fn fp8_nan_codes_decode_to_nan() {
     });
 }
 
+/// Byte-activation builds whose two workgroups take blocks of rows in
+/// turn (one group each), reusing the activations they staged where these
+/// fit one chunk.
+fn int8_in_turns(shape: GemvShape) -> GemvShape {
+    GemvShape { int8: true, int8_rows_per_workgroup: 1, int8_workgroups: 2, ..shape }
+}
+
 /// Plain, normed with SwiGLU (gate and up rows interleaved), and adding
 /// into the residual, in one output per invocation and in the adapter's
 /// own shape.
@@ -133,6 +140,7 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
             one_per_invocation,
             GemvShape { units: false, ..one_per_invocation },
             GemvShape { int8: true, ..one_per_invocation },
+            int8_in_turns(one_per_invocation),
             GemvShape { int8: false, ..gpu_shape },
             GemvShape { units: false, int8: false, ..gpu_shape },
             GemvShape { int8: true, ..gpu_shape },
@@ -219,7 +227,7 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
     bytes
 }
 
-/// The byte-activation GEMV stages x in chunks of 8192: rows wider than
+/// The byte-activation GEMV stages x in chunks of 4096: rows wider than
 /// one chunk, ending mid-chunk, in every format it reads, plain, normed
 /// (the norm's sum of squares over every chunk) and summed over experts.
 #[test]
@@ -227,7 +235,12 @@ fn int8_gemv_spans_chunks_of_the_activations() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(12);
         let (rows, cols, tokens) = (6, 8192 + 2048 + 256, 2);
-        for shape in [GemvShape::for_gpu(gpu), GemvShape::ONE_PER_INVOCATION] {
+        let shapes = [
+            GemvShape::for_gpu(gpu),
+            GemvShape::ONE_PER_INVOCATION,
+            int8_in_turns(GemvShape::ONE_PER_INVOCATION),
+        ];
+        for shape in shapes {
             let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
             for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
                 let what = format!("{format} {shape:?}");

@@ -52,6 +52,7 @@ fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
             units: true,
             int8: true,
             int8_rows_per_workgroup: 4,
+            int8_workgroups: 2,
         },
         GemvShape::for_gpu(gpu),
     ]

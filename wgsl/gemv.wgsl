@@ -31,7 +31,10 @@
 // consecutive units, or else four weights at a time, consecutive lanes on
 // consecutive quads; INT8_DOTS: by units against x staged by the whole
 // workgroup as bytes (below), for the formats whose quants fit a byte.
-// Grid: output blocks folded over x and z, y = token (SLOTS: token * top_k + slot).
+// Grid: workgroups folded over x and z, each taking blocks of ROWS_PER_WG
+// groups' outputs in turn (one block each unless the host caps the grid:
+// then INT8_DOTS stages x once for all of them where it fits one chunk);
+// y = token (SLOTS: token * top_k + slot).
 
 override ROWS_PER_WG: u32 = 64u;
 override THREADS_PER_ROW: u32 = 1u;
@@ -231,25 +234,39 @@ fn workgroup_sum(v: f32, li: u32) -> f32 {
 #endif
 }
 
+// The workgroup's sum of squares of the x staged last, for a block that
+// reuses it.
+var<workgroup> staged_squares: f32;
+
 // pair_dots over x staged chunk by chunk; .z is the whole workgroup's sum
-// of squares. Every invocation calls it.
-fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32) -> vec3<f32> {
+// of squares. With `staged`, the vector is the one the workgroup staged
+// for its previous block: a single chunk is still in place and is not
+// staged again. Every invocation calls it.
+fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool) -> vec3<f32> {
     let a = select(row + 1u, row, live.x);
     let b = select(a, row + 1u, live.y);
+    let reuse = staged && p.cols <= X_CHUNK;
     var d = vec3<f32>(0.0);
     for (var c0 = 0u; c0 < p.cols; c0 += X_CHUNK) {
         let n = min(X_CHUNK, p.cols - c0);
-        // The previous chunk (or product) may still be being read.
-        workgroupBarrier();
-        d.z += stage_x(xb / 4u, c0, n, li);
-        workgroupBarrier();
+        if (!reuse) {
+            // The previous chunk (or product) may still be being read.
+            workgroupBarrier();
+            d.z += stage_x(xb / 4u, c0, n, li);
+            workgroupBarrier();
+        }
         if (any(live)) {
             let c = chunk_dots(a, b, lane, c0, n);
             d.x += c.x;
             d.y += c.y;
         }
     }
-    d.z = workgroup_sum(d.z, li);
+    if (reuse) {
+        d.z = staged_squares;
+    } else {
+        d.z = workgroup_sum(d.z, li);
+        staged_squares = d.z;
+    }
     return d;
 }
 #else
@@ -427,8 +444,9 @@ fn pair_dots(live: vec2<bool>, row: u32, xb: u32, lane: u32) -> vec3<f32> {
     return lane_dots(a, select(a, row + 1u, live.y), xb, lane);
 }
 
-// pair_dots where a row is live.
-fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32) -> vec3<f32> {
+// pair_dots where a row is live (nothing is staged: `staged` is the
+// INT8_DOTS product's).
+fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool) -> vec3<f32> {
     if (any(live)) {
         return pair_dots(live, row, xb, lane);
     }
@@ -452,12 +470,24 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
 ) {
-    let block = wid.x + wid.z * nwg.x;
-    let lane = lid.x % THREADS_PER_ROW;
-    let group = block * ROWS_PER_WG + lid.x / THREADS_PER_ROW;
+    // Workgroups take blocks of outputs in turn: a grid of fewer
+    // workgroups than blocks stages x once for several blocks.
+    let per_block = OUTPUTS_PER_GROUP * ROWS_PER_WG;
+    let blocks = (p.outputs + per_block - 1u) / per_block;
+    let first = wid.x + wid.z * nwg.x;
+    for (var block = first; block < blocks; block += nwg.x * nwg.z) {
+        output_block(block, wid.y, lid.x, block != first);
+    }
+}
+
+// Block `block` of outputs for grid row `gy` (a token, or SLOTS a token's
+// slot); `staged`: the workgroup's previous block read the same x.
+fn output_block(block: u32, gy: u32, li: u32, staged: bool) {
+    let lane = li % THREADS_PER_ROW;
+    let group = block * ROWS_PER_WG + li / THREADS_PER_ROW;
     let o = OUTPUTS_PER_GROUP * group;
 #if SUM
-    let t = wid.y;
+    let t = gy;
     let y_row = t;
     var acc = vec2<f32>(0.0);
     var here = false;
@@ -470,21 +500,22 @@ fn main(
         // Wraps to a huge value (skipped) when the row is before this part.
         let row = ids[pair] * p.expert_rows + o - p.first_row;
         let live = pair_live(o, row);
-        let d = product(live, row, pair * p.cols, lane, lid.x);
+        // Each slot reads its own x.
+        let d = product(live, row, pair * p.cols, lane, li, false);
         // Outside the test: a NaN weight (routing that failed, its expert
         // id out of range) must reach the sum.
         acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
     }
-    let v = vec2<f32>(reduce_row(acc.x, lid.x, lane), reduce_row(acc.y, lid.x, lane));
+    let v = vec2<f32>(reduce_row(acc.x, li, lane), reduce_row(acc.y, li, lane));
     let written = vec2<bool>(o < p.outputs && here, OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs && here);
 #else
 #if SLOTS
-    let t = wid.y / p.top_k;
-    let y_row = wid.y;
+    let t = gy / p.top_k;
+    let y_row = gy;
     // A slot whose expert is elsewhere starts past this part: nothing live.
-    let first = select(ids[wid.y] * p.expert_rows, p.first_row + p.rows, ids[wid.y] == EXPERT_ELSEWHERE);
+    let first = select(ids[gy] * p.expert_rows, p.first_row + p.rows, ids[gy] == EXPERT_ELSEWHERE);
 #else
-    let t = wid.y;
+    let t = gy;
     let y_row = t;
     let first = p.first_row;
 #endif
@@ -495,13 +526,13 @@ fn main(
     let row = first + o - p.first_row;
     let live = pair_live(o, row);
 #endif
-    let d = product(live, row, t * p.cols, lane, lid.x);
+    let d = product(live, row, t * p.cols, lane, li, staged);
 #if NORM
-    let scale = inverseSqrt(sum_of_squares(d.z, lid.x, lane) / f32(p.cols) + p.eps);
+    let scale = inverseSqrt(sum_of_squares(d.z, li, lane) / f32(p.cols) + p.eps);
 #else
     let scale = 1.0;
 #endif
-    var v = vec2<f32>(reduce_row(d.x, lid.x, lane), reduce_row(d.y, lid.x, lane)) * scale;
+    var v = vec2<f32>(reduce_row(d.x, li, lane), reduce_row(d.y, li, lane)) * scale;
 #if SWIGLU
     v.x = v.x / (1.0 + exp(-v.x)) * v.y;
     let written = vec2<bool>(live.x, false);

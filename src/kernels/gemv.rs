@@ -56,10 +56,18 @@ pub struct GemvShape {
     /// `rows_per_workgroup` of those builds: each workgroup stages the
     /// activations once for all its rows, so more rows amortise it.
     pub int8_rows_per_workgroup: u32,
+    /// Most workgroups of those builds (0: one per block of rows): each
+    /// then takes blocks in turn, and stages activations that fit one
+    /// chunk (`X_CHUNK` of `wgsl/gemv.wgsl`, 4096) once for all of them.
+    pub int8_workgroups: u32,
 }
 
 /// Invocations per workgroup of the byte-activation builds on GPUs.
 const INT8_WORKGROUP: u32 = 512;
+
+/// Workgroups of the byte-activation builds on GPUs: a few per
+/// multiprocessor of a large GPU.
+const INT8_WORKGROUPS: u32 = 528;
 
 /// The largest error of an activation quantized for [`GemvShape::int8`],
 /// relative to the largest magnitude in its block of 32: two steps of
@@ -76,6 +84,7 @@ impl GemvShape {
         units: true,
         int8: true,
         int8_rows_per_workgroup: 64,
+        int8_workgroups: 0,
     };
 
     /// CPU rasterisers do best with one output per invocation (no
@@ -96,6 +105,7 @@ impl GemvShape {
                     .min(gpu.limits.max_compute_invocations_per_workgroup)
                     / lanes)
                     .max(1),
+                int8_workgroups: INT8_WORKGROUPS,
             }
         }
     }
@@ -289,7 +299,10 @@ impl Gemv {
         // A group of lanes computes two rows (two outputs, or one SwiGLU)
         // or one.
         let outputs_per_group = if swiglu || one_row { 1 } else { 2 };
-        let blocks = (outputs as u32).div_ceil(groups * outputs_per_group);
+        let mut blocks = (outputs as u32).div_ceil(groups * outputs_per_group);
+        if int8 && s.int8_workgroups > 0 {
+            blocks = blocks.min(s.int8_workgroups);
+        }
         let mut workgroups = gpu.fold_grid(blocks);
         workgroups[1] = grid_y;
         Ok(Dispatch {
