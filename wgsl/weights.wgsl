@@ -488,15 +488,15 @@ fn high_bits(qh: vec4<u32>, shift: u32, mask: u32) -> vec4<u32> {
     return ((qh >> vec4<u32>(shift)) & vec4<u32>(mask)) << vec4<u32>(4u);
 }
 
+// Each format's int8_unit(w, u, r0): the dot of unit u of the row at word
+// w with the staged chunk whose first run is r0.
+
 // Q8_0: a unit is half a block, 16 quants with the block's scale.
 #if W_Q8_0
 const UNIT_ELEMS: u32 = 16u;
-fn q8_0_unit(w: u32, u: u32, r: u32) -> f32 {
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + (u / 2u) * 9u;
-    return f16_lo(weight_word(b)) * x_run16(words4(b + 1u + 4u * (u % 2u)), r);
-}
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    return vec2<f32>(q8_0_unit(wa, u, u - r0), q8_0_unit(wb, u, u - r0));
+    return f16_lo(weight_word(b)) * x_run16(words4(b + 1u + 4u * (u % 2u)), u - r0);
 }
 #endif
 
@@ -505,27 +505,23 @@ fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
 // e of qh for element e.
 #if W_Q4_0
 const UNIT_ELEMS: u32 = 32u;
-fn q4_0_unit(w: u32, u: u32, r: u32) -> f32 {
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 5u;
+    let r = 2u * u - r0;
     let q = words4(b + 1u);
     let t = x_run16(nibbles_lo(q), r) + x_run16(nibbles_hi(q), r + 1u);
     return f16_lo(weight_word(b)) * (t - 8.0 * (x_sum16(r) + x_sum16(r + 1u)));
 }
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    return vec2<f32>(q4_0_unit(wa, u, 2u * u - r0), q4_0_unit(wb, u, 2u * u - r0));
-}
 #endif
 #if W_Q4_1
 const UNIT_ELEMS: u32 = 32u;
-fn q4_1_unit(w: u32, u: u32, r: u32) -> f32 {
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 5u;
+    let r = 2u * u - r0;
     let q = words4(b + 1u);
     let dm = weight_word(b);
     let t = x_run16(nibbles_lo(q), r) + x_run16(nibbles_hi(q), r + 1u);
     return f16_lo(dm) * t + f16_hi(dm) * (x_sum16(r) + x_sum16(r + 1u));
-}
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    return vec2<f32>(q4_1_unit(wa, u, 2u * u - r0), q4_1_unit(wb, u, 2u * u - r0));
 }
 #endif
 // The dots of a Q5 block at word b with runs r and r + 1: its quants with
@@ -545,23 +541,19 @@ fn q5_dots(b: u32, r: u32) -> f32 {
 }
 #if W_Q5_0
 const UNIT_ELEMS: u32 = 32u;
-fn q5_0_unit(w: u32, u: u32, r: u32) -> f32 {
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 6u;
+    let r = 2u * u - r0;
     return f16_lo(weight_word(b)) * (q5_dots(b, r) - 16.0 * (x_sum16(r) + x_sum16(r + 1u)));
-}
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    return vec2<f32>(q5_0_unit(wa, u, 2u * u - r0), q5_0_unit(wb, u, 2u * u - r0));
 }
 #endif
 #if W_Q5_1
 const UNIT_ELEMS: u32 = 32u;
-fn q5_1_unit(w: u32, u: u32, r: u32) -> f32 {
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 6u;
+    let r = 2u * u - r0;
     let dm = weight_word(b);
     return f16_lo(dm) * q5_dots(b, r) + f16_hi(dm) * (x_sum16(r) + x_sum16(r + 1u));
-}
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    return vec2<f32>(q5_1_unit(wa, u, 2u * u - r0), q5_1_unit(wb, u, 2u * u - r0));
 }
 #endif
 
@@ -569,25 +561,17 @@ fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
 // nibbles, scale 2 j, and run r + 2 in the high ones, scale 2 j + 1).
 #if W_Q4_K
 const UNIT_ELEMS: u32 = 32u;
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    let ba = (wa + (u / 8u) * 36u) / 4u;
-    let bb = (wb + (u / 8u) * 36u) / 4u;
-    let none = vec4<u32>(0u);
-    let r = k4_run(u) - r0;
-    return vec2<f32>(
-        k4_unit(weight_quad(ba), weight_quad(ba + 1u + u % 8u), none, u, r),
-        k4_unit(weight_quad(bb), weight_quad(bb + 1u + u % 8u), none, u, r));
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let b = (w + (u / 8u) * 36u) / 4u;
+    return k4_unit(weight_quad(b), weight_quad(b + 1u + u % 8u), vec4<u32>(0u), u, k4_run(u) - r0);
 }
 #endif
 #if W_Q5_K
 const UNIT_ELEMS: u32 = 32u;
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    let ba = (wa + (u / 8u) * 44u) / 4u;
-    let bb = (wb + (u / 8u) * 44u) / 4u;
-    let r = k4_run(u) - r0;
-    return vec2<f32>(
-        k4_unit(weight_quad(ba), weight_quad(ba + 3u + u % 8u), weight_quad(ba + 1u + u % 2u), u, r),
-        k4_unit(weight_quad(bb), weight_quad(bb + 3u + u % 8u), weight_quad(bb + 1u + u % 2u), u, r));
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let b = (w + (u / 8u) * 44u) / 4u;
+    let qh = weight_quad(b + 1u + u % 2u);
+    return k4_unit(weight_quad(b), weight_quad(b + 3u + u % 8u), qh, u, k4_run(u) - r0);
 }
 #endif
 // The first run of Q4_K / Q5_K unit u: elements 256 (u / 8) + 64 j + 16 h.
@@ -608,7 +592,8 @@ fn k4_unit(head: vec4<u32>, q: vec4<u32>, qh: vec4<u32>, u: u32, r: u32) -> f32 
 // r + 4 in the high ones, scale n + 4; quants less 32 through the run sums).
 #if W_Q6_K
 const UNIT_ELEMS: u32 = 32u;
-fn q6_unit(w: u32, u: u32, r: u32) -> f32 {
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let r = 16u * (u / 8u) + 8u * (u / 4u % 2u) + u % 4u - r0;
     let half = u / 4u % 2u;
     let v = u % 4u;
     let b = w + (u / 8u) * 53u;
@@ -620,9 +605,10 @@ fn q6_unit(w: u32, u: u32, r: u32) -> f32 {
     return f16_lo(weight_word(b + 52u)) * (q6_scale(b, n) * (x_run16(lo, r) - 32.0 * x_sum16(r))
         + q6_scale(b, n + 4u) * (x_run16(hi, r + 4u) - 32.0 * x_sum16(r + 4u)));
 }
-fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
-    let r = 16u * (u / 8u) + 8u * (u / 4u % 2u) + u % 4u - r0;
-    return vec2<f32>(q6_unit(wa, u, r), q6_unit(wb, u, r));
-}
 #endif
+
+// Unit u of the rows at words wa and wb.
+fn unit_dots(wa: u32, wb: u32, u: u32, r0: u32) -> vec2<f32> {
+    return vec2<f32>(int8_unit(wa, u, r0), int8_unit(wb, u, r0));
+}
 #endif
