@@ -158,24 +158,17 @@ impl MoePlan {
                 pairs: a.pairs.clone(),
             })
         });
+        let choice = RouterBindings {
+            logits: &a.router_logits,
+            bias: w.score_bias.as_ref(),
+            ids: &a.route_ids,
+            weights: &a.route_weights,
+        };
+        let (router, top_k_dispatch) = Self::routing(model, act, w, ffn_norm, choice)?;
         Ok(MoePlan {
             layer,
-            router: k.gemv.plan(
-                gpu,
-                &GemvSpec { input: normed, ..GemvSpec::plain(&w.router, &act.x, &a.router_logits) },
-            )?,
-            top_k: k.router.plan(
-                gpu,
-                m.routing,
-                m.experts,
-                top_k,
-                RouterBindings {
-                    logits: &a.router_logits,
-                    bias: w.score_bias.as_ref(),
-                    ids: &a.route_ids,
-                    weights: &a.route_weights,
-                },
-            ),
+            router,
+            top_k: top_k_dispatch,
             gate_up: k.gemv.plan(
                 gpu,
                 &GemvSpec {
@@ -198,34 +191,42 @@ impl MoePlan {
     /// The next MoE layer's router on `act.x` as this layer's router sees
     /// it, when that layer's experts stream too.
     fn prediction(model: &Model, act: &Activations, layer: usize) -> Result<Option<Prediction>> {
-        let (gpu, k, c) = (&model.gpu, &model.kernels, &model.config);
-        let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
+        let c = &model.config;
         let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
         let streams = |l: usize| model.experts.as_ref().is_some_and(|s| s.streams(l));
         let Some(next) = (layer + 1..c.layers).find(|&l| streams(l)) else { return Ok(None) };
         let crate::model::FfnWeights::Moe(w) = &model.weights.layers[next].ffn else { return Ok(None) };
-        let normed = Input::RmsNorm { weight: &model.weights.layers[next].ffn_norm, eps: c.rms_eps };
+        let guess = RouterBindings {
+            logits: &a.predicted_logits,
+            bias: w.score_bias.as_ref(),
+            ids: &a.predicted_ids,
+            weights: &a.predicted_weights,
+        };
+        let (router, top_k) = Self::routing(model, act, w, &model.weights.layers[next].ffn_norm, guess)?;
         Ok(Some(Prediction {
-            router: k.gemv.plan(
-                gpu,
-                &GemvSpec { input: normed, ..GemvSpec::plain(&w.router, &act.x, &a.predicted_logits) },
-            )?,
-            top_k: k.router.plan(
-                gpu,
-                m.routing,
-                m.experts,
-                m.top_k,
-                RouterBindings {
-                    logits: &a.predicted_logits,
-                    bias: w.score_bias.as_ref(),
-                    ids: &a.predicted_ids,
-                    weights: &a.predicted_weights,
-                },
-            ),
+            router,
+            top_k,
             ids: a.predicted_ids.clone(),
             layer: next,
             slots: (w.gate_up.clone(), w.down.clone()),
         }))
+    }
+
+    /// A MoE layer's router (`w`'s, on `act.x` normed by `ffn_norm`) and
+    /// its top-k, writing the choice where `b` says.
+    fn routing(
+        model: &Model,
+        act: &Activations,
+        w: &MoeWeights,
+        ffn_norm: &GpuTensor,
+        b: RouterBindings<'_>,
+    ) -> Result<(Vec<Dispatch>, Dispatch)> {
+        let (gpu, k, c) = (&model.gpu, &model.kernels, &model.config);
+        let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
+        let normed = Input::RmsNorm { weight: ffn_norm, eps: c.rms_eps };
+        let router =
+            k.gemv.plan(gpu, &GemvSpec { input: normed, ..GemvSpec::plain(&w.router, &act.x, b.logits) })?;
+        Ok((router, k.router.plan(gpu, m.routing, m.experts, m.top_k, b)))
     }
 
     fn down(

@@ -117,6 +117,17 @@ struct LayerSlots {
 const DEMAND_HALF_LIFE: f32 = 256.0;
 
 impl LayerSlots {
+    /// Empties the [`Self::victim`] slot and marks it used at `now`, for an
+    /// upload that fills it once recorded (a failed one leaves no stale
+    /// expert behind).
+    fn evict(&mut self, now: u64) -> Option<usize> {
+        let slot = self.victim(now)?;
+        self.expert[slot] = None;
+        self.prefetched[slot] = false;
+        self.last_used[slot] = now;
+        Some(slot)
+    }
+
     /// The slot to evict: not used at `now`, holding the expert least in
     /// demand (an empty slot first), the least recently used among equals.
     fn victim(&self, now: u64) -> Option<usize> {
@@ -269,12 +280,7 @@ impl ExpertStreaming {
             }
             // The expert least in demand, of those this dispatch does not
             // need (just marked `now`); the least recently used of equals.
-            // Empty until the upload is recorded: a failed one leaves no
-            // stale expert.
-            let victim = table.victim(now).expect("fewer needed experts than slots");
-            table.expert[victim] = None;
-            table.prefetched[victim] = false;
-            table.last_used[victim] = now;
+            let victim = table.evict(now).expect("fewer needed experts than slots");
             slots[k] = Some(victim);
             misses.push((x, victim));
         }
@@ -316,10 +322,7 @@ impl ExpertStreaming {
             match table.expert.iter().position(|&held| held == Some(x)) {
                 Some(s) => table.last_used[s] = now,
                 None => {
-                    let victim = table.victim(now).expect("fewer guessed experts than slots");
-                    table.expert[victim] = None;
-                    table.prefetched[victim] = false;
-                    table.last_used[victim] = now;
+                    let victim = table.evict(now).expect("fewer guessed experts than slots");
                     uploads.push((x, victim));
                 }
             }
