@@ -10,6 +10,11 @@ enable wgpu_cooperative_matrix;
 // staged into workgroup memory, the next step's loaded into registers
 // while this one multiplies. Each subgroup owns 32 tokens x WARP_N rows as
 // 16 x 16 f32 accumulators fed by 16 x 16 x 16 f16 products.
+// The staged tiles are arrays of vec4<f16>: every invocation stages eight
+// values with two 8-byte stores (element-wise f16 stores made staging, not
+// the products, the kernel's cost). Workgroup arrays of u32 reinterpreted
+// as f16 by the matrix loads are not an option: NVIDIA's compiler rejects
+// such pipelines.
 // X_SPLIT: each x is staged as two f16s, x_hi (x cut to 11 bits of
 // mantissa) and x_lo = f16(x - x_hi), both multiplied: the activations keep
 // 22 bits of mantissa instead of 11, at twice the matrix work. bf16 weights are exact
@@ -17,6 +22,7 @@ enable wgpu_cooperative_matrix;
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
+// Needs cols % 8 == 0 for bf16 weights, cols % 4 == 0 otherwise.
 // Grid: x = row tiles (folded into z), y = token tiles.
 
 // Tokens per workgroup: 32, 64 or 128 (pipeline constant: narrow tiles for
@@ -24,9 +30,9 @@ enable wgpu_cooperative_matrix;
 override TILE_M: u32 = 128u;
 const TILE_N: u32 = 128u;
 const TILE_K: u32 = 32u;
-// Row stride of the staged tiles in f16s: 16 bytes of padding per row keep
-// the 16 x 16 loads off a single bank.
-const STRIDE: u32 = 40u;
+// A staged row in vec4<f16>s: TILE_K f16s and 16 bytes of padding, which
+// keep the 16 x 16 loads of consecutive rows off the same banks.
+const ROW: u32 = 10u;
 // Subgroups: WARPS_M along the tokens (32 each) x WARPS_N along the rows.
 const WARPS: u32 = 8u;
 override WARPS_M: u32 = TILE_M / 32u;
@@ -34,50 +40,53 @@ override WARPS_N: u32 = WARPS / WARPS_M;
 override WARP_N: u32 = TILE_N / WARPS_N;
 // 16-row accumulator columns per subgroup: 1, 2 or 4.
 override FRAGS_N: u32 = WARP_N / 16u;
-// Staging rounds per k step (see Sources) and weight rows per round.
-override X_ROUNDS: u32 = TILE_M / 8u;
-#if WEIGHT_FORMAT
-const W_ROUNDS: u32 = 4u;
-#else
-const W_ROUNDS: u32 = 8u;
-#endif
-const W_ROWS: u32 = TILE_N / W_ROUNDS;
+// Each invocation stages runs of eight k: four invocations cover a row's
+// step, 64 rows a round.
+const ROUND_ROWS: u32 = 64u;
+override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
+const W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
 
 @group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
+#if WEIGHT_FORMAT
 @group(0) @binding(2) var<storage, read> weight: array<u32>;
-@group(0) @binding(3) var<storage, read> x: array<f32>;
+#else
+@group(0) @binding(2) var<storage, read> weight: array<vec4<u32>>;
+#endif
+@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
 @group(0) @binding(5) var<storage, read> groups: array<u32>;
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
 
-// xs[m * STRIDE + k]: token m of the tile at k (row-major A);
-// ws[n * STRIDE + k]: weight row n at k (column-major B).
-var<workgroup> xs: array<f16, 128 * 40>;
+// xs[m * ROW + k / 4]: token m of the tile at k (row-major A);
+// ws[n * ROW + k / 4]: weight row n at k (column-major B).
+var<workgroup> xs: array<vec4<f16>, 128 * 10>;
 #if X_SPLIT
-var<workgroup> xs_lo: array<f16, 128 * 40>;
+var<workgroup> xs_lo: array<vec4<f16>, 128 * 10>;
 #endif
-var<workgroup> ws: array<f16, 128 * 40>;
+var<workgroup> ws: array<vec4<f16>, 128 * 10>;
 #if W_SPLIT
-var<workgroup> ws_lo: array<f16, 128 * 40>;
+var<workgroup> ws_lo: array<vec4<f16>, 128 * 10>;
 #endif
 // One 16 x 16 accumulator per subgroup on its way out.
 var<workgroup> out_tile: array<f32, 8 * 256>;
 
 fn weight_word(i: u32) -> u32 {
+#if WEIGHT_FORMAT
     return weight[i];
+#else
+    return weight[i / 4u][i % 4u];
+#endif
 }
 
 // Where this invocation's staged values come from, fixed for the whole k
-// loop. Consecutive invocations stage consecutive elements of a row, so
-// that each subgroup's load is one contiguous run: X round r is token
-// 8 r + li / 32 at k li % 32; W round r (bf16) is row 16 r + li / 16 at
-// word li % 16, or (other formats) row 32 r + li / 8 at k 4 (li % 8).
+// loop: round r stages tile row 64 r + li / 4 (tokens for X, weight rows
+// for W) at k 8 (li % 4) of the step.
 struct Sources {
-    x_base: array<u32, 16>,
-    x_ok: array<bool, 16>,
-    w_base: array<u32, 8>,
-    w_ok: array<bool, 8>,
+    x_base: array<u32, 2>,
+    x_ok: array<bool, 2>,
+    w_base: array<u32, 2>,
+    w_ok: array<bool, 2>,
 }
 
 struct Tile {
@@ -111,99 +120,112 @@ fn part_row(t: Tile, n: u32) -> u32 {
 fn sources(t: Tile, li: u32) -> Sources {
     var s: Sources;
     for (var r = 0u; r < X_ROUNDS; r++) {
-        let m = t.m0 + 8u * r + li / 32u;
-        s.x_ok[r] = m < t.count;
+        let local = ROUND_ROWS * r + li / 4u;
+        let m = t.m0 + local;
+        s.x_ok[r] = local < TILE_M && m < t.count;
         var xrow = m;
         if (t.grouped && s.x_ok[r]) {
             xrow = pairs[t.first_pair + m] / p.x_div;
         }
-        s.x_base[r] = xrow * p.cols;
+        s.x_base[r] = xrow * (p.cols / 4u);
     }
 #if WEIGHT_FORMAT
-    let words_per_row = row_words(p.cols);
+    let row_stride = row_words(p.cols);
 #else
-    let words_per_row = p.cols / 2u;
+    let row_stride = p.cols / 8u;
 #endif
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let n = t.n0 + W_ROWS * r + li / (256u / W_ROWS);
+        let n = t.n0 + ROUND_ROWS * r + li / 4u;
         let w_row = part_row(t, n);
         s.w_ok[r] = n < t.n_rows && w_row < p.rows;
-        s.w_base[r] = select(0u, w_row * words_per_row, s.w_ok[r]);
+        s.w_base[r] = select(0u, w_row * row_stride, s.w_ok[r]);
     }
     return s;
 }
 
-// The staged values of one k step, in registers.
+// The staged values of one k step, in registers: eight consecutive k of
+// each round's row.
 struct Staged {
-    x: array<f32, 16>,
+    x: array<array<vec4<f32>, 2>, 2>,
 #if WEIGHT_FORMAT
-    w: array<vec4<f32>, 4>,
+    w: array<array<vec4<f32>, 2>, 2>,
 #else
-    w: array<u32, 8>,
+    w: array<vec4<u32>, 2>,
 #endif
 }
 
 fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
     var st: Staged;
-    let kx = k0 + li % 32u;
+    let k = k0 + 8u * (li % 4u);
     for (var r = 0u; r < X_ROUNDS; r++) {
-        st.x[r] = 0.0;
-        if (s.x_ok[r] && kx < p.cols) {
-            st.x[r] = x[s.x_base[r] + kx];
+        for (var h = 0u; h < 2u; h++) {
+            st.x[r][h] = vec4<f32>(0.0);
+            if (s.x_ok[r] && k + 4u * h < p.cols) {
+                st.x[r][h] = x[s.x_base[r] + k / 4u + h];
+            }
         }
     }
+    for (var r = 0u; r < W_ROUNDS; r++) {
 #if WEIGHT_FORMAT
-    let kw = k0 + (li % 8u) * 4u;
-    for (var r = 0u; r < W_ROUNDS; r++) {
-        st.w[r] = vec4<f32>(0.0);
-        if (s.w_ok[r] && kw < p.cols) {
-            st.w[r] = weights4(s.w_base[r], kw);
+        for (var h = 0u; h < 2u; h++) {
+            st.w[r][h] = vec4<f32>(0.0);
+            if (s.w_ok[r] && k + 4u * h < p.cols) {
+                st.w[r][h] = weights4(s.w_base[r], k + 4u * h);
+            }
         }
-    }
 #else
-    let kw = k0 / 2u + li % 16u;
-    for (var r = 0u; r < W_ROUNDS; r++) {
-        st.w[r] = 0u;
-        if (s.w_ok[r] && kw < p.cols / 2u) {
-            st.w[r] = weight[s.w_base[r] + kw];
+        st.w[r] = vec4<u32>(0u);
+        if (s.w_ok[r] && k < p.cols) {
+            st.w[r] = weight[s.w_base[r] + k / 8u];
         }
-    }
 #endif
+    }
     return st;
+}
+
+// The part of each value that f16 holds exactly: the top 10 mantissa bits,
+// by integer masking, which no compiler folds away as it may f32(f16(v)).
+fn high8(v: array<vec4<f32>, 2>) -> array<vec4<f32>, 2> {
+    let mask = vec4<u32>(0xffffe000u);
+    return array(bitcast<vec4<f32>>(bitcast<vec4<u32>>(v[0]) & mask), bitcast<vec4<f32>>(bitcast<vec4<u32>>(v[1]) & mask));
+}
+
+fn minus8(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> array<vec4<f32>, 2> {
+    return array(a[0] - b[0], a[1] - b[1]);
 }
 
 fn store_step(st: Staged, li: u32) {
     for (var r = 0u; r < X_ROUNDS; r++) {
-        let at = (8u * r + li / 32u) * STRIDE + li % 32u;
+        let at = (ROUND_ROWS * r + li / 4u) * ROW + 2u * (li % 4u);
 #if X_SPLIT
-        // The high part keeps the top 10 mantissa bits (exact in f16), so
-        // the low part is exact in f32; integer masking, which no compiler
-        // folds away as it may f32(f16(x)).
-        let hi = bitcast<f32>(bitcast<u32>(st.x[r]) & 0xffffe000u);
-        xs[at] = f16(hi);
-        xs_lo[at] = f16(st.x[r] - hi);
+        let hi = high8(st.x[r]);
+        let lo = minus8(st.x[r], hi);
+        xs_lo[at] = vec4<f16>(lo[0]);
+        xs_lo[at + 1u] = vec4<f16>(lo[1]);
 #else
-        xs[at] = f16(st.x[r]);
+        let hi = st.x[r];
 #endif
+        xs[at] = vec4<f16>(hi[0]);
+        xs[at + 1u] = vec4<f16>(hi[1]);
     }
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let at = (W_ROWS * r + li / (256u / W_ROWS)) * STRIDE;
+        let at = (ROUND_ROWS * r + li / 4u) * ROW + 2u * (li % 4u);
 #if WEIGHT_FORMAT
-        // Converted as a vector: converting st.w[r][c] element by element
-        // gave wrong values on the NVIDIA H200's Vulkan driver.
-        let staged = vec4<f16>(st.w[r]);
-        for (var c = 0u; c < 4u; c++) {
 #if W_SPLIT
-            let high = bitcast<f32>(bitcast<u32>(st.w[r][c]) & 0xffffe000u);
-            ws[at + (li % 8u) * 4u + c] = f16(high);
-            ws_lo[at + (li % 8u) * 4u + c] = f16(st.w[r][c] - high);
+        let hi = high8(st.w[r]);
+        let lo = minus8(st.w[r], hi);
+        ws_lo[at] = vec4<f16>(lo[0]);
+        ws_lo[at + 1u] = vec4<f16>(lo[1]);
 #else
-            ws[at + (li % 8u) * 4u + c] = staged[c];
+        let hi = st.w[r];
 #endif
-        }
+        ws[at] = vec4<f16>(hi[0]);
+        ws[at + 1u] = vec4<f16>(hi[1]);
 #else
-        ws[at + 2u * (li % 16u)] = f16(bf16_lo(st.w[r]));
-        ws[at + 2u * (li % 16u) + 1u] = f16(bf16_hi(st.w[r]));
+        // bf16 pairs to f16 pairs: exact within f16's range.
+        let w = st.w[r];
+        ws[at] = vec4<f16>(vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y)));
+        ws[at + 1u] = vec4<f16>(vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w)));
 #endif
     }
 }
@@ -245,8 +267,8 @@ fn main(
     // This subgroup's 32 tokens and WARP_N rows within the tile.
     let wm = warp % WARPS_M;
     let wn = warp / WARPS_M;
-    let a_at = wm * 32u * STRIDE;
-    let b_at = wn * WARP_N * STRIDE;
+    let a_at = wm * 32u * ROW;
+    let b_at = wn * WARP_N * ROW;
 
     var c00 = coop_mat16x16<f32, C>();
     var c01 = coop_mat16x16<f32, C>();
@@ -265,13 +287,13 @@ fn main(
             st = load_step(s, k0 + TILE_K, li);
         }
         for (var kk = 0u; kk < TILE_K; kk += 16u) {
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&xs[a_at + kk], STRIDE);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&xs[a_at + 16u * STRIDE + kk], STRIDE);
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&xs[a_at + kk / 4u], ROW);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&xs[a_at + 16u * ROW + kk / 4u], ROW);
 #if X_SPLIT
-            let l0 = coopLoadT<coop_mat16x16<f16, A>>(&xs_lo[a_at + kk], STRIDE);
-            let l1 = coopLoadT<coop_mat16x16<f16, A>>(&xs_lo[a_at + 16u * STRIDE + kk], STRIDE);
+            let l0 = coopLoadT<coop_mat16x16<f16, A>>(&xs_lo[a_at + kk / 4u], ROW);
+            let l1 = coopLoadT<coop_mat16x16<f16, A>>(&xs_lo[a_at + 16u * ROW + kk / 4u], ROW);
 #endif
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + kk], STRIDE);
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + kk / 4u], ROW);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c10 = coopMultiplyAdd(a1, b0, c10);
 #if X_SPLIT
@@ -279,12 +301,12 @@ fn main(
             c10 = coopMultiplyAdd(l1, b0, c10);
 #endif
 #if W_SPLIT
-            let bl0 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + kk], STRIDE);
+            let bl0 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + kk / 4u], ROW);
             c00 = coopMultiplyAdd(a0, bl0, c00);
             c10 = coopMultiplyAdd(a1, bl0, c10);
 #endif
             if (FRAGS_N > 1u) {
-                let b1 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 16u * STRIDE + kk], STRIDE);
+                let b1 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 16u * ROW + kk / 4u], ROW);
                 c01 = coopMultiplyAdd(a0, b1, c01);
                 c11 = coopMultiplyAdd(a1, b1, c11);
 #if X_SPLIT
@@ -292,13 +314,13 @@ fn main(
                 c11 = coopMultiplyAdd(l1, b1, c11);
 #endif
 #if W_SPLIT
-                let bl1 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 16u * STRIDE + kk], STRIDE);
+                let bl1 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 16u * ROW + kk / 4u], ROW);
                 c01 = coopMultiplyAdd(a0, bl1, c01);
                 c11 = coopMultiplyAdd(a1, bl1, c11);
 #endif
             }
             if (FRAGS_N > 2u) {
-                let b2 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 32u * STRIDE + kk], STRIDE);
+                let b2 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 32u * ROW + kk / 4u], ROW);
                 c02 = coopMultiplyAdd(a0, b2, c02);
                 c12 = coopMultiplyAdd(a1, b2, c12);
 #if X_SPLIT
@@ -306,13 +328,13 @@ fn main(
                 c12 = coopMultiplyAdd(l1, b2, c12);
 #endif
 #if W_SPLIT
-                let bl2 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 32u * STRIDE + kk], STRIDE);
+                let bl2 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 32u * ROW + kk / 4u], ROW);
                 c02 = coopMultiplyAdd(a0, bl2, c02);
                 c12 = coopMultiplyAdd(a1, bl2, c12);
 #endif
             }
             if (FRAGS_N > 3u) {
-                let b3 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 48u * STRIDE + kk], STRIDE);
+                let b3 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 48u * ROW + kk / 4u], ROW);
                 c03 = coopMultiplyAdd(a0, b3, c03);
                 c13 = coopMultiplyAdd(a1, b3, c13);
 #if X_SPLIT
@@ -320,7 +342,7 @@ fn main(
                 c13 = coopMultiplyAdd(l1, b3, c13);
 #endif
 #if W_SPLIT
-                let bl3 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 48u * STRIDE + kk], STRIDE);
+                let bl3 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 48u * ROW + kk / 4u], ROW);
                 c03 = coopMultiplyAdd(a0, bl3, c03);
                 c13 = coopMultiplyAdd(a1, bl3, c13);
 #endif

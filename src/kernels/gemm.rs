@@ -137,7 +137,13 @@ impl Gemm {
             });
         }
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
-        let (pipeline, tile_tokens, tile_rows) = match self.kernel {
+        let kernel = match self.kernel {
+            GemmKernel::Cooperative { .. } if !gemm_coop::takes(part.format, weight.cols) => {
+                GemmKernel::Alu(Tiling::Auto)
+            }
+            kernel => kernel,
+        };
+        let (pipeline, tile_tokens, tile_rows) = match kernel {
             GemmKernel::Alu(tiling) => {
                 let wide = match tiling {
                     Tiling::Narrow => false,

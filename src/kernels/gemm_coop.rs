@@ -16,9 +16,21 @@ pub const SUBGROUP_SIZE: u32 = 32;
 pub const TILE_ROWS: usize = 128;
 
 /// Workgroup memory of the build with [`X_SPLIT`] and [`W_SPLIT`]: four
-/// staged 128 x 40 f16 tiles and eight 16 x 16 f32 accumulators on their
-/// way out.
+/// staged tiles of 128 rows of 40 f16s (32 and padding) and eight 16 x 16
+/// f32 accumulators on their way out.
 const WORKGROUP_BYTES: u32 = 4 * 128 * 40 * 2 + 8 * 256 * 4;
+
+/// The kernel stages eight k at a time with 16-byte loads: bf16 rows must
+/// hold a multiple of 8 values (other formats' rows are read four at a
+/// time, as [`super::Gemm`] requires of them anyway). A matrix it does not
+/// take runs on the f32 GEMM.
+pub fn takes(format: crate::format::WeightFormat, cols: usize) -> bool {
+    use crate::format::WeightFormat;
+    match format {
+        WeightFormat::Bf16 => cols.is_multiple_of(8),
+        _ => cols.is_multiple_of(4),
+    }
+}
 
 /// The flags of a build reading `format` (see [`super::weight_flags`]),
 /// precise (`split`) or not.
