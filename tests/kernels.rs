@@ -8,12 +8,13 @@ use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
 use wgspark::kernels::gemm::GroupedBuffers;
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
+use wgspark::kernels::group_by_expert::GroupBuffers;
 use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::router::RouterBindings;
 use wgspark::kernels::sample::{SampleBindings, SampleScratch};
 use wgspark::kernels::{
-    Attention, Embed, Gemm, Gemv, Heads, Residual, RmsNorm, Router, Sample, Step, Swiglu,
+    Attention, Embed, Gemm, Gemv, GroupByExpert, Heads, Residual, RmsNorm, Router, Sample, Step, Swiglu,
 };
 use wgspark::model::{QkNorm, Routing};
 use wgspark::model::{RopeConfig, RopeScaling};
@@ -731,6 +732,41 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
     }
 }
 
+/// The GPU's grouping equals the host's: each expert's pairs in increasing
+/// order, experts in order, ids past the experts (elsewhere) left out;
+/// chunks of more pairs than the kernel's workgroup, and experts with none.
+#[test]
+fn pairs_are_grouped_by_expert_on_the_gpu() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(14);
+        let group = GroupByExpert::new(gpu).unwrap();
+        for (tokens, top_k, experts) in [(1, 2, 8), (70, 2, 5), (300, 8, 128), (513, 3, 512)] {
+            let ids: Vec<u32> = (0..tokens * top_k)
+                .map(|_| match rng.below(10) {
+                    0 => wgspark::kernels::gemv::EXPERT_ELSEWHERE,
+                    _ => rng.below(experts as u32 / 2 + 1) * 2 % experts as u32,
+                })
+                .collect();
+            let idb = gpu.storage_buffer_init("ids", &ids);
+            let gb = gpu.storage_buffer_init("groups", &vec![u32::MAX; 2 * experts]);
+            let pb = gpu.storage_buffer_init("pairs", &vec![u32::MAX; ids.len()]);
+            let step = step_buffer(gpu, 0, tokens, 1);
+            let b = GroupBuffers { step: &step, ids: &idb, groups: &gb, pairs: &pb };
+            run(gpu, &[group.plan(gpu, experts, top_k, b)], tokens as u32);
+            let mut want_groups = Vec::new();
+            let mut want_pairs = Vec::new();
+            for e in 0..experts as u32 {
+                let members: Vec<u32> = (0..ids.len() as u32).filter(|&i| ids[i as usize] == e).collect();
+                want_groups.extend([want_pairs.len() as u32, members.len() as u32]);
+                want_pairs.extend(members);
+            }
+            let what = format!("{tokens} tokens, top {top_k} of {experts}");
+            assert_eq!(gpu.read_buffer::<u32>(&gb, 2 * experts).unwrap(), want_groups, "{what}: groups");
+            assert_eq!(gpu.read_buffer::<u32>(&pb, want_pairs.len()).unwrap(), want_pairs, "{what}: pairs");
+        }
+    });
+}
+
 #[test]
 fn grouped_gemm_runs_each_expert_over_its_tokens() {
     for backend in common::backends() {
@@ -759,14 +795,11 @@ fn grouped_gemm_runs_each_expert_over_its_tokens() {
                 let gb = gpu.storage_buffer_init("groups", &groups);
                 let pb = gpu.storage_buffer_init("pairs", &pairs);
                 let step = step_buffer(&gpu, 0, tokens, 1);
-                for e in 0..experts {
-                    let count = groups[2 * e + 1];
-                    if count == 0 {
-                        continue;
-                    }
-                    let b = GroupedBuffers { x: &xb, y: &yb, groups: &gb, pairs: &pb };
-                    run(&gpu, &gemm.plan_expert(&gpu, &weight, e, rows, k, &step, b).unwrap(), count);
-                }
+                let b = GroupedBuffers { x: &xb, y: &yb, groups: &gb, pairs: &pb };
+                let per_expert = tokens * k / experts;
+                let dispatches =
+                    gemm.plan_experts(&gpu, &weight, 0..experts, rows, k, per_expert, &step, b).unwrap();
+                run(&gpu, &dispatches, tokens as u32);
                 let got: Vec<f32> = gpu.read_buffer(&yb, tokens * k * rows).unwrap();
                 let want: Vec<f32> = (0..tokens * k)
                     .flat_map(|pair| {

@@ -8,7 +8,7 @@ use common::checkpoint::fixture_dir;
 use common::fixtures::{cases, expected};
 use common::max_abs_diff;
 use wgspark::stats::TimingSource;
-use wgspark::{Gpu, GpuOptions, Model, RoutingMode, Session, SessionOptions};
+use wgspark::{ChunkMatmul, Gpu, GpuOptions, Model, RoutingMode, Session, SessionOptions};
 
 const MOE_CASES: &[&str] = &[
     "mixtral_8x2",
@@ -50,8 +50,9 @@ fn device_resident_routing_matches_readback_routing() {
             let (rows, session) = replay_with(&model, case, &one(RoutingMode::DeviceResident));
             assert!(rows == readback, "{case}: device-resident logits differ from readback routing");
             assert_eq!(session.stats().routing_readbacks, 0, "{case}: nothing is read back");
-            // A chunked prompt groups tokens by expert (readback) or runs each
-            // token's experts (device-resident): the same sums in another order
+            // A chunked prompt (on CPU rasterisers, through the GEMV) groups
+            // tokens by expert (readback) or runs each token's experts
+            // (device-resident): the same sums in another order
             // (with an f32 cache: an f16 one can round such a difference up to
             // a unit of its last place).
             let chunked_with = |routing| SessionOptions { routing, ..common::fixtures::exact() };
@@ -60,6 +61,14 @@ fn device_resident_routing_matches_readback_routing() {
             for (a, b) in chunked.iter().zip(&readback_chunked) {
                 assert!(max_abs_diff(a, b) <= 1e-5, "{case}: chunked prefill modes differ");
             }
+            // With the GEMM, both group the chunk by expert, on the GPU or on
+            // the host, in the same order: identical bits again.
+            let grouped_with =
+                |routing| SessionOptions { chunk_matmul: ChunkMatmul::Gemm, ..chunked_with(routing) };
+            let (grouped, session) = replay_with(&model, case, &grouped_with(RoutingMode::DeviceResident));
+            let readback_grouped = replay_with(&model, case, &grouped_with(RoutingMode::Readback)).0;
+            assert!(grouped == readback_grouped, "{case}: grouping on the GPU changes the logits");
+            assert_eq!(session.stats().routing_readbacks, 0, "{case}: the chunk's routing stays on the GPU");
         }
     });
 }

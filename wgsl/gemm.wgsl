@@ -6,11 +6,12 @@
 // X, Y: f32 rows of cols and y_stride elements.
 // Dense mode (expert_rows = 0): m < step.n_tokens, xrow = yrow = m; n covers
 //   the part's rows, col(n) = first_row + n.
-// Grouped mode (MoE prefill): the tokens routed to `expert`, listed by the
-//   host as pair indices idx = token * top_k + slot in
-//   pairs[groups[2e] .. groups[2e] + groups[2e + 1]]; xrow = idx / x_div,
-//   yrow = idx; n < expert_rows, weight row expert * expert_rows + n (where
-//   this part holds it), col(n) = n.
+// Grouped mode (MoE prefill): every expert e = expert + grid z at once, over
+//   the tokens routed to it, listed as pair indices idx = token * top_k +
+//   slot in pairs[groups[2e] .. groups[2e] + groups[2e + 1]]; xrow =
+//   idx / x_div, yrow = idx; n < expert_rows, weight row e * expert_rows + n
+//   (where this part holds it), col(n) = n. The grid's y covers the most
+//   tokens an expert can have; tiles past an expert's count end at once.
 // Tiles of TILE_M tokens x TILE_N weight rows per workgroup of 256 (both 64
 // or 128, pipeline constants: small tiles give narrow matrices enough
 // workgroups, large ones do more work per load), k in steps of 16 through
@@ -18,7 +19,8 @@
 // one computes. Each invocation owns (TILE_M / 16) x (TILE_N / 16) outputs
 // in vec4 accumulators, written out by hand so that they stay in registers
 // on every compiler.
-// Grid: x = row tiles (folded into z), y = token tiles.
+// Grid: x = row tiles (dense: folded into z), y = token tiles, z = experts
+// (grouped).
 
 override TILE_M: u32 = 64u;
 override TILE_N: u32 = 128u;
@@ -57,13 +59,18 @@ fn main(
     var count = step.n_tokens;
     var first_pair = 0u;
     var n_rows = p.rows;
+    var n0 = (wid.x + wid.z * nwg.x) * TILE_N;
+    let expert = p.expert + wid.z;
     if (grouped) {
-        first_pair = groups[2u * p.expert];
-        count = groups[2u * p.expert + 1u];
+        first_pair = groups[2u * expert];
+        count = groups[2u * expert + 1u];
         n_rows = p.expert_rows;
+        n0 = wid.x * TILE_N;
     }
     let m0 = wid.y * TILE_M;
-    let n0 = (wid.x + wid.z * nwg.x) * TILE_N;
+    if (m0 >= count) {
+        return;
+    }
     let k_words = p.cols / 2u;
 
     // Loader roles: X token lm with X_FLOATS k values from lkx; W row ln
@@ -86,7 +93,7 @@ fn main(
     var w_local = n0 + ln;
     if (grouped) {
         // Wraps to a huge value (skipped) when the row is before this part.
-        w_local = p.expert * p.expert_rows + n0 + ln - p.first_row;
+        w_local = expert * p.expert_rows + n0 + ln - p.first_row;
     }
     let w_ok = n0 + ln < n_rows && w_local < p.rows;
 #if WEIGHT_FORMAT
@@ -215,7 +222,7 @@ fn main(
             let n = n0 + 64u * (j / 4u) + 4u * tn + (j % 4u);
             var w_row = n;
             if (grouped) {
-                w_row = p.expert * p.expert_rows + n - p.first_row;
+                w_row = expert * p.expert_rows + n - p.first_row;
             }
             if (n < n_rows && w_row < p.rows) {
                 var col = n;

@@ -23,7 +23,8 @@ enable wgpu_cooperative_matrix;
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
 // Needs cols % 8 == 0 for bf16 weights, cols % 4 == 0 otherwise.
-// Grid: x = row tiles (folded into z), y = token tiles.
+// Grid: x = row tiles (dense: folded into z), y = token tiles, z = experts
+// (grouped).
 
 // Tokens per workgroup: 32, 64 or 128 (pipeline constant: narrow tiles for
 // expert groups and short chunks).
@@ -70,6 +71,8 @@ var<workgroup> ws_lo: array<vec4<f16>, 128 * 10>;
 #endif
 // One 16 x 16 accumulator per subgroup on its way out.
 var<workgroup> out_tile: array<f32, 8 * 256>;
+// The tile's token count (its expert's, when grouped).
+var<workgroup> tile_count: u32;
 
 fn weight_word(i: u32) -> u32 {
 #if WEIGHT_FORMAT
@@ -96,14 +99,17 @@ struct Tile {
     n_rows: u32,
     m0: u32,
     n0: u32,
+    expert: u32,
 }
 
 fn tile_of(wid: vec3<u32>, nwg: vec3<u32>) -> Tile {
-    var t = Tile(p.expert_rows > 0u, step.n_tokens, 0u, p.rows, wid.y * TILE_M, (wid.x + wid.z * nwg.x) * TILE_N);
+    var t = Tile(p.expert_rows > 0u, step.n_tokens, 0u, p.rows, wid.y * TILE_M, (wid.x + wid.z * nwg.x) * TILE_N, 0u);
     if (t.grouped) {
-        t.first_pair = groups[2u * p.expert];
-        t.count = groups[2u * p.expert + 1u];
+        t.expert = p.expert + wid.z;
+        t.first_pair = groups[2u * t.expert];
+        t.count = groups[2u * t.expert + 1u];
         t.n_rows = p.expert_rows;
+        t.n0 = wid.x * TILE_N;
     }
     return t;
 }
@@ -112,7 +118,7 @@ fn tile_of(wid: vec3<u32>, nwg: vec3<u32>) -> Tile {
 // expert's row lies outside this part).
 fn part_row(t: Tile, n: u32) -> u32 {
     if (t.grouped) {
-        return p.expert * p.expert_rows + n - p.first_row;
+        return t.expert * p.expert_rows + n - p.first_row;
     }
     return n;
 }
@@ -263,6 +269,19 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let t = tile_of(wid, nwg);
+    // Grouped: a tile past its expert's tokens has nothing to do. The count
+    // goes through workgroup memory so that the matrix operations stay in
+    // control flow that the compiler sees is uniform.
+    if (li == 0u) {
+        tile_count = t.count;
+    }
+    if (t.m0 < workgroupUniformLoad(&tile_count)) {
+        product(t, li, warp, lane);
+    }
+}
+
+// The tile's product, written to y.
+fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     let s = sources(t, li);
     // This subgroup's 32 tokens and WARP_N rows within the tile.
     let wm = warp % WARPS_M;

@@ -28,6 +28,7 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, Readback};
 use crate::kernels::gemm::GroupedBuffers;
 use crate::kernels::gemv::{EXPERT_ELSEWHERE, GemvSpec, Input, Output, Rows};
+use crate::kernels::group_by_expert::GroupBuffers;
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::router::RouterBindings;
@@ -83,8 +84,9 @@ pub struct MoePlan {
     /// weighted down projections added to the residual.
     gate_up: Vec<Dispatch>,
     down: Vec<Dispatch>,
-    /// A chunk grouped by expert (readback with the GEMM): norm, then per
-    /// expert `[part]` the GEMM over its tokens, SwiGLU, the weighted add.
+    /// A chunk grouped by expert (with the GEMM): norm, then every expert's
+    /// GEMM over its tokens, SwiGLU, every expert's down GEMM, the weighted
+    /// add.
     grouped: Option<Grouped>,
     ids: wgpu::Buffer,
     top_k_slots: usize,
@@ -109,9 +111,12 @@ struct Prediction {
 #[derive(Debug)]
 struct Grouped {
     norm: Dispatch,
-    gate_up: Vec<Vec<Dispatch>>,
+    /// The pairs grouped by expert on the GPU (device-resident routing).
+    group: Dispatch,
+    /// Every expert's (or slot's) GEMM, one dispatch per weight part.
+    gate_up: Vec<Dispatch>,
     swiglu: Dispatch,
-    down: Vec<Vec<Dispatch>>,
+    down: Vec<Dispatch>,
     output: Dispatch,
     groups: wgpu::Buffer,
     pairs: wgpu::Buffer,
@@ -132,27 +137,22 @@ impl MoePlan {
         let held = streamed.map_or(m.experts, |s| s.slots);
         let grouped = act.chunk_gemm.then(|| -> Result<Grouped> {
             let b = |x, y| GroupedBuffers { x, y, groups: &a.groups, pairs: &a.pairs };
+            // What a held expert gets of a full chunk on average sizes the tiles.
+            let per_expert = (act.max_tokens * top_k).div_ceil(held);
+            let experts = |weight, rows, x_div, x, y| {
+                k.gemm.plan_experts(gpu, weight, 0..held, rows, x_div, per_expert, &act.step, b(x, y))
+            };
             Ok(Grouped {
                 norm: k.rms_norm.plan(gpu, ffn_norm, c.rms_eps, &act.x, &act.h, NormRows::vector(h)),
-                gate_up: (0..held)
-                    .map(|e| {
-                        k.gemm.plan_expert(
-                            gpu,
-                            &w.gate_up,
-                            e,
-                            2 * i,
-                            top_k,
-                            &act.step,
-                            b(&act.h, &a.expert_gate_up),
-                        )
-                    })
-                    .collect::<Result<_>>()?,
+                group: k.group_by_expert.plan(
+                    gpu,
+                    m.experts,
+                    top_k,
+                    GroupBuffers { step: &act.step, ids: &a.route_ids, groups: &a.groups, pairs: &a.pairs },
+                ),
+                gate_up: experts(&w.gate_up, 2 * i, top_k, &act.h, &a.expert_gate_up)?,
                 swiglu: k.swiglu.plan(gpu, i, top_k, &a.expert_gate_up, &a.expert_act),
-                down: (0..held)
-                    .map(|e| {
-                        k.gemm.plan_expert(gpu, &w.down, e, h, 1, &act.step, b(&a.expert_act, &a.expert_out))
-                    })
-                    .collect::<Result<_>>()?,
+                down: experts(&w.down, h, 1, &a.expert_act, &a.expert_out)?,
                 output: Self::grouped_output(model, act, &LayerOutput::default())?,
                 groups: a.groups.clone(),
                 pairs: a.pairs.clone(),
@@ -304,7 +304,11 @@ impl MoePlan {
                     self.layer,
                     self.n_experts,
                 )?;
-                grouped.encode(rec, n_tokens, &ids, self.n_experts);
+                grouped.encode(rec, n_tokens, Some(&ids), self.n_experts);
+                return Ok(());
+            }
+            (RoutingMode::DeviceResident, Some(grouped)) if n_tokens > 1 => {
+                grouped.encode(rec, n_tokens, None, self.n_experts);
                 return Ok(());
             }
             (RoutingMode::Readback, _) => {
@@ -442,14 +446,8 @@ impl Grouped {
                 slot_of[e] = Some(s);
             }
             let pair_slots: Vec<Option<u32>> = ids.iter().map(|&e| slot_of[e as usize]).collect();
-            let counts = self.group_by_slot(rec.gpu(), &pair_slots, placed.experts.slots);
-            for (s, &count) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
-                rec.encode(Phase::Routed, &self.gate_up[s], count);
-            }
-            rec.encode(Phase::Routed, std::slice::from_ref(&self.swiglu), n_tokens);
-            for (s, &count) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
-                rec.encode(Phase::Routed, &self.down[s], count);
-            }
+            self.group_by_slot(rec.gpu(), &pair_slots, placed.experts.slots);
+            self.encode_experts(rec, n_tokens);
             if w + 1 < waves.len() {
                 // The next wave's groups and uploads land before its submission.
                 rec.submit()?;
@@ -460,41 +458,45 @@ impl Grouped {
     }
 
     /// Writes the (token, slot) pairs whose expert sits in a slot this
-    /// wave, grouped by slot; returns each slot's count.
-    fn group_by_slot(&self, gpu: &Gpu, pair_slots: &[Option<u32>], n_slots: usize) -> Vec<u32> {
+    /// wave, grouped by slot.
+    fn group_by_slot(&self, gpu: &Gpu, pair_slots: &[Option<u32>], n_slots: usize) {
         let ids: Vec<(usize, u32)> =
             pair_slots.iter().enumerate().filter_map(|(pair, s)| s.map(|s| (pair, s))).collect();
         self.write_groups(gpu, &ids, n_slots)
     }
 
-    fn encode(&self, rec: &mut Recorder<'_>, n_tokens: u32, ids: &[u32], n_experts: usize) {
-        let counts = self.group_by_expert(rec.gpu(), ids, n_experts);
+    /// The chunk's experts, grouped on the host from `ids` (the routing it
+    /// read back) or else on the GPU.
+    fn encode(&self, rec: &mut Recorder<'_>, n_tokens: u32, ids: Option<&[u32]>, n_experts: usize) {
+        match ids {
+            Some(ids) => self.group_by_expert(rec.gpu(), ids, n_experts),
+            None => rec.encode(Phase::Routed, std::slice::from_ref(&self.group), n_tokens),
+        }
         rec.encode(Phase::Routed, std::slice::from_ref(&self.norm), n_tokens);
-        for (e, &count) in counts.iter().enumerate() {
-            if count > 0 {
-                rec.encode(Phase::Routed, &self.gate_up[e], count);
-            }
-        }
-        rec.encode(Phase::Routed, std::slice::from_ref(&self.swiglu), n_tokens);
-        for (e, &count) in counts.iter().enumerate() {
-            if count > 0 {
-                rec.encode(Phase::Routed, &self.down[e], count);
-            }
-        }
+        self.encode_experts(rec, n_tokens);
         rec.encode(Phase::Routed, std::slice::from_ref(&self.output), n_tokens);
     }
 
+    /// Every expert's gate/up GEMM, the SwiGLU of every pair, every
+    /// expert's down GEMM: sized for the chunk's tokens, the most one
+    /// expert can have (those with fewer end their extra tiles at once).
+    fn encode_experts(&self, rec: &mut Recorder<'_>, n_tokens: u32) {
+        rec.encode(Phase::Routed, &self.gate_up, n_tokens);
+        rec.encode(Phase::Routed, std::slice::from_ref(&self.swiglu), n_tokens);
+        rec.encode(Phase::Routed, &self.down, n_tokens);
+    }
+
     /// Writes the chunk's (token, slot) pairs grouped by expert for the
-    /// grouped GEMMs; returns each expert's count. The queue writes land
-    /// before the next submission, which is the one that reads them.
-    fn group_by_expert(&self, gpu: &Gpu, ids: &[u32], n_experts: usize) -> Vec<u32> {
+    /// grouped GEMMs. The queue writes land before the next submission,
+    /// which is the one that reads them.
+    fn group_by_expert(&self, gpu: &Gpu, ids: &[u32], n_experts: usize) {
         let pairs: Vec<(usize, u32)> = ids.iter().copied().enumerate().collect();
         self.write_groups(gpu, &pairs, n_experts)
     }
 
     /// Writes `(pair, group)` grouped by group (`groups` entries for
-    /// `n_groups`), in pair order within each; returns the counts.
-    fn write_groups(&self, gpu: &Gpu, ids: &[(usize, u32)], n_groups: usize) -> Vec<u32> {
+    /// `n_groups`), in pair order within each.
+    fn write_groups(&self, gpu: &Gpu, ids: &[(usize, u32)], n_groups: usize) {
         let mut counts = vec![0u32; n_groups];
         for &(_, e) in ids {
             counts[e as usize] += 1;
@@ -514,6 +516,5 @@ impl Grouped {
         }
         gpu.queue.write_buffer(&self.groups, 0, bytemuck::cast_slice(&groups));
         gpu.queue.write_buffer(&self.pairs, 0, bytemuck::cast_slice(&pairs));
-        counts
     }
 }

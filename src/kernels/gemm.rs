@@ -1,5 +1,5 @@
 //! `wgsl/gemm.wgsl`: weights x f32 activations for a chunk of tokens, dense
-//! or over the tokens the host grouped under one expert; on cooperative
+//! or over the tokens grouped under each expert; on cooperative
 //! matrices (`wgsl/gemm_coop.wgsl`, same parameters and bindings) where the
 //! device was opened with them.
 
@@ -48,6 +48,33 @@ pub struct GroupedBuffers<'a> {
     pub groups: &'a wgpu::Buffer,
     /// u32 pair indices `token * top_k + slot`, grouped by expert.
     pub pairs: &'a wgpu::Buffer,
+}
+
+/// A product's extent: `rows` weight rows for `tokens` tokens (at most,
+/// or on average per expert), for `experts` experts side by side (0: a
+/// dense product).
+struct Shape {
+    rows: usize,
+    tokens: usize,
+    experts: usize,
+}
+
+impl Shape {
+    /// Row tiles along x (folded into z when dense), experts along z.
+    fn grid(&self, gpu: &Gpu, name: &str, tile_rows: u32) -> Result<[u32; 3]> {
+        let tiles = (self.rows as u32).div_ceil(tile_rows);
+        if self.experts == 0 {
+            return Ok(gpu.fold_grid(tiles));
+        }
+        let max = gpu.caps.max_workgroups_per_dim as usize;
+        if tiles as usize > max || self.experts > max {
+            return Err(crate::Error::Unsupported {
+                what: "expert GEMM grid (row tiles of one expert, experts)",
+                value: format!("{name}: {} experts of {} rows", self.experts, self.rows),
+            });
+        }
+        Ok([tiles, 1, self.experts as u32])
+    }
 }
 
 /// The kernel that computes the products.
@@ -125,9 +152,11 @@ impl Gemm {
         gpu: &Gpu,
         (weight, part): (&GpuTensor, &TensorPart),
         params: GemmParams,
-        (n_rows, max_tokens): (usize, usize),
+        shape: Shape,
         b: [&wgpu::Buffer; 5],
     ) -> Result<Dispatch> {
+        // Tiles are chosen for the whole product, all experts' rows.
+        let (n_rows, max_tokens) = (shape.rows * shape.experts.max(1), shape.tokens);
         let [step, x, y, groups, pairs] = b;
         let flags = super::weight_flags(gpu, part.format);
         if !flags.is_empty() && !weight.cols.is_multiple_of(4) {
@@ -166,7 +195,7 @@ impl Gemm {
             label: "gemm",
             bind_group: gpu.bind("gemm", &pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
             pipeline,
-            workgroups: gpu.fold_grid((n_rows as u32).div_ceil(tile_rows)),
+            workgroups: shape.grid(gpu, &weight.name, tile_rows)?,
             tokens_per_workgroup: tile_tokens,
         })
     }
@@ -196,47 +225,48 @@ impl Gemm {
                     y_stride: weight.rows as u32,
                 };
                 let g = &self.no_groups;
-                self.dispatch(gpu, (weight, part), params, (part.rows, max_tokens), [step, x, y, g, g])
+                let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0 };
+                self.dispatch(gpu, (weight, part), params, shape, [step, x, y, g, g])
             })
             .collect()
     }
 
-    /// For expert `expert` of a stacked `weight` (`expert_rows` rows each):
-    /// `y[idx] = W_e x[idx / x_div]` for every pair index `idx` grouped
-    /// under it. One dispatch per part holding any of the expert's rows.
-    /// The grid's `y` must be sized by the group's count at encode time.
-    pub fn plan_expert(
+    /// For the experts `experts` of a stacked `weight` (`expert_rows` rows
+    /// each), all in one dispatch per part holding any of their rows:
+    /// `y[idx] = W_e x[idx / x_div]` for every pair index `idx` grouped under
+    /// expert `e`. Encoded for the chunk's tokens, the most any expert can
+    /// have; `tokens_per_expert`, what an expert has on average, sizes the
+    /// tiles.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_experts(
         &self,
         gpu: &Gpu,
         weight: &GpuTensor,
-        expert: usize,
+        experts: std::ops::Range<usize>,
         expert_rows: usize,
         x_div: usize,
+        tokens_per_expert: usize,
         step: &wgpu::Buffer,
         b: GroupedBuffers<'_>,
     ) -> Result<Vec<Dispatch>> {
-        let rows = expert * expert_rows..(expert + 1) * expert_rows;
+        let rows = experts.start * expert_rows..experts.end * expert_rows;
         weight
             .parts_overlapping(rows)
             .map(|i| {
                 let part = &weight.parts[i];
+                let first = experts.start.max(part.first_row / expert_rows);
+                let end = experts.end.min((part.first_row + part.rows).div_ceil(expert_rows));
                 let params = GemmParams {
                     rows: part.rows as u32,
                     cols: weight.cols as u32,
                     first_row: part.first_row as u32,
                     expert_rows: expert_rows as u32,
-                    expert: expert as u32,
+                    expert: first as u32,
                     x_div: x_div as u32,
                     y_stride: expert_rows as u32,
                 };
-                self.dispatch(
-                    gpu,
-                    (weight, part),
-                    params,
-                    // A group holds a share of a chunk's tokens: narrow tiles.
-                    (expert_rows, 0),
-                    [step, b.x, b.y, b.groups, b.pairs],
-                )
+                let shape = Shape { rows: expert_rows, tokens: tokens_per_expert, experts: end - first };
+                self.dispatch(gpu, (weight, part), params, shape, [step, b.x, b.y, b.groups, b.pairs])
             })
             .collect()
     }

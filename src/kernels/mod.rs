@@ -21,6 +21,7 @@ pub mod embed;
 pub mod gemm;
 pub mod gemm_coop;
 pub mod gemv;
+pub mod group_by_expert;
 pub mod residual;
 pub mod rms_norm;
 pub mod router;
@@ -32,6 +33,7 @@ pub use attention::Attention;
 pub use embed::Embed;
 pub use gemm::Gemm;
 pub use gemv::Gemv;
+pub use group_by_expert::GroupByExpert;
 pub use residual::Residual;
 pub use rms_norm::RmsNorm;
 pub use router::Router;
@@ -131,6 +133,12 @@ pub const FAMILIES: &[Family] = &[
         source: include_str!("../../wgsl/gemv.wgsl"),
         structs: gemv::structs,
         reads_weights: true,
+    },
+    Family {
+        name: "group_by_expert",
+        source: include_str!("../../wgsl/group_by_expert.wgsl"),
+        structs: group_by_expert::structs,
+        reads_weights: false,
     },
     Family {
         name: "residual",
@@ -440,6 +448,7 @@ pub struct Kernels {
     pub rms_norm: RmsNorm,
     pub gemv: Gemv,
     pub gemm: Gemm,
+    pub group_by_expert: GroupByExpert,
     pub attention: Attention,
     pub swiglu: Swiglu,
     pub residual: Residual,
@@ -454,6 +463,7 @@ impl Kernels {
             rms_norm: RmsNorm::new(gpu)?,
             gemv: Gemv::new(gpu),
             gemm: Gemm::new(gpu)?,
+            group_by_expert: GroupByExpert::new(gpu)?,
             attention: Attention::new(gpu),
             swiglu: Swiglu::new(gpu)?,
             residual: Residual::new(),
