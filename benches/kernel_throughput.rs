@@ -178,8 +178,15 @@ fn main() {
     } else {
         &[(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 2048)]
     };
-    let kernels: Vec<GemmKernel> =
-        Gemm::kernels(&gpu).into_iter().filter(|k| !matches!(k, GemmKernel::Alu(Tiling::Narrow))).collect();
+    // The wide f32 tiling, the cooperative kernel unsplit in its chosen
+    // tile and split (the default) in every tile.
+    let kernels: Vec<GemmKernel> = Gemm::kernels(&gpu)
+        .into_iter()
+        .filter(|k| match k {
+            GemmKernel::Alu(tiling) => *tiling == Tiling::Wide,
+            GemmKernel::Cooperative { split, tile } => *split || tile.is_none(),
+        })
+        .collect();
     for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
         for format in [WeightFormat::Bf16, WeightFormat::Q4K] {
             let w = random_tensor(&gpu, format, rows, cols);

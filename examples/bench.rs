@@ -55,7 +55,8 @@ struct Args {
     /// Also measure steering and capture against plain decode.
     #[arg(long)]
     steering: bool,
-    /// Time one decode step's dispatches one by one (GPU timestamps).
+    /// Time one decode step's dispatches one by one, and the prompt's last
+    /// chunk's (GPU timestamps).
     #[arg(long)]
     profile: bool,
     #[arg(long)]
@@ -274,6 +275,9 @@ fn measure(
                 prefill_flops(c, args.depth, args.prompt) / secs / 1e12,
                 session.prefill_chunk()
             );
+            if args.profile {
+                prefill_profile(model, &options, &fill, &prompt)?;
+            }
         }
         if args.decode > 0 {
             let cache_before = session.stats().expert_cache;
@@ -420,6 +424,21 @@ fn gpu_time(
     if profile {
         print_profile(&after.last_passes);
     }
+    Ok(())
+}
+
+/// The prompt's last chunk with each dispatch timed in a pass of its own.
+fn prefill_profile(
+    model: &Model,
+    options: &SessionOptions,
+    fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
+    prompt: &[u32],
+) -> wgspark::Result<()> {
+    let mut timed = model.session(&SessionOptions { timing: true, time_dispatches: true, ..options.clone() })?;
+    fill(&mut timed)?;
+    timed.prefill(prompt)?;
+    println!("  prefill, the last chunk:");
+    print_profile(&timed.stats().last_passes);
     Ok(())
 }
 

@@ -680,7 +680,7 @@ fn cooperative_matrices_where_there_are_none() {
         })
         .unwrap();
         assert!(!plain.caps.cooperative_matrix);
-        let err = Gemm::with_kernel(&plain, GemmKernel::Cooperative { split: true }).unwrap_err();
+        let err = Gemm::with_kernel(&plain, GemmKernel::Cooperative { split: true, tile: None }).unwrap_err();
         assert!(err.to_string().contains(&plain.info.name), "{err}");
         match Gpu::new(&GpuOptions {
             backend,

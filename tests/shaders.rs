@@ -8,6 +8,7 @@
 use naga::back::pipeline_constants::process_overrides;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 use wgspark::kernels::{FAMILIES, builds, preprocess, shader_source};
+use wgspark::kernels::gemm_coop::Tile;
 
 /// Every build: `(label, source, capabilities it may use)`.
 fn sources() -> Vec<(String, String, Capabilities)> {
@@ -84,15 +85,17 @@ fn cooperative_builds_translate_to_spirv_under_the_vulkan_memory_model() {
     assert!(coop.len() >= 2 * 13 + 2, "every weight format, with and without splits; attention");
     for b in coop {
         let source = shader_source(b.family, &b.flags).unwrap();
-        // Each entry point with every value of its shape constant.
-        let (entry, constant, values) = match b.family {
-            "gemm_coop" => ("main", "TILE_M", &[32.0, 64.0, 128.0][..]),
-            _ => ("attend_coop", "HD_FRAGS", &[4.0, 8.0][..]),
+        // Each entry point with every value of its shape constants.
+        let (entry, shapes): (_, Vec<Vec<(&str, f64)>>) = match b.family {
+            "gemm_coop" => {
+                let tiles = Tile::ALL.into_iter().filter(|t| t.fits(&b.flags));
+                ("main", tiles.map(|t| t.constants().to_vec()).collect())
+            }
+            _ => ("attend_coop", vec![vec![("HD_FRAGS", 4.0)], vec![("HD_FRAGS", 8.0)]]),
         };
-        for &value in values {
-            let (words, _) =
-                wgspark::kernels::vulkan_memory_model::spirv(&source, entry, &[(constant, value)])
-                    .unwrap_or_else(|e| panic!("{}{:?} {constant} {value}: {e}", b.family, b.flags));
+        for constants in shapes {
+            let (words, _) = wgspark::kernels::vulkan_memory_model::spirv(&source, entry, &constants)
+                .unwrap_or_else(|e| panic!("{}{:?} {constants:?}: {e}", b.family, b.flags));
             assert_eq!(words[0], 0x0723_0203, "SPIR-V magic");
         }
     }

@@ -4,12 +4,14 @@ enable wgpu_cooperative_matrix;
 // The chunk product of gemm.wgsl (same parameters, bindings, dense and
 // grouped modes) on cooperative matrices (tensor cores):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
-// A workgroup of 8 subgroups of 32 computes TILE_M tokens x 128 weight rows,
-// k in steps of 32: the step's X (f32) and W (bf16, or with WEIGHT_FORMAT
-// any format of weights.wgsl, decoded) are converted to f16 as they are
-// staged into workgroup memory, the next step's loaded into registers
-// while this one multiplies. Each subgroup owns 32 tokens x WARP_N rows as
-// 16 x 16 f32 accumulators fed by 16 x 16 x 16 f16 products.
+// A workgroup of 8 subgroups of 32 computes TILE_M tokens x TILE_N weight
+// rows, k in steps of 32: the step's X (f32) and W (bf16, or with
+// WEIGHT_FORMAT any format of weights.wgsl, decoded) are converted to f16
+// as they are staged into workgroup memory, the next step's loaded into
+// registers while this one multiplies. Each subgroup owns WARP_M tokens x
+// WARP_N rows as 16 x 16 f32 accumulators (up to 4 x 4) fed by 16 x 16 x 16
+// f16 products; a subgroup loads each of its B fragments once per k slice
+// and meets them with its A fragments one row at a time.
 // The staged tiles are arrays of vec4<f16>: every invocation stages eight
 // values with two 8-byte stores (element-wise f16 stores made staging, not
 // the products, the kernel's cost). Workgroup arrays of u32 reinterpreted
@@ -23,29 +25,37 @@ enable wgpu_cooperative_matrix;
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
 // Needs cols % 8 == 0 for bf16 weights, cols % 4 == 0 otherwise.
-// Grid: x = row tiles (dense: folded into z), y = token tiles, z = experts
-// (grouped).
+// Grid: dense: x = row tiles (folded into z), y = token tiles, walked
+// token tiles first (consecutive workgroups share a weight tile, read once
+// from memory while it sits in the cache); grouped: x = row tiles, y =
+// token tiles, z = experts.
 
-// Tokens per workgroup: 32, 64 or 128 (pipeline constant: narrow tiles for
-// expert groups and short chunks).
+// Tokens per workgroup: 32, 64 or 128, and weight rows: 128 or 256
+// (pipeline constants, chosen per product by kernels::gemm_coop::Tile;
+// 256 rows only without W_SPLIT, whose second weight tile does not fit).
 override TILE_M: u32 = 128u;
-const TILE_N: u32 = 128u;
+override TILE_N: u32 = 128u;
 const TILE_K: u32 = 32u;
 // A staged row in vec4<f16>s: TILE_K f16s and 16 bytes of padding, which
 // keep the 16 x 16 loads of consecutive rows off the same banks.
 const ROW: u32 = 10u;
-// Subgroups: WARPS_M along the tokens (32 each) x WARPS_N along the rows.
+override XS_LEN: u32 = TILE_M * ROW;
+override WS_LEN: u32 = TILE_N * ROW;
+// Subgroups: WARPS_M along the tokens x WARPS_N along the rows, each
+// WARP_M x WARP_N: 32 or 64 tokens, 16 to 64 rows.
 const WARPS: u32 = 8u;
-override WARPS_M: u32 = TILE_M / 32u;
+override WARP_M: u32 = max(32u, TILE_M * TILE_N / (WARPS * 64u));
+override WARPS_M: u32 = TILE_M / WARP_M;
 override WARPS_N: u32 = WARPS / WARPS_M;
 override WARP_N: u32 = TILE_N / WARPS_N;
-// 16-row accumulator columns per subgroup: 1, 2 or 4.
+// 16 x 16 accumulators per subgroup: FRAGS_M (2 or 4) x FRAGS_N (1, 2 or 4).
+override FRAGS_M: u32 = WARP_M / 16u;
 override FRAGS_N: u32 = WARP_N / 16u;
 // Each invocation stages runs of eight k: four invocations cover a row's
 // step, 64 rows a round.
 const ROUND_ROWS: u32 = 64u;
 override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
-const W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
+override W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
 
 @group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
@@ -61,18 +71,16 @@ const W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
 
 // xs[m * ROW + k / 4]: token m of the tile at k (row-major A);
 // ws[n * ROW + k / 4]: weight row n at k (column-major B).
-var<workgroup> xs: array<vec4<f16>, 128 * 10>;
+var<workgroup> xs: array<vec4<f16>, XS_LEN>;
 #if X_SPLIT
-var<workgroup> xs_lo: array<vec4<f16>, 128 * 10>;
+var<workgroup> xs_lo: array<vec4<f16>, XS_LEN>;
 #endif
-var<workgroup> ws: array<vec4<f16>, 128 * 10>;
+var<workgroup> ws: array<vec4<f16>, WS_LEN>;
 #if W_SPLIT
-var<workgroup> ws_lo: array<vec4<f16>, 128 * 10>;
+var<workgroup> ws_lo: array<vec4<f16>, WS_LEN>;
 #endif
 // One 16 x 16 accumulator per subgroup on its way out.
 var<workgroup> out_tile: array<f32, 8 * 256>;
-// The tile's token count (its expert's, when grouped).
-var<workgroup> tile_count: u32;
 
 fn weight_word(i: u32) -> u32 {
 #if WEIGHT_FORMAT
@@ -88,8 +96,8 @@ fn weight_word(i: u32) -> u32 {
 struct Sources {
     x_base: array<u32, 2>,
     x_ok: array<bool, 2>,
-    w_base: array<u32, 2>,
-    w_ok: array<bool, 2>,
+    w_base: array<u32, 4>,
+    w_ok: array<bool, 4>,
 }
 
 struct Tile {
@@ -102,13 +110,28 @@ struct Tile {
     expert: u32,
 }
 
+// The tile's token count: the chunk's, or its expert's (grouped). Read
+// from uniform and read-only memory at a workgroup-uniform index, so that
+// the matrix operations after a test of it stay in uniform control flow.
+fn tile_count(wid: vec3<u32>) -> u32 {
+    if (p.expert_rows > 0u) {
+        return groups[2u * (p.expert + wid.z) + 1u];
+    }
+    return step.n_tokens;
+}
+
 fn tile_of(wid: vec3<u32>, nwg: vec3<u32>) -> Tile {
-    var t = Tile(p.expert_rows > 0u, step.n_tokens, 0u, p.rows, wid.y * TILE_M, (wid.x + wid.z * nwg.x) * TILE_N, 0u);
-    if (t.grouped) {
+    // Dense: the dispatch order's index d walks the token tiles of a row
+    // tile before the next row tile.
+    let d = wid.x + nwg.x * (wid.y + nwg.y * wid.z);
+    var t = Tile(false, step.n_tokens, 0u, p.rows, (d % nwg.y) * TILE_M, (d / nwg.y) * TILE_N, 0u);
+    if (p.expert_rows > 0u) {
+        t.grouped = true;
         t.expert = p.expert + wid.z;
         t.first_pair = groups[2u * t.expert];
         t.count = groups[2u * t.expert + 1u];
         t.n_rows = p.expert_rows;
+        t.m0 = wid.y * TILE_M;
         t.n0 = wid.x * TILE_N;
     }
     return t;
@@ -154,9 +177,9 @@ fn sources(t: Tile, li: u32) -> Sources {
 struct Staged {
     x: array<array<vec4<f32>, 2>, 2>,
 #if WEIGHT_FORMAT
-    w: array<array<vec4<f32>, 2>, 2>,
+    w: array<array<vec4<f32>, 2>, 4>,
 #else
-    w: array<vec4<u32>, 2>,
+    w: array<vec4<u32>, 4>,
 #endif
 }
 
@@ -202,17 +225,20 @@ fn minus8(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> array<vec4<f32>, 2>
 
 fn store_step(st: Staged, li: u32) {
     for (var r = 0u; r < X_ROUNDS; r++) {
-        let at = (ROUND_ROWS * r + li / 4u) * ROW + 2u * (li % 4u);
+        let local = ROUND_ROWS * r + li / 4u;
+        if (local < TILE_M) {
+            let at = local * ROW + 2u * (li % 4u);
 #if X_SPLIT
-        let hi = high8(st.x[r]);
-        let lo = minus8(st.x[r], hi);
-        xs_lo[at] = vec4<f16>(lo[0]);
-        xs_lo[at + 1u] = vec4<f16>(lo[1]);
+            let hi = high8(st.x[r]);
+            let lo = minus8(st.x[r], hi);
+            xs_lo[at] = vec4<f16>(lo[0]);
+            xs_lo[at + 1u] = vec4<f16>(lo[1]);
 #else
-        let hi = st.x[r];
+            let hi = st.x[r];
 #endif
-        xs[at] = vec4<f16>(hi[0]);
-        xs[at + 1u] = vec4<f16>(hi[1]);
+            xs[at] = vec4<f16>(hi[0]);
+            xs[at + 1u] = vec4<f16>(hi[1]);
+        }
     }
     for (var r = 0u; r < W_ROUNDS; r++) {
         let at = (ROUND_ROWS * r + li / 4u) * ROW + 2u * (li % 4u);
@@ -230,15 +256,81 @@ fn store_step(st: Staged, li: u32) {
 #else
         // bf16 pairs to f16 pairs: exact within f16's range.
         let w = st.w[r];
-        ws[at] = vec4<f16>(vec4<f32>(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y)));
-        ws[at + 1u] = vec4<f16>(vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w)));
+        ws[at] = vec4<f16>(bf16x4_lo(w));
+        ws[at + 1u] = vec4<f16>(bf16x4_hi(w));
 #endif
     }
 }
 
+alias FragA = coop_mat16x16<f16, A>;
+alias FragB = coop_mat16x16<f16, B>;
+alias Acc = coop_mat16x16<f32, C>;
+
+// A k slice's B fragments of the subgroup's rows (16-row columns j <
+// FRAGS_N; the others are never read).
+struct FragsB {
+    b0: FragB,
+    b1: FragB,
+    b2: FragB,
+    b3: FragB,
+}
+
+fn frags_b(at: u32) -> FragsB {
+    var f: FragsB;
+    f.b0 = coopLoad<FragB>(&ws[at], ROW);
+    if (FRAGS_N > 1u) {
+        f.b1 = coopLoad<FragB>(&ws[at + 16u * ROW], ROW);
+    }
+    if (FRAGS_N > 2u) {
+        f.b2 = coopLoad<FragB>(&ws[at + 32u * ROW], ROW);
+        f.b3 = coopLoad<FragB>(&ws[at + 48u * ROW], ROW);
+    }
+    return f;
+}
+
+#if W_SPLIT
+fn frags_b_lo(at: u32) -> FragsB {
+    var f: FragsB;
+    f.b0 = coopLoad<FragB>(&ws_lo[at], ROW);
+    if (FRAGS_N > 1u) {
+        f.b1 = coopLoad<FragB>(&ws_lo[at + 16u * ROW], ROW);
+    }
+    if (FRAGS_N > 2u) {
+        f.b2 = coopLoad<FragB>(&ws_lo[at + 32u * ROW], ROW);
+        f.b3 = coopLoad<FragB>(&ws_lo[at + 48u * ROW], ROW);
+    }
+    return f;
+}
+#endif
+
+// One row of accumulators c0 .. c3 (16 tokens): c_j += a b_j.
+fn mma_row(a: FragA, b: FragsB, c0: ptr<function, Acc>, c1: ptr<function, Acc>, c2: ptr<function, Acc>, c3: ptr<function, Acc>) {
+    *c0 = coopMultiplyAdd(a, b.b0, *c0);
+    if (FRAGS_N > 1u) {
+        *c1 = coopMultiplyAdd(a, b.b1, *c1);
+    }
+    if (FRAGS_N > 2u) {
+        *c2 = coopMultiplyAdd(a, b.b2, *c2);
+        *c3 = coopMultiplyAdd(a, b.b3, *c3);
+    }
+}
+
+// The products of A fragment row i (tokens 16 i ..) at k slice kk of the
+// staged step with the slice's B fragments, into that row's accumulators.
+fn slice_row(a_at: u32, b: FragsB, b_lo: FragsB, c0: ptr<function, Acc>, c1: ptr<function, Acc>, c2: ptr<function, Acc>, c3: ptr<function, Acc>) {
+    let a = coopLoadT<FragA>(&xs[a_at], ROW);
+    mma_row(a, b, c0, c1, c2, c3);
+#if X_SPLIT
+    mma_row(coopLoadT<FragA>(&xs_lo[a_at], ROW), b, c0, c1, c2, c3);
+#endif
+#if W_SPLIT
+    mma_row(a, b_lo, c0, c1, c2, c3);
+#endif
+}
+
 // Writes subgroup `warp`'s accumulator for tokens m_first .. + 15 and tile
 // rows n_first .. + 15 (all subgroups call it together).
-fn write_out(c: coop_mat16x16<f32, C>, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) {
+fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) {
     coopStoreT(c, &out_tile[warp * 256u], 16u);
     workgroupBarrier();
     for (var r = 0u; r < 8u; r++) {
@@ -260,6 +352,18 @@ fn write_out(c: coop_mat16x16<f32, C>, t: Tile, warp: u32, lane: u32, m_first: u
     workgroupBarrier();
 }
 
+// The accumulators of fragment row i (tokens m_first + 16 i ..).
+fn write_row(c0: Acc, c1: Acc, c2: Acc, c3: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) {
+    write_out(c0, t, warp, lane, m_first, n_first);
+    if (FRAGS_N > 1u) {
+        write_out(c1, t, warp, lane, m_first, n_first + 16u);
+    }
+    if (FRAGS_N > 2u) {
+        write_out(c2, t, warp, lane, m_first, n_first + 32u);
+        write_out(c3, t, warp, lane, m_first, n_first + 48u);
+    }
+}
+
 @compute @workgroup_size(256)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -268,35 +372,44 @@ fn main(
     @builtin(subgroup_id) warp: u32,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
-    let t = tile_of(wid, nwg);
-    // Grouped: a tile past its expert's tokens has nothing to do. The count
-    // goes through workgroup memory so that the matrix operations stay in
+    // A tile past its expert's tokens (grouped) or past the rows (the
+    // last of a folded grid) has nothing to do. The test is computed here
+    // from workgroup-uniform values, so that the matrix operations stay in
     // control flow that the compiler sees is uniform.
-    if (li == 0u) {
-        tile_count = t.count;
+    var live = wid.y * TILE_M < tile_count(wid);
+    if (p.expert_rows == 0u) {
+        live = (wid.x + nwg.x * (wid.y + nwg.y * wid.z)) / nwg.y * TILE_N < p.rows;
     }
-    if (t.m0 < workgroupUniformLoad(&tile_count)) {
-        product(t, li, warp, lane);
+    if (live) {
+        product(tile_of(wid, nwg), li, warp, lane);
     }
 }
 
 // The tile's product, written to y.
 fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     let s = sources(t, li);
-    // This subgroup's 32 tokens and WARP_N rows within the tile.
+    // This subgroup's WARP_M tokens and WARP_N rows within the tile.
     let wm = warp % WARPS_M;
     let wn = warp / WARPS_M;
-    let a_at = wm * 32u * ROW;
+    let a_at = wm * WARP_M * ROW;
     let b_at = wn * WARP_N * ROW;
 
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
+    var c00 = Acc();
+    var c01 = Acc();
+    var c02 = Acc();
+    var c03 = Acc();
+    var c10 = Acc();
+    var c11 = Acc();
+    var c12 = Acc();
+    var c13 = Acc();
+    var c20 = Acc();
+    var c21 = Acc();
+    var c22 = Acc();
+    var c23 = Acc();
+    var c30 = Acc();
+    var c31 = Acc();
+    var c32 = Acc();
+    var c33 = Acc();
 
     var st = load_step(s, 0u, li);
     for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
@@ -305,83 +418,29 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
         if (k0 + TILE_K < p.cols) {
             st = load_step(s, k0 + TILE_K, li);
         }
-        for (var kk = 0u; kk < TILE_K; kk += 16u) {
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&xs[a_at + kk / 4u], ROW);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&xs[a_at + 16u * ROW + kk / 4u], ROW);
-#if X_SPLIT
-            let l0 = coopLoadT<coop_mat16x16<f16, A>>(&xs_lo[a_at + kk / 4u], ROW);
-            let l1 = coopLoadT<coop_mat16x16<f16, A>>(&xs_lo[a_at + 16u * ROW + kk / 4u], ROW);
-#endif
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + kk / 4u], ROW);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-#if X_SPLIT
-            c00 = coopMultiplyAdd(l0, b0, c00);
-            c10 = coopMultiplyAdd(l1, b0, c10);
-#endif
+        for (var kk = 0u; kk < TILE_K / 4u; kk += 4u) {
+            let b = frags_b(b_at + kk);
 #if W_SPLIT
-            let bl0 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + kk / 4u], ROW);
-            c00 = coopMultiplyAdd(a0, bl0, c00);
-            c10 = coopMultiplyAdd(a1, bl0, c10);
+            let b_lo = frags_b_lo(b_at + kk);
+#else
+            let b_lo = b;
 #endif
-            if (FRAGS_N > 1u) {
-                let b1 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 16u * ROW + kk / 4u], ROW);
-                c01 = coopMultiplyAdd(a0, b1, c01);
-                c11 = coopMultiplyAdd(a1, b1, c11);
-#if X_SPLIT
-                c01 = coopMultiplyAdd(l0, b1, c01);
-                c11 = coopMultiplyAdd(l1, b1, c11);
-#endif
-#if W_SPLIT
-                let bl1 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 16u * ROW + kk / 4u], ROW);
-                c01 = coopMultiplyAdd(a0, bl1, c01);
-                c11 = coopMultiplyAdd(a1, bl1, c11);
-#endif
-            }
-            if (FRAGS_N > 2u) {
-                let b2 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 32u * ROW + kk / 4u], ROW);
-                c02 = coopMultiplyAdd(a0, b2, c02);
-                c12 = coopMultiplyAdd(a1, b2, c12);
-#if X_SPLIT
-                c02 = coopMultiplyAdd(l0, b2, c02);
-                c12 = coopMultiplyAdd(l1, b2, c12);
-#endif
-#if W_SPLIT
-                let bl2 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 32u * ROW + kk / 4u], ROW);
-                c02 = coopMultiplyAdd(a0, bl2, c02);
-                c12 = coopMultiplyAdd(a1, bl2, c12);
-#endif
-            }
-            if (FRAGS_N > 3u) {
-                let b3 = coopLoad<coop_mat16x16<f16, B>>(&ws[b_at + 48u * ROW + kk / 4u], ROW);
-                c03 = coopMultiplyAdd(a0, b3, c03);
-                c13 = coopMultiplyAdd(a1, b3, c13);
-#if X_SPLIT
-                c03 = coopMultiplyAdd(l0, b3, c03);
-                c13 = coopMultiplyAdd(l1, b3, c13);
-#endif
-#if W_SPLIT
-                let bl3 = coopLoad<coop_mat16x16<f16, B>>(&ws_lo[b_at + 48u * ROW + kk / 4u], ROW);
-                c03 = coopMultiplyAdd(a0, bl3, c03);
-                c13 = coopMultiplyAdd(a1, bl3, c13);
-#endif
+            slice_row(a_at + kk, b, b_lo, &c00, &c01, &c02, &c03);
+            slice_row(a_at + 16u * ROW + kk, b, b_lo, &c10, &c11, &c12, &c13);
+            if (FRAGS_M > 2u) {
+                slice_row(a_at + 32u * ROW + kk, b, b_lo, &c20, &c21, &c22, &c23);
+                slice_row(a_at + 48u * ROW + kk, b, b_lo, &c30, &c31, &c32, &c33);
             }
         }
         workgroupBarrier();
     }
 
-    let m_first = t.m0 + wm * 32u;
+    let m_first = t.m0 + wm * WARP_M;
     let n_first = t.n0 + wn * WARP_N;
-    write_out(c00, t, warp, lane, m_first, n_first);
-    write_out(c10, t, warp, lane, m_first + 16u, n_first);
-    if (FRAGS_N > 1u) {
-        write_out(c01, t, warp, lane, m_first, n_first + 16u);
-        write_out(c11, t, warp, lane, m_first + 16u, n_first + 16u);
-    }
-    if (FRAGS_N > 2u) {
-        write_out(c02, t, warp, lane, m_first, n_first + 32u);
-        write_out(c12, t, warp, lane, m_first + 16u, n_first + 32u);
-        write_out(c03, t, warp, lane, m_first, n_first + 48u);
-        write_out(c13, t, warp, lane, m_first + 16u, n_first + 48u);
+    write_row(c00, c01, c02, c03, t, warp, lane, m_first, n_first);
+    write_row(c10, c11, c12, c13, t, warp, lane, m_first + 16u, n_first);
+    if (FRAGS_M > 2u) {
+        write_row(c20, c21, c22, c23, t, warp, lane, m_first + 32u, n_first);
+        write_row(c30, c31, c32, c33, t, warp, lane, m_first + 48u, n_first);
     }
 }

@@ -84,8 +84,9 @@ pub enum GemmKernel {
     Alu(Tiling),
     /// `gemm_coop.wgsl`, f16 products into f32; with `split`, each
     /// activation (and each decoded weight of the formats f16 does not
-    /// hold) as two f16 parts.
-    Cooperative { split: bool },
+    /// hold) as two f16 parts; in `tile` where given (if the build fits
+    /// it), else in the tile [`gemm_coop::Tile::choose`] picks.
+    Cooperative { split: bool, tile: Option<gemm_coop::Tile> },
 }
 
 impl GemmKernel {
@@ -95,8 +96,8 @@ impl GemmKernel {
     pub fn activation_rounding(self) -> f32 {
         match self {
             GemmKernel::Alu(_) => 0.0,
-            GemmKernel::Cooperative { split: true } => 2f32.powi(-22),
-            GemmKernel::Cooperative { split: false } => 2f32.powi(-11),
+            GemmKernel::Cooperative { split: true, .. } => 2f32.powi(-22),
+            GemmKernel::Cooperative { split: false, .. } => 2f32.powi(-11),
         }
     }
 }
@@ -115,7 +116,7 @@ impl Gemm {
     /// On cooperative matrices where the device has them, else on the ALUs.
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let kernel = if gpu.caps.cooperative_matrix {
-            GemmKernel::Cooperative { split: COOPERATIVE_SPLIT }
+            GemmKernel::Cooperative { split: COOPERATIVE_SPLIT, tile: None }
         } else {
             GemmKernel::Alu(Tiling::Auto)
         };
@@ -138,7 +139,11 @@ impl Gemm {
     pub fn kernels(gpu: &Gpu) -> Vec<GemmKernel> {
         let mut out = vec![GemmKernel::Alu(Tiling::Narrow), GemmKernel::Alu(Tiling::Wide)];
         if gpu.caps.cooperative_matrix {
-            out.extend([GemmKernel::Cooperative { split: false }, GemmKernel::Cooperative { split: true }]);
+            for split in [false, true] {
+                out.push(GemmKernel::Cooperative { split, tile: None });
+                let tiles = gemm_coop::Tile::ALL.map(Some);
+                out.extend(tiles.into_iter().map(|tile| GemmKernel::Cooperative { split, tile }));
+            }
         }
         out
     }
@@ -183,12 +188,13 @@ impl Gemm {
                 let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
                 (super::pipeline(gpu, "gemm", "main", &flags, &constants)?, tile, tile)
             }
-            GemmKernel::Cooperative { split } => {
+            GemmKernel::Cooperative { split, tile } => {
                 let flags = gemm_coop::flags(gpu, part.format, split);
-                let tile = gemm_coop::tile_tokens(n_rows, max_tokens);
-                let constants = [("TILE_M", tile as f64)];
-                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &constants)?;
-                (pipeline, tile, gemm_coop::TILE_ROWS as u32)
+                let tile = tile
+                    .filter(|t| t.fits(&flags))
+                    .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags));
+                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &tile.constants())?;
+                (pipeline, tile.tokens, tile.rows)
             }
         };
         Ok(Dispatch {

@@ -12,13 +12,11 @@ pub const W_SPLIT: &str = "W_SPLIT";
 /// tiled into 8 subgroup tiles).
 pub const SUBGROUP_SIZE: u32 = 32;
 
-/// Weight rows per workgroup.
-pub const TILE_ROWS: usize = 128;
-
-/// Workgroup memory of the build with [`X_SPLIT`] and [`W_SPLIT`]: four
-/// staged tiles of 128 rows of 40 f16s (32 and padding) and eight 16 x 16
-/// f32 accumulators on their way out.
-const WORKGROUP_BYTES: u32 = 4 * 128 * 40 * 2 + 8 * 256 * 4;
+/// Workgroup memory of the largest builds: the staged tiles (128 tokens
+/// of x in two parts and 256 weight rows, or 128 of each in two parts),
+/// rows of 40 f16s (32 and padding), and eight 16 x 16 f32 accumulators on
+/// their way out.
+const WORKGROUP_BYTES: u32 = (2 * 128 + 256) * 40 * 2 + 8 * 256 * 4;
 
 /// The kernel stages eight k at a time with 16-byte loads: bf16 rows must
 /// hold a multiple of 8 values (other formats' rows are read four at a
@@ -73,20 +71,59 @@ pub fn usable(adapter: &wgpu::Adapter) -> bool {
         })
 }
 
-/// Tokens per workgroup (32, 64 or 128): the widest tile that still gives
-/// the chunk at least [`MIN_WORKGROUPS`] workgroups, or 32 for expert
-/// groups, whose sizes are known only at encode time.
-pub fn tile_tokens(n_rows: usize, max_tokens: usize) -> u32 {
-    let row_tiles = n_rows.div_ceil(TILE_ROWS);
-    [128, 64]
-        .into_iter()
-        .find(|&m| max_tokens >= m && row_tiles * max_tokens.div_ceil(m) >= MIN_WORKGROUPS)
-        .unwrap_or(32) as u32
+/// A workgroup's tile: tokens x weight rows (pipeline constants `TILE_M`
+/// and `TILE_N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tile {
+    /// 32, 64 or 128.
+    pub tokens: u32,
+    /// 128 or 256.
+    pub rows: u32,
 }
 
-/// Fewest workgroups a dense product should have: about one per
-/// multiprocessor of a large GPU.
-pub const MIN_WORKGROUPS: usize = 128;
+impl Tile {
+    /// Every tile the kernel is built in, the most work per staged value
+    /// first (a tile's staging is shared by tokens x rows products).
+    pub const ALL: [Tile; 6] = [
+        Tile { tokens: 128, rows: 256 },
+        Tile { tokens: 128, rows: 128 },
+        Tile { tokens: 64, rows: 256 },
+        Tile { tokens: 64, rows: 128 },
+        Tile { tokens: 32, rows: 256 },
+        Tile { tokens: 32, rows: 128 },
+    ];
+
+    /// Whether a build with `flags` can use this tile: 256 rows leave no
+    /// room for the second weight tile of [`W_SPLIT`].
+    pub fn fits(self, flags: &[&str]) -> bool {
+        self.rows == 128 || !flags.contains(&W_SPLIT)
+    }
+
+    /// The tile of a product of `n_rows` weight rows over `max_tokens`
+    /// tokens: the largest that still gives the product at least
+    /// [`MIN_WORKGROUPS`] workgroups, else the smallest. Expert groups
+    /// pass the tokens an expert has on average.
+    pub fn choose(n_rows: usize, max_tokens: usize, flags: &[&str]) -> Tile {
+        let workgroups = |t: Tile| n_rows.div_ceil(t.rows as usize) * max_tokens.div_ceil(t.tokens as usize);
+        let fitting = Self::ALL.into_iter().filter(|t| t.fits(flags));
+        fitting
+            .clone()
+            .find(|&t| max_tokens >= t.tokens as usize && workgroups(t) >= MIN_WORKGROUPS)
+            .unwrap_or_else(|| fitting.last().expect("a tile of 128 rows fits every build"))
+    }
+
+    /// The pipeline constants of the tile.
+    pub fn constants(self) -> [(&'static str, f64); 2] {
+        [("TILE_M", self.tokens as f64), ("TILE_N", self.rows as f64)]
+    }
+}
+
+/// Fewest workgroups a product should have: three quarters of a large
+/// GPU's multiprocessors. On an NVIDIA H200 (132 of them), 512 tokens of
+/// 6144 rows run faster in 96 tiles of 128 x 256 than in 192 of 128 x 128
+/// (100 against 85 TFLOP/s), 4096 rows slower in 64 than in 128 (73
+/// against 121).
+pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and
 /// without splits.
@@ -103,4 +140,32 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
         out.push(split);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_are_the_largest_that_keep_the_gpu_busy_and_fit_the_build() {
+        let bf16: &[&str] = &[X_SPLIT];
+        let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
+        // A 512-token chunk of Llama-3.1-8B's projections.
+        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 256 });
+        assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128 });
+        assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256 });
+        // Its second weight tile leaves a split format 128 rows.
+        assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128 });
+        // Experts of a few tokens each; products too small for any tile.
+        assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256 });
+        assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128 });
+        for rows in [1, 100, 4096, 1 << 20] {
+            for tokens in [0, 1, 31, 64, 200, 4096] {
+                for flags in [bf16, q4k] {
+                    let t = Tile::choose(rows, tokens, flags);
+                    assert!(t.fits(flags) && Tile::ALL.contains(&t), "{rows} x {tokens}: {t:?}");
+                }
+            }
+        }
+    }
 }
