@@ -5,7 +5,8 @@
 //! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`) one of them.
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
-use wgspark::kernels::attention::{AttentionBindings, AttentionShape, SplitScratch};
+use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
+use wgspark::model::QkNorm;
 use wgspark::kernels::gemm::{GemmKernel, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
@@ -355,15 +356,17 @@ fn main() {
     }
 
     // Attention of Llama-3.1-8B's and Llama-3.2-1B's geometry by depth and
-    // cache format.
+    // cache format, and of Qwen3-30B-A3B's with its per-head q/k norm.
     let attention = Attention::new(&gpu);
     let depths: &[usize] = if cpu { &[64] } else { &[64, 512, 4096, 16384] };
     let geometries = [
-        (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F16),
-        (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F32),
-        (Heads { q: 32, kv: 8, dim: 64 }, KvFormat::F16),
+        (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F16, QkNorm::None),
+        (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F32, QkNorm::None),
+        (Heads { q: 32, kv: 8, dim: 64 }, KvFormat::F16, QkNorm::None),
+        (Heads { q: 32, kv: 4, dim: 128 }, KvFormat::F16, QkNorm::PerHead),
     ];
-    for (heads, format) in geometries.into_iter().filter(|_| runs("attention")) {
+    let norm_weight = GpuTensor::vector_f32(&gpu, "qk_norm", &vec![1.0f32; 128]).unwrap();
+    for (heads, format, norm) in geometries.into_iter().filter(|_| runs("attention")) {
         for &ctx in depths {
             let k_cache = gpu.storage_buffer_init("k_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
             let v_cache = gpu.storage_buffer_init("v_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
@@ -373,7 +376,12 @@ fn main() {
                 rotary_dim: heads.dim,
                 scale: 0.088,
                 window: 0,
-                qk_norm: None,
+                qk_norm: (norm != QkNorm::None).then_some(QkNormWeights {
+                    mode: norm,
+                    q: &norm_weight,
+                    k: &norm_weight,
+                    eps: 1e-6,
+                }),
                 kv_format: format,
             };
             let max_splits = wgspark::kernels::attention::MAX_SPLITS;
@@ -431,10 +439,11 @@ fn main() {
                 let kv_bytes = (2 * ctx * heads.kv_width() * format.bytes_per_value()) as f64;
                 // (f32 caches read the same words as f16 values: only the timing matters here.)
                 println!(
-                    "attention {format:?} {}/{} heads x {}, {tokens} tokens ending at {ctx} ({splits} splits): {:.4} ms{}",
+                    "attention {format:?} {}/{} heads x {}{}, {tokens} tokens ending at {ctx} ({splits} splits): {:.4} ms{}",
                     heads.q,
                     heads.kv,
                     heads.dim,
+                    if norm == QkNorm::None { "" } else { ", q/k norm" },
                     secs * 1e3,
                     if tokens == 1 {
                         format!(", {:.1}% of copy bandwidth", 100.0 * kv_bytes / secs / copy)

@@ -118,12 +118,13 @@ impl Tile {
     }
 }
 
-/// Fewest workgroups a product should have: three quarters of a large
-/// GPU's multiprocessors. On an NVIDIA H200 (132 of them), 512 tokens of
-/// 6144 rows run faster in 96 tiles of 128 x 256 than in 192 of 128 x 128
-/// (100 against 85 TFLOP/s), 4096 rows slower in 64 than in 128 (73
-/// against 121).
-pub const MIN_WORKGROUPS: usize = 96;
+/// Fewest workgroups a product should have: about one per multiprocessor
+/// of a large GPU (an NVIDIA H200 has 132), the setting of README's
+/// prefill figures. 96 ran 512 tokens of 6144 rows faster in a kernel
+/// benchmark (96 tiles of 128 x 256 against 192 of 128 x 128: 100 against
+/// 85 TFLOP/s), but whole-model prefills on several machines did not
+/// show it better throughout.
+pub const MIN_WORKGROUPS: usize = 128;
 
 /// Every flag set the flow may build: each weight format, with and
 /// without splits.
@@ -151,8 +152,9 @@ mod tests {
         let bf16: &[&str] = &[X_SPLIT];
         let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
         // A 512-token chunk of Llama-3.1-8B's projections.
-        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 256 });
+        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 128 });
         assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128 });
+        assert_eq!(Tile::choose(6144, 4096, bf16), Tile { tokens: 128, rows: 256 });
         assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256 });
         // Its second weight tile leaves a split format 128 rows.
         assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128 });
