@@ -6,11 +6,11 @@
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
-use wgspark::model::QkNorm;
 use wgspark::kernels::gemm::{GemmKernel, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
+use wgspark::model::QkNorm;
 use wgspark::{KvFormat, WeightFormat};
 
 /// Seconds per repetition of `dispatches` (GPU timestamps where the

@@ -434,7 +434,8 @@ fn prefill_profile(
     fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
     prompt: &[u32],
 ) -> wgspark::Result<()> {
-    let mut timed = model.session(&SessionOptions { timing: true, time_dispatches: true, ..options.clone() })?;
+    let mut timed =
+        model.session(&SessionOptions { timing: true, time_dispatches: true, ..options.clone() })?;
     fill(&mut timed)?;
     timed.prefill(prompt)?;
     println!("  prefill, the last chunk:");

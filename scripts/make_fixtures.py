@@ -17,6 +17,7 @@ the first seed whose greedy choices all win by a clear margin is kept, so f32
 rounding cannot flip an id.
 """
 import argparse
+import copy
 import json
 import shutil
 import sys
@@ -153,6 +154,57 @@ def minimax_m2():
 # name -> (config builder, options). `must_matter` lists config changes that
 # must change the logits: proof that the feature under test is exercised and
 # that transformers read the field from the layout as written.
+def qwen3_vl_vision(out_hidden):
+    # A tower the text-only cases carry but never run.
+    return dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=8,
+                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=out_hidden,
+                num_position_embeddings=16, deepstack_visual_indexes=[0])
+
+
+# Qwen3-VL's special ids: the last four of each vocabulary (text cases never use them).
+def qwen3_vl_ids(vocab):
+    return dict(image_token_id=vocab - 4, video_token_id=vocab - 3,
+                vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1)
+
+
+def qwen3_vl_dense():
+    # transformers 5's own layout: text_config with rope_parameters (M-RoPE
+    # sections), tied embeddings.
+    vocab = 230
+    return "v5", dict(
+        architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rms_norm_eps=1e-6, vocab_size=vocab, max_position_embeddings=256,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0,
+                                 mrope_section=[2, 3, 3], mrope_interleaved=True),
+            tie_word_embeddings=True,
+        ),
+        vision_config=qwen3_vl_vision(64), tie_word_embeddings=True, **qwen3_vl_ids(vocab),
+    )
+
+
+def qwen3_vl_moe():
+    # The hub's layout as Qwen3-VL-30B-A3B ships: rope_scaling and
+    # rope_theta inside text_config, experts fused as [E, in, out].
+    vocab = 240
+    return "hub-transposed-experts", dict(
+        architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe",
+        text_config=dict(
+            model_type="qwen3_vl_moe_text",
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+            rms_norm_eps=1e-6, vocab_size=vocab, max_position_embeddings=256,
+            rope_theta=5000000.0,
+            rope_scaling=dict(rope_type="default", mrope_section=[4, 4, 4], mrope_interleaved=True),
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+            decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+        ),
+        vision_config=qwen3_vl_vision(64), tie_word_embeddings=False, **qwen3_vl_ids(vocab),
+    )
+
+
 CASES = {
     "llama_untied": (llama_untied, dict(prompt_len=12, steps=8, must_matter=[
         dict(rope_theta=10000.0),
@@ -186,6 +238,14 @@ CASES = {
     "minimax_m2": (minimax_m2, dict(prompt_len=12, steps=8, must_matter=[
         dict(rotary_dim=32),
     ], bias_scale=0.15)),
+    "qwen3_vl_dense": (qwen3_vl_dense, dict(prompt_len=12, steps=8, must_matter=[
+        dict(text_config={**qwen3_vl_dense()[1]["text_config"],
+                          "rope_parameters": dict(rope_type="default", rope_theta=10000.0,
+                                                  mrope_section=[2, 3, 3], mrope_interleaved=True)}),
+    ])),
+    "qwen3_vl_moe": (qwen3_vl_moe, dict(prompt_len=12, steps=8, must_matter=[
+        dict(text_config={**qwen3_vl_moe()[1]["text_config"], "num_experts_per_tok": 1}),
+    ])),
     # Several prefill chunks long.
     "llama_long_prompt": (llama_untied, dict(prompt_len=100, steps=6, must_matter=[
         dict(rope_theta=10000.0),
@@ -232,8 +292,35 @@ def greedy_rows(model, prompt, steps):
     return generated, rows
 
 
+def model_class(cfg_dict):
+    """The class transformers loads a checkpoint of this config as."""
+    if cfg_dict["model_type"] == "qwen3_vl":
+        return transformers.Qwen3VLForConditionalGeneration
+    if cfg_dict["model_type"] == "qwen3_vl_moe":
+        return transformers.Qwen3VLMoeForConditionalGeneration
+    return AutoModelForCausalLM
+
+
+def from_config(cfg_dict, config):
+    """A float32 model of `config` with transformers' initial weights."""
+    cls = model_class(cfg_dict)
+    if cls is AutoModelForCausalLM:
+        return cls.from_config(config, dtype=torch.float32)
+    return cls(config).to(torch.float32)
+
+
+def reserved_ids(cfg_dict):
+    """Ids a text case's prompt and generation must not hold (Qwen3-VL's vision tokens)."""
+    return {v for k, v in cfg_dict.items() if k.endswith("_token_id")}
+
+
+def vocab_size(config):
+    return config.get_text_config().vocab_size
+
+
 def build(cfg_dict):
-    cfg_kwargs = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
+    # A copy: transformers edits nested dicts (rope parameters) in place.
+    cfg_kwargs = {k: copy.deepcopy(v) for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
     config = AutoConfig.for_model(cfg_dict["model_type"], **cfg_kwargs)
     config.architectures = cfg_dict["architectures"]
     config._attn_implementation = "eager"
@@ -247,11 +334,11 @@ def teacher_forced(model, ids):
 
 def check_features_matter(name, cfg_dict, changes, weights, ids):
     base = build(cfg_dict)
-    ref = AutoModelForCausalLM.from_config(base, dtype=torch.float32)
+    ref = from_config(cfg_dict, base)
     ref.load_state_dict(weights)
     want = teacher_forced(ref, ids)
     for change in changes:
-        model = AutoModelForCausalLM.from_config(build({**cfg_dict, **change}), dtype=torch.float32)
+        model = from_config(cfg_dict, build({**cfg_dict, **change}))
         model.load_state_dict(weights)
         diff = float((teacher_forced(model, ids) - want).abs().max())
         if diff < 1e-2:
@@ -314,6 +401,18 @@ def write_fused(path, model):
     save_file(state, str(path), metadata={"format": "pt"})
 
 
+def transpose_experts(path):
+    """Rewrites the fused expert tensors as the hub ships Qwen3-VL-MoE:
+    gate_up_proj [E, H, 2I] and down_proj [E, I, H] (transformers 5 holds and
+    writes [E, 2I, H] and [E, H, I], and transposes the hub's on load)."""
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(path))
+    for name in list(state):
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            state[name] = state[name].transpose(1, 2).contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 def write_config(path, layout, cfg_dict, saved_config):
     if layout.startswith("v5"):
         # Keep transformers' own serialisation (rope_parameters, dtype).
@@ -331,11 +430,12 @@ def make_case(name, out_root):
     for seed in range(1000):
         config = build(cfg_dict)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = from_config(cfg_dict, config)
         randomize(model, seed, opts.get("bias_scale", 0.0))
 
         g = torch.Generator().manual_seed(10_000 + seed)
-        prompt = torch.randint(0, config.vocab_size, (opts["prompt_len"],), generator=g).tolist()
+        reserved = reserved_ids(cfg_dict)
+        prompt = torch.randint(0, vocab_size(config) - len(reserved), (opts["prompt_len"],), generator=g).tolist()
 
         if out.exists():
             shutil.rmtree(out)
@@ -343,15 +443,17 @@ def make_case(name, out_root):
         model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
         write_config(out / "config.json", layout, cfg_dict, model.config)
 
-        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+        if layout == "hub-transposed-experts":
+            transpose_experts(out / "model.safetensors")
+        reloaded = model_class(cfg_dict).from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
         reloaded.eval()
         generated, rows = greedy_rows(reloaded, prompt, opts["steps"])
         gap = top2_gap(rows)
-        if gap < MIN_TOP2_GAP:
+        if gap < MIN_TOP2_GAP or reserved & set(generated):
             continue
         router_gap = bias_share = None
-        if "num_experts_per_tok" in cfg_dict:
-            probe = RouterProbe(reloaded, cfg_dict)
+        if "num_experts_per_tok" in cfg_dict.get("text_config", cfg_dict):
+            probe = RouterProbe(reloaded, cfg_dict.get("text_config", cfg_dict))
             teacher_forced(reloaded, prompt + generated[:-1])
             router_gap = probe.min_gap()
             if router_gap < MIN_ROUTER_GAP:
@@ -364,7 +466,7 @@ def make_case(name, out_root):
                               prompt + generated[:-1])
         if layout == "v5-fused":
             write_fused(out / "model.safetensors", reloaded)
-            refused = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+            refused = model_class(cfg_dict).from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
             again, again_rows = greedy_rows(refused, prompt, opts["steps"])
             assert again == generated and all(torch.equal(a, b) for a, b in zip(again_rows, rows)), \
                 f"{name}: the fused layout does not reload to the same model"

@@ -64,3 +64,37 @@ fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
         }
     }
 }
+
+/// A multimodal config (Qwen3-VL) nests its language model in
+/// `text_config`: its keys describe the text model, the top level's the
+/// checkpoint (class, lm_head tying, dtype), as transformers reads them.
+#[test]
+fn a_multimodal_config_reads_its_text_model() {
+    let text = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+        "rms_norm_eps": 1e-6, "model_type": "qwen3_vl_text", "tie_word_embeddings": true,
+        "eos_token_id": 7, "rope_theta": 5000000.0,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": true}"#;
+    let c = parse(&format!(
+        r#"{{ "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16", "image_token_id": 96,
+            "text_config": {{ {text} }}, "vision_config": {{"depth": 2, "hidden_size": 32}} }}"#
+    ));
+    assert_eq!(c.family.name, "qwen3_vl");
+    assert_eq!((c.hidden, c.layers, c.heads.dim, c.vocab), (64, 3, 16, 100));
+    assert!(!c.tie_embeddings, "the top level's tying holds");
+    assert_eq!(c.dtype.as_deref(), Some("bfloat16"));
+    assert_eq!(c.eos_token_ids, vec![7]);
+    assert_eq!(c.rope.theta, 5000000.0);
+    assert_eq!(c.rope.scaling, RopeScaling::None);
+    // The text config's own tying when the top level says nothing.
+    let tied = parse(&format!(r#"{{ "model_type": "qwen3_vl", "text_config": {{ {text} }} }}"#));
+    assert!(tied.tie_embeddings);
+    // M-RoPE's sections must split the rotary frequencies exactly.
+    for bad in ["[2, 3, 2]", "[8]", "[18446744073709551615, 1, 0]"] {
+        let text = text.replace("[2, 3, 3]", bad);
+        let json = format!(r#"{{ "model_type": "qwen3_vl", "text_config": {{ {text} }} }}"#);
+        let err = ModelConfig::parse(&json, Path::new("config.json")).unwrap_err().to_string();
+        assert!(err.contains("mrope_section"), "{bad}: {err}");
+    }
+}

@@ -902,3 +902,38 @@ fn a_session_refused_for_memory_leaves_the_model_usable() {
     let after = model.session(&SessionOptions::default()).unwrap().prefill(&prompt).unwrap();
     assert_eq!(after, before);
 }
+
+/// Qwen3-VL-MoE's fused experts are read in either layout, `[E, 2I, H]` or
+/// the hub's `[E, H, 2I]`: any other shape is named, and an FP8 tensor in
+/// the hub's layout (its block scales would run across the wrong axis) is
+/// refused.
+#[test]
+fn fused_experts_of_neither_layout_are_errors() {
+    let (case, name) = ("qwen3_vl_moe", "model.language_model.layers.0.mlp.experts.gate_up_proj");
+    let canonical = "model.layers.0.mlp.experts.gate_up_proj";
+    let dir = edited_fixture(case, |_, t| {
+        let (_, shape, data) = t.get_mut(name).unwrap();
+        assert_eq!(shape, &vec![6, 64, 80], "the fixture is in the hub's layout");
+        *shape = vec![6, 32, 160];
+        data.truncate(6 * 32 * 160 * 2);
+    });
+    let err = load_err(&dir);
+    assert!(
+        matches!(&err, Error::WrongShape { name, found, .. } if name == canonical && found == &vec![6, 32, 160]),
+        "{err}"
+    );
+    let dir = edited_fixture(case, |c, t| {
+        c["quantization_config"] =
+            serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]});
+        let (dtype, shape, data) = t.get_mut(name).unwrap();
+        *dtype = Dtype::F8_E4M3;
+        *data = vec![0x38; shape.iter().product()];
+        let scale = (Dtype::F32, vec![6, 1, 1], 1f32.to_le_bytes().repeat(6));
+        t.insert(format!("{name}_scale_inv"), scale);
+    });
+    let err = load_err(&dir);
+    assert!(
+        matches!(err, Error::Unsupported { .. }) && err.to_string().contains("stored transposed"),
+        "{err}"
+    );
+}

@@ -18,6 +18,7 @@ const MOE_CASES: &[&str] = &[
     "qwen3_moe_no_norm",
     "qwen3_moe_dense_layers",
     "minimax_m2",
+    "qwen3_vl_moe",
 ];
 
 fn replay_with<'m>(model: &'m Model, case: &str, options: &SessionOptions) -> (Vec<Vec<f32>>, Session<'m>) {
@@ -36,6 +37,13 @@ fn every_moe_family_has_a_fixture() {
     let names: Vec<String> = cases().into_iter().map(|c| c.name).collect();
     for case in MOE_CASES {
         assert!(names.iter().any(|n| n == case), "fixture {case} is missing");
+    }
+    let families: Vec<&str> = MOE_CASES
+        .iter()
+        .map(|case| wgspark::ModelConfig::load(&fixture_dir(case)).unwrap().family.name)
+        .collect();
+    for family in wgspark::model::family::FAMILIES.iter().filter(|f| f.moe.is_some()) {
+        assert!(families.contains(&family.name), "no MoE case of family {}", family.name);
     }
 }
 

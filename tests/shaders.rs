@@ -7,8 +7,8 @@
 
 use naga::back::pipeline_constants::process_overrides;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
-use wgspark::kernels::{FAMILIES, builds, preprocess, shader_source};
 use wgspark::kernels::gemm_coop::Tile;
+use wgspark::kernels::{FAMILIES, builds, preprocess, shader_source};
 
 /// Every build: `(label, source, capabilities it may use)`.
 fn sources() -> Vec<(String, String, Capabilities)> {

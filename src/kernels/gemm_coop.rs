@@ -109,7 +109,7 @@ impl Tile {
         fitting
             .clone()
             .find(|&t| max_tokens >= t.tokens as usize && workgroups(t) >= MIN_WORKGROUPS)
-            .unwrap_or_else(|| fitting.last().expect("a tile of 128 rows fits every build"))
+            .unwrap_or_else(|| fitting.clone().next_back().expect("a tile of 128 rows fits every build"))
     }
 
     /// The pipeline constants of the tile.

@@ -76,6 +76,8 @@ struct RawRope {
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
     partial_rotary_factor: Option<f64>,
+    /// M-RoPE (Qwen3-VL): rotary frequencies per position axis (t, h, w).
+    mrope_section: Option<Vec<usize>>,
 }
 
 /// How rotary frequencies are rescaled for long contexts.
@@ -261,9 +263,8 @@ impl ModelConfig {
         // or mistyped field is an invalid config, named by its path.
         let value: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })?;
-        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| Error::InvalidConfig {
-            path: path.to_path_buf(),
-            message: format!("{}: {}", e.path(), e.inner()),
+        let raw: RawConfig = serde_path_to_error::deserialize(text_model(value)).map_err(|e| {
+            Error::InvalidConfig { path: path.to_path_buf(), message: format!("{}: {}", e.path(), e.inner()) }
         })?;
         let invalid = |message: String| Error::InvalidConfig { path: path.to_path_buf(), message };
 
@@ -376,6 +377,29 @@ impl ModelConfig {
     }
 }
 
+/// Keys of a multimodal config that describe the whole checkpoint, not its
+/// language model: where both levels state one, the top level's holds (as
+/// transformers reads them: the top-level class, its lm_head tying, its
+/// quantization).
+const CHECKPOINT_KEYS: &[&str] =
+    &["model_type", "architectures", "tie_word_embeddings", "quantization_config", "torch_dtype", "dtype"];
+
+/// The language model's config: a multimodal config (Qwen3-VL) nests it as
+/// `text_config`, whose keys it takes, with the top level's
+/// [`CHECKPOINT_KEYS`] and any key the text config lacks.
+fn text_model(value: serde_json::Value) -> serde_json::Value {
+    let serde_json::Value::Object(mut top) = value else { return value };
+    let Some(serde_json::Value::Object(mut text)) = top.remove("text_config") else {
+        return serde_json::Value::Object(top);
+    };
+    for (key, v) in top {
+        if CHECKPOINT_KEYS.contains(&key.as_str()) || !text.contains_key(&key) {
+            text.insert(key, v);
+        }
+    }
+    serde_json::Value::Object(text)
+}
+
 /// The one method this engine reads: block FP8 (e4m3) with blocks 128
 /// columns wide, the layout of the hub's FP8 releases.
 fn parse_quantization(q: &RawQuantization, path: &Path) -> Result<Quantization> {
@@ -485,6 +509,18 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
     };
     if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
         return Err(format!("rotary width {rotary_dim} must be even and at most head_dim {head_dim}"));
+    }
+    // M-RoPE splits the frequencies among the (t, h, w) position axes. Text
+    // positions are (p, p, p), whose rotation is plain RoPE's, so only the
+    // split's total matters here.
+    if let Some(section) = params.and_then(|p| p.mrope_section.as_ref()) {
+        let total = section.iter().try_fold(0usize, |sum, &n| sum.checked_add(n));
+        if section.len() != 3 || total != Some(rotary_dim / 2) {
+            return Err(format!(
+                "mrope_section {section:?} must be three sizes summing to the rotary width / 2 ({})",
+                rotary_dim / 2
+            ));
+        }
     }
 
     let kind = params

@@ -69,6 +69,9 @@ pub struct Family {
     /// `None`: every layer has a dense SwiGLU FFN. `Some`: layers are MoE
     /// as the config's `mlp_only_layers` / `decoder_sparse_step` say.
     pub moe: Option<MoeFamily>,
+    /// The hub ships the fused expert tensors as `[E, in, out]`, which
+    /// are read transposed (Qwen3-VL-MoE).
+    pub transposed_experts: bool,
 }
 
 pub static FAMILIES: &[Family] = &[
@@ -78,6 +81,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["LlamaForCausalLM"],
         qk_norm: QkNorm::None,
         moe: None,
+        transposed_experts: false,
     },
     Family {
         name: "mistral",
@@ -85,6 +89,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["MistralForCausalLM"],
         qk_norm: QkNorm::None,
         moe: None,
+        transposed_experts: false,
     },
     Family {
         name: "mixtral",
@@ -96,6 +101,7 @@ pub static FAMILIES: &[Family] = &[
             names: MIXTRAL_NAMES,
             scoring_funcs: &["softmax"],
         }),
+        transposed_experts: false,
     },
     Family {
         name: "qwen3",
@@ -103,6 +109,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["Qwen3ForCausalLM"],
         qk_norm: QkNorm::PerHead,
         moe: None,
+        transposed_experts: false,
     },
     Family {
         name: "qwen3_moe",
@@ -114,6 +121,7 @@ pub static FAMILIES: &[Family] = &[
             names: QWEN3_MOE_NAMES,
             scoring_funcs: &["softmax"],
         }),
+        transposed_experts: false,
     },
     Family {
         name: "minimax_m2",
@@ -125,6 +133,30 @@ pub static FAMILIES: &[Family] = &[
             names: MIXTRAL_NAMES,
             scoring_funcs: &["sigmoid"],
         }),
+        transposed_experts: false,
+    },
+    // Qwen3-VL's language models: config.json nests them in `text_config`
+    // and the checkpoint under `model.language_model.`; a text prompt
+    // rotates by positions (p, p, p), for which their M-RoPE is RoPE.
+    Family {
+        name: "qwen3_vl",
+        model_types: &["qwen3_vl"],
+        architectures: &["Qwen3VLForConditionalGeneration"],
+        qk_norm: QkNorm::PerHead,
+        moe: None,
+        transposed_experts: false,
+    },
+    Family {
+        name: "qwen3_vl_moe",
+        model_types: &["qwen3_vl_moe"],
+        architectures: &["Qwen3VLMoeForConditionalGeneration"],
+        qk_norm: QkNorm::PerHead,
+        moe: Some(MoeFamily {
+            scoring: RouterScoring::Softmax { renormalize: Renormalize::Always },
+            names: QWEN3_MOE_NAMES,
+            scoring_funcs: &["softmax"],
+        }),
+        transposed_experts: true,
     },
 ];
 

@@ -331,7 +331,8 @@ impl Model {
                         gpu.check_budget("model weights", bytes)
                             .map_err(|e| suggest_streaming(e, &config))?;
                     }
-                    let checkpoint = Checkpoint::open(dir, config.quantization)?;
+                    let checkpoint = Checkpoint::open(dir, config.quantization)?
+                        .transposing_fused_experts(config.family.transposed_experts);
                     (config, Arc::new(checkpoint), bytes, dir.to_path_buf())
                 }
             };

@@ -48,6 +48,45 @@ pub struct Checkpoint {
     tensors: HashMap<String, Entry>,
     /// Rows per FP8 scale block, where config.json declares block FP8.
     fp8_block_rows: Option<usize>,
+    /// Fused expert tensors may be stored with their last two dimensions
+    /// swapped ([`Checkpoint::transposing_fused_experts`]).
+    transposed_experts: bool,
+}
+
+/// The fused 3-D expert tensors of transformers 5's layout.
+fn is_fused_expert(name: &str) -> bool {
+    name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj")
+}
+
+/// `shape` with its last two dimensions swapped.
+fn swapped(shape: &[usize]) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    let n = s.len();
+    if n >= 2 {
+        s.swap(n - 2, n - 1);
+    }
+    s
+}
+
+/// Each of `matrices` `[p, q]` matrices of `elem`-byte values in `data`,
+/// transposed to `[q, p]` (in tiles, so that both sides stay in cache).
+fn transpose_matrices(data: &[u8], matrices: usize, p: usize, q: usize, elem: usize) -> Vec<u8> {
+    const TILE: usize = 32;
+    let mut out = vec![0u8; data.len()];
+    for m in 0..matrices {
+        let (src, dst) =
+            (&data[m * p * q * elem..][..p * q * elem], &mut out[m * p * q * elem..][..p * q * elem]);
+        for p0 in (0..p).step_by(TILE) {
+            for q0 in (0..q).step_by(TILE) {
+                for i in p0..(p0 + TILE).min(p) {
+                    for j in q0..(q0 + TILE).min(q) {
+                        dst[(j * p + i) * elem..][..elem].copy_from_slice(&src[(i * q + j) * elem..][..elem]);
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The scale tensor of an FP8 weight `name` (`...weight_scale_inv`).
@@ -64,7 +103,12 @@ impl Checkpoint {
         let shard_names =
             if index.exists() { shard_list(&index, dir)? } else { vec!["model.safetensors".to_string()] };
         let fp8_block_rows = quantization.map(|Quantization::Fp8 { block_rows }| block_rows);
-        let mut checkpoint = Checkpoint { files: Vec::new(), tensors: HashMap::new(), fp8_block_rows };
+        let mut checkpoint = Checkpoint {
+            files: Vec::new(),
+            tensors: HashMap::new(),
+            fp8_block_rows,
+            transposed_experts: false,
+        };
         for shard in shard_names {
             checkpoint.add_file(dir.join(shard))?;
         }
@@ -101,8 +145,28 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Reads fused expert tensors (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
+    /// `mlp.experts.down_proj` `[E, H, I]`) that are stored with their last
+    /// two dimensions swapped, as the hub ships Qwen3-VL-MoE, transposed
+    /// into the layout asked for; as transformers does on load, a tensor
+    /// whose stored shape is the one asked for is read as it is.
+    pub fn transposing_fused_experts(mut self, transposed: bool) -> Self {
+        self.transposed_experts = transposed;
+        self
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    /// Whether `entry` holds `expected` with its last two dimensions swapped
+    /// (see [`Self::transposing_fused_experts`]).
+    fn stored_transposed(&self, name: &str, entry: &Entry, expected: &[usize]) -> bool {
+        self.transposed_experts
+            && is_fused_expert(name)
+            && expected.len() == 3
+            && entry.shape != expected
+            && entry.shape == swapped(expected)
     }
 
     fn entry(&self, name: &str) -> Result<&Entry> {
@@ -116,7 +180,11 @@ impl Checkpoint {
     /// Fails with `WrongShape` unless the tensor has `expected` shape (a
     /// vector stored as `[n]` or `[1, n]` is the same data).
     pub fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
-        let found = &self.entry(name)?.shape;
+        let entry = self.entry(name)?;
+        if self.stored_transposed(name, entry, expected) {
+            return Ok(());
+        }
+        let found = &entry.shape;
         let squeeze = |s: &[usize]| -> Vec<usize> { s.iter().copied().filter(|&d| d != 1).collect() };
         if squeeze(found) != squeeze(expected) {
             return Err(Error::WrongShape {
@@ -134,7 +202,14 @@ impl Checkpoint {
     pub fn bf16_bytes(&self, name: &str, expected_shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         self.check_shape(name, expected_shape)?;
         let entry = self.entry(name)?;
-        Self::bf16_of(name, entry.dtype, &self.files[entry.file].1[entry.bytes.clone()])
+        let bytes = Self::bf16_of(name, entry.dtype, &self.files[entry.file].1[entry.bytes.clone()])?;
+        if self.stored_transposed(name, entry, expected_shape) {
+            let [e, p, q] = entry.shape[..] else {
+                unreachable!("a fused expert tensor has three dimensions")
+            };
+            return Ok(Cow::Owned(transpose_matrices(&bytes, e, p, q, 2)));
+        }
+        Ok(bytes)
     }
 
     /// `data` of `dtype` as bf16 bytes.
@@ -241,6 +316,7 @@ impl Checkpoint {
     /// A tensor's bytes in the layout of its [`Self::format`].
     pub fn stored_bytes(&self, name: &str, shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         let entry = self.entry(name)?;
+        self.check_transposable(name, entry, shape)?;
         match (entry.dtype, self.fp8_block_rows) {
             (Dtype::F8_E4M3, Some(block_rows)) => {
                 self.check_shape(name, shape)?;
@@ -264,6 +340,22 @@ impl Checkpoint {
                 found: entry.shape.clone(),
             });
         }
+        self.check_transposable(name, entry, shape)?;
+        if self.stored_transposed(name, entry, shape) {
+            // The matrices the rows fall in, transposed, then the rows.
+            let per_matrix = shape[1];
+            let matrices = rows.start / per_matrix..rows.end.div_ceil(per_matrix);
+            let (p, q) = (entry.shape[1], entry.shape[2]);
+            let width = entry.dtype.bitsize().div_ceil(8);
+            let data = &self.files[entry.file].1[entry.bytes.clone()];
+            let part = &data[matrices.start * p * q * width..matrices.end * p * q * width];
+            let bf16 = Self::bf16_of(name, entry.dtype, part)?;
+            let transposed = transpose_matrices(&bf16, matrices.len(), p, q, 2);
+            let first = matrices.start * per_matrix;
+            return Ok(Cow::Owned(
+                transposed[(rows.start - first) * cols * 2..(rows.end - first) * cols * 2].to_vec(),
+            ));
+        }
         match (entry.dtype, self.fp8_block_rows) {
             (Dtype::F8_E4M3, Some(block_rows)) => {
                 Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows, Some(rows))?))
@@ -275,6 +367,18 @@ impl Checkpoint {
                 Self::bf16_of(name, dtype, part)
             }
         }
+    }
+
+    /// A transposed tensor must be one this reader transposes: not FP8,
+    /// whose block scales run along the stored rows.
+    fn check_transposable(&self, name: &str, entry: &Entry, shape: &[usize]) -> Result<()> {
+        if self.stored_transposed(name, entry, shape) && entry.dtype == Dtype::F8_E4M3 {
+            return Err(Error::Unsupported {
+                what: "FP8 expert tensors stored transposed",
+                value: format!("{name}: {:?} where {shape:?} is read", entry.shape),
+            });
+        }
+        Ok(())
     }
 
     /// A tensor's values as f32 (for small tensors kept in f32).
