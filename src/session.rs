@@ -342,6 +342,13 @@ impl<'m> Session<'m> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::TokenOutOfRange { token: bad, vocab });
         }
+        let media = &self.model.config.media_token_ids;
+        if let Some(at) = tokens.iter().position(|t| media.contains(t)) {
+            return Err(Error::Unsupported {
+                what: "image or video placeholder in a prompt of token ids",
+                value: format!("token {} at prompt position {}", tokens[at], self.len + at),
+            });
+        }
         let chunks: Vec<&[u32]> = tokens.chunks(self.activations.max_tokens).collect();
         let mut last = None;
         for (i, chunk) in chunks.iter().enumerate() {

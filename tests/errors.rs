@@ -37,6 +37,29 @@ fn token_out_of_range() {
     assert_eq!(session.position(), 0, "a rejected prompt leaves the session untouched");
 }
 
+/// A Qwen3-VL prompt of ids that holds an image's or a video's placeholder
+/// would need the vision tower's rows in its place: an error naming the
+/// token and its position, the session untouched.
+#[test]
+fn image_placeholders_in_a_prompt_of_ids() {
+    let model = Model::load(fixture_dir("qwen3_vl_dense"), &gpu()).unwrap();
+    let (image, video) = (model.config.vocab as u32 - 4, model.config.vocab as u32 - 3);
+    assert_eq!(model.config.media_token_ids, vec![image, video]);
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    for token in [image, video] {
+        let err = session.prefill(&[1, 2, token, 3]).unwrap_err();
+        assert!(
+            matches!(err, Error::Unsupported { .. })
+                && err.to_string().contains(&format!("token {token} at prompt position 2")),
+            "{err}"
+        );
+        assert_eq!(session.position(), 0);
+    }
+    // Text models have none.
+    let text = Model::load(fixture_dir("qwen3_dense"), &gpu()).unwrap();
+    assert!(text.config.media_token_ids.is_empty());
+}
+
 #[test]
 fn non_sequential_position() {
     let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();

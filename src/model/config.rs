@@ -42,6 +42,9 @@ struct RawConfig {
     /// An id or a list of ids.
     eos_token_id: Option<serde_json::Value>,
     use_sliding_window: Option<bool>,
+    // Qwen3-VL: the ids that stand for an image's or a video's rows.
+    image_token_id: Option<u32>,
+    video_token_id: Option<u32>,
     // Mixture of experts: hub configs say `num_local_experts` (Mixtral,
     // MiniMax) or `num_experts` (Qwen3-MoE); transformers 5 writes the former.
     num_local_experts: Option<usize>,
@@ -215,6 +218,10 @@ pub struct ModelConfig {
     pub dtype: Option<String>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
+    /// Placeholders of images and videos (Qwen3-VL's `image_token_id` and
+    /// `video_token_id`): a prompt holding one needs the vision tower's
+    /// rows in its place, which a prompt of ids does not carry.
+    pub media_token_ids: Vec<u32>,
     /// `None` for dense models.
     pub moe: Option<MoeConfig>,
     /// `None`: weights in bf16, f16 or f32.
@@ -371,6 +378,7 @@ impl ModelConfig {
                 }
                 _ => Vec::new(),
             },
+            media_token_ids: raw.image_token_id.into_iter().chain(raw.video_token_id).collect(),
             moe,
             quantization,
         })
