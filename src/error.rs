@@ -64,6 +64,11 @@ pub enum Error {
     #[error("{origin}: chat template: {message}")]
     ChatTemplate { origin: String, message: String },
 
+    /// An image that cannot be read or resized: unreadable, not PNG or
+    /// JPEG, too large, or of an aspect ratio the processor refuses.
+    #[error("{origin}: image: {message}")]
+    Image { origin: String, message: String },
+
     #[error("missing tensor {name:?}")]
     MissingTensor { name: String },
 

@@ -59,6 +59,7 @@ pub mod session;
 pub mod stats;
 pub mod steering;
 pub mod tokenizer;
+pub mod vision;
 
 pub use capture::{Capture, CaptureOptions, PromptRows};
 pub use error::{ControlVectorProblem, Error, Result};
