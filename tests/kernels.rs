@@ -6,6 +6,7 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
+use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::GroupedBuffers;
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
 use wgspark::kernels::group_by_expert::GroupBuffers;
@@ -388,38 +389,43 @@ fn check_attention(gpu: &Gpu) {
     use QkNorm::{None as NoNorm, PerHead, WholeProjection};
     // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format,
     // growth of the keys' scale with their position)
-    for (heads, ctx, pos0, tokens, window, splits, norm, rot, format, growth) in [
-        (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32, 0.0),
-        (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16, 0.0),
-        (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16, 0.0),
-        (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32, 0.0),
-        (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16, 0.0),
-        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32, 0.0),
-        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16, 0.0),
-        (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32, 0.0),
-        (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16, 0.0),
+    for (heads, ctx, pos0, tokens, window, splits, norm, rot, format, growth, all_keys) in [
+        (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32, 0.0, false),
+        (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16, 0.0, false),
+        (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16, 0.0, false),
+        (Heads { q: 2, kv: 2, dim: 256 }, 20, 9, 1, 0, 3, PerHead, 256, F32, 0.0, false),
+        (Heads { q: 16, kv: 1, dim: 128 }, 300, 290, 1, 0, 64, NoNorm, 128, F16, 0.0, false),
+        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 3, 37, 1, NoNorm, 8, F32, 0.0, false),
+        (Heads { q: 4, kv: 4, dim: 8 }, 150, 100, 1, 37, 5, WholeProjection, 8, F16, 0.0, false),
+        (Heads { q: 9, kv: 3, dim: 64 }, 300, 200, 1, 0, 4, NoNorm, 40, F32, 0.0, false),
+        (Heads { q: 8, kv: 2, dim: 64 }, 600, 0, 520, 0, 1, PerHead, 64, F16, 0.0, false),
         // Chunks as the cooperative-matrix kernel takes them where the
         // device has one (groups of 4, 8 and 1, a window, partial blocks of
         // rows and keys; keys whose scale grows, so that the running maximum
         // moves far past its reference), and a group of 3, which it leaves
         // to the tiled kernel.
-        (Heads { q: 32, kv: 8, dim: 128 }, 300, 37, 200, 0, 1, NoNorm, 128, F16, 0.0),
-        (Heads { q: 16, kv: 2, dim: 128 }, 200, 10, 90, 50, 1, WholeProjection, 64, F16, 0.0),
-        (Heads { q: 4, kv: 4, dim: 32 }, 300, 100, 150, 0, 1, NoNorm, 32, F16, 40.0),
-        (Heads { q: 6, kv: 2, dim: 64 }, 100, 20, 40, 0, 1, NoNorm, 64, F16, 0.0),
+        (Heads { q: 32, kv: 8, dim: 128 }, 300, 37, 200, 0, 1, NoNorm, 128, F16, 0.0, false),
+        (Heads { q: 16, kv: 2, dim: 128 }, 200, 10, 90, 50, 1, WholeProjection, 64, F16, 0.0, false),
+        (Heads { q: 4, kv: 4, dim: 32 }, 300, 100, 150, 0, 1, NoNorm, 32, F16, 40.0, false),
+        (Heads { q: 6, kv: 2, dim: 64 }, 100, 20, 40, 0, 1, NoNorm, 64, F16, 0.0, false),
         // Model-sized heads: the lanes' shares of a row, row blocks and
         // keys that end mid-pass.
-        (Heads { q: 32, kv: 8, dim: 128 }, 700, 650, 1, 0, 4, NoNorm, 128, F16, 0.0),
-        (Heads { q: 32, kv: 2, dim: 128 }, 400, 333, 1, 0, 2, PerHead, 128, F16, 0.0),
-        (Heads { q: 12, kv: 2, dim: 128 }, 300, 201, 1, 0, 1, NoNorm, 64, F32, 0.0),
-        (Heads { q: 8, kv: 1, dim: 64 }, 90, 77, 1, 0, 1, NoNorm, 64, F16, 0.0),
-        (Heads { q: 4, kv: 2, dim: 256 }, 100, 60, 1, 50, 3, WholeProjection, 128, F16, 0.0),
+        (Heads { q: 32, kv: 8, dim: 128 }, 700, 650, 1, 0, 4, NoNorm, 128, F16, 0.0, false),
+        (Heads { q: 32, kv: 2, dim: 128 }, 400, 333, 1, 0, 2, PerHead, 128, F16, 0.0, false),
+        (Heads { q: 12, kv: 2, dim: 128 }, 300, 201, 1, 0, 1, NoNorm, 64, F32, 0.0, false),
+        (Heads { q: 8, kv: 1, dim: 64 }, 90, 77, 1, 0, 1, NoNorm, 64, F16, 0.0, false),
+        (Heads { q: 4, kv: 2, dim: 256 }, 100, 60, 1, 50, 3, WholeProjection, 128, F16, 0.0, false),
         // Rows of 3 and 6 quads: lanes past the row hold zeros.
-        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 24, F16, 0.0),
-        (Heads { q: 24, kv: 2, dim: 48 }, 200, 190, 1, 0, 3, NoNorm, 32, F16, 0.0),
+        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 24, F16, 0.0, false),
+        (Heads { q: 24, kv: 2, dim: 48 }, 200, 190, 1, 0, 3, NoNorm, 32, F16, 0.0, false),
+        // Bidirectional (the vision tower's): every row sees the chunk's
+        // keys, later ones too; heads of 72 as Qwen3-VL's tower has them.
+        (Heads { q: 4, kv: 4, dim: 72 }, 64, 0, 64, 0, 1, NoNorm, 72, F32, 0.0, true),
+        (Heads { q: 2, kv: 2, dim: 16 }, 100, 0, 37, 0, 1, NoNorm, 16, F32, 0.0, true),
+        (Heads { q: 6, kv: 2, dim: 32 }, 90, 20, 50, 0, 1, NoNorm, 32, F16, 0.0, true),
     ] {
         let what = format!(
-            "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?}"
+            "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?} all keys {all_keys}"
         );
         let (hd, kvw, width) = (heads.dim, heads.kv_width(), heads.qkv_width());
         let rope = RopeConfig { theta: 10_000.0, rotary_dim: rot, scaling: RopeScaling::None };
@@ -470,13 +476,14 @@ fn check_attention(gpu: &Gpu) {
         for t in 0..tokens {
             let pos = pos0 + t;
             let start = if window > 0 && pos + 1 > window { pos + 1 - window } else { 0 };
+            let last = if all_keys { pos0 + tokens - 1 } else { pos };
             for h in 0..heads.q {
                 let q = &q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd];
                 let kv_head = h / heads.group();
                 want.extend(reference::attention(
                     q,
-                    &k[start..=pos],
-                    &v[start..=pos],
+                    &k[start..=last],
+                    &v[start..=last],
                     kv_head,
                     (hd as f32).powf(-0.5),
                 ));
@@ -512,6 +519,8 @@ fn check_attention(gpu: &Gpu) {
             let mut encoder = gpu.device.create_command_encoder(&Default::default());
             d.encode(&mut encoder.begin_compute_pass(&Default::default()), splits as u32);
             gpu.queue.submit([encoder.finish()]);
+        } else if all_keys {
+            run(gpu, &attention.plan_bidirectional(gpu, &shape, &b).unwrap(), tokens as u32);
         } else {
             run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
         }
@@ -529,6 +538,64 @@ fn check_attention(gpu: &Gpu) {
             assert_close(&stored_v[row], &v[pos], tol, &format!("stored v at {pos}, {what}"));
         }
     }
+}
+
+/// LayerNorm against its f64 reference, in place and not, rows of sizes
+/// around the workgroup's; large offsets (a mean far from 0) too.
+#[test]
+fn layer_norm_matches_cpu() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(21);
+        let norm = RmsNorm::new(gpu).unwrap();
+        for (n, tokens, offset) in [(1, 1, 0.0), (72, 3, 0.0), (300, 2, 50.0), (1152, 2, -3.0)] {
+            let x: Vec<f32> = rng.vec(n * tokens, 2.0).iter().map(|v| v + offset).collect();
+            let (w, b) = (rng.vec(n, 1.5), rng.vec(n, 1.0));
+            let want: Vec<f32> = x.chunks(n).flat_map(|r| reference::layer_norm(r, &w, &b, 1e-6)).collect();
+            let (wb, bb) = (gpu.storage_buffer_init("w", &w), gpu.storage_buffer_init("b", &b));
+            for in_place in [false, true] {
+                let xb = gpu.storage_buffer_init("x", &x);
+                let out = if in_place { xb.clone() } else { gpu.storage_buffer("out", n * tokens).unwrap() };
+                let rows = Rows { heads: tokens, head_stride: n, ..Rows::vector(n) };
+                run(gpu, &[norm.plan_layer_norm(gpu, &wb, &bb, 1e-6, &xb, &out, rows).unwrap()], 1);
+                let what =
+                    format!("layer norm of {tokens} rows of {n} (offset {offset}), in place {in_place}");
+                assert_close(&gpu.read_buffer(&out, n * tokens).unwrap(), &want, 2e-5, &what);
+            }
+        }
+    });
+}
+
+/// A bias and each activation against the f64 reference, on values from
+/// -12 to 12 (tanh's saturation included).
+#[test]
+fn bias_then_activation_matches_cpu() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(22);
+        let kernel = BiasAct;
+        let (n, tokens) = (133, 3);
+        let mut y = rng.vec(n * tokens, 4.0);
+        y[0] = 12.0;
+        y[1] = -12.0;
+        let bias = rng.vec(n, 1.0);
+        let bb = gpu.storage_buffer_init("bias", &bias);
+        for activation in [Activation::None, Activation::GeluTanh, Activation::GeluErf] {
+            let yb = gpu.storage_buffer_init("y", &y);
+            run(gpu, &[kernel.plan(gpu, activation, n, tokens, &bb, &yb).unwrap()], 1);
+            let want: Vec<f32> = y
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    let v = v + bias[i % n];
+                    match activation {
+                        Activation::None => v,
+                        Activation::GeluTanh => reference::gelu(v, true),
+                        Activation::GeluErf => reference::gelu(v, false),
+                    }
+                })
+                .collect();
+            assert_close(&gpu.read_buffer(&yb, n * tokens).unwrap(), &want, 2e-6, &format!("{activation:?}"));
+        }
+    });
 }
 
 #[test]

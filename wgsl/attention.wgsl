@@ -21,7 +21,10 @@ enable wgpu_cooperative_matrix;
 //   attend_coop (COOP) the chunk's attention on cooperative matrices (below).
 //   rope_store  (a chunk) one workgroup per (KV head, token): k heads
 //               normalised, rotated and stored, v heads copied, into the cache.
-//   attend      one workgroup per (KV head, block of tokens_per_wg tokens,
+//   attend      (BIDIRECTIONAL: every row sees every key of the cache up to
+//               the chunk's end, no window: the vision tower's attention
+//               over an image's patches)
+//               one workgroup per (KV head, block of tokens_per_wg tokens,
 //               key split): its query rows, normalised and rotated into
 //               workgroup memory, go over the keys in tiles of up to 32:
 //               the tile's K loaded into workgroup memory by consecutive
@@ -444,8 +447,13 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let tk = min(32u, TILE_FLOATS / (hd + 1u));
 
     // Keys any row attends, divided among the splits.
+#if BIDIRECTIONAL
+    let start = 0u;
+    let n_keys = step.pos0 + step.n_tokens;
+#else
     let start = first_key(step.pos0 + t0);
     let n_keys = step.pos0 + t0 + n_tok - start;
+#endif
     let chunk = (n_keys + splits - 1u) / splits;
     let lo = start + min(split * chunk, n_keys);
     let hi = start + min((split + 1u) * chunk, n_keys);
@@ -494,7 +502,12 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             let row_pos = step.pos0 + t0 + r / group;
             let key = k0 + j;
             var s = NEG_BIG;
-            if (j < n && key <= row_pos && key >= first_key(row_pos)) {
+#if BIDIRECTIONAL
+            let visible = j < n;
+#else
+            let visible = j < n && key <= row_pos && key >= first_key(row_pos);
+#endif
+            if (visible) {
                 var dot = 0.0;
                 for (var d = 0u; d < hd; d++) {
                     dot += q_sh[r * hd + d] * tile_sh[j * (hd + 1u) + d];

@@ -35,6 +35,9 @@ pub fn structs() -> Vec<&'static str> {
 pub const MAX_HEAD_DIM: usize = 256;
 /// Invocations per workgroup of every entry point.
 const WG: usize = 128;
+/// The flag of the chunk attention in which every row sees every key (no
+/// causal mask, no window).
+pub const BIDIRECTIONAL: &str = "BIDIRECTIONAL";
 /// The flag of the cooperative-matrix build (`attend_coop`).
 pub const COOP: &str = "COOP";
 /// Query rows of one `attend_coop` workgroup: four subgroups of 16.
@@ -98,8 +101,10 @@ pub struct AttentionShape<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Entry {
     RopeStore,
-    /// `attend` over a chunk of tokens.
-    ChunkAttend,
+    /// `attend` over a chunk of tokens, causal (or with every key seen).
+    ChunkAttend {
+        bidirectional: bool,
+    },
     /// `attend` built with DECODE: one token, storing its own k and v.
     TokenAttend,
     /// `attend_lanes`: one token on subgroup lanes.
@@ -113,7 +118,7 @@ impl Entry {
     fn function(self) -> &'static str {
         match self {
             Entry::RopeStore => "rope_store",
-            Entry::ChunkAttend | Entry::TokenAttend => "attend",
+            Entry::ChunkAttend { .. } | Entry::TokenAttend => "attend",
             Entry::LanesAttend(_) => "attend_lanes",
             Entry::CoopAttend => "attend_coop",
             Entry::Combine => "combine",
@@ -228,6 +233,7 @@ impl Attention {
             Entry::TokenAttend => flags.push("DECODE"),
             Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
             Entry::CoopAttend => flags.push(COOP),
+            Entry::ChunkAttend { bidirectional: true } => flags.push(BIDIRECTIONAL),
             _ => {}
         }
         if shape.kv_format == KvFormat::F16 {
@@ -290,10 +296,32 @@ impl Attention {
         shape: &AttentionShape<'_>,
         b: &AttentionBindings<'_>,
     ) -> Result<Vec<Dispatch>> {
+        self.plan_chunk_masked(gpu, shape, b, false)
+    }
+
+    /// As [`Self::plan_chunk`] with every row seeing every key up to the
+    /// chunk's end (no causal mask, no window): the vision tower's
+    /// attention over an image's patches.
+    pub fn plan_bidirectional(
+        &self,
+        gpu: &Gpu,
+        shape: &AttentionShape<'_>,
+        b: &AttentionBindings<'_>,
+    ) -> Result<Vec<Dispatch>> {
+        self.plan_chunk_masked(gpu, shape, b, true)
+    }
+
+    fn plan_chunk_masked(
+        &self,
+        gpu: &Gpu,
+        shape: &AttentionShape<'_>,
+        b: &AttentionBindings<'_>,
+        bidirectional: bool,
+    ) -> Result<Vec<Dispatch>> {
         let h = shape.heads;
         let group = h.group();
         debug_assert!(h.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * h.dim <= MAX_GROUP_WIDTH);
-        let coop = Self::coop_fits(gpu, shape);
+        let coop = !bidirectional && Self::coop_fits(gpu, shape);
         // The chunk's tokens share each K/V tile among as many query rows as fit.
         let tokens_per_wg = if coop {
             COOP_ROWS / group
@@ -329,7 +357,7 @@ impl Attention {
             self.dispatch(
                 gpu,
                 shape,
-                Entry::ChunkAttend,
+                Entry::ChunkAttend { bidirectional },
                 &params,
                 &bound,
                 [h.kv as u32, 1, 1],
@@ -409,6 +437,9 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
             }
             if !kv.is_empty() && norm.is_empty() {
                 out.push([kv, &[COOP][..]].concat());
+            }
+            if norm.is_empty() {
+                out.push([kv, &[BIDIRECTIONAL][..]].concat());
             }
         }
     }

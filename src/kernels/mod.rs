@@ -16,6 +16,7 @@
 //! declarations a family names, so the two sides cannot disagree.
 
 pub mod attention;
+pub mod bias_act;
 pub mod copy;
 pub mod embed;
 pub mod gemm;
@@ -102,6 +103,12 @@ pub const FAMILIES: &[Family] = &[
         name: "attention",
         source: include_str!("../../wgsl/attention.wgsl"),
         structs: attention::structs,
+        reads_weights: false,
+    },
+    Family {
+        name: "bias_act",
+        source: include_str!("../../wgsl/bias_act.wgsl"),
+        structs: bias_act::structs,
         reads_weights: false,
     },
     Family {
@@ -257,6 +264,8 @@ pub fn builds() -> Vec<Build> {
             "residual" => residual::flag_sets(),
             "sample" => sample::flag_sets(),
             "router" => vec![vec![], vec![SUBGROUPS]],
+            "bias_act" => bias_act::flag_sets(),
+            "rms_norm" => rms_norm::flag_sets(),
             _ => vec![vec![]],
         };
         out.extend(flag_sets.into_iter().map(|flags| Build { family: family.name, flags }));

@@ -126,3 +126,41 @@ pub fn int8_activations(x: &[f32]) -> Vec<f32> {
         })
         .collect()
 }
+
+/// LayerNorm of a row: `(x - mean) / sqrt(var + eps) * w + b`, biased
+/// variance, in f64.
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let scale = 1.0 / (var + eps as f64).sqrt();
+    x.iter()
+        .zip(w)
+        .zip(b)
+        .map(|((&v, &w), &b)| ((v as f64 - mean) * scale * w as f64 + b as f64) as f32)
+        .collect()
+}
+
+/// erf by its Taylor series (|x| <= 5; beyond, +-1 within 2e-12).
+pub fn erf(x: f64) -> f64 {
+    if x.abs() > 5.0 {
+        return x.signum();
+    }
+    let (mut term, mut sum) = (x, x);
+    for n in 1..200 {
+        term *= -x * x / n as f64;
+        sum += term / (2 * n + 1) as f64;
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+/// The exact GELU and torch's tanh approximation, in f64.
+pub fn gelu(v: f32, tanh: bool) -> f32 {
+    let v = v as f64;
+    let g = if tanh {
+        0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+    } else {
+        0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))
+    };
+    g as f32
+}
