@@ -3,6 +3,8 @@
 //! `scripts/make_vision_fixtures.py`: the decoded RGB of each file, and the
 //! pixel values of the patches, bit for bit.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use wgspark::Error;
@@ -175,4 +177,45 @@ fn processor_configs() {
         assert!(kind, "{bad}: {err}");
     }
     assert!(matches!(ImageProcessor::parse("{", path).unwrap_err(), Error::Json { .. }));
+}
+
+/// The vision tower on the GPU against transformers' `model.visual`: the
+/// merged rows and each deepstack merger's rows of two images of different
+/// grids (fixture from `scripts/make_vl_fixtures.py`), with the GEMM and
+/// with the GEMV, on every backend under test.
+#[test]
+fn the_tower_gives_transformers_rows() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_vl_images");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("vision.json")).unwrap()).unwrap();
+    let processor = ImageProcessor::load(&dir).unwrap();
+    let rows = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+            .collect()
+    };
+    common::on_each_backend(|gpu| {
+        let model = wgspark::Model::load(&dir, gpu).unwrap();
+        let width = model.config.hidden;
+        for (name, want) in expected["images"].as_object().unwrap() {
+            let image = RgbImage::open(&dir.join(name)).unwrap();
+            let patches = processor.patches(&image, name).unwrap();
+            for matmul in [wgspark::ChunkMatmul::Gemm, wgspark::ChunkMatmul::Gemv] {
+                let what = format!("{name} on {:?} with {matmul:?}", gpu.info.backend);
+                let got = wgspark::flow::vision::encode_image(&model, &patches, matmul).unwrap();
+                let (merged, deepstack) = got.read(gpu, width).unwrap();
+                let want_merged = rows(&want["merged"]);
+                assert_eq!(got.tokens * width, want_merged.len(), "{what}: merged rows");
+                common::assert_close(&merged, &want_merged, 1e-4, &format!("{what}: merged"));
+                let want_deep = want["deepstack"].as_array().unwrap();
+                assert_eq!(deepstack.len(), want_deep.len(), "{what}: deepstack mergers");
+                for (j, (g, w)) in deepstack.iter().zip(want_deep).enumerate() {
+                    common::assert_close(g, &rows(w), 1e-4, &format!("{what}: deepstack {j}"));
+                }
+                println!("{what}: merged max |error| {:.2e}", common::max_abs_diff(&merged, &want_merged));
+            }
+        }
+    });
 }

@@ -28,6 +28,7 @@
 mod buffers;
 pub(crate) mod moe;
 mod recorder;
+pub mod vision;
 
 pub use buffers::{Activations, MoeActivations};
 pub use moe::{ExpertPrefetch, RoutingMode};

@@ -31,6 +31,7 @@ pub mod swiglu;
 pub mod vulkan_memory_model;
 
 pub use attention::Attention;
+pub use bias_act::BiasAct;
 pub use embed::Embed;
 pub use gemm::Gemm;
 pub use gemv::Gemv;
@@ -463,6 +464,7 @@ pub struct Kernels {
     pub residual: Residual,
     pub router: Router,
     pub sample: Sample,
+    pub bias_act: BiasAct,
 }
 
 impl Kernels {
@@ -478,6 +480,7 @@ impl Kernels {
             residual: Residual::new(),
             router: Router::new(gpu)?,
             sample: Sample::new(gpu),
+            bias_act: BiasAct,
         })
     }
 }

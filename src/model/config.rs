@@ -7,6 +7,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::family::{self, Family, Renormalize, RouterScoring};
+use super::vision::VisionConfig;
 use crate::error::{Error, Result};
 use crate::format::FP8_BLOCK_ELEMS;
 use crate::kernels::Heads;
@@ -226,6 +227,9 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// `None`: weights in bf16, f16 or f32.
     pub quantization: Option<Quantization>,
+    /// The vision tower, for the families that have one and whose config
+    /// describes it.
+    pub vision: Option<VisionConfig>,
 }
 
 impl ModelConfig {
@@ -255,7 +259,8 @@ impl ModelConfig {
             }
             None => 2 * projections as u64,
         };
-        projection_bytes + 2 * (others + heads_and_embed + h) as u64
+        let vision = self.vision.as_ref().map_or(0, VisionConfig::weight_bytes);
+        projection_bytes + 2 * (others + heads_and_embed + h) as u64 + vision
     }
 
     /// Reads and validates `dir/config.json`.
@@ -270,6 +275,7 @@ impl ModelConfig {
         // or mistyped field is an invalid config, named by its path.
         let value: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })?;
+        let vision_config = value.get("vision_config").cloned();
         let raw: RawConfig = serde_path_to_error::deserialize(text_model(value)).map_err(|e| {
             Error::InvalidConfig { path: path.to_path_buf(), message: format!("{}: {}", e.path(), e.inner()) }
         })?;
@@ -357,7 +363,12 @@ impl ModelConfig {
             let stated = raw.rms_norm_eps.unwrap_or(1e-6);
             return Err(invalid(format!("rms_norm_eps {stated} must be a positive finite f32")));
         }
+        let vision = match (&vision_config, family.vision_tower) {
+            (Some(v), true) => Some(VisionConfig::parse(v, path, raw.hidden_size, raw.image_token_id)?),
+            _ => None,
+        };
         Ok(ModelConfig {
+            vision,
             family,
             model_type,
             hidden: raw.hidden_size,

@@ -72,6 +72,8 @@ pub struct Family {
     /// The hub ships the fused expert tensors as `[E, in, out]`, which
     /// are read transposed (Qwen3-VL-MoE).
     pub transposed_experts: bool,
+    /// config.json's `vision_config` describes a vision tower (Qwen3-VL).
+    pub vision_tower: bool,
 }
 
 pub static FAMILIES: &[Family] = &[
@@ -82,6 +84,7 @@ pub static FAMILIES: &[Family] = &[
         qk_norm: QkNorm::None,
         moe: None,
         transposed_experts: false,
+        vision_tower: false,
     },
     Family {
         name: "mistral",
@@ -90,6 +93,7 @@ pub static FAMILIES: &[Family] = &[
         qk_norm: QkNorm::None,
         moe: None,
         transposed_experts: false,
+        vision_tower: false,
     },
     Family {
         name: "mixtral",
@@ -102,6 +106,7 @@ pub static FAMILIES: &[Family] = &[
             scoring_funcs: &["softmax"],
         }),
         transposed_experts: false,
+        vision_tower: false,
     },
     Family {
         name: "qwen3",
@@ -110,6 +115,7 @@ pub static FAMILIES: &[Family] = &[
         qk_norm: QkNorm::PerHead,
         moe: None,
         transposed_experts: false,
+        vision_tower: false,
     },
     Family {
         name: "qwen3_moe",
@@ -122,6 +128,7 @@ pub static FAMILIES: &[Family] = &[
             scoring_funcs: &["softmax"],
         }),
         transposed_experts: false,
+        vision_tower: false,
     },
     Family {
         name: "minimax_m2",
@@ -134,6 +141,7 @@ pub static FAMILIES: &[Family] = &[
             scoring_funcs: &["sigmoid"],
         }),
         transposed_experts: false,
+        vision_tower: false,
     },
     // Qwen3-VL's language models: config.json nests them in `text_config`
     // and the checkpoint under `model.language_model.`; a text prompt
@@ -145,6 +153,7 @@ pub static FAMILIES: &[Family] = &[
         qk_norm: QkNorm::PerHead,
         moe: None,
         transposed_experts: false,
+        vision_tower: true,
     },
     Family {
         name: "qwen3_vl_moe",
@@ -157,6 +166,7 @@ pub static FAMILIES: &[Family] = &[
             scoring_funcs: &["softmax"],
         }),
         transposed_experts: true,
+        vision_tower: true,
     },
 ];
 

@@ -6,6 +6,7 @@ pub mod experts;
 pub mod family;
 pub mod gguf_checkpoint;
 mod synthetic;
+pub mod vision;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -71,6 +72,7 @@ pub struct Weights {
     pub final_norm: GpuTensor,
     /// `None` for tied embeddings: the head is `embed`.
     pub lm_head: Option<GpuTensor>,
+    pub vision: Option<vision::VisionWeights>,
 }
 
 impl Weights {
@@ -479,8 +481,9 @@ fn upload(
     }
     let final_norm = up.norm("model.norm.weight", hidden)?;
     let lm_head = if c.tie_embeddings { None } else { Some(up.matrix("lm_head.weight", c.vocab, hidden)?) };
+    let vision = c.vision.as_ref().map(|v| vision::upload(&mut up, v)).transpose()?;
     up.flush()?;
-    Ok(Weights { embed, layers, final_norm, lm_head })
+    Ok(Weights { embed, layers, final_norm, lm_head, vision })
 }
 
 /// A streamed MoE layer: its router (resident) and `slots` empty expert

@@ -515,6 +515,12 @@ impl<'a> Uploader<'a> {
         self.upload(name, &[(name, shape)], cols, 1)
     }
 
+    /// A tensor of any `shape` read as rows of `cols` (a convolution's
+    /// kernel as the matrix of its output channels).
+    pub fn tensor(&mut self, name: &str, shape: &[usize], cols: usize) -> Result<GpuTensor> {
+        self.upload(name, &[(name, shape)], cols, 1)
+    }
+
     /// A fused 3-D expert tensor `[experts, rows, cols]`, stored as
     /// `experts * rows` rows grouped by expert.
     pub fn experts(&mut self, name: &str, experts: usize, rows: usize, cols: usize) -> Result<GpuTensor> {

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Writes tests/fixtures/qwen3_vl_images/: a tiny random Qwen3-VL (dense
+text model, a vision tower of three blocks with deepstack mergers after the
+first and the last), its preprocessor_config.json, two PNG images of
+different sizes, and what transformers computes from them:
+vision.json holds, per image, the patch grid, the merged rows and the
+deepstack rows of the tower (`model.visual`), in float32 over the
+bf16-rounded weights.
+
+  python scripts/make_vl_fixtures.py [--out tests/fixtures/qwen3_vl_images]
+
+Needs torch, transformers, Pillow and numpy; seeds are fixed.
+"""
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+VOCAB = 230
+CONFIG = dict(
+    text_config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=256,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                             mrope_section=[2, 3, 3], mrope_interleaved=True),
+        tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=8,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+        num_position_embeddings=36, deepstack_visual_indexes=[0, 2],
+        hidden_act="gelu_pytorch_tanh",
+    ),
+    image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
+    vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
+    tie_word_embeddings=False,
+)
+PROCESSOR = dict(patch_size=8, temporal_patch_size=2, merge_size=2,
+                 image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                 size=dict(shortest_edge=16 * 16, longest_edge=48 * 80))
+IMAGES = {"wide.png": (37, 61), "tall.png": (90, 45)}
+
+
+def randomize(model, seed):
+    """Matrices scaled by their fan-in, norm weights near 1, biases and the
+    position table of either sign; then bf16-rounded (the GPU sees bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif p.dim() == 1:
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=g))
+            elif "pos_embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in ** 0.5))
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
+def image(rng, h, w):
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([np.sin(x / (2 + 3 * c) + y / (4 + c)) for c in range(3)], -1)
+    return Image.fromarray(np.clip(127.5 + 100 * base + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/fixtures/qwen3_vl_images")
+    out = Path(ap.parse_args().out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    config = AutoConfig.for_model("qwen3_vl", **json.loads(json.dumps(CONFIG)))
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    randomize(model, 0)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    (out / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=1) + "\n")
+    processor = Qwen2VLImageProcessorPil(**PROCESSOR)
+    rng = np.random.default_rng(1)
+    vision = dict(transformers_version=transformers.__version__, torch_version=torch.__version__, images={})
+    for name, (h, w) in IMAGES.items():
+        image(rng, h, w).save(out / name)
+        inputs = processor(images=[Image.open(out / name)], return_tensors="pt")
+        with torch.no_grad():
+            result = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        vision["images"][name] = dict(
+            grid=inputs["image_grid_thw"][0].tolist(),
+            merged=result.pooler_output.float().tolist(),
+            deepstack=[d.float().tolist() for d in result.deepstack_features],
+        )
+        print(f"{name}: grid {inputs['image_grid_thw'][0].tolist()}, {result.pooler_output.shape[0]} merged rows")
+    (out / "vision.json").write_text(json.dumps(vision) + "\n")
+    for extra in out.iterdir():
+        if extra.name not in ("config.json", "model.safetensors", "preprocessor_config.json", "vision.json", *IMAGES):
+            extra.unlink()
+
+
+if __name__ == "__main__":
+    main()
