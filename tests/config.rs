@@ -78,8 +78,19 @@ fn a_multimodal_config_reads_its_text_model() {
     let c = parse(&format!(
         r#"{{ "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
             "tie_word_embeddings": false, "torch_dtype": "bfloat16", "image_token_id": 96,
-            "text_config": {{ {text} }}, "vision_config": {{"depth": 2, "hidden_size": 32}} }}"#
+            "text_config": {{ {text} }}, "vision_config": {{"out_hidden_size": 64}} }}"#
     ));
+    // The tower's absent fields take transformers' defaults.
+    let v = c.vision.as_ref().expect("a vision tower");
+    assert_eq!(
+        (v.depth, v.hidden, v.heads, v.patch_size, v.merge_size, v.position_side),
+        (27, 1152, 16, 16, 2, 48)
+    );
+    let wrong_width = format!(
+        r#"{{ "model_type": "qwen3_vl", "text_config": {{ {text} }}, "vision_config": {{"out_hidden_size": 65}} }}"#
+    );
+    let err = ModelConfig::parse(&wrong_width, Path::new("config.json")).unwrap_err().to_string();
+    assert!(err.contains("out_hidden_size 65"), "{err}");
     assert_eq!(c.family.name, "qwen3_vl");
     assert_eq!((c.hidden, c.layers, c.heads.dim, c.vocab), (64, 3, 16, 100));
     assert!(!c.tie_embeddings, "the top level's tying holds");

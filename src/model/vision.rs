@@ -13,23 +13,44 @@ use crate::error::{Error, Result};
 use crate::gpu::GpuTensor;
 use crate::kernels::bias_act::Activation;
 
-/// `vision_config`'s fields, as written.
+/// `vision_config`'s fields, as written; an absent one takes the default
+/// of transformers' `Qwen3VLVisionConfig` (Qwen3-VL-4B's tower).
 #[derive(Debug, Deserialize)]
+#[serde(default)]
 struct RawVision {
     depth: usize,
     hidden_size: usize,
     intermediate_size: usize,
     num_heads: usize,
     patch_size: usize,
-    temporal_patch_size: Option<usize>,
-    spatial_merge_size: Option<usize>,
+    temporal_patch_size: usize,
+    spatial_merge_size: usize,
     out_hidden_size: usize,
     num_position_embeddings: usize,
-    #[serde(default)]
     deepstack_visual_indexes: Vec<usize>,
-    hidden_act: Option<String>,
-    in_channels: Option<usize>,
+    hidden_act: String,
+    in_channels: usize,
     rope_parameters: Option<RawVisionRope>,
+}
+
+impl Default for RawVision {
+    fn default() -> Self {
+        RawVision {
+            depth: 27,
+            hidden_size: 1152,
+            intermediate_size: 4304,
+            num_heads: 16,
+            patch_size: 16,
+            temporal_patch_size: 2,
+            spatial_merge_size: 2,
+            out_hidden_size: 3584,
+            num_position_embeddings: 2304,
+            deepstack_visual_indexes: vec![8, 16, 24],
+            hidden_act: "gelu_pytorch_tanh".into(),
+            in_channels: 3,
+            rope_parameters: None,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -112,10 +133,10 @@ impl VisionConfig {
                 value: format!("{head_dim}"),
             });
         }
-        if raw.in_channels.is_some_and(|c| c != 3) {
+        if raw.in_channels != 3 {
             return Err(Error::Unsupported {
                 what: "vision input channels (3 are read)",
-                value: format!("{:?}", raw.in_channels),
+                value: raw.in_channels.to_string(),
             });
         }
         if raw.out_hidden_size != text_hidden {
@@ -124,8 +145,7 @@ impl VisionConfig {
                 raw.out_hidden_size
             )));
         }
-        let merge_size = raw.spatial_merge_size.unwrap_or(2);
-        let temporal_patch_size = raw.temporal_patch_size.unwrap_or(2);
+        let (merge_size, temporal_patch_size) = (raw.spatial_merge_size, raw.temporal_patch_size);
         if merge_size == 0
             || merge_size > 16
             || temporal_patch_size == 0
@@ -143,9 +163,8 @@ impl VisionConfig {
                 raw.depth
             )));
         }
-        let act = raw.hidden_act.as_deref().unwrap_or("gelu_pytorch_tanh");
-        let activation = Activation::from_name(act)
-            .ok_or_else(|| Error::Unsupported { what: "vision hidden_act", value: act.to_string() })?;
+        let activation = Activation::from_name(&raw.hidden_act)
+            .ok_or_else(|| Error::Unsupported { what: "vision hidden_act", value: raw.hidden_act.clone() })?;
         let rope = raw.rope_parameters.as_ref();
         if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()).filter(|k| *k != "axial") {
             return Err(Error::Unsupported {
