@@ -5,7 +5,11 @@ first and the last), its preprocessor_config.json, two PNG images of
 different sizes, and what transformers computes from them:
 vision.json holds, per image, the patch grid, the merged rows and the
 deepstack rows of the tower (`model.visual`), in float32 over the
-bf16-rounded weights.
+bf16-rounded weights; expected_images.json, prompts of text and one or
+both images with their greedy continuation: the prompt as parts (ids, or an
+image file), the prompt's ids as transformers' processor expands them, and
+a logits row per generated id (row 0 the prompt's last position, row i
+after feeding generated id i - 1).
 
   python scripts/make_vl_fixtures.py [--out tests/fixtures/qwen3_vl_images]
 
@@ -74,6 +78,39 @@ def image(rng, h, w):
     return Image.fromarray(np.clip(127.5 + 100 * base + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8))
 
 
+def greedy(model, processor, out, parts, steps):
+    """The prompt's ids with each image expanded to its merged rows (and
+    the matching mm_token_type_ids), then greedy decoding."""
+    files = [p["image"] for p in parts if "image" in p]
+    inputs = processor(images=[Image.open(out / f) for f in files], return_tensors="pt")
+    merged = (inputs["image_grid_thw"].prod(-1) // 4).tolist()
+    ids, types, counts = [], [], iter(merged)
+    for p in parts:
+        if "text" in p:
+            ids += p["text"]
+            types += [0] * len(p["text"])
+        else:
+            n = next(counts)
+            ids += [CONFIG["image_token_id"]] * n
+            types += [1] * n
+    prompt = list(ids)
+    generated, rows = [], []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            logits = model(
+                input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
+                pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+            ).logits[0, -1].float()
+            rows.append(logits.tolist())
+            nxt = int(torch.argmax(logits))
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 0.01, "a greedy choice too close to call"
+            generated.append(nxt)
+            ids.append(nxt)
+            types.append(0)
+    return dict(prompt_ids=prompt, generated_ids=generated, logits=rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures/qwen3_vl_images")
@@ -105,8 +142,22 @@ def main():
         )
         print(f"{name}: grid {inputs['image_grid_thw'][0].tolist()}, {result.pooler_output.shape[0]} merged rows")
     (out / "vision.json").write_text(json.dumps(vision) + "\n")
+    cases = []
+    g = torch.Generator().manual_seed(3)
+    text = lambda n: torch.randint(0, VOCAB - 4, (n,), generator=g).tolist()
+    start, end = CONFIG["vision_start_token_id"], CONFIG["vision_end_token_id"]
+    for name, images, steps in [("one_image", ["wide.png"], 8), ("two_images", ["tall.png", "wide.png"], 8)]:
+        parts = [dict(text=text(5) + [start])]
+        for i, file in enumerate(images):
+            parts.append(dict(image=file))
+            parts.append(dict(text=[end] + text(3 + 2 * i) + ([start] if i + 1 < len(images) else [])))
+        cases.append(dict(name=name, parts=parts, **greedy(model, processor, out, parts, steps)))
+        print(f"{name}: {len(cases[-1]['prompt_ids'])} prompt ids, generated {cases[-1]['generated_ids']}")
+    (out / "expected_images.json").write_text(json.dumps(dict(
+        transformers_version=transformers.__version__, torch_version=torch.__version__, cases=cases)) + "\n")
     for extra in out.iterdir():
-        if extra.name not in ("config.json", "model.safetensors", "preprocessor_config.json", "vision.json", *IMAGES):
+        if extra.name not in ("config.json", "model.safetensors", "preprocessor_config.json", "vision.json",
+                              "expected_images.json", *IMAGES):
             extra.unlink()
 
 

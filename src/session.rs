@@ -8,10 +8,11 @@ use std::collections::VecDeque;
 use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
 use crate::flow::moe::{ExpertPrefetch, RoutingContext};
-use crate::flow::{Activations, ChunkMatmul, Head, PhaseTimer, Plan, Recorder, RoutingMode};
+use crate::flow::{Activations, ChunkMatmul, ChunkMedia, Head, PhaseTimer, Plan, Recorder, RoutingMode};
 use crate::gpu::{MapWait, Readback};
 use crate::kv_cache::{KvCache, KvFormat};
 use crate::model::Model;
+use crate::multimodal::{PreparedPrompt, PromptPart, SlotPositions};
 use crate::sampling::Sampling;
 use crate::stats::Stats;
 use crate::steering::{Steering, SteeringPlan};
@@ -123,6 +124,10 @@ pub struct Session<'m> {
     capture: Option<CapturePlan>,
     stats: Stats,
     len: usize,
+    /// Each cache slot's position, as its rotary row rotates it.
+    positions: SlotPositions,
+    /// How an image's vision tower runs its projections.
+    chunk_matmul: ChunkMatmul,
 }
 
 impl<'m> Session<'m> {
@@ -188,6 +193,8 @@ impl<'m> Session<'m> {
             capture: None,
             stats,
             len: 0,
+            positions: SlotPositions::new(context_len),
+            chunk_matmul: options.chunk_matmul,
         })
     }
 
@@ -255,13 +262,14 @@ impl<'m> Session<'m> {
     /// from there (the cache rows are overwritten as it does).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+        self.positions.truncate(&self.model.gpu, &self.activations, &self.model.config, self.len);
     }
 
     /// Runs `token` at `position` (which must be [`Self::position`]) and
     /// returns the raw next-token logits, `vocab` f32 values.
     pub fn step(&mut self, token: u32, position: usize) -> Result<Vec<f32>> {
         self.check_next(token, position)?;
-        self.submit(Some(&[token]), 1, Head::Logits, None)?;
+        self.submit(Some(&[token]), 1, Head::Logits, None, None)?;
         self.read_logits()
     }
 
@@ -269,7 +277,14 @@ impl<'m> Session<'m> {
     /// [`Self::prefill_chunk`] tokens, and returns the logits of its last
     /// token (the only position that runs the head).
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.run_prompt(tokens, Head::Logits, None)?;
+        self.prefill_multimodal(&[PromptPart::Text(tokens)])
+    }
+
+    /// [`Self::prefill`] of a prompt of text and images (Qwen3-VL): each
+    /// image through the vision tower, standing in the prompt as one
+    /// `image_token_id` token per merged row of it.
+    pub fn prefill_multimodal(&mut self, parts: &[PromptPart<'_>]) -> Result<Vec<f32>> {
+        self.run_prompt(parts, Head::Logits, None)?;
         self.read_logits()
     }
 
@@ -282,6 +297,16 @@ impl<'m> Session<'m> {
     /// dropped and the position is left after the last token fed (the
     /// last id yielded is not yet in the cache).
     pub fn generate(&mut self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation<'_, 'm>> {
+        self.generate_multimodal(&[PromptPart::Text(prompt)], options)
+    }
+
+    /// [`Self::generate`] from a prompt of text and images (see
+    /// [`Self::prefill_multimodal`]).
+    pub fn generate_multimodal(
+        &mut self,
+        prompt: &[PromptPart<'_>],
+        options: &GenerateOptions,
+    ) -> Result<Generation<'_, 'm>> {
         options.sampling.validate()?;
         if options.max_tokens == 0 {
             return Err(Error::InvalidSampling("max_tokens must be at least 1".into()));
@@ -327,10 +352,36 @@ impl<'m> Session<'m> {
     /// submission.
     fn run_prompt(
         &mut self,
-        tokens: &[u32],
+        parts: &[PromptPart<'_>],
         head: Head,
         id_slot: Option<usize>,
     ) -> Result<wgpu::SubmissionIndex> {
+        let vocab = self.model.config.vocab;
+        let media = &self.model.config.media_token_ids;
+        let mut at = self.len;
+        for part in parts {
+            match part {
+                PromptPart::Text(tokens) => {
+                    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+                        return Err(Error::TokenOutOfRange { token: bad, vocab });
+                    }
+                    if let Some(i) = tokens.iter().position(|t| media.contains(t)) {
+                        return Err(Error::Unsupported {
+                            what: "image or video placeholder in a prompt of token ids",
+                            value: format!("token {} at prompt position {}", tokens[i], at + i),
+                        });
+                    }
+                    at += tokens.len();
+                }
+                PromptPart::Image(_) => {}
+            }
+        }
+        let images = parts.iter().any(|p| matches!(p, PromptPart::Image(_)));
+        let prompt = match images {
+            true => PreparedPrompt::new(self.model, parts, self.positions.next(self.len), self.chunk_matmul)?,
+            false => PreparedPrompt::text(parts),
+        };
+        let tokens = &prompt.ids;
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -338,24 +389,32 @@ impl<'m> Session<'m> {
         if end > self.kv.context_len {
             return Err(Error::ContextOverflow { position: end - 1, context_len: self.kv.context_len });
         }
-        let vocab = self.model.config.vocab;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::TokenOutOfRange { token: bad, vocab });
+        if images {
+            let (gpu, c) = (&self.model.gpu, &self.model.config);
+            self.positions.place_prompt(gpu, &self.activations, c, self.len, &prompt.positions);
         }
-        let media = &self.model.config.media_token_ids;
-        if let Some(at) = tokens.iter().position(|t| media.contains(t)) {
-            return Err(Error::Unsupported {
-                what: "image or video placeholder in a prompt of token ids",
-                value: format!("token {} at prompt position {}", tokens[at], self.len + at),
-            });
-        }
-        let chunks: Vec<&[u32]> = tokens.chunks(self.activations.max_tokens).collect();
+        let size = self.activations.max_tokens;
+        let chunks = tokens.len().div_ceil(size);
         let mut last = None;
-        for (i, chunk) in chunks.iter().enumerate() {
+        for i in 0..chunks {
+            let range = i * size..((i + 1) * size).min(tokens.len());
+            let media = match images {
+                true => Some((
+                    prompt.chunk_media(self.model, &self.activations, range.clone())?,
+                    &prompt.positions[range.clone()],
+                )),
+                false => None,
+            };
             // Queue writes land between submissions in order, so chunks need
             // no wait between them: the GPU runs them back to back.
-            let (head, slot) = if i + 1 == chunks.len() { (head, id_slot) } else { (Head::None, None) };
-            last = Some(self.submit(Some(chunk), chunk.len(), head, slot)?);
+            let (head, slot) = if i + 1 == chunks { (head, id_slot) } else { (Head::None, None) };
+            last = Some(self.submit(
+                Some(&tokens[range.clone()]),
+                range.len(),
+                head,
+                slot,
+                media.as_ref().map(|(m, p)| (m, *p)),
+            )?);
         }
         Ok(last.expect("a prompt has at least one chunk"))
     }
@@ -396,6 +455,7 @@ impl<'m> Session<'m> {
         n_tokens: usize,
         head: Head,
         id_slot: Option<usize>,
+        media: Option<(&ChunkMedia<'_>, &[[u32; 3]])>,
     ) -> Result<wgpu::SubmissionIndex> {
         let gpu = &self.model.gpu;
         let act = &self.activations;
@@ -410,7 +470,7 @@ impl<'m> Session<'m> {
             experts: self.model.experts.as_ref(),
             prefetch: self.expert_prefetch,
         };
-        self.plan.forward(&mut rec, act, &step, head, &routing)?;
+        self.plan.forward(&mut rec, act, &step, head, &routing, media.map(|(m, _)| m))?;
         if head == Head::Logits {
             let bytes = (self.model.config.vocab * 4) as u64;
             self.logits_readback.record(rec.encoder(), &act.logits, 0, bytes);
@@ -445,6 +505,7 @@ impl<'m> Session<'m> {
             }
             self.stats.capture_readbacks += 1;
         }
+        self.positions.record(self.len, n_tokens, media.map(|(_, p)| p));
         self.len += n_tokens;
         Ok(index)
     }
@@ -520,7 +581,7 @@ impl Generation<'_, '_> {
     fn submit_step(&mut self) -> Result<()> {
         let slot = self.next_slot;
         self.next_slot = (self.next_slot + 1) % self.session.id_readbacks.len();
-        let index = self.session.submit(None, 1, Head::Sample, Some(slot))?;
+        let index = self.session.submit(None, 1, Head::Sample, Some(slot), None)?;
         self.submitted += 1;
         self.in_flight.push_back((slot, index));
         Ok(())

@@ -1,4 +1,6 @@
-// Residual add of k rows per token, for i < n:
+// Residual add of k rows per token, for i < n (rows counted from x_first
+// in x and from y_first in y, 0 but for rows added at some of a chunk's
+// tokens):
 //   v = x[t, i] + sum_{j < k} s_j * y[(t * k + j) * n + i]
 // s_j = weights[t * k + j] with WEIGHTED (the routed experts' weights, read
 // on the GPU), else the constant scale (k = 1: plain residual add); then
@@ -27,7 +29,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 #else
         let s = p.scale;
 #endif
-        sum += s * y[(t * p.k + j) * p.n + i];
+        sum += s * y[(p.y_first + t * p.k + j) * p.n + i];
     }
-    x[t * p.n + i] = layer_output(t, i, p.n, x[t * p.n + i] + sum);
+    let at = (p.x_first + t) * p.n + i;
+    x[at] = layer_output(t, i, p.n, x[at] + sum);
 }

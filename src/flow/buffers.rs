@@ -18,8 +18,11 @@ pub struct Activations {
     pub tokens: wgpu::Buffer,
     /// The uniform [`Step`]: first position, token count, attention splits.
     pub step: wgpu::Buffer,
-    /// cos/sin of every position's rotary angles.
+    /// cos/sin of every cache slot's rotary angles (its position's, as the
+    /// session places them).
     pub cos_sin: wgpu::Buffer,
+    /// Floats per row of `cos_sin`.
+    pub cos_sin_row: usize,
     pub hidden: usize,
     /// The residual stream.
     pub x: wgpu::Buffer,
@@ -117,6 +120,7 @@ impl Activations {
                 mapped_at_creation: false,
             }),
             cos_sin: gpu.storage_buffer_init("cos_sin", &c.rope.cos_sin_table(context_len)),
+            cos_sin_row: 2 * (c.rope.rotary_dim / 2),
             hidden: c.hidden,
             x: buf("x", c.hidden)?,
             x_last: gpu.storage_buffer("x_last", c.hidden)?,
@@ -134,6 +138,13 @@ impl Activations {
             sample: SampleScratch::new(gpu, c.vocab)?,
             moe,
         })
+    }
+
+    /// Replaces the rotary rows from cache slot `slot` on (rows of the
+    /// rotary table's width: cosines, then sines).
+    pub fn write_rotary_rows(&self, gpu: &Gpu, slot: usize, rows: &[f32]) {
+        let row = self.cos_sin_row;
+        gpu.queue.write_buffer(&self.cos_sin, (slot * row * 4) as u64, bytemuck::cast_slice(rows));
     }
 
     /// Sets the token ids of the next submission.

@@ -105,6 +105,26 @@ impl Projection {
     }
 }
 
+/// What a prompt chunk holding image tokens adds to the forward pass: the
+/// images' merged rows copied over the embeddings of their tokens, and
+/// after the first layers, each image's deepstack rows added at them.
+#[derive(Debug, Default)]
+pub struct ChunkMedia<'a> {
+    pub copies: Vec<RowCopy<'a>>,
+    /// `after_layer[i]`: adds (and the rows each covers) after layer `i`.
+    pub after_layer: Vec<Vec<(Dispatch, u32)>>,
+}
+
+/// `rows` rows of `src` from `src_row` into the residual stream's rows
+/// from `dst_row`.
+#[derive(Debug)]
+pub struct RowCopy<'a> {
+    pub src: &'a wgpu::Buffer,
+    pub src_row: usize,
+    pub dst_row: usize,
+    pub rows: usize,
+}
+
 /// Builds projections for one model and session.
 struct Builder<'a> {
     model: &'a Model,
@@ -315,10 +335,16 @@ impl Plan {
         step: &Step,
         head: Head,
         routing: &moe::RoutingContext<'a>,
+        media: Option<&ChunkMedia<'_>>,
     ) -> Result<()> {
         let n = step.n_tokens;
         rec.encode(Phase::Attention, &self.embed, n);
-        for layer in &self.layers {
+        let row = 4 * act.hidden as u64;
+        for c in media.iter().flat_map(|m| &m.copies) {
+            let (src, dst, len) = (c.src_row as u64 * row, c.dst_row as u64 * row, c.rows as u64 * row);
+            rec.encoder().copy_buffer_to_buffer(c.src, src, &act.x, dst, len);
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
             layer.attention.encode(rec, step);
             match &layer.ffn {
                 FfnPlan::Dense(dense) => {
@@ -327,12 +353,14 @@ impl Plan {
                 }
                 FfnPlan::Moe(moe) => moe.run(rec, n, routing)?,
             }
+            for (add, rows) in media.iter().flat_map(|m| m.after_layer.get(i)).flatten() {
+                rec.encode(Phase::Attention, std::slice::from_ref(add), *rows);
+            }
         }
         if head != Head::None {
             if n == 1 {
                 rec.encode(Phase::Head, &self.head, 1);
             } else {
-                let row = 4 * act.hidden as u64;
                 rec.encoder().copy_buffer_to_buffer(&act.x, (n as u64 - 1) * row, &act.x_last, 0, row);
                 rec.encode(Phase::Head, &self.head_last, 1);
             }

@@ -10,6 +10,9 @@ crate::wgsl_struct! {
         n: u32,
         k: u32,
         scale: f32,
+        /// Rows of x and y before the first one added.
+        x_first: u32,
+        y_first: u32,
     }
 }
 
@@ -110,8 +113,28 @@ impl Residual {
         x: &wgpu::Buffer,
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
-        let params = ResidualParams { n: n as u32, k: 1, scale };
+        let params = ResidualParams { n: n as u32, k: 1, scale, ..Default::default() };
         self.dispatch(gpu, params, y, x, None, output)
+    }
+
+    /// `x[x_first + t] += y[y_first + t]` for the tokens encoded, rows of
+    /// `n` (rows of another buffer added at some of the chunk's tokens: an
+    /// image's deepstack rows).
+    pub fn plan_rows(
+        &self,
+        gpu: &Gpu,
+        n: usize,
+        (y, y_first): (&wgpu::Buffer, usize),
+        (x, x_first): (&wgpu::Buffer, usize),
+    ) -> Result<Dispatch> {
+        let params = ResidualParams {
+            n: n as u32,
+            k: 1,
+            scale: 1.0,
+            x_first: x_first as u32,
+            y_first: y_first as u32,
+        };
+        self.dispatch(gpu, params, y, x, None, &LayerOutput::default())
     }
 
     /// `x[t] = layer_output(x[t] + sum_j weights[t, j] * y[t, j])`, y
@@ -127,7 +150,7 @@ impl Residual {
         x: &wgpu::Buffer,
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
-        let params = ResidualParams { n: n as u32, k: k as u32, scale: 0.0 };
+        let params = ResidualParams { n: n as u32, k: k as u32, scale: 0.0, ..Default::default() };
         self.dispatch(gpu, params, y, x, Some(weights), output)
     }
 }

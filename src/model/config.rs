@@ -230,6 +230,29 @@ pub struct ModelConfig {
     /// The vision tower, for the families that have one and whose config
     /// describes it.
     pub vision: Option<VisionConfig>,
+    /// M-RoPE (Qwen3-VL): how many of the rotary frequencies follow the
+    /// (t, h, w) position axes, interleaved t, h, w, t, h, w, ... as
+    /// transformers' Qwen3-VL does it (the rest follow t).
+    pub mrope_section: Option<[usize; 3]>,
+}
+
+impl ModelConfig {
+    /// One position's row of the rotary table the attention reads (cosines
+    /// then sines of `rotary_dim / 2` angles), for the position triple
+    /// `(t, h, w)`: RoPE's row of `t` when the three are equal or the model
+    /// has no M-RoPE.
+    pub fn rotary_row(&self, position: [u32; 3]) -> Vec<f32> {
+        let inv_freq = self.rope.inv_freq();
+        let axis = |f: usize| match self.mrope_section {
+            Some([_, h, _]) if f % 3 == 1 && f < 3 * h => 1,
+            Some([_, _, w]) if f % 3 == 2 && f < 3 * w => 2,
+            _ => 0,
+        };
+        // The angle is rounded to f32 first, as transformers computes it.
+        let angles: Vec<f64> =
+            inv_freq.iter().enumerate().map(|(f, &freq)| (freq * position[axis(f)] as f32) as f64).collect();
+        angles.iter().map(|a| a.cos() as f32).chain(angles.iter().map(|a| a.sin() as f32)).collect()
+    }
 }
 
 impl ModelConfig {
@@ -343,6 +366,12 @@ impl ModelConfig {
         }
 
         let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
+        let mrope_section = raw
+            .rope_parameters
+            .as_ref()
+            .or(raw.rope_scaling.as_ref())
+            .and_then(|p| p.mrope_section.as_ref())
+            .map(|s| [s[0], s[1], s[2]]);
         let quantization =
             raw.quantization_config.as_ref().map(|q| parse_quantization(q, path)).transpose()?;
         let moe = parse_moe(&raw, family, intermediate, &invalid)?;
@@ -369,6 +398,7 @@ impl ModelConfig {
         };
         Ok(ModelConfig {
             vision,
+            mrope_section,
             family,
             model_type,
             hidden: raw.hidden_size,

@@ -287,6 +287,9 @@ pub struct Model {
     /// Where the model's files describe its tokenizer, read on request
     /// ([`Model::tokenizer`]), so that a caller who gives ids never needs it.
     tokenizer_source: Option<PathBuf>,
+    /// How the model's images become patches (a folder's
+    /// preprocessor_config.json, for a model with a vision tower).
+    pub image_processor: Option<crate::vision::ImageProcessor>,
 }
 
 impl Model {
@@ -340,6 +343,12 @@ impl Model {
             };
         let what = format!("loading {}", dir.display());
         let mut model = Self::place(config, gpu, checkpoint, bytes, options, (&what, &mut progress))?;
+        if let (Some(v), true) = (&model.config.vision, tokenizer_source.is_dir()) {
+            let path = tokenizer_source.join("preprocessor_config.json");
+            if path.exists() {
+                model.image_processor = Some(image_processor_for(v, &tokenizer_source, &path)?);
+            }
+        }
         model.tokenizer_source = Some(tokenizer_source);
         Ok(model)
     }
@@ -369,7 +378,15 @@ impl Model {
             _ => None,
         };
         progress(Progress::End);
-        Ok(Model { config, gpu: gpu.clone(), weights, kernels, experts, tokenizer_source: None })
+        Ok(Model {
+            config,
+            gpu: gpu.clone(),
+            weights,
+            kernels,
+            experts,
+            tokenizer_source: None,
+            image_processor: None,
+        })
     }
 
     /// The chat template the model's files carry: a GGUF's
@@ -408,6 +425,32 @@ impl Model {
         let bytes = config.weight_bytes();
         Self::place(config, gpu, source, bytes, options, ("random weights", &mut |_| {}))
     }
+}
+
+/// The folder's image processor, which must cut the patches the tower reads.
+fn image_processor_for(
+    v: &vision::VisionConfig,
+    dir: &Path,
+    path: &Path,
+) -> Result<crate::vision::ImageProcessor> {
+    let p = crate::vision::ImageProcessor::load(dir)?;
+    if (p.patch_size, p.temporal_patch_size, p.merge_size)
+        != (v.patch_size, v.temporal_patch_size, v.merge_size)
+    {
+        return Err(Error::InvalidConfig {
+            path: path.to_path_buf(),
+            message: format!(
+                "patch_size {}, temporal_patch_size {} and merge_size {} differ from the vision tower's {}, {} and {}",
+                p.patch_size,
+                p.temporal_patch_size,
+                p.merge_size,
+                v.patch_size,
+                v.temporal_patch_size,
+                v.merge_size
+            ),
+        });
+    }
+    Ok(p)
 }
 
 /// Uploads the weights; with a streaming plan, a streamed layer's experts
