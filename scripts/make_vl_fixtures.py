@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Writes tests/fixtures/qwen3_vl_images/: a tiny random Qwen3-VL (dense
-text model, a vision tower of three blocks with deepstack mergers after the
-first and the last), its preprocessor_config.json, two PNG images of
-different sizes, and what transformers computes from them:
+"""Writes tests/fixtures/qwen3_vl_images/ and qwen3_vl_moe_images/: a tiny
+random Qwen3-VL (dense text model) and Qwen3-VL-MoE (its fused experts
+stored as the hub ships them, [E, in, out]), each with a vision tower of
+three blocks and deepstack mergers after the first and the last, their
+preprocessor_config.json, two PNG images of different sizes, and what
+transformers computes from them:
 vision.json holds, per image, the patch grid, the merged rows and the
 deepstack rows of the tower (`model.visual`), in float32 over the
 bf16-rounded weights; expected_images.json, prompts of text and one or
@@ -11,7 +13,7 @@ image file), the prompt's ids as transformers' processor expands them, and
 a logits row per generated id (row 0 the prompt's last position, row i
 after feeding generated id i - 1).
 
-  python scripts/make_vl_fixtures.py [--out tests/fixtures/qwen3_vl_images]
+  python scripts/make_vl_fixtures.py [--out tests/fixtures]
 
 Needs torch, transformers, Pillow and numpy; seeds are fixed.
 """
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
-from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+from transformers import AutoConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 VOCAB = 230
@@ -47,6 +49,13 @@ CONFIG = dict(
     vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
     tie_word_embeddings=False,
 )
+MOE_TEXT = dict(CONFIG["text_config"], model_type="qwen3_vl_moe_text", num_experts=6, num_experts_per_tok=2,
+                moe_intermediate_size=40, decoder_sparse_step=1, mlp_only_layers=[1])
+MODELS = {
+    "qwen3_vl_images": ("qwen3_vl", transformers.Qwen3VLForConditionalGeneration, CONFIG),
+    "qwen3_vl_moe_images": ("qwen3_vl_moe", transformers.Qwen3VLMoeForConditionalGeneration,
+                            dict(CONFIG, text_config=MOE_TEXT)),
+}
 PROCESSOR = dict(patch_size=8, temporal_patch_size=2, merge_size=2,
                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
                  size=dict(shortest_edge=16 * 16, longest_edge=48 * 80))
@@ -111,21 +120,30 @@ def greedy(model, processor, out, parts, steps):
     return dict(prompt_ids=prompt, generated_ids=generated, logits=rows)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="tests/fixtures/qwen3_vl_images")
-    out = Path(ap.parse_args().out)
+def transpose_experts(path):
+    """The fused experts as the hub ships Qwen3-VL-MoE: [E, in, out]."""
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(path))
+    for name in list(state):
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            state[name] = state[name].transpose(1, 2).contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def make(out, model_type, cls, cfg):
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    config = AutoConfig.for_model("qwen3_vl", **json.loads(json.dumps(CONFIG)))
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config = AutoConfig.for_model(model_type, **json.loads(json.dumps(cfg)))
+    config.architectures = [cls.__name__]
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = cls(config).to(torch.float32).eval()
     randomize(model, 0)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    if model_type == "qwen3_vl_moe":
+        transpose_experts(out / "model.safetensors")
+    model = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     (out / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=1) + "\n")
     processor = Qwen2VLImageProcessorPil(**PROCESSOR)
     rng = np.random.default_rng(1)
@@ -140,7 +158,7 @@ def main():
             merged=result.pooler_output.float().tolist(),
             deepstack=[d.float().tolist() for d in result.deepstack_features],
         )
-        print(f"{name}: grid {inputs['image_grid_thw'][0].tolist()}, {result.pooler_output.shape[0]} merged rows")
+        print(f"{out.name} {name}: grid {inputs['image_grid_thw'][0].tolist()}, {result.pooler_output.shape[0]} merged rows")
     (out / "vision.json").write_text(json.dumps(vision) + "\n")
     cases = []
     g = torch.Generator().manual_seed(3)
@@ -152,13 +170,21 @@ def main():
             parts.append(dict(image=file))
             parts.append(dict(text=[end] + text(3 + 2 * i) + ([start] if i + 1 < len(images) else [])))
         cases.append(dict(name=name, parts=parts, **greedy(model, processor, out, parts, steps)))
-        print(f"{name}: {len(cases[-1]['prompt_ids'])} prompt ids, generated {cases[-1]['generated_ids']}")
+        print(f"{out.name} {name}: {len(cases[-1]['prompt_ids'])} prompt ids, generated {cases[-1]['generated_ids']}")
     (out / "expected_images.json").write_text(json.dumps(dict(
         transformers_version=transformers.__version__, torch_version=torch.__version__, cases=cases)) + "\n")
     for extra in out.iterdir():
         if extra.name not in ("config.json", "model.safetensors", "preprocessor_config.json", "vision.json",
                               "expected_images.json", *IMAGES):
             extra.unlink()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/fixtures")
+    root = Path(ap.parse_args().out)
+    for name, (model_type, cls, cfg) in MODELS.items():
+        make(root / name, model_type, cls, cfg)
 
 
 if __name__ == "__main__":

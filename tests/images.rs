@@ -1,5 +1,6 @@
 //! Prompts of text and images against transformers' Qwen3VLForConditionalGeneration
-//! (fixture from `scripts/make_vl_fixtures.py`): one image, and two images of
+//! and Qwen3VLMoeForConditionalGeneration (fixtures from
+//! `scripts/make_vl_fixtures.py`): one image, and two images of
 //! different sizes, then greedy decoding. Every logits row within 1e-3 of
 //! transformers' with an f32 cache (0.4 % of the row's largest with the
 //! f16 one), ids identical, on Vulkan and GL; whatever the prefill chunk
@@ -14,8 +15,9 @@ use wgspark::sampling::argmax;
 use wgspark::vision::RgbImage;
 use wgspark::{KvFormat, Model, PromptPart, SessionOptions};
 
-fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_vl_images")
+/// The fixture folders: a dense and a MoE language model.
+fn dirs() -> [PathBuf; 2] {
+    ["qwen3_vl_images", "qwen3_vl_moe_images"].map(|d| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(d))
 }
 
 enum Part {
@@ -31,9 +33,9 @@ struct Case {
     logits: Vec<Vec<f32>>,
 }
 
-fn cases() -> Vec<Case> {
+fn cases(dir: &Path) -> Vec<Case> {
     let e: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir().join("expected_images.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected_images.json")).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
     };
@@ -42,14 +44,14 @@ fn cases() -> Vec<Case> {
         .unwrap()
         .iter()
         .map(|c| Case {
-            name: c["name"].as_str().unwrap().to_string(),
+            name: format!("{}/{}", dir.file_name().unwrap().to_string_lossy(), c["name"].as_str().unwrap()),
             parts: c["parts"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|p| match p.get("text") {
                     Some(t) => Part::Text(ids(t)),
-                    None => Part::Image(RgbImage::open(&dir().join(p["image"].as_str().unwrap())).unwrap()),
+                    None => Part::Image(RgbImage::open(&dir.join(p["image"].as_str().unwrap())).unwrap()),
                 })
                 .collect(),
             prompt_len: c["prompt_ids"].as_array().unwrap().len(),
@@ -103,30 +105,28 @@ fn check(case: &Case, rows: &[Vec<f32>], (abs, rel): (f32, f32), what: &str) -> 
 
 #[test]
 fn image_prompts_match_transformers() {
-    let cases = cases();
-    assert!(cases.len() >= 2);
     on_each_backend(|gpu| {
-        let model = Model::load(dir(), gpu).unwrap();
-        for case in &cases {
-            for (format, tol) in [(KvFormat::F32, (1e-3, 0.0)), (KvFormat::F16, (0.0, 4e-3))] {
-                let options = SessionOptions { kv_format: format, ..common::fixtures::exact() };
-                let what = format!("{} on {:?}, {format:?} cache", case.name, gpu.info.backend);
-                let worst = check(case, &replay(&model, case, &options), tol, &what);
-                println!("{what}: max |logit error| {worst:.2e}");
-            }
-            // Chunks whose boundaries fall inside an image, and a token at a
-            // time, give the same rows as one chunk.
-            let whole = replay(&model, case, &common::fixtures::exact());
-            for chunk in [5, 1] {
-                let options = SessionOptions { prefill_chunk: Some(chunk), ..common::fixtures::exact() };
-                let rows = replay(&model, case, &options);
-                for (i, (a, b)) in rows.iter().zip(&whole).enumerate() {
-                    assert!(
-                        max_abs_diff(a, b) <= 1e-5,
-                        "{}: chunks of {chunk}: row {i} differs by {}",
-                        case.name,
-                        max_abs_diff(a, b)
-                    );
+        for dir in dirs() {
+            let cases = cases(&dir);
+            assert!(cases.len() >= 2);
+            let model = Model::load(&dir, gpu).unwrap();
+            for case in &cases {
+                for (format, tol) in [(KvFormat::F32, (1e-3, 0.0)), (KvFormat::F16, (0.0, 4e-3))] {
+                    let options = SessionOptions { kv_format: format, ..common::fixtures::exact() };
+                    let what = format!("{} on {:?}, {format:?} cache", case.name, gpu.info.backend);
+                    let worst = check(case, &replay(&model, case, &options), tol, &what);
+                    println!("{what}: max |logit error| {worst:.2e}");
+                }
+                // Chunks whose boundaries fall inside an image, and a token
+                // at a time, give the same rows as one chunk.
+                let whole = replay(&model, case, &common::fixtures::exact());
+                for chunk in [5, 1] {
+                    let options = SessionOptions { prefill_chunk: Some(chunk), ..common::fixtures::exact() };
+                    let rows = replay(&model, case, &options);
+                    for (i, (a, b)) in rows.iter().zip(&whole).enumerate() {
+                        let d = max_abs_diff(a, b);
+                        assert!(d <= 1e-5, "{}: chunks of {chunk}: row {i} differs by {d}", case.name);
+                    }
                 }
             }
         }

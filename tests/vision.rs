@@ -181,14 +181,20 @@ fn processor_configs() {
 
 /// The vision tower on the GPU against transformers' `model.visual`: the
 /// merged rows and each deepstack merger's rows of two images of different
-/// grids (fixture from `scripts/make_vl_fixtures.py`), with the GEMM and
-/// with the GEMV, on every backend under test.
+/// grids (fixtures of a dense and a MoE model from
+/// `scripts/make_vl_fixtures.py`), with the GEMM and with the GEMV, on
+/// every backend under test.
 #[test]
 fn the_tower_gives_transformers_rows() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_vl_images");
+    for fixture in ["qwen3_vl_images", "qwen3_vl_moe_images"] {
+        check_tower(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(fixture));
+    }
+}
+
+fn check_tower(dir: &Path) {
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("vision.json")).unwrap()).unwrap();
-    let processor = ImageProcessor::load(&dir).unwrap();
+    let processor = ImageProcessor::load(dir).unwrap();
     let rows = |v: &serde_json::Value| -> Vec<f32> {
         v.as_array()
             .unwrap()
@@ -197,7 +203,7 @@ fn the_tower_gives_transformers_rows() {
             .collect()
     };
     common::on_each_backend(|gpu| {
-        let model = wgspark::Model::load(&dir, gpu).unwrap();
+        let model = wgspark::Model::load(dir, gpu).unwrap();
         let width = model.config.hidden;
         for (name, want) in expected["images"].as_object().unwrap() {
             let image = RgbImage::open(&dir.join(name)).unwrap();
