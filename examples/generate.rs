@@ -23,9 +23,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgspark::chat::{ChatTemplate, Message};
 use wgspark::progress::Progress;
 use wgspark::tokenizer::{Tokenizer, encode};
+use wgspark::vision::RgbImage;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
-    Model, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
+    Model, PromptPart, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -44,6 +45,14 @@ struct Args {
     /// Comma-separated token ids, used instead of --prompt.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
+    /// An image (PNG or JPEG) for a model with a vision tower (Qwen3-VL);
+    /// repeatable, in order. With --chat the user message holds the images
+    /// before its text; with --prompt-ids the config's image_token_id
+    /// stands once for each (and --json reports the ids expanded, one per
+    /// merged row of each image); with a plain --prompt they come first,
+    /// each between the model's vision start and end tokens.
+    #[arg(long, value_name = "FILE")]
+    image: Vec<PathBuf>,
     /// Send the prompt as a user message through the model's chat template
     /// and print only the reply; with no --prompt, chat turn by turn.
     #[arg(long)]
@@ -205,6 +214,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if conversation && args.json {
         return Err("--json needs --prompt or --prompt-ids (--chat without them is a conversation)".into());
     }
+    if conversation && !args.image.is_empty() {
+        return Err("--image needs --prompt or --prompt-ids (--chat without them is a conversation)".into());
+    }
+    let images = args.image.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
+    let image_tokens = model.config.vision.as_ref().map(|v| v.tokens).unwrap_or_default();
+    let image_token = match (images.is_empty(), image_tokens.image) {
+        (true, _) => None,
+        (false, Some(token)) => Some(token),
+        (false, None) => return Err(format!("{} reads no images (no vision tower)", dir.display()).into()),
+    };
     let max_tokens = args.max_new_tokens.unwrap_or(if args.chat { 1024 } else { 32 });
     let template = match args.chat {
         true => Some(
@@ -221,9 +240,21 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             // BOS token, for most); a chat template writes its own.
             match &template {
                 Some(template) => {
-                    encode(tok, &template.render(&[Message::new("user", &prompt)], true)?, false)?
+                    let message = Message::with_images("user", images.len(), &prompt);
+                    encode(tok, &template.render(&[message], true)?, false)?
                 }
-                None => encode(tok, &prompt, true)?,
+                None => {
+                    let marked = |token: u32| {
+                        [image_tokens.start, Some(token), image_tokens.end]
+                            .into_iter()
+                            .flatten()
+                            .collect::<Vec<_>>()
+                    };
+                    let mut ids: Vec<u32> = image_token
+                        .map_or_else(Vec::new, |t| images.iter().flat_map(|_| marked(t)).collect());
+                    ids.extend(encode(tok, &prompt, true)?);
+                    ids
+                }
             }
         }
         (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
@@ -280,16 +311,21 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
         return finish_capture(&mut session, &args);
     }
+    let parts = match image_token {
+        Some(token) => PromptPart::split(&prompt_ids, token, &images)?,
+        None => vec![PromptPart::Text(&prompt_ids)],
+    };
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
-        with_logits(&mut session, &prompt_ids, sampling, args.seed, max_tokens, eos)?
+        with_logits(&mut session, &parts, sampling, args.seed, max_tokens, eos)?
     } else {
         if let Some(tok) = tokenizer.filter(|_| !args.chat) {
             print!("{}", tok.decode(&prompt_ids, false)?);
             std::io::stdout().flush()?;
         }
-        let reply = stream(&mut session, &prompt_ids, &options, tokenizer, args.chat)?;
+        let reply = stream(&mut session, &parts, &options, tokenizer, args.chat)?;
         (reply.ids, Vec::new(), reply.prefill_secs, reply.decode_secs)
     };
+    let prompt_ids = wgspark::multimodal::expanded_ids(&model, &parts)?;
 
     let decode_steps = generated.len().saturating_sub(1);
     eprintln!(
@@ -407,7 +443,7 @@ struct Reply {
 /// special tokens (a chat reply).
 fn stream(
     session: &mut Session<'_>,
-    prompt: &[u32],
+    prompt: &[PromptPart<'_>],
     options: &GenerateOptions,
     tokenizer: Option<&Tokenizer>,
     reply_only: bool,
@@ -416,7 +452,7 @@ fn stream(
     let mut ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let mut first_id_at = None;
-    for id in session.generate(prompt, options)? {
+    for id in session.generate_multimodal(prompt, options)? {
         ids.push(id?);
         first_id_at.get_or_insert_with(Instant::now);
         if let Some(tok) = tokenizer {
@@ -491,7 +527,7 @@ fn converse(
         let kept = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
         session.truncate(kept);
         cached.truncate(kept);
-        let reply = stream(session, &ids[kept..], options, Some(tok), true)?;
+        let reply = stream(session, &[PromptPart::Text(&ids[kept..])], options, Some(tok), true)?;
         // The last id generated is not in the cache.
         cached.extend_from_slice(&ids[kept..]);
         cached.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);
@@ -506,7 +542,7 @@ type WithLogits = (Vec<u32>, Vec<Vec<f32>>, f64, f64);
 
 fn with_logits(
     session: &mut wgspark::Session<'_>,
-    prompt_ids: &[u32],
+    prompt: &[PromptPart<'_>],
     sampling: Sampling,
     seed: u64,
     max_tokens: usize,
@@ -514,7 +550,7 @@ fn with_logits(
 ) -> Result<WithLogits, Box<dyn std::error::Error + Send + Sync>> {
     let mut sampler = Sampler::new(sampling, seed)?;
     let prefill_start = Instant::now();
-    let mut logits = session.prefill(prompt_ids)?;
+    let mut logits = session.prefill_multimodal(prompt)?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
     let mut generated = Vec::new();
     let mut rows = Vec::new();

@@ -12,16 +12,42 @@ use crate::error::{Error, Result};
 use crate::gguf::Gguf;
 
 /// One turn of a conversation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     /// `system`, `user` or `assistant`.
     pub role: String,
     pub content: String,
+    /// Images before the text (templates render each as its placeholder).
+    pub images: usize,
 }
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Self {
-        Message { role: role.to_string(), content: content.to_string() }
+        Message { role: role.to_string(), content: content.to_string(), images: 0 }
+    }
+
+    /// A message of `images` images, then `content`.
+    pub fn with_images(role: &str, images: usize, content: &str) -> Self {
+        Message { images, ..Message::new(role, content) }
+    }
+}
+
+/// As transformers hands messages to templates: the content a string, or
+/// (with images) a list of parts, `{"type": "image"}` then `{"type":
+/// "text", "text": ...}`.
+impl Serialize for Message {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(2))?;
+        map.serialize_entry("role", &self.role)?;
+        if self.images == 0 {
+            map.serialize_entry("content", &self.content)?;
+        } else {
+            let mut parts: Vec<serde_json::Value> = vec![serde_json::json!({"type": "image"}); self.images];
+            parts.push(serde_json::json!({"type": "text", "text": self.content}));
+            map.serialize_entry("content", &parts)?;
+        }
+        map.end()
     }
 }
 
@@ -54,17 +80,30 @@ impl ChatTemplate {
         }))
     }
 
-    /// The template of a Hugging Face folder's tokenizer_config.json
-    /// (`None`: there is no such file or it has no template).
+    /// The template of a Hugging Face folder: tokenizer_config.json's, else
+    /// a `chat_template.jinja` file's, else `chat_template.json`'s (where
+    /// multimodal releases such as Qwen3-VL keep theirs); `None`: none of
+    /// them holds one.
     pub fn from_folder(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join("tokenizer_config.json");
-        if !path.exists() {
-            return Ok(None);
-        }
-        let text = crate::error::read_text(&path, crate::error::MAX_JSON_BYTES)?;
-        let config: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Json { path: path.clone(), message: e.to_string() })?;
-        let Some(source) = config.get("chat_template").and_then(|t| t.as_str()) else { return Ok(None) };
+        let json = |path: &Path| -> Result<serde_json::Value> {
+            let text = crate::error::read_text(path, crate::error::MAX_JSON_BYTES)?;
+            serde_json::from_str(&text)
+                .map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })
+        };
+        let config = if path.exists() { json(&path)? } else { serde_json::Value::Null };
+        let (jinja, json_file) = (dir.join("chat_template.jinja"), dir.join("chat_template.json"));
+        let (source, origin) = match config.get("chat_template").and_then(|t| t.as_str()) {
+            Some(source) => (source.to_string(), path.clone()),
+            None if jinja.exists() => (crate::error::read_text(&jinja, crate::error::MAX_JSON_BYTES)?, jinja),
+            None if json_file.exists() => {
+                match json(&json_file)?.get("chat_template").and_then(|t| t.as_str()) {
+                    Some(source) => (source.to_string(), json_file),
+                    None => return Ok(None),
+                }
+            }
+            None => return Ok(None),
+        };
         // Special tokens are strings, or {"content": ...} objects.
         let token = |key: &str| -> String {
             match config.get(key) {
@@ -74,10 +113,10 @@ impl ChatTemplate {
             }
         };
         Ok(Some(ChatTemplate {
-            source: source.to_string(),
+            source,
             bos_token: token("bos_token"),
             eos_token: token("eos_token"),
-            origin: path.display().to_string(),
+            origin: origin.display().to_string(),
         }))
     }
 
@@ -106,5 +145,52 @@ impl ChatTemplate {
                 eos_token => &self.eos_token,
             })
             .map_err(error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A message with images reaches the template as transformers hands it
+    /// over: a list of parts, the images first (Qwen3-VL's template writes
+    /// each as its vision markers and placeholder), the text last.
+    #[test]
+    fn images_reach_the_template_as_content_parts() {
+        let source = "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}\
+            {% for c in m.content %}{% if c.type == 'image' %}[image]{% else %}{{ c.text }}{% endif %}{% endfor %}\
+            {% endif %};{% endfor %}";
+        let template = ChatTemplate {
+            source: source.into(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+            origin: "test".into(),
+        };
+        let messages =
+            [Message::with_images("user", 2, "what differs?"), Message::new("assistant", "the colour")];
+        assert_eq!(
+            template.render(&messages, false).unwrap(),
+            "user:[image][image]what differs?;assistant:the colour;"
+        );
+    }
+
+    /// Multimodal releases keep their template beside the tokenizer's
+    /// config: chat_template.jinja, or chat_template.json.
+    #[test]
+    fn templates_come_from_the_files_beside_the_tokenizer_config() {
+        let dir = std::env::temp_dir().join(format!("wgspark-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<end>"}"#).unwrap();
+        assert!(ChatTemplate::from_folder(&dir).unwrap().is_none());
+        std::fs::write(dir.join("chat_template.json"), r#"{"chat_template": "from json {{ eos_token }}"}"#)
+            .unwrap();
+        let t = ChatTemplate::from_folder(&dir).unwrap().unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "from json <end>");
+        std::fs::write(dir.join("chat_template.jinja"), "from jinja").unwrap();
+        assert_eq!(
+            ChatTemplate::from_folder(&dir).unwrap().unwrap().render(&[], false).unwrap(),
+            "from jinja"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -69,6 +69,12 @@ pub enum Error {
     #[error("{origin}: image: {message}")]
     Image { origin: String, message: String },
 
+    /// A prompt of ids whose image placeholders are not one per image.
+    #[error(
+        "the prompt holds {placeholders} image placeholder tokens ({token}) for {images} images: one stands for each"
+    )]
+    ImageCount { token: u32, placeholders: usize, images: usize },
+
     #[error("missing tensor {name:?}")]
     MissingTensor { name: String },
 

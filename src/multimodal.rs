@@ -26,6 +26,59 @@ pub enum PromptPart<'a> {
     Image(&'a RgbImage),
 }
 
+impl<'a> PromptPart<'a> {
+    /// The parts of a prompt of ids in which `image_token` stands once for
+    /// each of `images`, in order (as a chat template renders an image).
+    pub fn split(ids: &'a [u32], image_token: u32, images: &'a [RgbImage]) -> Result<Vec<PromptPart<'a>>> {
+        let placeholders = ids.iter().filter(|&&t| t == image_token).count();
+        if placeholders != images.len() {
+            return Err(Error::ImageCount { token: image_token, placeholders, images: images.len() });
+        }
+        let mut parts = Vec::new();
+        let mut images = images.iter();
+        for (i, text) in ids.split(|&t| t == image_token).enumerate() {
+            if i > 0 {
+                parts.push(PromptPart::Image(images.next().expect("counted above")));
+            }
+            if !text.is_empty() {
+                parts.push(PromptPart::Text(text));
+            }
+        }
+        Ok(parts)
+    }
+}
+
+/// The ids `parts` run as: each image's placeholder repeated once per
+/// merged row of it (what transformers' processor makes of the prompt).
+pub fn expanded_ids(model: &Model, parts: &[PromptPart<'_>]) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for part in parts {
+        match part {
+            PromptPart::Text(text) => ids.extend_from_slice(text),
+            PromptPart::Image(image) => {
+                let (processor, v) = match (&model.image_processor, &model.config.vision) {
+                    (Some(p), Some(v)) => (p, v),
+                    _ => return Err(no_images(model)),
+                };
+                let token = v.tokens.image.ok_or_else(|| no_images(model))?;
+                let (h, w) = processor
+                    .resized_size(image.height, image.width)
+                    .map_err(|message| Error::Image { origin: "image".into(), message })?;
+                let side = processor.patch_size * processor.merge_size;
+                ids.extend(std::iter::repeat_n(token, (h / side) * (w / side)));
+            }
+        }
+    }
+    Ok(ids)
+}
+
+fn no_images(model: &Model) -> Error {
+    Error::Unsupported {
+        what: "images for a model without a vision tower, its image processor (preprocessor_config.json) or an image_token_id",
+        value: model.config.model_type.clone(),
+    }
+}
+
 /// A prompt ready to run: its ids (images expanded), each token's position
 /// triple, and the images' rows.
 pub(crate) struct PreparedPrompt {
@@ -51,7 +104,7 @@ impl PreparedPrompt {
                 PromptPart::Image(image) => {
                     let rows = image_rows(model, image, matmul)?;
                     let token =
-                        model.config.vision.as_ref().and_then(|v| v.image_token_id).ok_or_else(|| {
+                        model.config.vision.as_ref().and_then(|v| v.tokens.image).ok_or_else(|| {
                             Error::Unsupported {
                                 what: "images for a model whose config has no image_token_id",
                                 value: model.config.model_type.clone(),
@@ -117,10 +170,7 @@ impl PreparedPrompt {
 
 /// An image's rows from the tower, patched by the model's processor.
 fn image_rows(model: &Model, image: &RgbImage, matmul: ChunkMatmul) -> Result<ImageRows> {
-    let processor = model.image_processor.as_ref().ok_or_else(|| Error::Unsupported {
-        what: "images for a model without an image processor (preprocessor_config.json)",
-        value: model.config.model_type.clone(),
-    })?;
+    let processor = model.image_processor.as_ref().ok_or_else(|| no_images(model))?;
     let patches = processor.patches(image, "image")?;
     encode_image(model, &patches, matmul)
 }

@@ -63,6 +63,67 @@ fn json_output_matches_every_fixture() {
 
 /// Steering flags reproduce both steering fixture runs of every case, and
 /// `--capture` writes the layer outputs transformers' hooks recorded.
+/// `--prompt-ids` with the image placeholder once per image and `--image`
+/// for each: the JSON reports the ids expanded as transformers' processor
+/// expands them, and the ids and logits are transformers' (fixtures from
+/// `scripts/make_vl_fixtures.py`).
+#[test]
+fn images_by_placeholder_give_transformers_rows() {
+    let bin = generate_bin();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_vl_images");
+    let e: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected_images.json")).unwrap()).unwrap();
+    let image_token = wgspark::ModelConfig::load(&dir).unwrap().vision.unwrap().tokens.image.unwrap();
+    for case in e["cases"].as_array().unwrap() {
+        let mut ids: Vec<String> = Vec::new();
+        let mut images: Vec<String> = Vec::new();
+        for part in case["parts"].as_array().unwrap() {
+            match part.get("text") {
+                Some(t) => ids.extend(t.as_array().unwrap().iter().map(|v| v.to_string())),
+                None => {
+                    ids.push(image_token.to_string());
+                    images.extend([
+                        "--image".to_string(),
+                        dir.join(part["image"].as_str().unwrap()).display().to_string(),
+                    ]);
+                }
+            }
+        }
+        let generated: Vec<u32> = serde_json::from_value(case["generated_ids"].clone()).unwrap();
+        let want: Vec<Vec<f32>> = serde_json::from_value(case["logits"].clone()).unwrap();
+        let out = Command::new(&bin)
+            .arg("--model")
+            .arg(&dir)
+            .args(["--prompt-ids", &ids.join(",")])
+            .args(&images)
+            .args(["--max-new-tokens", &generated.len().to_string()])
+            .args(["--ignore-eos", "--json", "--kv-cache", "f32"])
+            .output()
+            .unwrap();
+        let name = case["name"].as_str().unwrap();
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["prompt_ids"], case["prompt_ids"], "{name}: expanded prompt ids");
+        let got: Vec<u32> = serde_json::from_value(json["generated_ids"].clone()).unwrap();
+        assert_eq!(got, generated, "{name}");
+        let rows: Vec<Vec<f32>> = serde_json::from_value(json["logits"].clone()).unwrap();
+        for (row, (g, w)) in rows.iter().zip(&want).enumerate() {
+            assert!(max_abs_diff(g, w) <= 1e-3, "{name}, row {row}");
+        }
+    }
+    // One placeholder too few is an error naming the count.
+    let out = Command::new(&bin)
+        .arg("--model")
+        .arg(&dir)
+        .args(["--prompt-ids", "1,2,3", "--image"])
+        .arg(dir.join("wide.png"))
+        .args(["--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("0 image placeholder tokens"), "{stderr}");
+}
+
 #[test]
 fn control_vector_flags_and_capture_file() {
     let bin = generate_bin();

@@ -17,7 +17,8 @@ use wgspark::{KvFormat, Model, PromptPart, SessionOptions};
 
 /// The fixture folders: a dense and a MoE language model.
 fn dirs() -> [PathBuf; 2] {
-    ["qwen3_vl_images", "qwen3_vl_moe_images"].map(|d| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(d))
+    ["qwen3_vl_images", "qwen3_vl_moe_images"]
+        .map(|d| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(d))
 }
 
 enum Part {

@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::family::{self, Family, Renormalize, RouterScoring};
-use super::vision::VisionConfig;
+use super::vision::{ImageTokens, VisionConfig};
 use crate::error::{Error, Result};
 use crate::format::FP8_BLOCK_ELEMS;
 use crate::kernels::Heads;
@@ -46,6 +46,8 @@ struct RawConfig {
     // Qwen3-VL: the ids that stand for an image's or a video's rows.
     image_token_id: Option<u32>,
     video_token_id: Option<u32>,
+    vision_start_token_id: Option<u32>,
+    vision_end_token_id: Option<u32>,
     // Mixture of experts: hub configs say `num_local_experts` (Mixtral,
     // MiniMax) or `num_experts` (Qwen3-MoE); transformers 5 writes the former.
     num_local_experts: Option<usize>,
@@ -393,7 +395,14 @@ impl ModelConfig {
             return Err(invalid(format!("rms_norm_eps {stated} must be a positive finite f32")));
         }
         let vision = match (&vision_config, family.vision_tower) {
-            (Some(v), true) => Some(VisionConfig::parse(v, path, raw.hidden_size, raw.image_token_id)?),
+            (Some(v), true) => {
+                let tokens = ImageTokens {
+                    image: raw.image_token_id,
+                    start: raw.vision_start_token_id,
+                    end: raw.vision_end_token_id,
+                };
+                Some(VisionConfig::parse(v, path, raw.hidden_size, tokens)?)
+            }
             _ => None,
         };
         Ok(ModelConfig {

@@ -79,8 +79,17 @@ pub struct VisionConfig {
     pub activation: Activation,
     /// Of the 2-D rotary embedding.
     pub rope_theta: f64,
-    /// The placeholder id of an image's merged rows in a prompt.
-    pub image_token_id: Option<u32>,
+    /// The ids that stand for an image in a prompt.
+    pub tokens: ImageTokens,
+}
+
+/// The ids of an image in a prompt: its placeholder (one per merged row,
+/// once expanded) between the markers the chat template writes around it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ImageTokens {
+    pub image: Option<u32>,
+    pub start: Option<u32>,
+    pub end: Option<u32>,
 }
 
 /// Vision towers deeper than this are broken configs.
@@ -93,7 +102,7 @@ impl VisionConfig {
         value: &serde_json::Value,
         path: &Path,
         text_hidden: usize,
-        image_token_id: Option<u32>,
+        tokens: ImageTokens,
     ) -> Result<Self> {
         let invalid = |message: String| Error::InvalidConfig {
             path: path.to_path_buf(),
@@ -190,7 +199,7 @@ impl VisionConfig {
             deepstack_layers: raw.deepstack_visual_indexes,
             activation,
             rope_theta,
-            image_token_id,
+            tokens,
         })
     }
 
