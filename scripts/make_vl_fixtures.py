@@ -11,7 +11,9 @@ bf16-rounded weights; expected_images.json, prompts of text and one or
 both images with their greedy continuation: the prompt as parts (ids, or an
 image file), the prompt's ids as transformers' processor expands them, and
 a logits row per generated id (row 0 the prompt's last position, row i
-after feeding generated id i - 1).
+after feeding generated id i - 1), and the outputs of every layer but the
+last at every prompt position (transformers' hidden states, taken before
+the deepstack rows are added).
 
   python scripts/make_vl_fixtures.py [--out tests/fixtures]
 
@@ -103,6 +105,13 @@ def greedy(model, processor, out, parts, steps):
             ids += [CONFIG["image_token_id"]] * n
             types += [1] * n
     prompt = list(ids)
+    with torch.no_grad():
+        hidden = model(
+            input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
+            pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"], output_hidden_states=True,
+        ).hidden_states
+    # Each layer's output (entry i + 1; the last entry is after the final norm).
+    layer_outputs = [h[0].float().tolist() for h in hidden[1:-1]]
     generated, rows = [], []
     with torch.no_grad():
         for _ in range(steps + 1):
@@ -117,7 +126,7 @@ def greedy(model, processor, out, parts, steps):
             generated.append(nxt)
             ids.append(nxt)
             types.append(0)
-    return dict(prompt_ids=prompt, generated_ids=generated, logits=rows)
+    return dict(prompt_ids=prompt, generated_ids=generated, logits=rows, layer_outputs=layer_outputs)
 
 
 def transpose_experts(path):

@@ -55,9 +55,24 @@ fn image_placeholders_in_a_prompt_of_ids() {
         );
         assert_eq!(session.position(), 0);
     }
-    // Text models have none.
+    // Text models have none, and take no images.
     let text = Model::load(fixture_dir("qwen3_dense"), &gpu()).unwrap();
     assert!(text.config.media_token_ids.is_empty());
+    let image = wgspark::vision::RgbImage { width: 32, height: 32, pixels: vec![128; 32 * 32 * 3] };
+    let mut session = text.session(&SessionOptions::default()).unwrap();
+    let err = session.prefill_multimodal(&[wgspark::PromptPart::Image(&image)]).unwrap_err();
+    assert!(matches!(&err, Error::Unsupported { what, .. } if what.contains("vision tower")), "{err}");
+    assert_eq!(session.position(), 0);
+    // A Qwen3-VL folder without its preprocessor_config.json has a tower
+    // but no way to cut patches.
+    let dir = common::checkpoint::temp_dir("no-processor");
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture_dir("qwen3_vl_images").join(file), dir.join(file)).unwrap();
+    }
+    let model = Model::load(&dir, &gpu()).unwrap();
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let err = session.prefill_multimodal(&[wgspark::PromptPart::Image(&image)]).unwrap_err();
+    assert!(matches!(&err, Error::Unsupported { what, .. } if what.contains("preprocessor_config.json")), "{err}");
 }
 
 #[test]

@@ -133,3 +133,66 @@ fn image_prompts_match_transformers() {
         }
     });
 }
+
+/// With images in the prompt, capture records each layer's output at every
+/// prompt position as transformers' hidden states give it (before the
+/// deepstack rows are added), and steering adds its direction there.
+#[test]
+fn capture_and_steering_see_image_prompts() {
+    use wgspark::{CaptureOptions, ControlVector, PromptRows, Steering};
+    on_each_backend(|gpu| {
+        for dir in dirs() {
+            let model = Model::load(&dir, gpu).unwrap();
+            let e: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("expected_images.json")).unwrap()).unwrap();
+            for (case, json) in cases(&dir).iter().zip(e["cases"].as_array().unwrap()) {
+                let parts: Vec<PromptPart<'_>> = case
+                    .parts
+                    .iter()
+                    .map(|p| match p {
+                        Part::Text(ids) => PromptPart::Text(ids),
+                        Part::Image(image) => PromptPart::Image(image),
+                    })
+                    .collect();
+                let layers = model.config.layers;
+                let capture = CaptureOptions { layers: None, prompt_rows: PromptRows::All };
+                let run = |steering: Option<&Steering>| {
+                    let mut session = model.session(&common::fixtures::exact()).unwrap();
+                    session.set_steering(steering).unwrap();
+                    session.set_capture(Some(&capture)).unwrap();
+                    let logits = session.prefill_multimodal(&parts).unwrap();
+                    (logits, session.take_capture().unwrap())
+                };
+                let (plain_logits, plain) = run(None);
+                let want = json["layer_outputs"].as_array().unwrap();
+                assert_eq!(want.len(), layers - 1);
+                for (layer, rows) in want.iter().enumerate() {
+                    let rows: Vec<f32> = rows
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+                        .collect();
+                    common::assert_close(&plain.rows[layer], &rows, 1e-4, &format!("{}: layer {layer}", case.name));
+                }
+                // A direction at the last layer: its rows move by exactly it.
+                let hidden = model.config.hidden;
+                let direction: Vec<f32> = (0..hidden).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.05).collect();
+                let vector = ControlVector {
+                    path: "test".into(),
+                    model_hint: None,
+                    directions: [(layers - 1, direction.clone())].into(),
+                };
+                let steering = Steering::new(&model.config, &[(vector, 2.0)], None).unwrap();
+                let (steered_logits, steered) = run(Some(&steering));
+                let last = layers - 1;
+                for (row, (s, p)) in steered.rows[last].chunks(hidden).zip(plain.rows[last].chunks(hidden)).enumerate() {
+                    let moved: Vec<f32> = s.iter().zip(p).map(|(a, b)| a - b).collect();
+                    let want: Vec<f32> = direction.iter().map(|d| 2.0 * d).collect();
+                    common::assert_close(&moved, &want, 1e-5, &format!("{}: steered row {row}", case.name));
+                }
+                assert!(max_abs_diff(&steered_logits, &plain_logits) > 1e-2, "{}: steering moves the logits", case.name);
+            }
+        }
+    });
+}
