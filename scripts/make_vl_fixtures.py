@@ -31,6 +31,8 @@ from PIL import Image
 from transformers import AutoConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from make_fixtures import qwen3_vl_ids, transpose_experts
+
 VOCAB = 230
 CONFIG = dict(
     text_config=dict(
@@ -47,9 +49,8 @@ CONFIG = dict(
         num_position_embeddings=36, deepstack_visual_indexes=[0, 2],
         hidden_act="gelu_pytorch_tanh",
     ),
-    image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
-    vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
     tie_word_embeddings=False,
+    **qwen3_vl_ids(VOCAB),
 )
 MOE_TEXT = dict(CONFIG["text_config"], model_type="qwen3_vl_moe_text", num_experts=6, num_experts_per_tok=2,
                 moe_intermediate_size=40, decoder_sparse_step=1, mlp_only_layers=[1])
@@ -127,16 +128,6 @@ def greedy(model, processor, out, parts, steps):
             ids.append(nxt)
             types.append(0)
     return dict(prompt_ids=prompt, generated_ids=generated, logits=rows, layer_outputs=layer_outputs)
-
-
-def transpose_experts(path):
-    """The fused experts as the hub ships Qwen3-VL-MoE: [E, in, out]."""
-    from safetensors.torch import load_file, save_file
-    state = load_file(str(path))
-    for name in list(state):
-        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-            state[name] = state[name].transpose(1, 2).contiguous()
-    save_file(state, str(path), metadata={"format": "pt"})
 
 
 def make(out, model_type, cls, cfg):

@@ -72,7 +72,10 @@ fn image_placeholders_in_a_prompt_of_ids() {
     let model = Model::load(&dir, &gpu()).unwrap();
     let mut session = model.session(&SessionOptions::default()).unwrap();
     let err = session.prefill_multimodal(&[wgspark::PromptPart::Image(&image)]).unwrap_err();
-    assert!(matches!(&err, Error::Unsupported { what, .. } if what.contains("preprocessor_config.json")), "{err}");
+    assert!(
+        matches!(&err, Error::Unsupported { what, .. } if what.contains("preprocessor_config.json")),
+        "{err}"
+    );
 }
 
 #[test]

@@ -67,17 +67,22 @@ fn cases(dir: &Path) -> Vec<Case> {
         .collect()
 }
 
+impl Case {
+    fn prompt(&self) -> Vec<PromptPart<'_>> {
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Text(ids) => PromptPart::Text(ids),
+                Part::Image(image) => PromptPart::Image(image),
+            })
+            .collect()
+    }
+}
+
 /// The case's rows: the prompt's last, then one per generated id fed.
 fn replay(model: &Model, case: &Case, options: &SessionOptions) -> Vec<Vec<f32>> {
     let mut session = model.session(options).unwrap();
-    let parts: Vec<PromptPart<'_>> = case
-        .parts
-        .iter()
-        .map(|p| match p {
-            Part::Text(ids) => PromptPart::Text(ids),
-            Part::Image(image) => PromptPart::Image(image),
-        })
-        .collect();
+    let parts = case.prompt();
     let mut rows = vec![session.prefill_multimodal(&parts).unwrap()];
     assert_eq!(
         session.position(),
@@ -144,16 +149,10 @@ fn capture_and_steering_see_image_prompts() {
         for dir in dirs() {
             let model = Model::load(&dir, gpu).unwrap();
             let e: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(dir.join("expected_images.json")).unwrap()).unwrap();
+                serde_json::from_str(&std::fs::read_to_string(dir.join("expected_images.json")).unwrap())
+                    .unwrap();
             for (case, json) in cases(&dir).iter().zip(e["cases"].as_array().unwrap()) {
-                let parts: Vec<PromptPart<'_>> = case
-                    .parts
-                    .iter()
-                    .map(|p| match p {
-                        Part::Text(ids) => PromptPart::Text(ids),
-                        Part::Image(image) => PromptPart::Image(image),
-                    })
-                    .collect();
+                let parts = case.prompt();
                 let layers = model.config.layers;
                 let capture = CaptureOptions { layers: None, prompt_rows: PromptRows::All };
                 let run = |steering: Option<&Steering>| {
@@ -173,7 +172,12 @@ fn capture_and_steering_see_image_prompts() {
                         .iter()
                         .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
                         .collect();
-                    common::assert_close(&plain.rows[layer], &rows, 1e-4, &format!("{}: layer {layer}", case.name));
+                    common::assert_close(
+                        &plain.rows[layer],
+                        &rows,
+                        1e-4,
+                        &format!("{}: layer {layer}", case.name),
+                    );
                 }
                 // A direction at the last layer: its rows move by exactly it.
                 let hidden = model.config.hidden;
@@ -186,12 +190,18 @@ fn capture_and_steering_see_image_prompts() {
                 let steering = Steering::new(&model.config, &[(vector, 2.0)], None).unwrap();
                 let (steered_logits, steered) = run(Some(&steering));
                 let last = layers - 1;
-                for (row, (s, p)) in steered.rows[last].chunks(hidden).zip(plain.rows[last].chunks(hidden)).enumerate() {
+                for (row, (s, p)) in
+                    steered.rows[last].chunks(hidden).zip(plain.rows[last].chunks(hidden)).enumerate()
+                {
                     let moved: Vec<f32> = s.iter().zip(p).map(|(a, b)| a - b).collect();
                     let want: Vec<f32> = direction.iter().map(|d| 2.0 * d).collect();
                     common::assert_close(&moved, &want, 1e-5, &format!("{}: steered row {row}", case.name));
                 }
-                assert!(max_abs_diff(&steered_logits, &plain_logits) > 1e-2, "{}: steering moves the logits", case.name);
+                assert!(
+                    max_abs_diff(&steered_logits, &plain_logits) > 1e-2,
+                    "{}: steering moves the logits",
+                    case.name
+                );
             }
         }
     });

@@ -26,6 +26,7 @@ use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows;
 use crate::kernels::{Heads, Kernels, Step};
 use crate::kv_cache::KvFormat;
+use crate::model::config::rotary_row;
 use crate::model::vision::{LayerNorm, Linear, Merger, VisionConfig};
 use crate::model::{Model, RopeConfig, RopeScaling};
 use crate::vision::Patches;
@@ -110,14 +111,12 @@ fn rotary_table(positions: &[(usize, usize)], v: &VisionConfig) -> Vec<f32> {
     let quarter =
         RopeConfig { theta: v.rope_theta, rotary_dim: v.head_dim() / 2, scaling: RopeScaling::None };
     let inv_freq = quarter.inv_freq();
-    let mut table = Vec::with_capacity(positions.len() * v.head_dim());
-    for &(row, col) in positions {
-        let angles: Vec<f64> =
-            [row, col].iter().flat_map(|&p| inv_freq.iter().map(move |&f| (f * p as f32) as f64)).collect();
-        table.extend(angles.iter().map(|a| a.cos() as f32));
-        table.extend(angles.iter().map(|a| a.sin() as f32));
-    }
-    table
+    let both = [&inv_freq[..], &inv_freq[..]].concat();
+    let q = inv_freq.len();
+    positions
+        .iter()
+        .flat_map(|&(row, col)| rotary_row(&both, |f| (if f < q { row } else { col }) as u32))
+        .collect()
 }
 
 /// The dispatches of a pass and the tokens each is encoded for.

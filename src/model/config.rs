@@ -158,14 +158,7 @@ impl RopeConfig {
     /// out `[pos][cos(half) | sin(half)]` as `wgsl/rope.wgsl` reads them.
     pub fn cos_sin_table(&self, positions: usize) -> Vec<f32> {
         let inv_freq = self.inv_freq();
-        let mut table = Vec::with_capacity(positions * inv_freq.len() * 2);
-        for pos in 0..positions {
-            // The angle is rounded to f32 first, as transformers computes it.
-            let angles: Vec<f64> = inv_freq.iter().map(|&f| (f * pos as f32) as f64).collect();
-            table.extend(angles.iter().map(|a| a.cos() as f32));
-            table.extend(angles.iter().map(|a| a.sin() as f32));
-        }
-        table
+        (0..positions as u32).flat_map(|pos| rotary_row(&inv_freq, |_| pos)).collect()
     }
 }
 
@@ -244,17 +237,22 @@ impl ModelConfig {
     /// `(t, h, w)`: RoPE's row of `t` when the three are equal or the model
     /// has no M-RoPE.
     pub fn rotary_row(&self, position: [u32; 3]) -> Vec<f32> {
-        let inv_freq = self.rope.inv_freq();
         let axis = |f: usize| match self.mrope_section {
             Some([_, h, _]) if f % 3 == 1 && f < 3 * h => 1,
             Some([_, _, w]) if f % 3 == 2 && f < 3 * w => 2,
             _ => 0,
         };
-        // The angle is rounded to f32 first, as transformers computes it.
-        let angles: Vec<f64> =
-            inv_freq.iter().enumerate().map(|(f, &freq)| (freq * position[axis(f)] as f32) as f64).collect();
-        angles.iter().map(|a| a.cos() as f32).chain(angles.iter().map(|a| a.sin() as f32)).collect()
+        rotary_row(&self.rope.inv_freq(), |f| position[axis(f)])
     }
+}
+
+/// A row of a rotary table as the attention kernels read it: the cosines,
+/// then the sines, of `inv_freq[f] * position(f)` for each frequency `f`
+/// (the angle rounded to f32 first, as transformers computes it).
+pub fn rotary_row(inv_freq: &[f32], position: impl Fn(usize) -> u32) -> Vec<f32> {
+    let angles: Vec<f64> =
+        inv_freq.iter().enumerate().map(|(f, &freq)| (freq * position(f) as f32) as f64).collect();
+    angles.iter().map(|a| a.cos() as f32).chain(angles.iter().map(|a| a.sin() as f32)).collect()
 }
 
 impl ModelConfig {
