@@ -224,8 +224,11 @@ fn main() {
         WeightFormat::Q2K,
         WeightFormat::F8E4M3,
     ];
-    let sizes: &[(usize, usize)] =
-        if cpu { &[(1536, 512)] } else { &[(4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)] };
+    let sizes: &[(usize, usize)] = if cpu {
+        &[(1536, 512)]
+    } else {
+        &[(1024, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    };
     let read_by = [
         ("default", default_shape),
         ("x1", GemvShape { unroll: 1, ..default_shape }),
@@ -238,6 +241,11 @@ fn main() {
             "wg 1024",
             GemvShape { int8_rows_per_workgroup: 1024 / default_shape.threads_per_row, ..default_shape },
         ),
+        (
+            "wg 128",
+            GemvShape { int8_rows_per_workgroup: 128 / default_shape.threads_per_row, ..default_shape },
+        ),
+        ("wg 64", GemvShape { int8_rows_per_workgroup: 64 / default_shape.threads_per_row, ..default_shape }),
         ("one block each", GemvShape { int8_workgroups: 0, ..default_shape }),
         ("132 wgs", GemvShape { int8_workgroups: 132, ..default_shape }),
         ("264 wgs", GemvShape { int8_workgroups: 264, ..default_shape }),
@@ -319,7 +327,7 @@ fn main() {
         let mut shapes =
             vec![("default", default_shape), ("f32", GemvShape { int8: false, ..default_shape })];
         if has_int8_units(format) {
-            for (name, threads) in [("wg 128", 128), ("wg 256", 256), ("wg 1024", 1024)] {
+            for (name, threads) in [("wg 64", 64), ("wg 128", 128), ("wg 256", 256), ("wg 1024", 1024)] {
                 let groups = threads / default_shape.threads_per_row;
                 shapes.push((name, GemvShape { int8_rows_per_workgroup: groups, ..default_shape }));
             }
@@ -402,15 +410,20 @@ fn main() {
                     v_cache: &v_cache,
                     out: &out,
                 };
-                if tokens == 1 && ctx == 4096 && format == KvFormat::F16 {
+                if tokens == 1 && ctx <= 4096 && format == KvFormat::F16 {
                     // How the time scales with the keys per split.
                     let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
                     let d = attention.plan_decode(&gpu, &shape, &b, &scratch).unwrap();
-                    for sweep in [1, 4, 8, 16, 32, 64, 128] {
+                    for sweep in [1, 2, 4, 8, 16, 32, 64, 128].into_iter().filter(|&n| n <= ctx as u32) {
                         let value = Step { pos0, n_tokens: 1, attn_splits: sweep, _pad: 0 };
                         gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
                         let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(sweep), 1, reps);
-                        println!("  {sweep:>3} splits: attend {:.4} ms", attend * 1e3);
+                        let combine = time(&gpu, std::slice::from_ref(&d.combine), None, 1, reps);
+                        println!(
+                            "  {sweep:>3} splits: attend {:.4} ms, combine {:.4} ms",
+                            attend * 1e3,
+                            combine * 1e3
+                        );
                     }
                     let value = Step { pos0, n_tokens: 1, attn_splits: splits as u32, _pad: 0 };
                     gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));

@@ -100,8 +100,8 @@ fn x_run16(q: vec4<u32>, r: u32) -> f32 {
     let high = dot4I8Packed(q.x, h.x) + dot4I8Packed(q.y, h.y) + dot4I8Packed(q.z, h.z) + dot4I8Packed(q.w, h.w);
     let mid = dot4I8Packed(q.x, m.x) + dot4I8Packed(q.y, m.y) + dot4I8Packed(q.z, m.z) + dot4I8Packed(q.w, m.w);
     let low = dot4I8Packed(q.x, l.x) + dot4I8Packed(q.y, l.y) + dot4I8Packed(q.z, l.z) + dot4I8Packed(q.w, l.w);
-    // 256 mid + low is at most 16 * 127 * 32768 in magnitude: exact in i32.
-    return x_scale[r / 2u] * (f32(high) * 65536.0 + f32(256 * mid + low));
+    // Each at most 16 * 128 * 128 in magnitude: converted from its bits.
+    return x_scale[r / 2u] * fma(small_int_f32(high), 65536.0, fma(small_int_f32(mid), 256.0, small_int_f32(low)));
 }
 
 fn x_sum16(r: u32) -> f32 {

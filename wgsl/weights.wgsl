@@ -38,6 +38,23 @@ fn uint_f32(v: vec4<u32>, minus: f32) -> vec4<f32> {
     return bitcast<vec4<f32>>(v | vec4<u32>(0x4b000000u)) - (8388608.0 + minus);
 }
 
+// f32(v) for one unsigned v below 2^23, the same way (the scales of the
+// block formats: NVIDIA converts integers at an eighth of its float rate).
+fn small_uint_f32(v: u32) -> f32 {
+    return bitcast<f32>(v | 0x4b000000u) - 8388608.0;
+}
+
+// f32(i) for |i| < 2^22, exactly: 1.5 * 2^23 + i has i + 2^22 as its
+// mantissa (an integer add and a float subtraction).
+fn small_int_f32(i: i32) -> f32 {
+    return bitcast<f32>(i + 0x4b400000) - 12582912.0;
+}
+
+// Signed byte b of a word, as f32.
+fn signed_byte_f32(w: u32, b: u32) -> f32 {
+    return small_uint_f32(byte_of(w ^ 0x80808080u, b)) - 128.0;
+}
+
 // Byte b of a word.
 fn byte_of(w: u32, b: u32) -> u32 {
     return (w >> (8u * b)) & 0xffu;
@@ -170,7 +187,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let i = e % 256u;
     let sc = block_byte(b, i / 16u);
     let dm = weight_word(b + 20u);
-    return f16_lo(dm) * f32(sc & 15u) * uint_f32(quants2(b + 4u, i), 0.0) - f16_hi(dm) * f32(sc >> 4u);
+    return f16_lo(dm) * small_uint_f32(sc & 15u) * uint_f32(quants2(b + 4u, i), 0.0) - f16_hi(dm) * small_uint_f32(sc >> 4u);
 }
 #endif
 
@@ -186,7 +203,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let s = i / 16u;
     let low = (block_byte(b + 24u, s % 8u) >> (4u * (s / 8u))) & 15u;
     let high = (block_byte(b + 26u, s % 4u) >> (2u * (s / 4u))) & 3u;
-    let sc = f32(low | (high << 4u)) - 32.0;
+    let sc = small_uint_f32(low | (high << 4u)) - 32.0;
     let h = fields4(weight_word(b + (i % 32u) / 4u), i / 32u, 1u);
     let q = uint_f32(quants2(b + 8u, i) | (h << vec4<u32>(2u)), 4.0);
     return f16_lo(weight_word(b + 27u)) * sc * q;
@@ -231,7 +248,7 @@ fn k4_weights(b: u32, i: u32, qs: u32, high: vec4<u32>) -> vec4<f32> {
     }
     let low = fields4(weight_word(qs + (32u * (i / 64u) + i % 32u) / 4u), select(0u, 4u, i % 64u >= 32u), 15u);
     let dm = weight_word(b);
-    return f16_lo(dm) * f32(sc) * uint_f32(low | high, 0.0) - f16_hi(dm) * f32(m);
+    return f16_lo(dm) * small_uint_f32(sc) * uint_f32(low | high, 0.0) - f16_hi(dm) * small_uint_f32(m);
 }
 
 // Q6_K: [128 bytes: low 4 bits][64 bytes: high 2 bits][16 signed scales,
@@ -247,7 +264,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let low = fields4(weight_word(b + (64u * half + r % 64u) / 4u), select(0u, 4u, r >= 64u), 15u);
     let high = fields4(weight_word(b + 32u + (32u * half + r % 32u) / 4u), 2u * (r / 32u), 3u);
     let s = i / 16u;
-    let sc = f32((i32(weight_word(b + 48u + s / 4u)) << (24u - 8u * (s % 4u))) >> 24u);
+    let sc = signed_byte_f32(weight_word(b + 48u + s / 4u), s % 4u);
     let q = uint_f32(low | (high << vec4<u32>(4u)), 32.0);
     return f16_lo(weight_word(b + 52u)) * sc * q;
 }
@@ -259,17 +276,19 @@ fn words4(i: u32) -> vec4<u32> {
 }
 
 // The scale and min numbered n of a Q4_K / Q5_K block whose first quad is head.
+// Branch-free: the lanes of a subgroup read different n.
 fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
-    if (n < 4u) {
-        return vec2<f32>(f32(byte_of(head.y, n) & 63u), f32(byte_of(head.z, n) & 63u));
-    }
-    let sc = (byte_of(head.w, n - 4u) & 15u) | ((byte_of(head.y, n - 4u) >> 6u) << 4u);
-    let m = (byte_of(head.w, n - 4u) >> 4u) | ((byte_of(head.z, n - 4u) >> 6u) << 4u);
-    return vec2<f32>(f32(sc), f32(m));
+    // n < 4: the low 6 bits of bytes n of head.y and head.z; n >= 4: the
+    // nibbles of byte n - 4 of head.w, topped by the high 2 bits of those.
+    let yz = vec2<u32>(byte_of(head.y, n % 4u), byte_of(head.z, n % 4u));
+    let w = byte_of(head.w, n % 4u);
+    let high = (vec2<u32>(w & 15u, w >> 4u)) | ((yz >> vec2<u32>(6u)) << vec2<u32>(4u));
+    let v = select(yz & vec2<u32>(63u), high, n >= 4u);
+    return vec2<f32>(small_uint_f32(v.x), small_uint_f32(v.y));
 }
 // Scale n (signed byte) of the block at word b.
 fn q6_scale(b: u32, n: u32) -> f32 {
-    return f32((i32(weight_word(b + 48u + n / 4u)) << (24u - 8u * (n % 4u))) >> 24u);
+    return signed_byte_f32(weight_word(b + 48u + n / 4u), n % 4u);
 }
 #if WEIGHT_FORMAT
 // Words of a row of n elements.
@@ -316,7 +335,7 @@ const UNIT_ELEMS: u32 = 64u;
 fn q2_scaled(b: u32, n: u32, t: f32, xs: f32) -> f32 {
     let sc = block_byte(b, n);
     let dm = weight_word(b + 20u);
-    return f16_lo(dm) * f32(sc & 15u) * t - f16_hi(dm) * f32(sc >> 4u) * xs;
+    return f16_lo(dm) * small_uint_f32(sc & 15u) * t - f16_hi(dm) * small_uint_f32(sc >> 4u) * xs;
 }
 fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
     let c = u / 2u % 2u;
@@ -351,7 +370,7 @@ fn q3_quants(q: u32, hm: u32, c: u32, s: u32) -> vec4<f32> {
 fn q3_scale(b: u32, n: u32) -> f32 {
     let low = (block_byte(b + 24u, n % 8u) >> (4u * (n / 8u))) & 15u;
     let high = (block_byte(b + 26u, n % 4u) >> (2u * (n / 4u))) & 3u;
-    return f32(low | (high << 4u)) - 32.0;
+    return small_uint_f32(low | (high << 4u)) - 32.0;
 }
 fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
     let c = u / 2u % 2u;
