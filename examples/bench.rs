@@ -10,6 +10,7 @@
 //! cargo run --release --example bench -- --model DIR
 //! cargo run --release --example bench -- --shape qwen3-30b-a3b --routing readback --expert-budget 100,50,25
 //! cargo run --release --example bench -- --shape llama-3.1-8b --prompt 0 --decode 32 --profile
+//! cargo run --release --example bench -- --shape qwen3-vl-8b-4l --prompt 0 --decode 0 --image-size 1024
 //! ```
 //! Shapes match those `synth_gguf.py` writes for llama.cpp's `llama-bench`,
 //! so both engines measure the same sizes; `--depth D` is llama-bench's
@@ -69,6 +70,10 @@ struct Args {
     /// Streamed experts: off, predicted, or both (compared).
     #[arg(long, default_value = "off")]
     expert_prefetch: String,
+    /// Models with a vision tower: the side of the square image (random
+    /// pixels) the tower is timed on (0 skips it).
+    #[arg(long, default_value_t = 1024)]
+    image_size: usize,
 }
 
 /// (name, config.json) of every synthetic shape.
@@ -108,7 +113,22 @@ const SHAPES: &[(&str, &str)] = &[
     ("qwen3-30b-a3b-16l", QWEN3_30B_A3B),
     ("mixtral-8x7b", MIXTRAL_8X7B),
     ("mixtral-8x7b-8l", MIXTRAL_8X7B),
+    ("qwen3-vl-8b", QWEN3_VL_8B),
 ];
+
+/// Qwen3-VL-8B-Instruct's config (its text model is Qwen3-8B's shape).
+const QWEN3_VL_8B: &str = r#"{"model_type": "qwen3_vl", "image_token_id": 151655,
+  "vision_start_token_id": 151652, "video_token_id": 151656,
+  "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+    "rope_theta": 5000000, "rope_scaling": {"mrope_interleaved": true, "mrope_section": [24, 20, 20],
+    "rope_type": "default"}},
+  "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+    "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "out_hidden_size": 4096, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh"},
+  "tie_word_embeddings": false}"#;
 
 const QWEN3_30B_A3B: &str = r#"{"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
   "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -140,7 +160,11 @@ fn shape_config(name: &str) -> Result<ModelConfig, String> {
     })?;
     let mut value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
     if let Some((_, layers)) = layers {
-        value["num_hidden_layers"] = layers.into();
+        // A multimodal config's layers are its text model's.
+        match value.get_mut("text_config") {
+            Some(text) => text["num_hidden_layers"] = layers.into(),
+            None => value["num_hidden_layers"] = layers.into(),
+        }
     }
     ModelConfig::parse(&value.to_string(), std::path::Path::new(name)).map_err(|e| e.to_string())
 }
@@ -216,6 +240,9 @@ fn measure(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let c = &model.config;
     println!("\n{name}: {:.3} GB of weights, depth {}", model.weights.bytes() as f64 / 1e9, args.depth);
+    if c.vision.is_some() && args.image_size > 0 {
+        measure_vision_tower(args, model)?;
+    }
     let modes: &[RoutingMode] = match (c.moe.is_some(), args.routing.as_str()) {
         // Streamed experts need the host to see the routing.
         _ if model.experts.is_some() => &[RoutingMode::Readback],
@@ -540,4 +567,58 @@ fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
     let top_k = c.moe.as_ref().map_or(0, |m| m.top_k);
     let kv = 2 * c.layers as u64 * (pos * c.heads.kv_width() * format.bytes_per_value()) as u64;
     model.weights.decode_bytes(top_k) + kv
+}
+
+/// The vision tower's time for one square image of random pixels, as
+/// Qwen3-VL's processor cuts it (16-pixel patches, 2 x 2 merged), best of
+/// `--reps` after a warm-up.
+fn measure_vision_tower(args: &Args, model: &Model) -> Result<(), Box<dyn std::error::Error>> {
+    let v = model.config.vision.as_ref().expect("a vision tower");
+    let processor = wgspark::vision::ImageProcessor {
+        patch_size: v.patch_size,
+        temporal_patch_size: v.temporal_patch_size,
+        merge_size: v.merge_size,
+        // Qwen3-VL's preprocessor_config.json: shortest_edge, longest_edge.
+        min_pixels: 65536,
+        max_pixels: 16777216,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+        rescale_factor: 1.0 / 255.0,
+    };
+    let side = args.image_size;
+    let mut x = 0x9e37_79b9u32;
+    let pixels = (0..side * side * 3)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 24) as u8
+        })
+        .collect();
+    let image = wgspark::vision::RgbImage { width: side, height: side, pixels };
+    let start = Instant::now();
+    let patches = processor.patches(&image, "random")?;
+    let preprocess = start.elapsed();
+    let [_, rows, cols] = patches.grid;
+    let encode = || -> Result<Duration, Box<dyn std::error::Error>> {
+        let start = Instant::now();
+        let out = wgspark::flow::vision::encode_image(model, &patches, wgspark::ChunkMatmul::Auto)?;
+        model.gpu.wait()?;
+        let elapsed = start.elapsed();
+        drop(out);
+        Ok(elapsed)
+    };
+    encode()?;
+    let best =
+        (0..args.reps.max(1)).map(|_| encode()).collect::<Result<Vec<_>, _>>()?.into_iter().min().unwrap();
+    let patches_n = rows * cols;
+    println!(
+        "  vision tower, {side} x {side} image: {patches_n} patches ({rows} x {cols}) -> {} merged rows; \
+         preprocessing {:.1} ms (host), tower {:.2} ms (GPU, submit to done) = {:.0} patches/s",
+        patches_n / (v.merge_size * v.merge_size),
+        preprocess.as_secs_f64() * 1e3,
+        best.as_secs_f64() * 1e3,
+        patches_n as f64 / best.as_secs_f64()
+    );
+    Ok(())
 }
