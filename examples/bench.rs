@@ -130,6 +130,11 @@ const QWEN3_VL_8B: &str = r#"{"model_type": "qwen3_vl", "image_token_id": 151655
     "hidden_act": "gelu_pytorch_tanh"},
   "tie_word_embeddings": false}"#;
 
+/// Qwen3-VL's preprocessor_config.json (the processor the tower is timed with).
+const QWEN3_VL_PREPROCESSOR: &str = r#"{"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+  "size": {"longest_edge": 16777216, "shortest_edge": 65536}}"#;
+
 const QWEN3_30B_A3B: &str = r#"{"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
   "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
   "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
@@ -574,17 +579,8 @@ fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
 /// `--reps` after a warm-up.
 fn measure_vision_tower(args: &Args, model: &Model) -> Result<(), Box<dyn std::error::Error>> {
     let v = model.config.vision.as_ref().expect("a vision tower");
-    let processor = wgspark::vision::ImageProcessor {
-        patch_size: v.patch_size,
-        temporal_patch_size: v.temporal_patch_size,
-        merge_size: v.merge_size,
-        // Qwen3-VL's preprocessor_config.json: shortest_edge, longest_edge.
-        min_pixels: 65536,
-        max_pixels: 16777216,
-        mean: [0.5; 3],
-        std: [0.5; 3],
-        rescale_factor: 1.0 / 255.0,
-    };
+    let processor =
+        wgspark::vision::ImageProcessor::parse(QWEN3_VL_PREPROCESSOR, std::path::Path::new("qwen3-vl"))?;
     let side = args.image_size;
     let mut x = 0x9e37_79b9u32;
     let pixels = (0..side * side * 3)

@@ -41,18 +41,13 @@ fn uint_f32(v: vec4<u32>, minus: f32) -> vec4<f32> {
 // f32(v) for one unsigned v below 2^23, the same way (the scales of the
 // block formats: NVIDIA converts integers at an eighth of its float rate).
 fn small_uint_f32(v: u32) -> f32 {
-    return bitcast<f32>(v | 0x4b000000u) - 8388608.0;
+    return uint_f32(vec4<u32>(v), 0.0).x;
 }
 
 // f32(i) for |i| < 2^22, exactly: 1.5 * 2^23 + i has i + 2^22 as its
 // mantissa (an integer add and a float subtraction).
 fn small_int_f32(i: i32) -> f32 {
     return bitcast<f32>(i + 0x4b400000) - 12582912.0;
-}
-
-// Signed byte b of a word, as f32.
-fn signed_byte_f32(w: u32, b: u32) -> f32 {
-    return small_uint_f32(byte_of(w ^ 0x80808080u, b)) - 128.0;
 }
 
 // Byte b of a word.
@@ -200,10 +195,7 @@ const BLOCK_WORDS: u32 = 28u;
 fn weights4(row: u32, e: u32) -> vec4<f32> {
     let b = row + (e / 256u) * 28u;
     let i = e % 256u;
-    let s = i / 16u;
-    let low = (block_byte(b + 24u, s % 8u) >> (4u * (s / 8u))) & 15u;
-    let high = (block_byte(b + 26u, s % 4u) >> (2u * (s / 4u))) & 3u;
-    let sc = small_uint_f32(low | (high << 4u)) - 32.0;
+    let sc = q3_scale(b, i / 16u);
     let h = fields4(weight_word(b + (i % 32u) / 4u), i / 32u, 1u);
     let q = uint_f32(quants2(b + 8u, i) | (h << vec4<u32>(2u)), 4.0);
     return f16_lo(weight_word(b + 27u)) * sc * q;
@@ -263,8 +255,7 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
     let r = i % 128u;
     let low = fields4(weight_word(b + (64u * half + r % 64u) / 4u), select(0u, 4u, r >= 64u), 15u);
     let high = fields4(weight_word(b + 32u + (32u * half + r % 32u) / 4u), 2u * (r / 32u), 3u);
-    let s = i / 16u;
-    let sc = signed_byte_f32(weight_word(b + 48u + s / 4u), s % 4u);
+    let sc = q6_scale(b, i / 16u);
     let q = uint_f32(low | (high << vec4<u32>(4u)), 32.0);
     return f16_lo(weight_word(b + 52u)) * sc * q;
 }
@@ -286,9 +277,16 @@ fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
     let v = select(yz & vec2<u32>(63u), high, n >= 4u);
     return vec2<f32>(small_uint_f32(v.x), small_uint_f32(v.y));
 }
-// Scale n (signed byte) of the block at word b.
+// Q3_K's scale n (of 16, 6 bits, less 32) of the block at word b.
+fn q3_scale(b: u32, n: u32) -> f32 {
+    let low = (block_byte(b + 24u, n % 8u) >> (4u * (n / 8u))) & 15u;
+    let high = (block_byte(b + 26u, n % 4u) >> (2u * (n / 4u))) & 3u;
+    return small_uint_f32(low | (high << 4u)) - 32.0;
+}
+// Q6_K's scale n (signed byte) of the block at word b.
 fn q6_scale(b: u32, n: u32) -> f32 {
-    return signed_byte_f32(weight_word(b + 48u + n / 4u), n % 4u);
+    // The byte biased by 128 to unsigned.
+    return small_uint_f32(byte_of(weight_word(b + 48u + n / 4u) ^ 0x80808080u, n % 4u)) - 128.0;
 }
 #if WEIGHT_FORMAT
 // Words of a row of n elements.
@@ -365,12 +363,6 @@ const UNIT_ELEMS: u32 = 64u;
 // Field s of quants q, less 4 where hmask hm (bit 4 c + s) is clear.
 fn q3_quants(q: u32, hm: u32, c: u32, s: u32) -> vec4<f32> {
     return uint_f32(fields4(q, 2u * s, 3u) | (fields4(hm, 4u * c + s, 1u) << vec4<u32>(2u)), 4.0);
-}
-// Scale n (of 16, 6 bits, less 32) of the block at word b.
-fn q3_scale(b: u32, n: u32) -> f32 {
-    let low = (block_byte(b + 24u, n % 8u) >> (4u * (n / 8u))) & 15u;
-    let high = (block_byte(b + 26u, n % 4u) >> (2u * (n / 4u))) & 3u;
-    return small_uint_f32(low | (high << 4u)) - 32.0;
 }
 fn unit_dots(wa: u32, wb: u32, u: u32, xq: u32) -> vec2<f32> {
     let c = u / 2u % 2u;
