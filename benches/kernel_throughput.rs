@@ -172,6 +172,24 @@ fn main() {
         }
     }
 
+    // Routers: a MoE layer's expert logits from its normed input, in the
+    // formats checkpoints store them (GGUF keeps them f32), Qwen3-30B-A3B's
+    // 128 x 2048 and Mixtral's 8 x 4096.
+    for &(rows, cols) in [(128usize, 2048usize), (8, 4096)].iter().filter(|_| runs("router")) {
+        for format in [WeightFormat::F32, WeightFormat::Bf16] {
+            let w = random_tensor(&gpu, format, rows, cols);
+            let norm_w = GpuTensor { cols, ..norm.clone() };
+            let x = gpu.storage_buffer_init("x", &vec![0.01f32; cols]);
+            let y = gpu.storage_buffer("y", rows).unwrap();
+            let spec = GemvSpec {
+                input: Input::RmsNorm { weight: &norm_w, eps: 1e-5 },
+                ..GemvSpec::plain(&w, &x, &y)
+            };
+            let secs = time(&gpu, &Gemv::new(&gpu).plan(&gpu, &spec).unwrap(), None, 1, reps);
+            println!("router {format:<5} {rows:>4} x {cols:>5} norm: {:8.4} ms", secs * 1e3);
+        }
+    }
+
     // GEMM: each kernel the device runs, bf16 and Q4_K weights, on a
     // chunk of the default size and on a long one.
     let gemm_sizes: &[(usize, usize)] = if cpu {

@@ -303,16 +303,18 @@ fn int8_gemv_spans_chunks_of_the_activations() {
                     ..GemvSpec::plain(&weight, &slots_xb, &yb)
                 };
                 run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
-                let expert = |e: usize, x: &[f32]| {
+                // Each slot's input is staged times its route weight.
+                let expert = |e: usize, x: &[f32], weight: f32| {
                     let rows_e = &values[e * expert_rows * cols..(e + 1) * expert_rows * cols];
-                    reference::gemv(rows_e, expert_rows, cols, &reference::int8_activations(x))
+                    let weighted: Vec<f32> = x.iter().map(|v| v * weight).collect();
+                    reference::gemv(rows_e, expert_rows, cols, &reference::int8_activations(&weighted))
                 };
                 let want: Vec<f32> = (0..tokens)
                     .flat_map(|t| {
                         let slot = |j: usize| &slots_x[(t * top_k + j) * cols..(t * top_k + j + 1) * cols];
-                        let (a, b) = (expert(2, slot(0)), expert(0, slot(1)));
+                        let (a, b) = (expert(2, slot(0), 0.75), expert(0, slot(1), 0.25));
                         (0..expert_rows)
-                            .map(|o| residual[t * expert_rows + o] + 0.75 * a[o] + 0.25 * b[o])
+                            .map(|o| residual[t * expert_rows + o] + a[o] + b[o])
                             .collect::<Vec<f32>>()
                     })
                     .collect();

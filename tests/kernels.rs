@@ -415,8 +415,13 @@ fn check_attention(gpu: &Gpu) {
         (Heads { q: 12, kv: 2, dim: 128 }, 300, 201, 1, 0, 1, NoNorm, 64, F32, 0.0, false),
         (Heads { q: 8, kv: 1, dim: 64 }, 90, 77, 1, 0, 1, NoNorm, 64, F16, 0.0, false),
         (Heads { q: 4, kv: 2, dim: 256 }, 100, 60, 1, 50, 3, WholeProjection, 128, F16, 0.0, false),
+        // Heads of 8 lanes (what an 8-wide subgroup holds), a whole-
+        // projection norm, a partial rotation and an f32 cache in a window.
+        (Heads { q: 8, kv: 2, dim: 64 }, 300, 250, 1, 0, 3, WholeProjection, 64, F16, 0.0, false),
+        (Heads { q: 6, kv: 2, dim: 64 }, 200, 150, 1, 0, 1, PerHead, 32, F16, 0.0, false),
+        (Heads { q: 4, kv: 1, dim: 32 }, 100, 60, 1, 20, 2, NoNorm, 32, F32, 0.0, false),
         // Rows of 3 and 6 quads: lanes past the row hold zeros.
-        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 24, F16, 0.0, false),
+        (Heads { q: 6, kv: 2, dim: 24 }, 100, 80, 1, 0, 2, PerHead, 16, F16, 0.0, false),
         (Heads { q: 24, kv: 2, dim: 48 }, 200, 190, 1, 0, 3, NoNorm, 32, F16, 0.0, false),
         // Bidirectional (the vision tower's): every row sees the chunk's
         // keys, later ones too; heads of 72 as Qwen3-VL's tower has them.

@@ -593,9 +593,20 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 // rows are read straight from the cache, coalesced across a slot's lanes,
 // the next key's while the current one is used, and a score is its lanes'
 // partial dots summed by shuffles. Each slot keeps an online softmax per
-// row; at the end the slots of a subgroup merge by shuffles and the
-// subgroups one after another in workgroup memory. No barrier runs in the
-// key loop, which is what holds a long cache at memory speed.
+// row; at the end the slots of a subgroup merge by shuffles, the subgroups
+// leave their partials in workgroup memory, and after one barrier every
+// invocation combines a share of the outputs.
+// No barrier runs before the key loop: every slot loads, normalises
+// (sums over its lanes by shuffles) and rotates (the partner element half_rot
+// away is a shuffle from the lane half_rot / 8 or / 4 away: LaneLayout asks
+// for whole quads) the query rows and the new key itself, and the slot that
+// meets the new position uses its own k and v rather than the cache's
+// (the first row block's slot 0 stores them). None in the key loop either,
+// which is what holds a long cache at memory speed. A block is at most
+// four rows, held as vec4s of scores, maxima and sums: each step of a
+// key's work runs on the four rows at once, so that their shuffles and
+// exponentials overlap rather than queue row after row. (Eight rows hold
+// more registers than the H200 keeps: twice the time at short depths.)
 
 // A power of two, at least the row's quads.
 override LANES: u32 = 16u;
@@ -605,14 +616,100 @@ const VEC4_PER_QUAD: u32 = 2u;
 #else
 const VEC4_PER_QUAD: u32 = 1u;
 #endif
-// Bounds of the register arrays (BLOCK_ROWS at most MAX_BLOCK_ROWS): a
-// lane's query and output elements, VEC4_PER_QUAD vec4s per row.
-const MAX_BLOCK_ROWS: u32 = 8u;
-const LANE_VEC4S: u32 = 16u;
+const PER_QUAD: u32 = 4u * VEC4_PER_QUAD;
+// A block's rows (at most four; rows past BLOCK_ROWS repeat later rows
+// of the group and are never written out): a lane's query and output
+// elements, VEC4_PER_QUAD vec4s per row.
+const LANE_VEC4S: u32 = 4u * VEC4_PER_QUAD;
 
-// Running (max, sum) per row of the subgroups merged so far, double
-// buffered: a merge step reads one half and writes the other.
-var<workgroup> merged_ml: array<vec2<f32>, 16>;
+// Each subgroup's partials after its slots merged: per (subgroup, row),
+// the row's sums (kernels::attention::LANE_MERGE_FLOATS bounds subgroups x
+// BLOCK_ROWS x head_dim) and its (max, sum).
+const LANE_MERGE_FLOATS: u32 = 4096u;
+var<workgroup> merge_acc: array<f32, LANE_MERGE_FLOATS>;
+var<workgroup> merge_ml: array<vec2<f32>, 256>;
+
+// A lane's share of a head row: elements lane * PER_QUAD .. + PER_QUAD.
+struct LaneRow {
+    v: array<vec4<f32>, 2>,
+}
+
+// This lane's share of the head row at qkv[base] (zeros past the row).
+fn lane_row(base: u32, lane: u32, in_row: bool) -> LaneRow {
+    var r: LaneRow;
+    let e0 = base + select(0u, lane * PER_QUAD, in_row);
+    for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+        let e = e0 + 4u * j;
+        r.v[j] = select(vec4<f32>(0.0), vec4<f32>(qkv[e], qkv[e + 1u], qkv[e + 2u], qkv[e + 3u]), in_row);
+    }
+    return r;
+}
+
+// The sum of v over the lanes of a slot.
+fn slot_sum(v: f32) -> f32 {
+    var s = v;
+    for (var o = LANES / 2u; o > 0u; o >>= 1u) {
+        s += subgroupShuffleXor(s, o);
+    }
+    return s;
+}
+
+// r normalised (QK_NORM) by `scale` (QK_NORM_WHOLE: the projection's,
+// computed by the workgroup; else the head's, summed over the slot) and
+// the weight's elements from w0 on, then rotated for position pos.
+fn prepare_row(row: LaneRow, lane: u32, sg_lane: u32, in_row: bool, is_k: bool, w0: u32, whole_scale: f32, pos: u32) -> LaneRow {
+    var r = row;
+#if QK_NORM
+#if QK_NORM_WHOLE
+    let scale = whole_scale;
+#else
+    var ss = 0.0;
+    for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+        ss += dot(r.v[j], r.v[j]);
+    }
+    let scale = inverseSqrt(slot_sum(ss) / f32(p.head_dim) + p.eps);
+#endif
+    for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+        let w = w0 + select(0u, lane * PER_QUAD, in_row) + 4u * j;
+        var wv: vec4<f32>;
+        if (is_k) {
+            wv = vec4<f32>(k_norm[w], k_norm[w + 1u], k_norm[w + 2u], k_norm[w + 3u]);
+        } else {
+            wv = vec4<f32>(q_norm[w], q_norm[w + 1u], q_norm[w + 2u], q_norm[w + 3u]);
+        }
+        r.v[j] = select(vec4<f32>(0.0), wv * (r.v[j] * scale), in_row);
+    }
+#endif
+    // Element e pairs with e + half (e < half) or e - half (half <= e <
+    // 2 half), held by the lane half / PER_QUAD away.
+    let half = p.half_rot;
+    let e0 = lane * PER_QUAD;
+    let low = e0 < half;
+    let rotates = in_row && e0 < 2u * half;
+    let delta = half / PER_QUAD;
+    let src = select(sg_lane, select(sg_lane - delta, sg_lane + delta, low), rotates);
+    let i0 = select(0u, select(e0 - half, e0, low), rotates);
+    let table = pos * 2u * half;
+    var out: LaneRow;
+    for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+        let other = subgroupShuffle(r.v[j], src);
+        let c = table + i0 + 4u * j;
+        let cos = vec4<f32>(cos_sin[c], cos_sin[c + 1u], cos_sin[c + 2u], cos_sin[c + 3u]);
+        let sin = vec4<f32>(cos_sin[c + half], cos_sin[c + half + 1u], cos_sin[c + half + 2u], cos_sin[c + half + 3u]);
+        let turned = select(r.v[j] * cos + other * sin, r.v[j] * cos - other * sin, low);
+        out.v[j] = select(r.v[j], turned, rotates);
+    }
+    return out;
+}
+
+// A lane's row as the cache holds it (f16 pairs, or f32 words).
+fn cache_quad_of(r: LaneRow) -> vec4<u32> {
+#if KV_F16
+    return vec4<u32>(pack_f16(r.v[0].xy), pack_f16(r.v[0].zw), pack_f16(r.v[1].xy), pack_f16(r.v[1].zw));
+#else
+    return bitcast<vec4<u32>>(r.v[0]);
+#endif
+}
 
 // Vec4 j of a cache quad's values.
 fn quad_vec4(w: vec4<u32>, j: u32) -> vec4<f32> {
@@ -631,6 +728,7 @@ fn attend_lanes(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) l: u32,
     @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) sg_lane: u32,
 ) {
     let g = wid.x;
     let r0 = wid.y * BLOCK_ROWS;
@@ -647,51 +745,75 @@ fn attend_lanes(
     let lo = start + min(split * chunk, n_keys);
     let hi = start + min((split + 1u) * chunk, n_keys);
 
-    // Every row block of the split that holds the new position stores its
-    // k and v (the same values), so none reads them before they are there.
-    let stores = lo <= pos && pos < hi;
-    load_rows(0u, g, group, stores, 0u, l);
-    if (stores) {
-        let k_row = group * hd;
-        for (var i = l; i < hd / 2u; i += WG) {
-            kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(q_sh[k_row + 2u * i], q_sh[k_row + 2u * i + 1u]));
-            let v = (p.n_q_heads + p.n_kv_heads + g) * hd + 2u * i;
-            kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(qkv[v], qkv[v + 1u]));
-        }
-        storageBarrier();
-    }
-
     let lane = l % LANES;
     let slot = l / LANES;
     let slots = WG / LANES;
-    let per_quad = 4u * VEC4_PER_QUAD;
-    let in_row = lane * per_quad < hd;
+    let in_row = lane * PER_QUAD < hd;
 
-    // The block's query rows, scaled, in registers (rows past the block
-    // repeat its last row and are never written out).
+    // Whole-projection norms: the workgroup sums the token's q and k.
+    var q_scale = 1.0;
+    var k_scale = 1.0;
+#if QK_NORM_WHOLE
+    var q_ss = 0.0;
+    var k_ss = 0.0;
+    for (var i = l; i < p.n_q_heads * hd; i += WG) {
+        q_ss += qkv[i] * qkv[i];
+    }
+    for (var i = l; i < p.n_kv_heads * hd; i += WG) {
+        let v = qkv[p.n_q_heads * hd + i];
+        k_ss += v * v;
+    }
+    q_scale = inverseSqrt(workgroup_sum(q_ss, l) / f32(p.n_q_heads * hd) + p.eps);
+    k_scale = inverseSqrt(workgroup_sum(k_ss, l) / f32(p.n_kv_heads * hd) + p.eps);
+#endif
+
+    // The block's query rows, normalised, rotated and scaled, in registers.
     var q: array<vec4<f32>, LANE_VEC4S>;
-    for (var r = 0u; r < BLOCK_ROWS; r++) {
-        let row = min(r0 + r, group - 1u) * hd;
+    for (var r = 0u; r < 4u; r++) {
+        let head = g * group + min(r0 + r, group - 1u);
+#if QK_NORM_WHOLE
+        let w0 = head * hd;
+#else
+        let w0 = 0u;
+#endif
+        let row = prepare_row(lane_row(head * hd, lane, in_row), lane, sg_lane, in_row, false, w0, q_scale, pos);
         for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-            let e = row + lane * per_quad + 4u * j;
-            let values = vec4<f32>(q_sh[e], q_sh[e + 1u], q_sh[e + 2u], q_sh[e + 3u]) * p.scale;
-            q[r * VEC4_PER_QUAD + j] = select(vec4<f32>(0.0), values, in_row);
+            q[r * VEC4_PER_QUAD + j] = row.v[j] * p.scale;
         }
     }
 
-    var m: array<f32, MAX_BLOCK_ROWS>;
-    var sum: array<f32, MAX_BLOCK_ROWS>;
-    var acc: array<vec4<f32>, LANE_VEC4S>;
-    for (var r = 0u; r < BLOCK_ROWS; r++) {
-        m[r] = NEG_BIG;
-        sum[r] = 0.0;
-    }
-    for (var j = 0u; j < BLOCK_ROWS * VEC4_PER_QUAD; j++) {
-        acc[j] = vec4<f32>(0.0);
+    // The new key and value, as the cache holds them, where this split
+    // meets the new position.
+    let stores = lo <= pos && pos < hi;
+    var k_own = vec4<u32>(0u);
+    var v_own = vec4<u32>(0u);
+    if (stores) {
+#if QK_NORM_WHOLE
+        let w0 = g * hd;
+#else
+        let w0 = 0u;
+#endif
+        let k_base = (p.n_q_heads + g) * hd;
+        k_own = cache_quad_of(prepare_row(lane_row(k_base, lane, in_row), lane, sg_lane, in_row, true, w0, k_scale, pos));
+        v_own = cache_quad_of(lane_row(k_base + p.n_kv_heads * hd, lane, in_row));
     }
 
-    let row_quads = p.n_kv_heads * hd / per_quad;
-    let head_quad = g * (hd / per_quad) + select(0u, lane, in_row);
+    let row_quads = p.n_kv_heads * hd / PER_QUAD;
+    let head_quad = g * (hd / PER_QUAD) + select(0u, lane, in_row);
+    if (stores && wid.y == 0u && slot == 0u && in_row) {
+        k_cache[pos * row_quads + head_quad] = k_own;
+        v_cache[pos * row_quads + head_quad] = v_own;
+    }
+
+    // Per row: the running max, the sum of weights, and this lane's
+    // share of the weighted values.
+    var m = vec4<f32>(NEG_BIG);
+    var sum = vec4<f32>(0.0);
+    var acc: array<vec4<f32>, LANE_VEC4S>;
+    for (var a = 0u; a < LANE_VEC4S; a++) {
+        acc[a] = vec4<f32>(0.0);
+    }
+
     let passes = (hi - lo + slots - 1u) / slots;
     // The key of the next pass, loaded while the current one is used.
     let first = min(lo + slot, hi - 1u) * row_quads + head_quad;
@@ -699,102 +821,113 @@ fn attend_lanes(
     var v_next = v_cache[first];
     for (var it = 0u; it < passes; it++) {
         let key = lo + it * slots + slot;
-        let k_quad = k_next;
-        let v_quad_loaded = v_next;
+        // The new position's k and v are this workgroup's own.
+        let own = key == pos;
+        let k_quad = select(k_next, k_own, own);
+        let v_quad = select(vec4<u32>(0u), select(v_next, v_own, own), in_row);
         let next = min(key + slots, hi - 1u) * row_quads + head_quad;
         k_next = k_cache[next];
         v_next = v_cache[next];
-        let v_quad = select(vec4<u32>(0u), v_quad_loaded, in_row);
         let valid = key < hi;
-        for (var r = 0u; r < BLOCK_ROWS; r++) {
-            var s = 0.0;
-            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-                s += dot(q[r * VEC4_PER_QUAD + j], quad_vec4(k_quad, j));
-            }
-            for (var o = LANES / 2u; o > 0u; o >>= 1u) {
-                s += subgroupShuffleXor(s, o);
-            }
-            // One exp: the new key either raises the row's max (the old
-            // terms rescale) or not (the key's weight is below one).
-            let e = exp(-abs(s - m[r]));
-            let raises = s > m[r];
-            let rescale = select(select(1.0, e, raises), 1.0, !valid);
-            let weight = select(select(e, 1.0, raises), 0.0, !valid);
-            m[r] = select(m[r], max(m[r], s), valid);
-            sum[r] = sum[r] * rescale + weight;
-            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-                let a = r * VEC4_PER_QUAD + j;
-                acc[a] = acc[a] * rescale + weight * quad_vec4(v_quad, j);
-            }
+        // Element a of q (and acc) is row a / VEC4_PER_QUAD's.
+        var s = vec4<f32>(0.0);
+        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+            let k = quad_vec4(k_quad, j);
+            s += vec4<f32>(dot(q[j], k), dot(q[j + VEC4_PER_QUAD], k),
+                dot(q[j + 2u * VEC4_PER_QUAD], k), dot(q[j + 3u * VEC4_PER_QUAD], k));
+        }
+        for (var o = LANES / 2u; o > 0u; o >>= 1u) {
+            s += subgroupShuffleXor(s, o);
+        }
+        // One exp: the new key either raises a row's max (the old terms
+        // rescale) or not (the key's weight is below one).
+        let e = exp(-abs(s - m));
+        let raises = s > m;
+        let rescale = select(select(vec4<f32>(1.0), e, raises), vec4<f32>(1.0), !valid);
+        let weight = select(select(e, vec4<f32>(1.0), raises), vec4<f32>(0.0), !valid);
+        m = select(m, max(m, s), valid);
+        sum = sum * rescale + weight;
+        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+            let v = quad_vec4(v_quad, j);
+            acc[j] = acc[j] * rescale.x + weight.x * v;
+            acc[j + VEC4_PER_QUAD] = acc[j + VEC4_PER_QUAD] * rescale.y + weight.y * v;
+            acc[j + 2u * VEC4_PER_QUAD] = acc[j + 2u * VEC4_PER_QUAD] * rescale.z + weight.z * v;
+            acc[j + 3u * VEC4_PER_QUAD] = acc[j + 3u * VEC4_PER_QUAD] * rescale.w + weight.w * v;
         }
     }
 
     // The slots of a subgroup merge by shuffles ...
     for (var mask = LANES; mask < sg_size; mask <<= 1u) {
-        for (var r = 0u; r < BLOCK_ROWS; r++) {
-            let m_other = subgroupShuffleXor(m[r], mask);
-            let sum_other = subgroupShuffleXor(sum[r], mask);
-            let m_new = max(m[r], m_other);
-            let w_self = exp(m[r] - m_new);
-            let w_other = exp(m_other - m_new);
-            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-                let a = r * VEC4_PER_QUAD + j;
-                acc[a] = acc[a] * w_self + subgroupShuffleXor(acc[a], mask) * w_other;
-            }
-            m[r] = m_new;
-            sum[r] = sum[r] * w_self + sum_other * w_other;
+        let m_other = subgroupShuffleXor(m, mask);
+        let sum_other = subgroupShuffleXor(sum, mask);
+        let m_new = max(m, m_other);
+        let w_self = exp(m - m_new);
+        let w_other = exp(m_other - m_new);
+        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+            acc[j] = acc[j] * w_self.x + subgroupShuffleXor(acc[j], mask) * w_other.x;
+            let b = j + VEC4_PER_QUAD;
+            acc[b] = acc[b] * w_self.y + subgroupShuffleXor(acc[b], mask) * w_other.y;
+            let c = j + 2u * VEC4_PER_QUAD;
+            acc[c] = acc[c] * w_self.z + subgroupShuffleXor(acc[c], mask) * w_other.z;
+            let d = j + 3u * VEC4_PER_QUAD;
+            acc[d] = acc[d] * w_self.w + subgroupShuffleXor(acc[d], mask) * w_other.w;
         }
+        m = m_new;
+        sum = sum * w_self + sum_other * w_other;
     }
-    // ... then the subgroups one at a time into q_sh (free once q is in
-    // registers), [row, hd]; the first slot of each subgroup writes.
+    // ... the first slot of each subgroup leaves their partials ...
     let subgroup = l / sg_size;
-    let writes = l % sg_size < LANES && in_row;
-    for (var sg = 0u; sg < WG / sg_size; sg++) {
-        workgroupBarrier();
-        if (subgroup == sg && writes) {
-            let src = (sg % 2u) * MAX_BLOCK_ROWS;
-            let dst = MAX_BLOCK_ROWS - src;
-            for (var r = 0u; r < BLOCK_ROWS; r++) {
-                var w_old = 0.0;
-                var w_self = 1.0;
-                var ml = vec2<f32>(m[r], sum[r]);
-                if (sg > 0u) {
-                    let prev = merged_ml[src + r];
-                    let m_new = max(prev.x, m[r]);
-                    w_old = exp(prev.x - m_new);
-                    w_self = exp(m[r] - m_new);
-                    ml = vec2<f32>(m_new, prev.y * w_old + sum[r] * w_self);
-                }
-                for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-                    let e = r * hd + lane * per_quad + 4u * j;
-                    let a = acc[r * VEC4_PER_QUAD + j] * w_self;
-                    for (var i = 0u; i < 4u; i++) {
-                        q_sh[e + i] = select(a[i], q_sh[e + i] * w_old + a[i], sg > 0u);
-                    }
-                }
-                if (lane == 0u) {
-                    merged_ml[dst + r] = ml;
-                }
+    if (l % sg_size < LANES && in_row) {
+        // Bounded by a constant, so that acc is indexed by constants once
+        // unrolled (an index the compiler cannot resolve moves the whole
+        // array out of registers: 2-4x the time at every depth).
+        for (var r = 0u; r < 4u; r++) {
+            if (r >= rows) {
+                break;
+            }
+            let at = subgroup * BLOCK_ROWS + r;
+            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                let v = acc[r * VEC4_PER_QUAD + j];
+                let e = at * hd + lane * PER_QUAD + 4u * j;
+                merge_acc[e] = v.x;
+                merge_acc[e + 1u] = v.y;
+                merge_acc[e + 2u] = v.z;
+                merge_acc[e + 3u] = v.w;
+            }
+            if (lane == 0u) {
+                merge_ml[at] = vec2<f32>(m[r], sum[r]);
             }
         }
     }
     workgroupBarrier();
 
-    let last = ((WG / sg_size) % 2u) * MAX_BLOCK_ROWS;
+    // ... and every invocation merges the subgroups' for a share of the outputs.
+    let subgroups = WG / sg_size;
     for (var o = l; o < rows * hd; o += WG) {
         let r = o / hd;
         let d = o % hd;
+        var m_all = NEG_BIG;
+        for (var sg = 0u; sg < subgroups; sg++) {
+            m_all = max(m_all, merge_ml[sg * BLOCK_ROWS + r].x);
+        }
+        var total = 0.0;
+        var sum_all = 0.0;
+        for (var sg = 0u; sg < subgroups; sg++) {
+            let at = sg * BLOCK_ROWS + r;
+            let w = exp(merge_ml[at].x - m_all);
+            total += merge_acc[at * hd + d] * w;
+            sum_all += merge_ml[at].y * w;
+        }
         let qh = g * group + r0 + r;
-        let ml = merged_ml[last + r];
         if (splits > 1u) {
             let slot_index = qh * splits + split;
-            part_acc[slot_index * hd + d] = q_sh[o];
+            part_acc[slot_index * hd + d] = total;
             if (d == 0u) {
-                part_ml[2u * slot_index] = ml.x;
-                part_ml[2u * slot_index + 1u] = ml.y;
+                part_ml[2u * slot_index] = m_all;
+                part_ml[2u * slot_index + 1u] = sum_all;
             }
         } else {
-            out[qh * hd + d] = q_sh[o] / ml.y;
+            out[qh * hd + d] = total / sum_all;
         }
     }
 }

@@ -13,6 +13,8 @@
 //     SLOTS  grid y = t * top_k + j: the rows of expert ids[t, j];
 //            output row (t * top_k + j)
 //     SUM    (with ADD) y[t, o] += sum_j route_weights[t, j] * W_{ids[t, j]}[o] . x[t * top_k + j]
+//            (INT8_DOTS: as one long row, each x[t * top_k + j] staged times
+//            its weight)
 //     An id of EXPERT_ELSEWHERE (expert streaming: not on the GPU in this
 //     pass) skips its slot, and a token all of whose slots it marks is
 //     left as it is: another pass computes it.
@@ -136,11 +138,15 @@ const STEPS: f32 = 63.0 * 65536.0;
 // Quad q of the chunk at c0 of the vector whose first quad is xq, times
 // norm_w with NORM.
 fn chunk_quad(xq: u32, c0: u32, q: u32) -> vec4<f32> {
+    var v = x[xq + c0 / 4u + q];
 #if NORM
-    return x[xq + c0 / 4u + q] * norm_w[c0 / 4u + q];
-#else
-    return x[xq + c0 / 4u + q];
+    v *= norm_w[c0 / 4u + q];
 #endif
+#if SUM
+    // The slot's route weight: the sum over slots is one long row.
+    v *= route_weights[(4u * xq + c0 + 4u * q) / p.cols];
+#endif
+    return v;
 }
 
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
@@ -192,20 +198,19 @@ fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
     return squares;
 }
 
-// This lane's share of the two rows' dots with chunk c0 .. c0 + n of x.
-fn chunk_dots(row: u32, row_b: u32, lane: u32, c0: u32, n: u32) -> vec2<f32> {
+// This lane's share of the two rows' dots over their units [begin, end),
+// the staged chunk starting at run r0 of the rows (16 elements a run).
+fn chunk_dots(row: u32, row_b: u32, lane: u32, begin: u32, end: u32, r0: u32) -> vec2<f32> {
     var r = vec2<f32>(0.0);
     let words_per_row = row_words(p.cols);
     let wa = row * words_per_row;
     let wb = row_b * words_per_row;
-    let end = (c0 + n) / UNIT_ELEMS;
-    for (var u0 = c0 / UNIT_ELEMS + lane; u0 < end; u0 += THREADS_PER_ROW * UNROLL) {
+    for (var u0 = begin + lane; u0 < end; u0 += THREADS_PER_ROW * UNROLL) {
+      // Units past the end read the last one and are not counted (no
+      // branch: the UNROLL units' loads are all issued together).
       for (var i = 0u; i < UNROLL; i++) {
         let u = u0 + i * THREADS_PER_ROW;
-        if (u >= end) {
-            break;
-        }
-        r += unit_dots(wa, wb, u, c0 / 16u);
+        r += select(vec2<f32>(0.0), unit_dots(wa, wb, min(u, end - 1u), r0), u < end);
       }
     }
     return r;
@@ -256,7 +261,7 @@ fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool
             workgroupBarrier();
         }
         if (any(live)) {
-            let c = chunk_dots(a, b, lane, c0, n);
+            let c = chunk_dots(a, b, lane, c0 / UNIT_ELEMS, (c0 + n) / UNIT_ELEMS, c0 / 16u);
             d.x += c.x;
             d.y += c.y;
         }
@@ -269,6 +274,47 @@ fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool
     }
     return d;
 }
+
+#if SUM
+// SUM: token t's slots as one long row of top_k * cols elements, each
+// slot's x times its route weight, staged chunk by chunk, so that the
+// workgroup stages once for all its slots (a block of 32 never straddles
+// two: cols is a whole number of weight blocks). Each slot's units meet
+// the rows of its expert, where this part holds them.
+fn slots_product(o: u32, t: u32, lane: u32, li: u32) -> vec2<f32> {
+    let long = p.top_k * p.cols;
+    let slot_units = p.cols / UNIT_ELEMS;
+    let first_pair = t * p.top_k;
+    var d = vec2<f32>(0.0);
+    for (var c0 = 0u; c0 < long; c0 += X_CHUNK) {
+        let n = min(X_CHUNK, long - c0);
+        // The previous chunk may still be being read.
+        workgroupBarrier();
+        stage_x(first_pair * p.cols / 4u, c0, n, li);
+        workgroupBarrier();
+        let lo = c0 / UNIT_ELEMS;
+        let hi = (c0 + n) / UNIT_ELEMS;
+        for (var j = lo / slot_units; j < p.top_k && j * slot_units < hi; j++) {
+            let id = ids[first_pair + j];
+            // Wraps to a huge value (not live) when the row is before this part.
+            let row = id * p.expert_rows + o - p.first_row;
+            let live = pair_live(o, row) & vec2<bool>(id != EXPERT_ELSEWHERE);
+            if (any(live)) {
+                let a = select(row + 1u, row, live.x);
+                let b = select(a, row + 1u, live.y);
+                let base = j * slot_units;
+                // The chunk's first run counted from the slot's (wrapping
+                // when the chunk starts before the slot: unit_dots' runs
+                // are the same either way).
+                let r0 = c0 / 16u - j * (p.cols / 16u);
+                let c = chunk_dots(a, b, lane, max(lo, base) - base, min(hi, base + slot_units) - base, r0);
+                d += select(vec2<f32>(0.0), c, live);
+            }
+        }
+    }
+    return d;
+}
+#endif
 #else
 #if UNIT_DOTS
 
@@ -289,12 +335,11 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     let xq = xb / 4u;
     let units = p.cols / UNIT_ELEMS;
     for (var u0 = lane; u0 < units; u0 += THREADS_PER_ROW * UNROLL) {
+      // Units past the end read the last one and are not counted (no
+      // branch: the UNROLL units' loads are all issued together).
       for (var i = 0u; i < UNROLL; i++) {
         let u = u0 + i * THREADS_PER_ROW;
-        if (u >= units) {
-            break;
-        }
-        let d = unit_dots(wa, wb, u, xq);
+        let d = select(vec2<f32>(0.0), unit_dots(wa, wb, min(u, units - 1u), xq), u < units);
         r.x += d.x;
         r.y += d.y;
       }
@@ -317,18 +362,19 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     let xq = xb / 4u;
     // A quad is a word or two of weights: four times as many per load round.
     for (var k0 = lane; k0 < quads; k0 += THREADS_PER_ROW * 4u * UNROLL) {
+      // Quads past the end read the last one and count as zeros (no
+      // branch: the round's loads are all issued together).
       for (var u = 0u; u < 4u * UNROLL; u++) {
-        let k = k0 + u * THREADS_PER_ROW;
-        if (k >= quads) {
-            break;
-        }
+        let k = min(k0 + u * THREADS_PER_ROW, quads - 1u);
         var a = x[xq + k];
+        var d = vec3<f32>(0.0);
 #if NORM
-        r.z += dot(a, a);
+        d.z = dot(a, a);
         a *= norm_w[k];
 #endif
-        r.x += dot(weights4(wa, 4u * k), a);
-        r.y += dot(weights4(wb, 4u * k), a);
+        d.x = dot(weights4(wa, 4u * k), a);
+        d.y = dot(weights4(wb, 4u * k), a);
+        r += select(vec3<f32>(0.0), d, k0 + u * THREADS_PER_ROW < quads);
       }
     }
     return r;
@@ -344,24 +390,25 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
         let wb = row_b * per_row;
         let xv = xb / 4u;
         for (var k0 = lane; k0 < per_row; k0 += THREADS_PER_ROW * UNROLL) {
+          // Loads past the row read its last 8 weights and count as zeros
+          // (no branch: the round's loads are all issued together).
           for (var u = 0u; u < UNROLL; u++) {
-            let k = k0 + u * THREADS_PER_ROW;
-            if (k >= per_row) {
-                break;
-            }
+            let k = min(k0 + u * THREADS_PER_ROW, per_row - 1u);
             var a = x[xv + 2u * k];
             var b = x[xv + 2u * k + 1u];
+            var d = vec3<f32>(0.0);
 #if NORM
-            r.z += dot(a, a) + dot(b, b);
+            d.z = dot(a, a) + dot(b, b);
             a *= norm_w[2u * k];
             b *= norm_w[2u * k + 1u];
 #endif
             let w = weight[wa + k];
-            r.x += dot(bf16x4_lo(w), a) + dot(bf16x4_hi(w), b);
+            d.x = dot(bf16x4_lo(w), a) + dot(bf16x4_hi(w), b);
 #if !ONE_ROW
             let w2 = weight[wb + k];
-            r.y += dot(bf16x4_lo(w2), a) + dot(bf16x4_hi(w2), b);
+            d.y = dot(bf16x4_lo(w2), a) + dot(bf16x4_hi(w2), b);
 #endif
+            r += select(vec3<f32>(0.0), d, k0 + u * THREADS_PER_ROW < per_row);
           }
         }
     } else {
@@ -497,6 +544,12 @@ fn output_block(block: u32, gy: u32, li: u32, staged: bool) {
             continue;
         }
         here = true;
+#if INT8_DOTS
+        // The products are slots_product's (weighted as staged); here a NaN
+        // weight (routing that failed, its expert id out of range) is
+        // made to reach the sum all the same.
+        acc += route_weights[pair] * vec2<f32>(0.0);
+#else
         // Wraps to a huge value (skipped) when the row is before this part.
         let row = ids[pair] * p.expert_rows + o - p.first_row;
         let live = pair_live(o, row);
@@ -505,7 +558,11 @@ fn output_block(block: u32, gy: u32, li: u32, staged: bool) {
         // Outside the test: a NaN weight (routing that failed, its expert
         // id out of range) must reach the sum.
         acc += route_weights[pair] * select(vec2<f32>(0.0), d.xy, live);
+#endif
     }
+#if INT8_DOTS
+    acc += slots_product(o, t, lane, li);
+#endif
     let v = vec2<f32>(reduce_row(acc.x, li, lane), reduce_row(acc.y, li, lane));
     let written = vec2<bool>(o < p.outputs && here, OUTPUTS_PER_GROUP == 2u && o + 1u < p.outputs && here);
 #else

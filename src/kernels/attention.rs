@@ -137,15 +137,22 @@ pub struct LaneLayout {
 }
 
 impl LaneLayout {
-    /// The kernel's MAX_BLOCK_ROWS (the bound of its register arrays).
-    const MAX_BLOCK_ROWS: usize = 8;
+    /// The most rows of a block (the kernel's register arrays hold four:
+    /// on the H200 blocks of eight ran at half the speed at short depths).
+    const MAX_BLOCK_ROWS: usize = 4;
+    /// The kernel's LANE_MERGE_FLOATS: the subgroups' partials, subgroups x
+    /// block rows x head_dim floats.
+    const MERGE_FLOATS: usize = 4096;
+    /// The kernel's merge_ml: subgroups x block rows (max, sum) pairs.
+    const MERGE_ROWS: usize = 256;
 
-    /// The layout for `heads` with a cache in `format`, where the adapter
-    /// has subgroups at least as wide as a row's quads (`None`: the tiled
-    /// `attend` serves). More than one quad per lane would hold a row in
-    /// an indexed register array, which drivers spill (measured 5-10x
-    /// slower on the H200); narrow subgroups take the tiled kernel instead.
-    pub fn choose(gpu: &Gpu, heads: Heads, format: KvFormat) -> Option<LaneLayout> {
+    /// The layout for `heads` with `rotary_dim` and a cache in `format`,
+    /// where the adapter has subgroups at least as wide as a row's quads
+    /// and the rotation pairs whole quads (`None`: the tiled `attend`
+    /// serves). More than one quad per lane would hold a row in an indexed
+    /// register array, which drivers spill (measured 5-10x slower on the
+    /// H200); narrow subgroups take the tiled kernel instead.
+    pub fn choose(gpu: &Gpu, heads: Heads, rotary_dim: usize, format: KvFormat) -> Option<LaneLayout> {
         let subgroup = gpu.caps.subgroup_min_size as usize;
         let widest = gpu.caps.subgroup_max_size as usize;
         let usable =
@@ -155,10 +162,16 @@ impl LaneLayout {
             KvFormat::F32 => 4,
         };
         let lanes = (heads.dim / per_quad).next_power_of_two();
-        if !usable || !heads.dim.is_multiple_of(per_quad) || lanes > subgroup {
+        let whole_quads = heads.dim.is_multiple_of(per_quad) && (rotary_dim / 2).is_multiple_of(per_quad);
+        if !usable || !whole_quads || lanes > subgroup {
             return None;
         }
-        let blocks = heads.group().div_ceil(Self::MAX_BLOCK_ROWS);
+        // Rows per workgroup whose partials the merge holds for every subgroup.
+        let subgroups = WG / subgroup;
+        let most = Self::MAX_BLOCK_ROWS
+            .min(Self::MERGE_FLOATS / (subgroups * heads.dim))
+            .min(Self::MERGE_ROWS / subgroups);
+        let blocks = heads.group().div_ceil(most);
         Some(LaneLayout { lanes, block_rows: heads.group().div_ceil(blocks) })
     }
 
@@ -391,7 +404,7 @@ impl Attention {
     ) -> Result<DecodeAttention> {
         let h = shape.heads;
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, 1));
-        let layout = LaneLayout::choose(gpu, h, shape.kv_format);
+        let layout = LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format);
         let (entry, row_blocks) = match layout {
             Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
             None => (Entry::TokenAttend, 1),

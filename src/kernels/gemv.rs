@@ -287,11 +287,15 @@ impl Gemv {
         }
         let s = self.shape;
         let groups = if int8 { s.int8_rows_per_workgroup } else { s.rows_per_workgroup };
+        // A byte-activation sum over slots walks each slot's few units in
+        // turn: a lane's second unit of a round would mostly lie past the
+        // slot and be read for nothing.
+        let unroll = if int8 && matches!(spec.rows, Rows::Sum { .. }) { 1 } else { s.unroll };
         constants.extend([
             ("ROWS_PER_WG", groups as f64),
             ("THREADS_PER_ROW", s.threads_per_row as f64),
             ("WG", (groups * s.threads_per_row) as f64),
-            ("UNROLL", s.unroll as f64),
+            ("UNROLL", unroll as f64),
         ]);
         let pipeline = super::pipeline(gpu, "gemv", "main", &flags, &constants)?;
         let params = ParamsBuffer::new(gpu, "gemv.params", &params);
