@@ -11,8 +11,10 @@ use std::path::Path;
 use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
-use wgspark::gpu::{Gpu, GpuTensor};
-use wgspark::kernels::gemv::{GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units};
+use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
+use wgspark::kernels::gemv::{
+    EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units,
+};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Embed, Gemm, Gemv};
 
@@ -327,6 +329,79 @@ fn int8_gemv_spans_chunks_of_the_activations() {
             }
         }
     });
+}
+
+/// The byte-activation sum over slots runs them as one long row: experts
+/// that straddle binding parts (each part adds the rows it holds), a slot
+/// whose expert is elsewhere (skipped) and a token all of whose slots are
+/// elsewhere (left as it is), in the adapter's shape and one output per
+/// invocation.
+#[test]
+fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
+    let (experts, expert_rows, cols, top_k, tokens) = (4, 3, 512, 3, 3);
+    let ids: Vec<u32> =
+        vec![2, 0, EXPERT_ELSEWHERE, 3, 1, 2, EXPERT_ELSEWHERE, EXPERT_ELSEWHERE, EXPERT_ELSEWHERE];
+    for backend in common::backends() {
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4K] {
+            // Parts of 5 rows: experts of 3 rows straddle them.
+            let limit = 5 * format.gpu_row_bytes(cols) as u64;
+            let gpu =
+                Gpu::new(&GpuOptions { backend, max_storage_binding: Some(limit), ..Default::default() })
+                    .unwrap();
+            let mut rng = Rng::new(14);
+            let bytes = random_blocks(&mut rng, format, experts * expert_rows, cols);
+            let values = format.dequantize(&bytes, cols);
+            let weight = GpuTensor::alloc_in(&gpu, "w", format, experts * expert_rows, cols, 1).unwrap();
+            assert!(weight.parts.len() > 2, "{} parts", weight.parts.len());
+            weight.write_rows(&gpu, 0, &format.to_gpu_layout(&bytes));
+            let route: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform()).collect();
+            let x = rng.vec(tokens * top_k * cols, 1.0);
+            let residual = rng.vec(tokens * expert_rows, 1.0);
+            let (idb, rwb, xb) = (
+                gpu.storage_buffer_init("ids", &ids),
+                gpu.storage_buffer_init("route", &route),
+                gpu.storage_buffer_init("x", &x),
+            );
+            let want: Vec<f32> = (0..tokens)
+                .flat_map(|t| {
+                    let mut y = residual[t * expert_rows..(t + 1) * expert_rows].to_vec();
+                    for j in (0..top_k).filter(|&j| ids[t * top_k + j] != EXPERT_ELSEWHERE) {
+                        let pair = t * top_k + j;
+                        let e = ids[pair] as usize;
+                        let weighted: Vec<f32> =
+                            x[pair * cols..(pair + 1) * cols].iter().map(|v| v * route[pair]).collect();
+                        let rows = &values[e * expert_rows * cols..(e + 1) * expert_rows * cols];
+                        let p =
+                            reference::gemv(rows, expert_rows, cols, &reference::int8_activations(&weighted));
+                        y.iter_mut().zip(p).for_each(|(y, p)| *y += p);
+                    }
+                    y
+                })
+                .collect();
+            for shape in [GemvShape::for_gpu(&gpu), GemvShape::ONE_PER_INVOCATION] {
+                let yb = gpu.storage_buffer_init("y", &residual);
+                let spec = GemvSpec {
+                    output: Output::Add(LayerOutput::default()),
+                    rows: Rows::Sum { ids: &idb, weights: &rwb, top_k, expert_rows },
+                    ..GemvSpec::plain(&weight, &xb, &yb)
+                };
+                let gemv = Gemv::with_shape(&gpu, GemvShape { int8: true, ..shape });
+                run(&gpu, &gemv.plan(&gpu, &spec).unwrap(), tokens as u32);
+                let got = gpu.read_buffer(&yb, want.len()).unwrap();
+                assert_close(
+                    &got,
+                    &want,
+                    1e-5 * ((top_k * cols) as f32).sqrt(),
+                    &format!("{format} {shape:?}"),
+                );
+                assert_eq!(
+                    got[2 * expert_rows..],
+                    residual[2 * expert_rows..],
+                    "a token whose experts are all elsewhere"
+                );
+            }
+        }
+    }
 }
 
 /// A NaN or an infinity in the activations must reach the byte-activation

@@ -353,6 +353,17 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     return r;
 }
 #else
+#if W_F32
+// A quad of f32 weights is one load: rows are whole quads (the host
+// requires widths of whole quads outside bf16).
+fn quad_weights(row: u32, e: u32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(weight[(row + e) / 4u]);
+}
+#else
+fn quad_weights(row: u32, e: u32) -> vec4<f32> {
+    return weights4(row, e);
+}
+#endif
 fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
     let quads = p.cols / 4u;
@@ -372,8 +383,8 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
         d.z = dot(a, a);
         a *= norm_w[k];
 #endif
-        d.x = dot(weights4(wa, 4u * k), a);
-        d.y = dot(weights4(wb, 4u * k), a);
+        d.x = dot(quad_weights(wa, 4u * k), a);
+        d.y = dot(quad_weights(wb, 4u * k), a);
         r += select(vec3<f32>(0.0), d, k0 + u * THREADS_PER_ROW < quads);
       }
     }
