@@ -623,7 +623,7 @@ const PER_QUAD: u32 = 4u * VEC4_PER_QUAD;
 const LANE_VEC4S: u32 = 4u * VEC4_PER_QUAD;
 
 // Each subgroup's partials after its slots merged: per (subgroup, row),
-// the row's sums (kernels::attention::LANE_MERGE_FLOATS bounds subgroups x
+// the row's sums (LaneLayout::MERGE_FLOATS in kernels/attention.rs bounds subgroups x
 // BLOCK_ROWS x head_dim) and its (max, sum).
 const LANE_MERGE_FLOATS: u32 = 4096u;
 var<workgroup> merge_acc: array<f32, LANE_MERGE_FLOATS>;
