@@ -305,11 +305,8 @@ fn int8_gemv_spans_chunks_of_the_activations() {
                     ..GemvSpec::plain(&weight, &slots_xb, &yb)
                 };
                 run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
-                // Each slot's input is staged times its route weight.
                 let expert = |e: usize, x: &[f32], weight: f32| {
-                    let rows_e = &values[e * expert_rows * cols..(e + 1) * expert_rows * cols];
-                    let weighted: Vec<f32> = x.iter().map(|v| v * weight).collect();
-                    reference::gemv(rows_e, expert_rows, cols, &reference::int8_activations(&weighted))
+                    int8_expert_product(&values, e, expert_rows, cols, x, weight)
                 };
                 let want: Vec<f32> = (0..tokens)
                     .flat_map(|t| {
@@ -329,6 +326,22 @@ fn int8_gemv_spans_chunks_of_the_activations() {
             }
         }
     });
+}
+
+/// Expert `e`'s rows (of a stack of `expert_rows`-row experts in `values`)
+/// times a slot's input as the byte-activation expert sum stages it: times
+/// the slot's route weight, then quantized.
+fn int8_expert_product(
+    values: &[f32],
+    e: usize,
+    expert_rows: usize,
+    cols: usize,
+    x: &[f32],
+    weight: f32,
+) -> Vec<f32> {
+    let rows = &values[e * expert_rows * cols..(e + 1) * expert_rows * cols];
+    let weighted: Vec<f32> = x.iter().map(|v| v * weight).collect();
+    reference::gemv(rows, expert_rows, cols, &reference::int8_activations(&weighted))
 }
 
 /// The byte-activation sum over slots runs them as one long row: experts
@@ -367,12 +380,15 @@ fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
                     let mut y = residual[t * expert_rows..(t + 1) * expert_rows].to_vec();
                     for j in (0..top_k).filter(|&j| ids[t * top_k + j] != EXPERT_ELSEWHERE) {
                         let pair = t * top_k + j;
-                        let e = ids[pair] as usize;
-                        let weighted: Vec<f32> =
-                            x[pair * cols..(pair + 1) * cols].iter().map(|v| v * route[pair]).collect();
-                        let rows = &values[e * expert_rows * cols..(e + 1) * expert_rows * cols];
-                        let p =
-                            reference::gemv(rows, expert_rows, cols, &reference::int8_activations(&weighted));
+                        let slot_x = &x[pair * cols..(pair + 1) * cols];
+                        let p = int8_expert_product(
+                            &values,
+                            ids[pair] as usize,
+                            expert_rows,
+                            cols,
+                            slot_x,
+                            route[pair],
+                        );
                         y.iter_mut().zip(p).for_each(|(y, p)| *y += p);
                     }
                     y

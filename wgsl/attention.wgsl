@@ -156,12 +156,6 @@ fn kv_load2(values: bool, e: u32) -> vec2<f32> {
 #endif
 }
 
-// Element e of the K cache (V with `values`).
-fn kv_load(values: bool, e: u32) -> f32 {
-    let pair = kv_load2(values, e & ~1u);
-    return select(pair.x, pair.y, (e & 1u) == 1u);
-}
-
 fn cache_store(values: bool, w: u32, word: u32) {
     if (values) {
         v_cache[w >> 2u][w & 3u] = word;

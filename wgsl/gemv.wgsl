@@ -248,8 +248,7 @@ var<workgroup> staged_squares: f32;
 // for its previous block: a single chunk is still in place and is not
 // staged again. Every invocation calls it.
 fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool) -> vec3<f32> {
-    let a = select(row + 1u, row, live.x);
-    let b = select(a, row + 1u, live.y);
+    let rows = live_rows(live, row);
     let reuse = staged && p.cols <= X_CHUNK;
     var d = vec3<f32>(0.0);
     for (var c0 = 0u; c0 < p.cols; c0 += X_CHUNK) {
@@ -261,7 +260,7 @@ fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool
             workgroupBarrier();
         }
         if (any(live)) {
-            let c = chunk_dots(a, b, lane, c0 / UNIT_ELEMS, (c0 + n) / UNIT_ELEMS, c0 / 16u);
+            let c = chunk_dots(rows.x, rows.y, lane, c0 / UNIT_ELEMS, (c0 + n) / UNIT_ELEMS, c0 / 16u);
             d.x += c.x;
             d.y += c.y;
         }
@@ -300,14 +299,13 @@ fn slots_product(o: u32, t: u32, lane: u32, li: u32) -> vec2<f32> {
             let row = id * p.expert_rows + o - p.first_row;
             let live = pair_live(o, row) & vec2<bool>(id != EXPERT_ELSEWHERE);
             if (any(live)) {
-                let a = select(row + 1u, row, live.x);
-                let b = select(a, row + 1u, live.y);
+                let rows = live_rows(live, row);
                 let base = j * slot_units;
                 // The chunk's first run counted from the slot's (wrapping
                 // when the chunk starts before the slot: unit_dots' runs
                 // are the same either way).
                 let r0 = c0 / 16u - j * (p.cols / 16u);
-                let c = chunk_dots(a, b, lane, max(lo, base) - base, min(hi, base + slot_units) - base, r0);
+                let c = chunk_dots(rows.x, rows.y, lane, max(lo, base) - base, min(hi, base + slot_units) - base, r0);
                 d += select(vec2<f32>(0.0), c, live);
             }
         }
@@ -353,17 +351,6 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     return r;
 }
 #else
-#if W_F32
-// A quad of f32 weights is one load: rows are whole quads (the host
-// requires widths of whole quads outside bf16).
-fn quad_weights(row: u32, e: u32) -> vec4<f32> {
-    return bitcast<vec4<f32>>(weight[(row + e) / 4u]);
-}
-#else
-fn quad_weights(row: u32, e: u32) -> vec4<f32> {
-    return weights4(row, e);
-}
-#endif
 fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
     var r = vec3<f32>(0.0);
     let quads = p.cols / 4u;
@@ -383,8 +370,8 @@ fn lane_dots(row: u32, row_b: u32, xb: u32, lane: u32) -> vec3<f32> {
         d.z = dot(a, a);
         a *= norm_w[k];
 #endif
-        d.x = dot(quad_weights(wa, 4u * k), a);
-        d.y = dot(quad_weights(wb, 4u * k), a);
+        d.x = dot(weights4(wa, 4u * k), a);
+        d.y = dot(weights4(wb, 4u * k), a);
         r += select(vec3<f32>(0.0), d, k0 + u * THREADS_PER_ROW < quads);
       }
     }
@@ -487,6 +474,13 @@ const OUTPUTS_PER_GROUP: u32 = 2u;
 #endif
 #endif
 
+// The rows a group reads for rows row and row + 1 where live says so (a
+// dead row reads the other's, and its dot is not used).
+fn live_rows(live: vec2<bool>, row: u32) -> vec2<u32> {
+    let a = select(row + 1u, row, live.x);
+    return vec2<u32>(a, select(a, row + 1u, live.y));
+}
+
 // Whether outputs o and o + 1, rows row and row + 1 of this part, are
 // this group's to compute (row wraps past p.rows when it precedes the part).
 fn pair_live(o: u32, row: u32) -> vec2<bool> {
@@ -498,8 +492,8 @@ fn pair_live(o: u32, row: u32) -> vec2<bool> {
 // lane_dots of rows row (.x) and row + 1 (.y) where live says so (a dead
 // row's dot is a copy of the other's).
 fn pair_dots(live: vec2<bool>, row: u32, xb: u32, lane: u32) -> vec3<f32> {
-    let a = select(row + 1u, row, live.x);
-    return lane_dots(a, select(a, row + 1u, live.y), xb, lane);
+    let rows = live_rows(live, row);
+    return lane_dots(rows.x, rows.y, xb, lane);
 }
 
 // pair_dots where a row is live (nothing is staged: `staged` is the
