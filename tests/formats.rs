@@ -146,7 +146,10 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
             GemvShape { int8: false, ..gpu_shape },
             GemvShape { units: false, int8: false, ..gpu_shape },
             GemvShape { int8: true, ..gpu_shape },
-        ] {
+        ]
+        .into_iter()
+        .chain(GemvShape::on_subgroups(gpu))
+        {
             let gemv = Gemv::with_shape(gpu, shape);
             for c in cases() {
                 let (rows, cols, tokens) = (c.rows, c.cols, 2);
@@ -242,7 +245,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
             GemvShape::ONE_PER_INVOCATION,
             int8_in_turns(GemvShape::ONE_PER_INVOCATION),
         ];
-        for shape in shapes {
+        for shape in shapes.into_iter().chain(GemvShape::on_subgroups(gpu)) {
             let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
             for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
                 let what = format!("{format} {shape:?}");
@@ -394,7 +397,8 @@ fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
                     y
                 })
                 .collect();
-            for shape in [GemvShape::for_gpu(&gpu), GemvShape::ONE_PER_INVOCATION] {
+            let shapes = [GemvShape::for_gpu(&gpu), GemvShape::ONE_PER_INVOCATION];
+            for shape in shapes.into_iter().chain(GemvShape::on_subgroups(&gpu)) {
                 let yb = gpu.storage_buffer_init("y", &residual);
                 let spec = GemvSpec {
                     output: Output::Add(LayerOutput::default()),
@@ -427,8 +431,12 @@ fn int8_gemv_keeps_activations_that_are_not_numbers_visible() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(13);
         let (rows, cols) = (4, 512);
-        let gemv = Gemv::new(gpu);
-        for format in [WeightFormat::Q8_0, WeightFormat::Q4K] {
+        let shapes = [GemvShape { int8: true, ..GemvShape::for_gpu(gpu) }];
+        let shapes: Vec<GemvShape> = shapes.into_iter().chain(GemvShape::on_subgroups(gpu)).collect();
+        for (shape, format) in
+            shapes.iter().flat_map(|s| [WeightFormat::Q8_0, WeightFormat::Q4K].map(|f| (*s, f)))
+        {
+            let gemv = Gemv::with_shape(gpu, shape);
             let bytes = random_blocks(&mut rng, format, rows, cols);
             let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
             weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
@@ -440,8 +448,9 @@ fn int8_gemv_keeps_activations_that_are_not_numbers_visible() {
                 let yb = gpu.storage_buffer("y", 2 * rows).unwrap();
                 run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), 2);
                 let y: Vec<f32> = gpu.read_buffer(&yb, 2 * rows).unwrap();
-                assert!(y[..rows].iter().all(|v| v.is_finite()), "{format} {bad}: clean token {y:?}");
-                assert!(y[rows..].iter().all(|v| !v.is_finite()), "{format} {bad}: bad token {y:?}");
+                let what = format!("{format} {bad} {shape:?}");
+                assert!(y[..rows].iter().all(|v| v.is_finite()), "{what}: clean token {y:?}");
+                assert!(y[rows..].iter().all(|v| !v.is_finite()), "{what}: bad token {y:?}");
             }
         }
     });

@@ -43,9 +43,9 @@ fn check_gemv(gpu: &Gpu, gemv: &Gemv, rng: &mut Rng, rows: usize, cols: usize, t
 const GEMV_SIZES: &[(usize, usize, usize)] = &[(1, 2, 1), (37, 100, 1), (130, 258, 3), (65, 1030, 2)];
 
 /// The GEMV shapes every fused test runs: one output per invocation, a
-/// workgroup reduction, and the adapter's own.
+/// workgroup reduction, the adapter's own, and one on its subgroups.
 fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
-    vec![
+    let mut shapes = vec![
         GemvShape { int8: false, ..GemvShape::ONE_PER_INVOCATION },
         GemvShape {
             rows_per_workgroup: 4,
@@ -55,9 +55,12 @@ fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
             int8: true,
             int8_rows_per_workgroup: 4,
             int8_workgroups: 2,
+            spread_below: 0,
         },
         GemvShape::for_gpu(gpu),
-    ]
+    ];
+    shapes.extend(GemvShape::on_subgroups(gpu));
+    shapes
 }
 
 #[test]

@@ -16,6 +16,10 @@ fn weight_word(i: u32) -> u32 {
     return table[i];
 }
 
+fn weight_quad(q: u32) -> vec4<u32> {
+    return vec4<u32>(table[4u * q], table[4u * q + 1u], table[4u * q + 2u], table[4u * q + 3u]);
+}
+
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t = gid.y;

@@ -49,6 +49,10 @@ fn weight_word(i: u32) -> u32 {
     return weight[i];
 }
 
+fn weight_quad(q: u32) -> vec4<u32> {
+    return vec4<u32>(weight[4u * q], weight[4u * q + 1u], weight[4u * q + 2u], weight[4u * q + 3u]);
+}
+
 @compute @workgroup_size(256)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,

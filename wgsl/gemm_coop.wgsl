@@ -90,6 +90,14 @@ fn weight_word(i: u32) -> u32 {
 #endif
 }
 
+fn weight_quad(q: u32) -> vec4<u32> {
+#if WEIGHT_FORMAT
+    return vec4<u32>(weight[4u * q], weight[4u * q + 1u], weight[4u * q + 2u], weight[4u * q + 3u]);
+#else
+    return weight[q];
+#endif
+}
+
 // Where this invocation's staged values come from, fixed for the whole k
 // loop: round r stages tile row 64 r + li / 4 (tokens for X, weight rows
 // for W) at k 8 (li % 4) of the step.

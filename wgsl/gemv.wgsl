@@ -69,13 +69,14 @@ fn weight_word(i: u32) -> u32 {
     return weight[i >> 2u][i & 3u];
 }
 
+fn weight_quad(q: u32) -> vec4<u32> {
+    return weight[q];
+}
+
 // This lane's share of W[row] . x[xb ..] in .x and of W[row_b] . x in .y
 // (each load of x serves both rows), x multiplied by norm_w with NORM, and
 // of x . x in .z.
 #if WEIGHT_FORMAT
-fn weight_quad(q: u32) -> vec4<u32> {
-    return weight[q];
-}
 
 #if INT8_DOTS
 // x, a chunk of X_CHUNK elements at a time, staged by the whole workgroup:
@@ -95,19 +96,38 @@ var<workgroup> x_low: array<vec4<u32>, 256>;
 var<workgroup> x_scale: array<f32, 128>;
 var<workgroup> x_sums: array<f32, 256>;
 
-fn x_run16(q: vec4<u32>, r: u32) -> f32 {
+// The 16 signed bytes of q dotted with each byte of run r: (h, m, l).
+fn digit_dots(q: vec4<u32>, r: u32) -> vec3<i32> {
     let h = x_high[r];
     let m = x_mid[r];
     let l = x_low[r];
-    let high = dot4I8Packed(q.x, h.x) + dot4I8Packed(q.y, h.y) + dot4I8Packed(q.z, h.z) + dot4I8Packed(q.w, h.w);
-    let mid = dot4I8Packed(q.x, m.x) + dot4I8Packed(q.y, m.y) + dot4I8Packed(q.z, m.z) + dot4I8Packed(q.w, m.w);
-    let low = dot4I8Packed(q.x, l.x) + dot4I8Packed(q.y, l.y) + dot4I8Packed(q.z, l.z) + dot4I8Packed(q.w, l.w);
-    // Each at most 16 * 128 * 128 in magnitude: converted from its bits.
-    return x_scale[r / 2u] * fma(small_int_f32(high), 65536.0, fma(small_int_f32(mid), 256.0, small_int_f32(low)));
+    return vec3<i32>(
+        dot4I8Packed(q.x, h.x) + dot4I8Packed(q.y, h.y) + dot4I8Packed(q.z, h.z) + dot4I8Packed(q.w, h.w),
+        dot4I8Packed(q.x, m.x) + dot4I8Packed(q.y, m.y) + dot4I8Packed(q.z, m.z) + dot4I8Packed(q.w, m.w),
+        dot4I8Packed(q.x, l.x) + dot4I8Packed(q.y, l.y) + dot4I8Packed(q.z, l.z) + dot4I8Packed(q.w, l.w),
+    );
+}
+
+// Digit dots within the block of 32 that holds run r, as a value.
+fn block_value(d: vec3<i32>, r: u32) -> f32 {
+    // Each at most 32 * 128 * 128 in magnitude: converted from its bits.
+    return x_scale[r / 2u] * fma(small_int_f32(d.x), 65536.0, fma(small_int_f32(d.y), 256.0, small_int_f32(d.z)));
+}
+
+fn x_run16(q: vec4<u32>, r: u32) -> f32 {
+    return block_value(digit_dots(q, r), r);
+}
+
+fn x_run32(qa: vec4<u32>, qb: vec4<u32>, r: u32) -> f32 {
+    return block_value(digit_dots(qa, r) + digit_dots(qb, r + 1u), r);
 }
 
 fn x_sum16(r: u32) -> f32 {
     return x_sums[r];
+}
+
+fn x_sum32(r: u32) -> f32 {
+    return x_sums[r] + x_sums[r + 1u];
 }
 
 // 1.5 * 2^23: the bits of v + ROUNDER less those of ROUNDER are v rounded

@@ -1,6 +1,7 @@
 // Weight formats, decoded in registers (prepended to the families that
 // read weight matrices; the family defines `weight_word(i)`, word i of the
-// bound weight part). A build with WEIGHT_FORMAT reads one of the formats
+// bound weight part, and `weight_quad(q)`, words 4q .. 4q + 3: rows in
+// these formats are whole quads of words). A build with WEIGHT_FORMAT reads one of the formats
 // below (W_F16, W_F32, W_Q4_0, ... W_Q6_K) through
 //   weights4(row_word, e): elements e .. e + 3 (e % 4 == 0) of the row
 //                          whose first word is row_word,
@@ -69,8 +70,8 @@ fn block_byte(at: u32, b: u32) -> u32 {
 const BLOCK_ELEMS: u32 = 1u;
 const BLOCK_WORDS: u32 = 1u;
 fn weights4(row: u32, e: u32) -> vec4<f32> {
-    let i = row + e;
-    return bitcast<vec4<f32>>(vec4<u32>(weight_word(i), weight_word(i + 1u), weight_word(i + 2u), weight_word(i + 3u)));
+    // One load of the quad (four loads of words measured twice as slow).
+    return bitcast<vec4<f32>>(weight_quad((row + e) / 4u));
 }
 #endif
 
@@ -309,13 +310,14 @@ fn row_words(n: u32) -> u32 {
 // per run of elements that share a scale).
 //
 // INT8_DOTS (instead of UNIT_DOTS): the GEMV's activations are quantized to
-// two signed bytes per element (see gemv.wgsl); the family defines
-// `weight_quad(q)` and
-//   x_run16(q, r): the 16 signed bytes of q dotted with run r of x
-//                  (elements 16 r .. 16 r + 15 of the staged chunk), scaled,
-//   x_sum16(r):    the sum of run r of x,
-// and gets unit_dots(wa, wb, u, r0) over the same units, runs numbered from
-// r0. The quants go to the integer dot units (dot4I8Packed) four at a time
+// three signed bytes per element (see gemv.wgsl); the family defines
+//   x_run16(q, r):      the 16 signed bytes of q dotted with run r of x
+//                       (elements 16 r .. 16 r + 15 of the staged chunk), scaled,
+//   x_run32(qa, qb, r): qa with run r and qb with run r + 1 (r even: one
+//                       block of 32 of x, converted and scaled once),
+//   x_sum16(r), x_sum32(r): the sum of run r (and r + 1) of x,
+// and gets unit_dots(wa, wb, u, r0), runs numbered from r0, over the
+// UNIT_DOTS units (Q4_K, Q5_K, Q6_K) or a block of 32 (Q8_0, Q4_0 .. Q5_1). The quants go to the integer dot units (dot4I8Packed) four at a time
 // as they lie in their bytes, masked into place, never converted to floats
 // one by one: the formats whose quants fit a signed byte have them (Q8_0,
 // Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
@@ -502,12 +504,12 @@ fn high_bits(qh: vec4<u32>, shift: u32, mask: u32) -> vec4<u32> {
 // Each format's int8_unit(w, u, r0): the dot of unit u of the row at word
 // w with the staged chunk whose first run is r0.
 
-// Q8_0: a unit is half a block, 16 quants with the block's scale.
+// Q8_0: a unit is a block, 32 quants with its scale.
 #if W_Q8_0
-const UNIT_ELEMS: u32 = 16u;
+const UNIT_ELEMS: u32 = 32u;
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
-    let b = w + (u / 2u) * 9u;
-    return f16_lo(weight_word(b)) * x_run16(words4(b + 1u + 4u * (u % 2u)), u - r0);
+    let b = w + u * 9u;
+    return f16_lo(weight_word(b)) * x_run32(words4(b + 1u), words4(b + 5u), 2u * u - r0);
 }
 #endif
 
@@ -520,8 +522,7 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 5u;
     let r = 2u * u - r0;
     let q = words4(b + 1u);
-    let t = x_run16(nibbles_lo(q), r) + x_run16(nibbles_hi(q), r + 1u);
-    return f16_lo(weight_word(b)) * (t - 8.0 * (x_sum16(r) + x_sum16(r + 1u)));
+    return f16_lo(weight_word(b)) * (x_run32(nibbles_lo(q), nibbles_hi(q), r) - 8.0 * x_sum32(r));
 }
 #endif
 #if W_Q4_1
@@ -531,8 +532,7 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let r = 2u * u - r0;
     let q = words4(b + 1u);
     let dm = weight_word(b);
-    let t = x_run16(nibbles_lo(q), r) + x_run16(nibbles_hi(q), r + 1u);
-    return f16_lo(dm) * t + f16_hi(dm) * (x_sum16(r) + x_sum16(r + 1u));
+    return f16_lo(dm) * x_run32(nibbles_lo(q), nibbles_hi(q), r) + f16_hi(dm) * x_sum32(r);
 }
 #endif
 // The dots of a Q5 block at word b with runs r and r + 1: its quants with
@@ -547,15 +547,14 @@ fn q5_dots(b: u32, r: u32) -> f32 {
     let nib_hi = (vec4<u32>(qh) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u);
     let spread_hi = (nib_hi & vec4<u32>(1u)) | ((nib_hi & vec4<u32>(2u)) << vec4<u32>(7u))
         | ((nib_hi & vec4<u32>(4u)) << vec4<u32>(14u)) | ((nib_hi & vec4<u32>(8u)) << vec4<u32>(21u));
-    return x_run16(nibbles_lo(q) | (spread << vec4<u32>(4u)), r)
-        + x_run16(nibbles_hi(q) | (spread_hi << vec4<u32>(4u)), r + 1u);
+    return x_run32(nibbles_lo(q) | (spread << vec4<u32>(4u)), nibbles_hi(q) | (spread_hi << vec4<u32>(4u)), r);
 }
 #if W_Q5_0
 const UNIT_ELEMS: u32 = 32u;
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 6u;
     let r = 2u * u - r0;
-    return f16_lo(weight_word(b)) * (q5_dots(b, r) - 16.0 * (x_sum16(r) + x_sum16(r + 1u)));
+    return f16_lo(weight_word(b)) * (q5_dots(b, r) - 16.0 * x_sum32(r));
 }
 #endif
 #if W_Q5_1
@@ -564,7 +563,7 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 6u;
     let r = 2u * u - r0;
     let dm = weight_word(b);
-    return f16_lo(dm) * q5_dots(b, r) + f16_hi(dm) * (x_sum16(r) + x_sum16(r + 1u));
+    return f16_lo(dm) * q5_dots(b, r) + f16_hi(dm) * x_sum32(r);
 }
 #endif
 
