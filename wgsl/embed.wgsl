@@ -17,7 +17,7 @@ fn weight_word(i: u32) -> u32 {
 }
 
 fn weight_quad(q: u32) -> vec4<u32> {
-    return vec4<u32>(table[4u * q], table[4u * q + 1u], table[4u * q + 2u], table[4u * q + 3u]);
+    return words4(4u * q);
 }
 
 @compute @workgroup_size(64)

@@ -50,7 +50,7 @@ fn weight_word(i: u32) -> u32 {
 }
 
 fn weight_quad(q: u32) -> vec4<u32> {
-    return vec4<u32>(weight[4u * q], weight[4u * q + 1u], weight[4u * q + 2u], weight[4u * q + 3u]);
+    return words4(4u * q);
 }
 
 @compute @workgroup_size(256)

@@ -77,7 +77,6 @@ fn weight_quad(q: u32) -> vec4<u32> {
 // (each load of x serves both rows), x multiplied by norm_w with NORM, and
 // of x . x in .z.
 #if WEIGHT_FORMAT
-
 #if INT8_DOTS
 // x, a chunk of X_CHUNK elements at a time, staged by the whole workgroup:
 // each block of 32 elements (times norm_w with NORM) rounded to steps of

@@ -1,8 +1,9 @@
 // Weight formats, decoded in registers (prepended to the families that
 // read weight matrices; the family defines `weight_word(i)`, word i of the
-// bound weight part, and `weight_quad(q)`, words 4q .. 4q + 3: rows in
-// these formats are whole quads of words). A build with WEIGHT_FORMAT reads one of the formats
-// below (W_F16, W_F32, W_Q4_0, ... W_Q6_K) through
+// bound weight part, and `weight_quad(q)`, words 4q .. 4q + 3, in one load
+// where its binding is of quads, else as `words4(4q)`: rows in these
+// formats are whole quads of words). A build with WEIGHT_FORMAT reads one
+// of the formats below (W_F16, W_F32, W_Q4_0, ... W_Q6_K) through
 //   weights4(row_word, e): elements e .. e + 3 (e % 4 == 0) of the row
 //                          whose first word is row_word,
 //   BLOCK_ELEMS, BLOCK_WORDS: a row of n elements is row_words(n) words,
@@ -297,9 +298,8 @@ fn row_words(n: u32) -> u32 {
 #endif
 
 // Dot products by unit, for kernels that stream rows once (the GEMV):
-// with UNIT_DOTS the family also defines `weight_quad(q)` (words 4q ..
-// 4q + 3) and `x4(xq, q)` (elements 4q .. 4q + 3 of the vector whose
-// first quad is xq), and gets
+// with UNIT_DOTS the family also defines `x4(xq, q)` (elements 4q ..
+// 4q + 3 of the vector whose first quad is xq), and gets
 //   unit_dots(wa, wb, u, xq): elements u * UNIT_ELEMS .. of the rows whose
 //                             first words are wa and wb, dotted with x
 //                             (each load of x serves both rows).
@@ -317,7 +317,8 @@ fn row_words(n: u32) -> u32 {
 //                       block of 32 of x, converted and scaled once),
 //   x_sum16(r), x_sum32(r): the sum of run r (and r + 1) of x,
 // and gets unit_dots(wa, wb, u, r0), runs numbered from r0, over the
-// UNIT_DOTS units (Q4_K, Q5_K, Q6_K) or a block of 32 (Q8_0, Q4_0 .. Q5_1). The quants go to the integer dot units (dot4I8Packed) four at a time
+// UNIT_DOTS units (Q4_K, Q5_K, Q6_K) or a block of 32 (Q8_0, Q4_0 .. Q5_1).
+// The quants go to the integer dot units (dot4I8Packed) four at a time
 // as they lie in their bytes, masked into place, never converted to floats
 // one by one: the formats whose quants fit a signed byte have them (Q8_0,
 // Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
