@@ -216,15 +216,21 @@ fn main() {
     } else {
         &[(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 2048)]
     };
-    // The wide f32 tiling, the cooperative kernel unsplit in its chosen
-    // tile and split (the default) in every tile.
+    // The wide f32 tiling, the cooperative kernel split in its chosen tile
+    // and unsplit (the default) in its chosen tile and every tile that fits.
     let kernels: Vec<GemmKernel> = Gemm::kernels(&gpu)
         .into_iter()
         .filter(|k| match k {
             GemmKernel::Alu(tiling) => *tiling == Tiling::Wide,
-            GemmKernel::Cooperative { split, tile } => *split || tile.is_none(),
+            GemmKernel::Cooperative { split, tile } => !split || tile.is_none(),
         })
         .collect();
+    let builds = |format: WeightFormat, kernel: &GemmKernel| match kernel {
+        GemmKernel::Cooperative { split, tile: Some(tile) } => {
+            tile.fits(&wgspark::kernels::gemm_coop::flags(&gpu, format, *split))
+        }
+        _ => true,
+    };
     for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
         for format in [WeightFormat::Bf16, WeightFormat::Q4K] {
             let w = random_tensor(&gpu, format, rows, cols);
@@ -232,7 +238,7 @@ fn main() {
                 let x = gpu.storage_buffer_init("x", &vec![0.01f32; tokens as usize * cols]);
                 let y = gpu.storage_buffer("y", tokens as usize * rows).unwrap();
                 let s = step(&gpu, 0, tokens, 1);
-                for kernel in &kernels {
+                for kernel in kernels.iter().filter(|k| builds(format, k)) {
                     let gemm = Gemm::with_kernel(&gpu, *kernel).unwrap();
                     let d = gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y).unwrap();
                     time(&gpu, &d, None, tokens, 1);
@@ -437,6 +443,7 @@ fn main() {
                     eps: 1e-6,
                 }),
                 kv_format: format,
+                chunk_precision: Default::default(),
             };
             let max_splits = wgspark::kernels::attention::MAX_SPLITS;
             let acc = gpu.storage_buffer("split_acc", heads.q * max_splits * heads.dim).unwrap();

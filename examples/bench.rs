@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, ExpertPrefetch, GenerateOptions, Gpu, GpuOptions, KvFormat,
-    Model, ModelConfig, RoutingMode, Sampling, Session, SessionOptions, Steering,
+    Model, ModelConfig, PrefillPrecision, RoutingMode, Sampling, Session, SessionOptions, Steering,
 };
 
 #[derive(Parser, Debug)]
@@ -53,6 +53,10 @@ struct Args {
     kv_cache: KvFormat,
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// How the cooperative-matrix GEMM rounds a chunk's activations: f16
+    /// or split (two f16 parts).
+    #[arg(long, default_value = "f16")]
+    prefill_precision: PrefillPrecision,
     /// Also measure steering and capture against plain decode.
     #[arg(long)]
     steering: bool,
@@ -268,6 +272,7 @@ fn measure(
             context_len: Some(args.depth + args.prompt.max(args.decode) + 1),
             prefill_chunk: args.prefill_chunk,
             kv_format: args.kv_cache,
+            prefill_precision: args.prefill_precision,
             routing,
             expert_prefetch,
             ..Default::default()
@@ -578,6 +583,8 @@ fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
 /// Qwen3-VL's processor cuts it (16-pixel patches, 2 x 2 merged), best of
 /// `--reps` after a warm-up.
 fn measure_vision_tower(args: &Args, model: &Model) -> Result<(), Box<dyn std::error::Error>> {
+    let gemm = wgspark::ChunkMatmul::Auto.gemm(&model.gpu, args.prefill_precision)?;
+    let gemm = gemm.as_ref();
     let v = model.config.vision.as_ref().expect("a vision tower");
     let processor =
         wgspark::vision::ImageProcessor::parse(QWEN3_VL_PREPROCESSOR, std::path::Path::new("qwen3-vl"))?;
@@ -598,7 +605,7 @@ fn measure_vision_tower(args: &Args, model: &Model) -> Result<(), Box<dyn std::e
     let [_, rows, cols] = patches.grid;
     let encode = || -> Result<Duration, Box<dyn std::error::Error>> {
         let start = Instant::now();
-        let out = wgspark::flow::vision::encode_image(model, &patches, wgspark::ChunkMatmul::Auto)?;
+        let out = wgspark::flow::vision::encode_image(model, &patches, gemm)?;
         model.gpu.wait()?;
         let elapsed = start.elapsed();
         drop(out);

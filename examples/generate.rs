@@ -98,9 +98,14 @@ struct Args {
     /// Print per-phase time and each MoE layer's router histogram.
     #[arg(long)]
     stats: bool,
-    /// Prompt tokens per prefill submission (default 512).
+    /// Prompt tokens per prefill submission (default 2048).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// How prefill on cooperative matrices (tensor cores) rounds the
+    /// activations: f16 (default) or split (two f16 parts, nearly f32's
+    /// precision at twice the matrix work).
+    #[arg(long, default_value = "f16")]
+    prefill_precision: wgspark::PrefillPrecision,
     /// MoE layers keep the router's choice on the GPU (no readback).
     #[arg(long)]
     device_routing: bool,
@@ -267,6 +272,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
         timing: args.stats,
         prefill_chunk: args.prefill_chunk,
+        prefill_precision: args.prefill_precision,
         kv_format: args.kv_cache,
         ..Default::default()
     })?;

@@ -67,6 +67,7 @@ pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, ExpertPrefetch, RoutingMode};
 pub use format::WeightFormat;
 pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions};
+pub use kernels::gemm::PrefillPrecision;
 pub use kv_cache::KvFormat;
 pub use model::{LoadOptions, Model, ModelConfig};
 pub use multimodal::PromptPart;

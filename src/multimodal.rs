@@ -11,8 +11,9 @@
 
 use crate::error::{Error, Result};
 use crate::flow::vision::{ImageRows, encode_image};
-use crate::flow::{Activations, ChunkMatmul, ChunkMedia, RowCopy};
+use crate::flow::{Activations, ChunkMedia, RowCopy};
 use crate::gpu::Gpu;
+use crate::kernels::gemm::Gemm;
 use crate::model::{Model, ModelConfig};
 use crate::vision::RgbImage;
 
@@ -91,7 +92,7 @@ pub(crate) struct PreparedPrompt {
 impl PreparedPrompt {
     /// `parts` from position `first`: images through the tower, text as it
     /// is.
-    pub fn new(model: &Model, parts: &[PromptPart<'_>], first: u32, matmul: ChunkMatmul) -> Result<Self> {
+    pub fn new(model: &Model, parts: &[PromptPart<'_>], first: u32, gemm: Option<&Gemm>) -> Result<Self> {
         let mut prompt = PreparedPrompt { ids: Vec::new(), positions: Vec::new(), images: Vec::new() };
         let mut next = first;
         for part in parts {
@@ -102,7 +103,7 @@ impl PreparedPrompt {
                     next += ids.len() as u32;
                 }
                 PromptPart::Image(image) => {
-                    let rows = image_rows(model, image, matmul)?;
+                    let rows = image_rows(model, image, gemm)?;
                     let token =
                         model.config.vision.as_ref().and_then(|v| v.tokens.image).ok_or_else(|| {
                             Error::Unsupported {
@@ -169,10 +170,10 @@ impl PreparedPrompt {
 }
 
 /// An image's rows from the tower, patched by the model's processor.
-fn image_rows(model: &Model, image: &RgbImage, matmul: ChunkMatmul) -> Result<ImageRows> {
+fn image_rows(model: &Model, image: &RgbImage, gemm: Option<&Gemm>) -> Result<ImageRows> {
     let processor = model.image_processor.as_ref().ok_or_else(|| no_images(model))?;
     let patches = processor.patches(image, "image")?;
-    encode_image(model, &patches, matmul)
+    encode_image(model, &patches, gemm)
 }
 
 /// The rotary rows of a session's cache slots: every slot's row is the

@@ -1,20 +1,30 @@
 //! Every fixture case (tests/fixtures and `WGSPARK_FIXTURES`) on every
 //! backend under test: greedy ids identical to transformers', and every
 //! logits row within 1e-3 of transformers' float32 logits with an f32 KV
-//! cache, and with the default f16 one within 0.4% of the row's largest
-//! |logit| (what rounding K and V to 11 significant bits costs; the errors
-//! are printed).
+//! cache and (on cooperative matrices) prompt chunks multiplied in two f16
+//! parts, and with the defaults, an f16 cache and chunks in one f16 part,
+//! within 0.4% of the row's largest |logit| (what rounding K, V and the
+//! chunks' activations to 11 significant bits costs; the errors are printed).
 
 mod common;
 
 use common::fixtures::{Case, cases, exact, replay_with};
 use common::{max_abs_diff, on_each_backend};
 use wgspark::sampling::argmax;
-use wgspark::{Gpu, KvFormat, Model, SessionOptions};
+use wgspark::{Gpu, Model, PrefillPrecision, SessionOptions};
 
-/// (cache format, absolute tolerance, tolerance relative to the row's
-/// largest |logit|): the larger applies.
-const FORMATS: [(KvFormat, f32, f32); 2] = [(KvFormat::F32, 1e-3, 0.0), (KvFormat::F16, 0.0, 4e-3)];
+/// (name, options, absolute tolerance, tolerance relative to the row's
+/// largest |logit|): the larger applies. On cooperative matrices also the
+/// f32 cache with chunks in one f16 part, so that the printed errors tell
+/// the two roundings apart.
+fn configurations(gpu: &Gpu) -> Vec<(&'static str, SessionOptions, f32, f32)> {
+    let mut out = vec![("exact", exact(), 1e-3, 0.0), ("default", SessionOptions::default(), 0.0, 4e-3)];
+    if gpu.caps.cooperative_matrix {
+        let f16_chunks = SessionOptions { prefill_precision: PrefillPrecision::F16, ..exact() };
+        out.push(("f16 chunks", f16_chunks, 0.0, 4e-3));
+    }
+    out
+}
 
 /// Compares every row of the case; returns the worst row error, or what
 /// went wrong first.
@@ -56,12 +66,12 @@ fn fixtures_match_transformers() {
                 }
             };
             let mut line = format!("{:<28} {:<8?}", case.name, gpu.info.backend);
-            for (format, abs, rel) in FORMATS {
-                let options = SessionOptions { kv_format: format, ..exact() };
+            for (name, options, abs, rel) in configurations(gpu) {
                 match run_case(&model, case, &options, (abs, rel)) {
-                    Ok(err) => line.push_str(&format!(" {format:?} cache: max |logit error| {err:.2e}")),
-                    Err(why) => failures
-                        .push(format!("{} on {:?}, {format:?} cache: {why}", case.name, gpu.info.backend)),
+                    Ok(err) => line.push_str(&format!(" {name}: max |logit error| {err:.2e}")),
+                    Err(why) => {
+                        failures.push(format!("{} on {:?}, {name}: {why}", case.name, gpu.info.backend))
+                    }
                 }
             }
             eprintln!("{line}");

@@ -22,7 +22,8 @@ fn sources() -> Vec<(String, String, Capabilities)> {
                 caps |= Capabilities::COOPERATIVE_MATRIX
                     | Capabilities::SHADER_FLOAT16
                     | Capabilities::SHADER_FLOAT16_IN_FLOAT32
-                    | Capabilities::SUBGROUP;
+                    | Capabilities::SUBGROUP
+                    | Capabilities::SUBGROUP_BARRIER;
             }
             (format!("{}{:?}", b.family, b.flags), shader_source(b.family, &b.flags).unwrap(), caps)
         })

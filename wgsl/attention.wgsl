@@ -931,56 +931,83 @@ fn attend_lanes(
 // ---- attend_coop: a chunk's attention on cooperative matrices ----
 // One workgroup per (KV head, block of 64 query rows = 64 / group tokens),
 // four subgroups of 16 rows. Each subgroup holds its rows' q (normalised
-// and rotated into `out` by rope_store) as f16 high and low parts (22 bits
-// of mantissa) in A fragments, staged in turn through the K/V tile's
-// memory. Keys go by in tiles of 32, K and V staged as the f16
-// cache stores them: S = q k^T into f32; a lane pair per row masks and
-// applies the online softmax; O += P V with P in f16, O held in f32
-// accumulators. The probabilities are taken against a reference maximum
-// that moves only when a row's scores exceed it by RESCALE_MARGIN, so P
-// stays below e^RESCALE_MARGIN and O is rescaled (through workgroup
-// memory) only then: rarely after a row's first keys.
+// and rotated into `out` by rope_store) in f16 A fragments (with Q_SPLIT
+// as high and low parts: 22 bits of mantissa), staged in turn through the
+// K/V tile's memory. Keys go by in tiles of 32, K and V staged as the f16
+// cache stores them (each invocation's share of the next tile loaded into
+// registers while this one is multiplied): S = q k^T into f32; a lane pair
+// per row masks and applies the online softmax; O += P V with P in f16, O
+// held in f32 accumulators. The probabilities are taken against a
+// reference maximum that moves only when a row's scores exceed it by
+// RESCALE_MARGIN, so P stays below e^RESCALE_MARGIN and O is rescaled
+// (through workgroup memory) only then: rarely after a row's first keys.
+// The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
+// stores, strides in vec4s).
 // Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
 // 16), a group dividing 16 and subgroups of 32.
 
 override HD_FRAGS: u32 = 8u;
 const C_KEYS: u32 = 32u;
-// Row stride of the K/V tiles in f16s (128 + 8 of padding).
-const C_STRIDE: u32 = 136u;
+// Row stride of the K/V tiles in vec4<f16>s (128 f16s + 8 of padding).
+const C_STRIDE: u32 = 34u;
 const C_ROWS: u32 = 64u;
-const P_STRIDE: u32 = 40u;
+// Row stride of P in vec4<f16>s (32 f16s + 8 of padding).
+const P_STRIDE: u32 = 10u;
 const RESCALE_MARGIN: f32 = 8.0;
+// Quads of 8 f16s (one vec4<u32> of the cache) of a tile each invocation
+// stages: 32 keys of head_dim 128, K and V.
+const TILE_LOADS: u32 = 4u;
 
 // The tile's K (rows 0 .. 31) and V (rows 32 .. 63); before the key loop,
-// the q rows' high, then low, parts.
-var<workgroup> kv_sh: array<f16, 8704>;
-const V_ROWS: u32 = 4352u;
+// the q rows (high, then low parts).
+var<workgroup> kv_sh: array<vec4<f16>, 2176>;
+const V_ROWS: u32 = 1088u;
 // Per subgroup: 16 rows x 32 scores, then one 16 x 16 block of O at a time.
 var<workgroup> sc_sh: array<f32, 2048>;
-var<workgroup> pc_sh: array<f16, 2560>;
+var<workgroup> pc_sh: array<vec4<f16>, 640>;
 var<workgroup> alpha_sh: array<f32, C_ROWS>;
 var<workgroup> rescale_sg: array<u32, 4>;
 
-// Keys [k0, k0 + n) of KV head g into kv_sh, zero past n.
-fn load_coop_tile(k0: u32, n: u32, g: u32, l: u32) {
+// An invocation's share of a tile: its quads of K and V.
+struct TileLoads {
+    k: array<vec4<u32>, TILE_LOADS>,
+    v: array<vec4<u32>, TILE_LOADS>,
+}
+
+// This invocation's quads of keys [k0, k0 + n) of KV head g, zero past n.
+fn load_coop_tile(k0: u32, n: u32, g: u32, l: u32) -> TileLoads {
     let quads = p.head_dim / 8u;
-    for (var i = l; i < C_KEYS * quads; i += WG) {
+    var t: TileLoads;
+    for (var c = 0u; c < TILE_LOADS; c++) {
+        let i = l + c * WG;
         let j = i / quads;
-        let at = j * C_STRIDE + (i % quads) * 8u;
-        var kq = vec4<u32>(0u);
-        var vq = vec4<u32>(0u);
-        if (j < n) {
+        t.k[c] = vec4<u32>(0u);
+        t.v[c] = vec4<u32>(0u);
+        if (i < C_KEYS * quads && j < n) {
             let q = kv_index(k0 + j, g, 0u) / 8u + i % quads;
-            kq = k_cache[q];
-            vq = v_cache[q];
+            t.k[c] = k_cache[q];
+            t.v[c] = v_cache[q];
         }
-        for (var w = 0u; w < 4u; w++) {
-            let kh = vec2<f16>(unpack2x16float(kq[w]));
-            let vh = vec2<f16>(unpack2x16float(vq[w]));
-            kv_sh[at + 2u * w] = kh.x;
-            kv_sh[at + 2u * w + 1u] = kh.y;
-            kv_sh[V_ROWS + at + 2u * w] = vh.x;
-            kv_sh[V_ROWS + at + 2u * w + 1u] = vh.y;
+    }
+    return t;
+}
+
+// Four f16s from two words of f16 pairs (naga has no bitcast between them).
+fn f16x4(a: u32, b: u32) -> vec4<f16> {
+    return vec4<f16>(vec4<f32>(unpack2x16float(a), unpack2x16float(b)));
+}
+
+// Stores the loads into kv_sh.
+fn store_coop_tile(t: TileLoads, l: u32) {
+    let quads = p.head_dim / 8u;
+    for (var c = 0u; c < TILE_LOADS; c++) {
+        let i = l + c * WG;
+        if (i < C_KEYS * quads) {
+            let at = (i / quads) * C_STRIDE + (i % quads) * 2u;
+            kv_sh[at] = f16x4(t.k[c].x, t.k[c].y);
+            kv_sh[at + 1u] = f16x4(t.k[c].z, t.k[c].w);
+            kv_sh[V_ROWS + at] = f16x4(t.v[c].x, t.v[c].y);
+            kv_sh[V_ROWS + at + 1u] = f16x4(t.v[c].z, t.v[c].w);
         }
     }
 }
@@ -1003,36 +1030,46 @@ fn rescale(o: coop_mat16x16<f32, C>, sg: u32, lane: u32) -> coop_mat16x16<f32, C
 // Fragment i (head dimensions 16 i ..) of subgroup sg's query rows, as
 // stage_q left them.
 fn q_frag(sg: u32, i: u32) -> coop_mat16x16<f16, A> {
-    return coopLoadT<coop_mat16x16<f16, A>>(&kv_sh[16u * sg * C_STRIDE + 16u * i], C_STRIDE);
+    return coopLoadT<coop_mat16x16<f16, A>>(&kv_sh[16u * sg * C_STRIDE + 4u * i], C_STRIDE);
 }
 
-// The high (or low) parts of the workgroup's query rows, as rope_store
-// left them in `out`, into kv_sh's 64 rows (zero past `rows`).
+// The query rows, as rope_store left them in `out` (their high or low
+// parts with Q_SPLIT), into kv_sh's 64 rows (zero past `rows`).
 fn stage_q(low: bool, t0: u32, g: u32, rows: u32, l: u32) {
     let hd = p.head_dim;
     let group = p.n_q_heads / p.n_kv_heads;
-    for (var i = l; i < C_ROWS * hd; i += WG) {
-        let row = i / hd;
-        var v = 0.0;
+    for (var i = l; i < C_ROWS * hd / 4u; i += WG) {
+        let row = i / (hd / 4u);
+        let d = 4u * (i % (hd / 4u));
+        var v = vec4<f32>(0.0);
         if (row < rows) {
-            v = out[(t0 + row / group) * p.out_stride + (g * group + row % group) * hd + i % hd];
+            let at = (t0 + row / group) * p.out_stride + (g * group + row % group) * hd + d;
+            v = vec4<f32>(out[at], out[at + 1u], out[at + 2u], out[at + 3u]);
         }
-        let high = bitcast<f32>(bitcast<u32>(v) & 0xffffe000u);
-        kv_sh[row * C_STRIDE + i % hd] = f16(select(high, v - high, low));
+#if Q_SPLIT
+        let high = bitcast<vec4<f32>>(bitcast<vec4<u32>>(v) & vec4<u32>(0xffffe000u));
+        v = select(high, v - high, low);
+#endif
+        kv_sh[row * C_STRIDE + d / 4u] = vec4<f16>(v);
     }
     workgroupBarrier();
 }
 
-// s + q k^T over head dimensions 16 i .. for the tile's keys 16 j ..
+// s + q k^T over head dimensions 16 i .. for the tile's keys 16 j .. (q
+// in its high and low parts with Q_SPLIT, else high alone).
 fn qk(q_high: coop_mat16x16<f16, A>, q_low: coop_mat16x16<f16, A>, s: coop_mat16x16<f32, C>, j: u32, i: u32) -> coop_mat16x16<f32, C> {
-    let k = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[16u * j * C_STRIDE + 16u * i], C_STRIDE);
+    let k = coopLoad<coop_mat16x16<f16, B>>(&kv_sh[16u * j * C_STRIDE + 4u * i], C_STRIDE);
+#if Q_SPLIT
     return coopMultiplyAdd(q_low, k, coopMultiplyAdd(q_high, k, s));
+#else
+    return coopMultiplyAdd(q_high, k, s);
+#endif
 }
 
 // o + P V for head dimensions 16 i .. (P: the tile's two blocks of keys).
 fn pv(p0: coop_mat16x16<f16, A>, p1: coop_mat16x16<f16, A>, o: coop_mat16x16<f32, C>, i: u32) -> coop_mat16x16<f32, C> {
-    let v0 = coopLoadT<coop_mat16x16<f16, B>>(&kv_sh[V_ROWS + 16u * i], C_STRIDE);
-    let v1 = coopLoadT<coop_mat16x16<f16, B>>(&kv_sh[V_ROWS + 16u * C_STRIDE + 16u * i], C_STRIDE);
+    let v0 = coopLoadT<coop_mat16x16<f16, B>>(&kv_sh[V_ROWS + 4u * i], C_STRIDE);
+    let v1 = coopLoadT<coop_mat16x16<f16, B>>(&kv_sh[V_ROWS + 16u * C_STRIDE + 4u * i], C_STRIDE);
     return coopMultiplyAdd(p1, v1, coopMultiplyAdd(p0, v0, o));
 }
 
@@ -1071,6 +1108,8 @@ fn attend_coop(
     let rows = n_tok * group;
     let start = first_key(step.pos0 + t0);
     let end = step.pos0 + t0 + n_tok;
+    // The first tile's loads are in flight while q is staged.
+    var tile = load_coop_tile(start, min(C_KEYS, end - start), g, l);
 
     stage_q(false, t0, g, rows, l);
     let qh0 = q_frag(sg, 0u);
@@ -1082,6 +1121,7 @@ fn attend_coop(
     let qh6 = q_frag(sg, 6u);
     let qh7 = q_frag(sg, 7u);
     workgroupBarrier();
+#if Q_SPLIT
     stage_q(true, t0, g, rows, l);
     let ql0 = q_frag(sg, 0u);
     let ql1 = q_frag(sg, 1u);
@@ -1092,6 +1132,16 @@ fn attend_coop(
     let ql6 = q_frag(sg, 6u);
     let ql7 = q_frag(sg, 7u);
     workgroupBarrier();
+#else
+    let ql0 = qh0;
+    let ql1 = qh1;
+    let ql2 = qh2;
+    let ql3 = qh3;
+    let ql4 = qh4;
+    let ql5 = qh5;
+    let ql6 = qh6;
+    let ql7 = qh7;
+#endif
 
     var o0 = coop_mat16x16<f32, C>();
     var o1 = coop_mat16x16<f32, C>();
@@ -1112,8 +1162,11 @@ fn attend_coop(
 
     for (var k0 = start; k0 < end; k0 += C_KEYS) {
         let n = min(C_KEYS, end - k0);
-        load_coop_tile(k0, n, g, l);
+        store_coop_tile(tile, l);
         workgroupBarrier();
+        if (k0 + C_KEYS < end) {
+            tile = load_coop_tile(k0 + C_KEYS, min(C_KEYS, end - k0 - C_KEYS), g, l);
+        }
 
         var s0 = coop_mat16x16<f32, C>();
         var s1 = coop_mat16x16<f32, C>();
@@ -1167,10 +1220,12 @@ fn attend_coop(
             m_ref = m_tile;
         }
         var sum = 0.0;
-        for (var c = 0u; c < 16u; c++) {
-            let pr = select(exp(s[c] - m_ref), 0.0, s[c] <= NEG_BIG);
-            sum += pr;
-            pc_sh[sg * 640u + r * P_STRIDE + 16u * half + c] = f16(pr);
+        // The row's 16 probabilities of this lane, four to a store.
+        for (var c = 0u; c < 16u; c += 4u) {
+            let e = vec4<f32>(s[c], s[c + 1u], s[c + 2u], s[c + 3u]);
+            let pr = select(exp(e - m_ref), vec4<f32>(0.0), e <= vec4<f32>(NEG_BIG));
+            sum += pr.x + pr.y + pr.z + pr.w;
+            pc_sh[sg * 160u + r * P_STRIDE + 4u * half + c / 4u] = vec4<f16>(pr);
         }
         sum += subgroupShuffleXor(sum, 1u);
         // O holds earlier keys' sums only where l_sum > 0.
@@ -1195,8 +1250,8 @@ fn attend_coop(
             if (HD_FRAGS > 7u) { o7 = rescale(o7, sg, lane); }
         }
 
-        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 640u], P_STRIDE);
-        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 640u + 16u], P_STRIDE);
+        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 160u], P_STRIDE);
+        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 160u + 4u], P_STRIDE);
         o0 = pv(p0, p1, o0, 0u);
         if (HD_FRAGS > 1u) { o1 = pv(p0, p1, o1, 1u); }
         if (HD_FRAGS > 2u) { o2 = pv(p0, p1, o2, 2u); }

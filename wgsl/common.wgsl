@@ -13,6 +13,9 @@ fn bf16x4_lo(w: vec4<u32>) -> vec4<f32> {
 fn bf16x4_hi(w: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w));
 }
+// The SwiGLU gate of a gate and an up projection: silu(gate) * up,
+// silu(g) = g * sigmoid(g).
+fn swiglu(gate: f32, up: f32) -> f32 { return gate / (1.0 + exp(-gate)) * up; }
 // An f16 (the low 16 bits of h) widened in integer arithmetic, exactly,
 // subnormals, inf and NaN included: for adapters whose shaders lack
 // unpack2x16float.

@@ -1,5 +1,8 @@
 // Matrix product for a chunk of tokens (prefill):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
+// or with SWIGLU, W's rows gate and up interleaved (n even a gate, n + 1
+// its up), half as many columns:
+//   Y[yrow(m), col(n) / 2] = swiglu(Y'[m, n], Y'[m, n + 1])
 // W: [rows, cols] (one part of a possibly split tensor): bf16 (cols even),
 // or with WEIGHT_FORMAT any format of weights.wgsl (cols a multiple of 4),
 // decoded as it is staged into workgroup memory;
@@ -24,6 +27,12 @@
 
 override TILE_M: u32 = 64u;
 override TILE_N: u32 = 128u;
+// Weight rows per output: a gate/up pair with SWIGLU.
+#if SWIGLU
+const OUTPUT_STEP: u32 = 2u;
+#else
+const OUTPUT_STEP: u32 = 1u;
+#endif
 const TILE_K: u32 = 16u;
 // Loader shapes: invocations per X row (token) and floats each loads;
 // invocations per W row and words each loads.
@@ -222,7 +231,9 @@ fn main(
         if (grouped) {
             yrow = pairs[first_pair + m];
         }
-        for (var j = 0u; j < TILE_N / 16u; j++) {
+        // An invocation's rows 4 tn .. 4 tn + 3: SWIGLU's pairs are its
+        // own, j even a gate and j + 1 its up.
+        for (var j = 0u; j < TILE_N / 16u; j += OUTPUT_STEP) {
             let n = n0 + 64u * (j / 4u) + 4u * tn + (j % 4u);
             var w_row = n;
             if (grouped) {
@@ -233,7 +244,12 @@ fn main(
                 if (!grouped) {
                     col = p.first_row + n;
                 }
-                y[yrow * p.y_stride + col] = acc[8u * (i / 4u) + j][i % 4u];
+                let v = acc[8u * (i / 4u) + j][i % 4u];
+#if SWIGLU
+                y[yrow * p.y_stride + col / 2u] = swiglu(v, acc[8u * (i / 4u) + j + 1u][i % 4u]);
+#else
+                y[yrow * p.y_stride + col] = v;
+#endif
             }
         }
     }

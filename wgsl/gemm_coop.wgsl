@@ -2,10 +2,10 @@ enable f16;
 enable wgpu_cooperative_matrix;
 
 // The chunk product of gemm.wgsl (same parameters, bindings, dense and
-// grouped modes) on cooperative matrices (tensor cores):
+// grouped modes, SWIGLU) on cooperative matrices (tensor cores):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
 // A workgroup of 8 subgroups of 32 computes TILE_M tokens x TILE_N weight
-// rows, k in steps of 32: the step's X (f32) and W (bf16, or with
+// rows, k in steps of TILE_K: the step's X (f32) and W (bf16, or with
 // WEIGHT_FORMAT any format of weights.wgsl, decoded) are converted to f16
 // as they are staged into workgroup memory, the next step's loaded into
 // registers while this one multiplies. Each subgroup owns WARP_M tokens x
@@ -30,15 +30,21 @@ enable wgpu_cooperative_matrix;
 // from memory while it sits in the cache); grouped: x = row tiles, y =
 // token tiles, z = experts.
 
-// Tokens per workgroup: 32, 64 or 128, and weight rows: 128 or 256
-// (pipeline constants, chosen per product by kernels::gemm_coop::Tile;
-// 256 rows only without W_SPLIT, whose second weight tile does not fit).
+// Tokens per workgroup: 32, 64 or 128, weight rows: 128 or 256, and k per
+// step: 32 or 64 (pipeline constants, chosen per product by
+// kernels::gemm_coop::Tile among those whose staged tiles fit).
 override TILE_M: u32 = 128u;
 override TILE_N: u32 = 128u;
-const TILE_K: u32 = 32u;
+override TILE_K: u32 = 32u;
+// Weight rows per output: a gate/up pair with SWIGLU.
+#if SWIGLU
+const OUTPUT_STEP: u32 = 2u;
+#else
+const OUTPUT_STEP: u32 = 1u;
+#endif
 // A staged row in vec4<f16>s: TILE_K f16s and 16 bytes of padding, which
 // keep the 16 x 16 loads of consecutive rows off the same banks.
-const ROW: u32 = 10u;
+override ROW: u32 = TILE_K / 4u + 2u;
 override XS_LEN: u32 = TILE_M * ROW;
 override WS_LEN: u32 = TILE_N * ROW;
 // Subgroups: WARPS_M along the tokens x WARPS_N along the rows, each
@@ -51,9 +57,10 @@ override WARP_N: u32 = TILE_N / WARPS_N;
 // 16 x 16 accumulators per subgroup: FRAGS_M (2 or 4) x FRAGS_N (1, 2 or 4).
 override FRAGS_M: u32 = WARP_M / 16u;
 override FRAGS_N: u32 = WARP_N / 16u;
-// Each invocation stages runs of eight k: four invocations cover a row's
-// step, 64 rows a round.
-const ROUND_ROWS: u32 = 64u;
+// Each invocation stages runs of eight k: TILE_K / 8 invocations cover a
+// row's step, ROUND_ROWS rows a round.
+override RUNS_PER_ROW: u32 = TILE_K / 8u;
+override ROUND_ROWS: u32 = 256u / RUNS_PER_ROW;
 override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
 override W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
 
@@ -99,13 +106,14 @@ fn weight_quad(q: u32) -> vec4<u32> {
 }
 
 // Where this invocation's staged values come from, fixed for the whole k
-// loop: round r stages tile row 64 r + li / 4 (tokens for X, weight rows
-// for W) at k 8 (li % 4) of the step.
+// loop: round r stages tile row ROUND_ROWS r + li / RUNS_PER_ROW (tokens
+// for X, weight rows for W) at k 8 (li % RUNS_PER_ROW) of the step.
+// (Arrays of the most rounds of any tile: X_ROUNDS <= 4, W_ROUNDS <= 8.)
 struct Sources {
-    x_base: array<u32, 2>,
-    x_ok: array<bool, 2>,
-    w_base: array<u32, 4>,
-    w_ok: array<bool, 4>,
+    x_base: array<u32, 4>,
+    x_ok: array<bool, 4>,
+    w_base: array<u32, 8>,
+    w_ok: array<bool, 8>,
 }
 
 struct Tile {
@@ -157,7 +165,7 @@ fn part_row(t: Tile, n: u32) -> u32 {
 fn sources(t: Tile, li: u32) -> Sources {
     var s: Sources;
     for (var r = 0u; r < X_ROUNDS; r++) {
-        let local = ROUND_ROWS * r + li / 4u;
+        let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
         let m = t.m0 + local;
         s.x_ok[r] = local < TILE_M && m < t.count;
         var xrow = m;
@@ -172,7 +180,7 @@ fn sources(t: Tile, li: u32) -> Sources {
     let row_stride = p.cols / 8u;
 #endif
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let n = t.n0 + ROUND_ROWS * r + li / 4u;
+        let n = t.n0 + ROUND_ROWS * r + li / RUNS_PER_ROW;
         let w_row = part_row(t, n);
         s.w_ok[r] = n < t.n_rows && w_row < p.rows;
         s.w_base[r] = select(0u, w_row * row_stride, s.w_ok[r]);
@@ -183,17 +191,17 @@ fn sources(t: Tile, li: u32) -> Sources {
 // The staged values of one k step, in registers: eight consecutive k of
 // each round's row.
 struct Staged {
-    x: array<array<vec4<f32>, 2>, 2>,
+    x: array<array<vec4<f32>, 2>, 4>,
 #if WEIGHT_FORMAT
-    w: array<array<vec4<f32>, 2>, 4>,
+    w: array<array<vec4<f32>, 2>, 8>,
 #else
-    w: array<vec4<u32>, 4>,
+    w: array<vec4<u32>, 8>,
 #endif
 }
 
 fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
     var st: Staged;
-    let k = k0 + 8u * (li % 4u);
+    let k = k0 + 8u * (li % RUNS_PER_ROW);
     for (var r = 0u; r < X_ROUNDS; r++) {
         for (var h = 0u; h < 2u; h++) {
             st.x[r][h] = vec4<f32>(0.0);
@@ -233,9 +241,9 @@ fn minus8(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> array<vec4<f32>, 2>
 
 fn store_step(st: Staged, li: u32) {
     for (var r = 0u; r < X_ROUNDS; r++) {
-        let local = ROUND_ROWS * r + li / 4u;
+        let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
         if (local < TILE_M) {
-            let at = local * ROW + 2u * (li % 4u);
+            let at = local * ROW + 2u * (li % RUNS_PER_ROW);
 #if X_SPLIT
             let hi = high8(st.x[r]);
             let lo = minus8(st.x[r], hi);
@@ -249,7 +257,7 @@ fn store_step(st: Staged, li: u32) {
         }
     }
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let at = (ROUND_ROWS * r + li / 4u) * ROW + 2u * (li % 4u);
+        let at = (ROUND_ROWS * r + li / RUNS_PER_ROW) * ROW + 2u * (li % RUNS_PER_ROW);
 #if WEIGHT_FORMAT
 #if W_SPLIT
         let hi = high8(st.w[r]);
@@ -337,12 +345,15 @@ fn slice_row(a_at: u32, b: FragsB, b_lo: FragsB, c0: ptr<function, Acc>, c1: ptr
 }
 
 // Writes subgroup `warp`'s accumulator for tokens m_first .. + 15 and tile
-// rows n_first .. + 15 (all subgroups call it together).
+// rows n_first .. + 15 through its own part of out_tile: only its own
+// lanes meet there, so subgroup barriers order it (which the Vulkan
+// translation makes order workgroup memory).
+// (SWIGLU: each lane takes gate/up pairs, even n and n + 1.)
 fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) {
     coopStoreT(c, &out_tile[warp * 256u], 16u);
-    workgroupBarrier();
-    for (var r = 0u; r < 8u; r++) {
-        let e = lane + 32u * r;
+    subgroupBarrier();
+    for (var r = 0u; r < 8u / OUTPUT_STEP; r++) {
+        let e = OUTPUT_STEP * (lane + 32u * r);
         let m = m_first + e / 16u;
         let n = n_first + e % 16u;
         let w_row = part_row(t, n);
@@ -354,10 +365,15 @@ fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) 
             } else {
                 col = p.first_row + n;
             }
-            y[yrow * p.y_stride + col] = out_tile[warp * 256u + e];
+            let v = out_tile[warp * 256u + e];
+#if SWIGLU
+            y[yrow * p.y_stride + col / 2u] = swiglu(v, out_tile[warp * 256u + e + 1u]);
+#else
+            y[yrow * p.y_stride + col] = v;
+#endif
         }
     }
-    workgroupBarrier();
+    subgroupBarrier();
 }
 
 // The accumulators of fragment row i (tokens m_first + 16 i ..).

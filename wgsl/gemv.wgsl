@@ -615,7 +615,7 @@ fn output_block(block: u32, gy: u32, li: u32, staged: bool) {
 #endif
     var v = vec2<f32>(reduce_row(d.x, li, lane), reduce_row(d.y, li, lane)) * scale;
 #if SWIGLU
-    v.x = v.x / (1.0 + exp(-v.x)) * v.y;
+    v.x = swiglu(v.x, v.y);
     let written = vec2<bool>(live.x, false);
 #else
     let written = live;

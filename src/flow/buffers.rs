@@ -11,8 +11,6 @@ use crate::model::ModelConfig;
 #[derive(Debug)]
 pub struct Activations {
     pub max_tokens: usize,
-    /// Prompt chunks run their projections through the GEMM.
-    pub chunk_gemm: bool,
     /// Token ids in flight, u32. Token selection on the GPU writes the next
     /// step's id to element 0.
     pub tokens: wgpu::Buffer,
@@ -38,9 +36,8 @@ pub struct Activations {
     pub attn_split_max_sum: wgpu::Buffer,
     /// Most key splits of one token's attention.
     pub max_splits: usize,
-    /// Outputs of a chunk's GEMMs before their residual add or gate.
+    /// Outputs of a chunk's GEMMs before their residual add.
     pub attn_out: wgpu::Buffer,
-    pub gate_up: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
     pub ffn_out: wgpu::Buffer,
     pub logits: wgpu::Buffer,
@@ -56,7 +53,6 @@ pub struct MoeActivations {
     pub router_logits: wgpu::Buffer,
     pub route_ids: wgpu::Buffer,
     pub route_weights: wgpu::Buffer,
-    pub expert_gate_up: wgpu::Buffer,
     pub expert_act: wgpu::Buffer,
     pub expert_out: wgpu::Buffer,
     /// One token's guess at the next MoE layer's choice (its router on
@@ -75,20 +71,13 @@ impl Activations {
     /// The most tokens per submission (at most `wanted`) for which every
     /// activation fits one storage binding.
     pub fn max_chunk(gpu: &Gpu, c: &ModelConfig, wanted: usize) -> usize {
-        let moe_width = c.moe.as_ref().map_or(0, |m| m.top_k * (2 * m.intermediate).max(c.hidden));
-        let widest =
-            [c.hidden, c.heads.qkv_width(), 2 * c.intermediate, moe_width].into_iter().max().unwrap();
+        let moe_width = c.moe.as_ref().map_or(0, |m| (m.top_k * m.intermediate.max(c.hidden)).max(m.experts));
+        let widest = [c.hidden, c.heads.qkv_width(), c.intermediate, moe_width].into_iter().max().unwrap();
         let fits = (gpu.caps.max_storage_binding / (4 * widest as u64)).max(1) as usize;
         wanted.clamp(1, fits)
     }
 
-    pub fn new(
-        gpu: &Gpu,
-        c: &ModelConfig,
-        max_tokens: usize,
-        context_len: usize,
-        chunk_gemm: bool,
-    ) -> Result<Self> {
+    pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize, context_len: usize) -> Result<Self> {
         let t = max_tokens;
         let splits = Attention::max_splits(context_len, c.heads.kv);
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
@@ -98,7 +87,6 @@ impl Activations {
                 router_logits: buf("router_logits", m.experts)?,
                 route_ids: buf("route_ids", m.top_k)?,
                 route_weights: buf("route_weights", m.top_k)?,
-                expert_gate_up: buf("expert_gate_up", m.top_k * 2 * m.intermediate)?,
                 expert_act: buf("expert_act", m.top_k * m.intermediate)?,
                 expert_out: buf("expert_out", m.top_k * c.hidden)?,
                 predicted_logits: gpu.storage_buffer("predicted_logits", m.experts)?,
@@ -111,7 +99,6 @@ impl Activations {
         };
         Ok(Activations {
             max_tokens,
-            chunk_gemm,
             tokens: gpu.storage_buffer("tokens", t)?,
             step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("step"),
@@ -131,7 +118,6 @@ impl Activations {
             attn_split_max_sum: gpu.storage_buffer("attn_split_max_sum", c.heads.q * splits * 2)?,
             max_splits: splits,
             attn_out: buf("attn_out", c.hidden)?,
-            gate_up: buf("gate_up", 2 * c.intermediate)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
             ffn_out: buf("ffn_out", c.hidden)?,
             logits: gpu.storage_buffer("logits", c.vocab)?,

@@ -41,6 +41,7 @@ use crate::kernels::Step;
 use crate::kernels::attention::{
     AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
 };
+use crate::kernels::gemm::{Gemm, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
@@ -72,6 +73,11 @@ impl ChunkMatmul {
             ChunkMatmul::Gemm => true,
             ChunkMatmul::Gemv => false,
         }
+    }
+
+    /// The GEMM that runs chunks, in `precision`; `None` where the GEMV does.
+    pub fn gemm(self, gpu: &Gpu, precision: PrefillPrecision) -> Result<Option<Gemm>> {
+        self.uses_gemm(gpu).then(|| Gemm::new(gpu, precision)).transpose()
     }
 }
 
@@ -129,6 +135,10 @@ pub struct RowCopy<'a> {
 struct Builder<'a> {
     model: &'a Model,
     act: &'a Activations,
+    /// The session's chunk GEMM; `None`: chunks run the GEMV per token.
+    gemm: Option<&'a Gemm>,
+    /// How chunks on cooperative matrices round their operands.
+    precision: PrefillPrecision,
 }
 
 impl<'a> Builder<'a> {
@@ -147,9 +157,9 @@ impl<'a> Builder<'a> {
         let (gpu, k, act, eps) = (&self.model.gpu, &self.model.kernels, self.act, self.model.config.rms_eps);
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
-        let chunk = self.chunk(|| {
+        let chunk = self.chunk(|gemm| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, y)?);
+            d.extend(gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, y)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
@@ -167,8 +177,8 @@ impl<'a> Builder<'a> {
         let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
-        let chunk = self.chunk(|| {
-            let mut d = k.gemm.plan(gpu, weight, act.max_tokens, &act.step, a, scratch)?;
+        let chunk = self.chunk(|gemm| {
+            let mut d = gemm.plan(gpu, weight, act.max_tokens, &act.step, a, scratch)?;
             d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
             Ok(d)
         })?;
@@ -188,17 +198,16 @@ impl<'a> Builder<'a> {
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv =
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
-        let chunk = self.chunk(|| {
+        let chunk = self.chunk(|gemm| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(k.gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, &act.gate_up)?);
-            d.push(k.swiglu.plan(gpu, weight.rows / 2, 1, &act.gate_up, out));
+            d.extend(gemm.plan_swiglu(gpu, weight, act.max_tokens, &act.step, &act.h, out)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
     }
 
-    fn chunk(&self, f: impl FnOnce() -> Result<Vec<Dispatch>>) -> Result<Option<Vec<Dispatch>>> {
-        if self.act.chunk_gemm { f().map(Some) } else { Ok(None) }
+    fn chunk(&self, f: impl FnOnce(&Gemm) -> Result<Vec<Dispatch>>) -> Result<Option<Vec<Dispatch>>> {
+        self.gemm.map(f).transpose()
     }
 }
 
@@ -241,11 +250,20 @@ pub struct Plan {
     head_last: Vec<Dispatch>,
     /// Token selection, once the session sets it.
     sample: Vec<Dispatch>,
+    precision: PrefillPrecision,
 }
 
 impl Plan {
-    pub fn new(model: &Model, act: &Activations, kv: &KvCache) -> Result<Plan> {
-        let b = Builder { model, act };
+    /// The session's passes; chunks through `gemm` (the GEMV where
+    /// `None`), on cooperative matrices in `precision`.
+    pub fn new(
+        model: &Model,
+        act: &Activations,
+        gemm: Option<&Gemm>,
+        precision: PrefillPrecision,
+        kv: &KvCache,
+    ) -> Result<Plan> {
+        let b = Builder { model, act, gemm, precision };
         let w = &model.weights;
         let gpu: &Gpu = &model.gpu;
         let head = |x: &wgpu::Buffer| {
@@ -267,7 +285,7 @@ impl Plan {
                                 &LayerOutput::default(),
                             )?,
                         }),
-                        FfnWeights::Moe(mw) => FfnPlan::Moe(Box::new(MoePlan::new(model, act, mw, i)?)),
+                        FfnWeights::Moe(mw) => FfnPlan::Moe(Box::new(MoePlan::new(model, act, gemm, mw, i)?)),
                     },
                 })
             })
@@ -278,6 +296,7 @@ impl Plan {
             head: head(&act.x)?,
             head_last: head(&act.x_last)?,
             sample: Vec::new(),
+            precision,
         })
     }
 
@@ -287,10 +306,11 @@ impl Plan {
         &mut self,
         model: &Model,
         act: &Activations,
+        gemm: Option<&Gemm>,
         steering: Option<&SteeringPlan>,
         capture: Option<&CapturePlan>,
     ) -> Result<()> {
-        let b = Builder { model, act };
+        let b = Builder { model, act, gemm, precision: self.precision };
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let output = LayerOutput {
                 steer: steering.and_then(|s| s.layer(i)),
@@ -390,6 +410,7 @@ impl AttentionPlan {
             window: c.sliding_window.unwrap_or(0),
             qk_norm,
             kv_format: kv.format,
+            chunk_precision: b.precision,
         };
         let bindings = AttentionBindings {
             step: &act.step,

@@ -26,7 +26,7 @@
 use super::{Activations, Recorder};
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, Readback};
-use crate::kernels::gemm::GroupedBuffers;
+use crate::kernels::gemm::{Epilogue, Gemm, GroupedBuffers};
 use crate::kernels::gemv::{EXPERT_ELSEWHERE, GemvSpec, Input, Output, Rows};
 use crate::kernels::group_by_expert::GroupBuffers;
 use crate::kernels::residual::LayerOutput;
@@ -85,8 +85,8 @@ pub struct MoePlan {
     gate_up: Vec<Dispatch>,
     down: Vec<Dispatch>,
     /// A chunk grouped by expert (with the GEMM): norm, then every expert's
-    /// GEMM over its tokens, SwiGLU, every expert's down GEMM, the weighted
-    /// add.
+    /// gate/up GEMM over its tokens with its SwiGLU, every expert's down
+    /// GEMM, the weighted add.
     grouped: Option<Grouped>,
     ids: wgpu::Buffer,
     top_k_slots: usize,
@@ -115,7 +115,6 @@ struct Grouped {
     group: Dispatch,
     /// Every expert's (or slot's) GEMM, one dispatch per weight part.
     gate_up: Vec<Dispatch>,
-    swiglu: Dispatch,
     down: Vec<Dispatch>,
     output: Dispatch,
     groups: wgpu::Buffer,
@@ -123,7 +122,13 @@ struct Grouped {
 }
 
 impl MoePlan {
-    pub fn new(model: &Model, act: &Activations, w: &MoeWeights, layer: usize) -> Result<Self> {
+    pub fn new(
+        model: &Model,
+        act: &Activations,
+        gemm: Option<&Gemm>,
+        w: &MoeWeights,
+        layer: usize,
+    ) -> Result<Self> {
         let gpu: &Gpu = &model.gpu;
         let c = &model.config;
         let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
@@ -135,12 +140,12 @@ impl MoePlan {
         let streamed = model.experts.as_ref().filter(|s| s.streams(layer));
         // Expert `e`'s GEMMs, or slot `e`'s when the experts stream.
         let held = streamed.map_or(m.experts, |s| s.slots);
-        let grouped = act.chunk_gemm.then(|| -> Result<Grouped> {
+        let grouped = gemm.map(|gemm| -> Result<Grouped> {
             let b = |x, y| GroupedBuffers { x, y, groups: &a.groups, pairs: &a.pairs };
             // What a held expert gets of a full chunk on average sizes the tiles.
             let per_expert = (act.max_tokens * top_k).div_ceil(held);
-            let experts = |weight, rows, x_div, x, y| {
-                k.gemm.plan_experts(gpu, weight, 0..held, rows, x_div, per_expert, &act.step, b(x, y))
+            let experts = |weight, epilogue, rows, x_div, x, y| {
+                gemm.plan_experts(gpu, weight, epilogue, 0..held, rows, x_div, per_expert, &act.step, b(x, y))
             };
             Ok(Grouped {
                 norm: k.rms_norm.plan(gpu, ffn_norm, c.rms_eps, &act.x, &act.h, NormRows::vector(h)),
@@ -150,9 +155,8 @@ impl MoePlan {
                     top_k,
                     GroupBuffers { step: &act.step, ids: &a.route_ids, groups: &a.groups, pairs: &a.pairs },
                 ),
-                gate_up: experts(&w.gate_up, 2 * i, top_k, &act.h, &a.expert_gate_up)?,
-                swiglu: k.swiglu.plan(gpu, i, top_k, &a.expert_gate_up, &a.expert_act),
-                down: experts(&w.down, h, 1, &a.expert_act, &a.expert_out)?,
+                gate_up: experts(&w.gate_up, Epilogue::Swiglu, 2 * i, top_k, &act.h, &a.expert_act)?,
+                down: experts(&w.down, Epilogue::Plain, h, 1, &a.expert_act, &a.expert_out)?,
                 output: Self::grouped_output(model, act, &LayerOutput::default())?,
                 groups: a.groups.clone(),
                 pairs: a.pairs.clone(),
@@ -424,9 +428,8 @@ impl MoePlan {
 
 impl Grouped {
     /// [`Self::encode`] with the chosen experts in waves of as many as
-    /// there are slots, one submission per wave: each wave's GEMMs, the
-    /// SwiGLU of every row (those of other waves recomputed as they were,
-    /// or not yet needed), then the weighted sum once.
+    /// there are slots, one submission per wave: each wave's GEMMs (over
+    /// the pairs of its experts), then the weighted sum once.
     fn encode_in_waves(
         &self,
         rec: &mut Recorder<'_>,
@@ -477,12 +480,11 @@ impl Grouped {
         rec.encode(Phase::Routed, std::slice::from_ref(&self.output), n_tokens);
     }
 
-    /// Every expert's gate/up GEMM, the SwiGLU of every pair, every
-    /// expert's down GEMM: sized for the chunk's tokens, the most one
-    /// expert can have (those with fewer end their extra tiles at once).
+    /// Every expert's gate/up GEMM with its SwiGLU, every expert's down
+    /// GEMM: sized for the chunk's tokens, the most one expert can have
+    /// (those with fewer end their extra tiles at once).
     fn encode_experts(&self, rec: &mut Recorder<'_>, n_tokens: u32) {
         rec.encode(Phase::Routed, &self.gate_up, n_tokens);
-        rec.encode(Phase::Routed, std::slice::from_ref(&self.swiglu), n_tokens);
         rec.encode(Phase::Routed, &self.down, n_tokens);
     }
 

@@ -17,10 +17,10 @@
 //! the patch's row and the second its column.
 
 use crate::error::{Error, Result};
-use crate::flow::ChunkMatmul;
 use crate::gpu::{Dispatch, Gpu};
 use crate::kernels::attention::{AttentionBindings, AttentionShape};
 use crate::kernels::bias_act::Activation;
+use crate::kernels::gemm::{Gemm, PrefillPrecision};
 use crate::kernels::gemv::GemvSpec;
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows;
@@ -123,7 +123,8 @@ fn rotary_table(positions: &[(usize, usize)], v: &VisionConfig) -> Vec<f32> {
 struct Pass<'a> {
     gpu: &'a Gpu,
     kernels: &'a Kernels,
-    gemm: bool,
+    /// The GEMM of the projections; `None`: the GEMV, once per row.
+    gemm: Option<&'a Gemm>,
     dispatches: Vec<(Dispatch, u32)>,
 }
 
@@ -143,8 +144,8 @@ impl Pass<'_> {
         activation: Activation,
     ) -> Result<()> {
         let (gpu, k) = (self.gpu, self.kernels);
-        let product = if self.gemm {
-            k.gemm.plan(gpu, &l.weight, tokens, step, x, y)?
+        let product = if let Some(gemm) = self.gemm {
+            gemm.plan(gpu, &l.weight, tokens, step, x, y)?
         } else {
             k.gemv.plan(gpu, &GemvSpec::plain(&l.weight, x, y))?
         };
@@ -222,8 +223,9 @@ fn step_buffer(gpu: &Gpu, n_tokens: usize) -> wgpu::Buffer {
 }
 
 /// The tower over `patches` (one image): its merged rows and deepstack
-/// rows, computed with the GEMM or the GEMV as `matmul` says.
-pub fn encode_image(model: &Model, patches: &Patches, matmul: ChunkMatmul) -> Result<ImageRows> {
+/// rows, computed with `gemm`, or with the GEMV where `None`
+/// ([`crate::ChunkMatmul::gemm`] makes one).
+pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Result<ImageRows> {
     let (gpu, kernels) = (&model.gpu, &model.kernels);
     let (v, w) = match (&model.config.vision, &model.weights.vision) {
         (Some(v), Some(w)) => (v, w),
@@ -262,7 +264,7 @@ pub fn encode_image(model: &Model, patches: &Patches, matmul: ChunkMatmul) -> Re
         .collect::<Result<_>>()?;
     let (step, merged_step) = (step_buffer(gpu, n), step_buffer(gpu, tokens));
 
-    let mut pass = Pass { gpu, kernels, gemm: matmul.uses_gemm(gpu), dispatches: Vec::new() };
+    let mut pass = Pass { gpu, kernels, gemm, dispatches: Vec::new() };
     pass.linear(&w.patch_embed, &step, n, &pixels, &x, Activation::None)?;
     for d in kernels.embed.plan(gpu, &w.pos_embed, &ids, &taps)? {
         pass.push(d, 4 * n);
@@ -277,6 +279,8 @@ pub fn encode_image(model: &Model, patches: &Patches, matmul: ChunkMatmul) -> Re
         window: 0,
         qk_norm: None,
         kv_format: KvFormat::F32,
+        // Bidirectional: never on cooperative matrices.
+        chunk_precision: PrefillPrecision::Split,
     };
     let bindings = AttentionBindings {
         step: &step,

@@ -4,6 +4,7 @@
 //! keys (`attend` built with DECODE, merged by `combine` when split).
 
 use super::Heads;
+use super::gemm::PrefillPrecision;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
 use crate::kv_cache::KvFormat;
@@ -40,6 +41,8 @@ const WG: usize = 128;
 pub const BIDIRECTIONAL: &str = "BIDIRECTIONAL";
 /// The flag of the cooperative-matrix build (`attend_coop`).
 pub const COOP: &str = "COOP";
+/// `attend_coop` with its query rows in two f16 parts.
+pub const Q_SPLIT: &str = "Q_SPLIT";
 /// Query rows of one `attend_coop` workgroup: four subgroups of 16.
 const COOP_ROWS: usize = 64;
 /// Widest head `attend_coop` holds (its tiles' row stride).
@@ -95,6 +98,9 @@ pub struct AttentionShape<'a> {
     pub window: usize,
     pub qk_norm: Option<QkNormWeights<'a>>,
     pub kv_format: KvFormat,
+    /// How a chunk's attention on cooperative matrices rounds its query
+    /// rows (the other entries keep them in f32).
+    pub chunk_precision: PrefillPrecision,
 }
 
 /// The dispatches the wrapper builds from the file's entry points.
@@ -245,7 +251,12 @@ impl Attention {
         match entry {
             Entry::TokenAttend => flags.push("DECODE"),
             Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
-            Entry::CoopAttend => flags.push(COOP),
+            Entry::CoopAttend => {
+                flags.push(COOP);
+                if shape.chunk_precision == PrefillPrecision::Split {
+                    flags.push(Q_SPLIT);
+                }
+            }
             Entry::ChunkAttend { bidirectional: true } => flags.push(BIDIRECTIONAL),
             _ => {}
         }
@@ -450,6 +461,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
             }
             if !kv.is_empty() && norm.is_empty() {
                 out.push([kv, &[COOP][..]].concat());
+                out.push([kv, &[COOP, Q_SPLIT][..]].concat());
             }
             if norm.is_empty() {
                 out.push([kv, &[BIDIRECTIONAL][..]].concat());

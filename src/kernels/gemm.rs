@@ -77,6 +77,29 @@ impl Shape {
     }
 }
 
+/// What becomes of a product's outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `y = W x`.
+    Plain,
+    /// W's rows are gate and up interleaved (row 2o gate, 2o + 1 up):
+    /// `y[o] = silu(W[2o] x) * (W[2o + 1] x)`, half as many outputs as rows.
+    Swiglu,
+}
+
+/// The flag of builds with [`Epilogue::Swiglu`].
+pub const SWIGLU: &str = "SWIGLU";
+
+/// Every flag set of `gemm.wgsl` builds.
+pub fn flag_sets() -> Vec<Vec<&'static str>> {
+    with_epilogues(super::weight_flag_sets())
+}
+
+/// Each of `sets` plain and with [`SWIGLU`].
+pub(crate) fn with_epilogues(sets: Vec<Vec<&'static str>>) -> Vec<Vec<&'static str>> {
+    sets.into_iter().flat_map(|flags| [flags.clone(), [flags, vec![SWIGLU]].concat()]).collect()
+}
+
 /// The kernel that computes the products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmKernel {
@@ -102,8 +125,33 @@ impl GemmKernel {
     }
 }
 
-/// Activations staged as two f16 parts by default: [`GemmKernel::Cooperative`].
-pub const COOPERATIVE_SPLIT: bool = true;
+/// How the cooperative-matrix GEMM rounds a prompt chunk's activations
+/// (and the decoded weights of the formats f16 does not hold) before it
+/// multiplies them; the f32 GEMM of devices without cooperative matrices
+/// rounds nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillPrecision {
+    /// One f16 each: 11 significant bits.
+    #[default]
+    F16,
+    /// Two f16 parts each, high and low: 22 significant bits, at twice the
+    /// matrix work.
+    Split,
+}
+
+impl std::str::FromStr for PrefillPrecision {
+    type Err = crate::Error;
+    fn from_str(name: &str) -> Result<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "f16" => Ok(PrefillPrecision::F16),
+            "split" => Ok(PrefillPrecision::Split),
+            _ => Err(crate::Error::Unsupported {
+                what: "prefill precision",
+                value: format!("{name:?} (f16 or split)"),
+            }),
+        }
+    }
+}
 
 #[derive(Debug)]
 pub struct Gemm {
@@ -113,10 +161,11 @@ pub struct Gemm {
 }
 
 impl Gemm {
-    /// On cooperative matrices where the device has them, else on the ALUs.
-    pub fn new(gpu: &Gpu) -> Result<Self> {
+    /// On cooperative matrices in `precision` where the device has them,
+    /// else on the ALUs.
+    pub fn new(gpu: &Gpu, precision: PrefillPrecision) -> Result<Self> {
         let kernel = if gpu.caps.cooperative_matrix {
-            GemmKernel::Cooperative { split: COOPERATIVE_SPLIT, tile: None }
+            GemmKernel::Cooperative { split: precision == PrefillPrecision::Split, tile: None }
         } else {
             GemmKernel::Alu(Tiling::Auto)
         };
@@ -152,10 +201,12 @@ impl Gemm {
         self.kernel
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &self,
         gpu: &Gpu,
         (weight, part): (&GpuTensor, &TensorPart),
+        epilogue: Epilogue,
         params: GemmParams,
         shape: Shape,
         b: [&wgpu::Buffer; 5],
@@ -163,12 +214,22 @@ impl Gemm {
         // Tiles are chosen for the whole product, all experts' rows.
         let (n_rows, max_tokens) = (shape.rows * shape.experts.max(1), shape.tokens);
         let [step, x, y, groups, pairs] = b;
-        let flags = super::weight_flags(gpu, part.format);
+        let mut flags = super::weight_flags(gpu, part.format);
         if !flags.is_empty() && !weight.cols.is_multiple_of(4) {
             return Err(crate::Error::Unsupported {
                 what: "GEMM width (a multiple of 4 in formats other than bf16)",
                 value: format!("{}: {} columns of {}", weight.name, weight.cols, part.format),
             });
+        }
+        if epilogue == Epilogue::Swiglu {
+            // Pairs never straddle parts (GpuTensor keeps them together).
+            if !(shape.rows.is_multiple_of(2) && part.first_row.is_multiple_of(2)) {
+                return Err(crate::Error::Unsupported {
+                    what: "SwiGLU GEMM rows (gate/up pairs)",
+                    value: format!("{}: part of {} rows from {}", weight.name, part.rows, part.first_row),
+                });
+            }
+            flags.push(SWIGLU);
         }
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
         let kernel = match self.kernel {
@@ -189,7 +250,10 @@ impl Gemm {
                 (super::pipeline(gpu, "gemm", "main", &flags, &constants)?, tile, tile)
             }
             GemmKernel::Cooperative { split, tile } => {
-                let flags = gemm_coop::flags(gpu, part.format, split);
+                let mut flags = gemm_coop::flags(gpu, part.format, split);
+                if epilogue == Epilogue::Swiglu {
+                    flags.push(SWIGLU);
+                }
                 let tile = tile
                     .filter(|t| t.fits(&flags))
                     .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags));
@@ -217,6 +281,35 @@ impl Gemm {
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
+        self.plan_dense(gpu, weight, Epilogue::Plain, max_tokens, [step, x, y])
+    }
+
+    /// As [`Self::plan`] with W's rows gate/up pairs, y packed `[tokens,
+    /// W.rows / 2]`: [`Epilogue::Swiglu`].
+    pub fn plan_swiglu(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        max_tokens: usize,
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+    ) -> Result<Vec<Dispatch>> {
+        self.plan_dense(gpu, weight, Epilogue::Swiglu, max_tokens, [step, x, y])
+    }
+
+    fn plan_dense(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        epilogue: Epilogue,
+        max_tokens: usize,
+        [step, x, y]: [&wgpu::Buffer; 3],
+    ) -> Result<Vec<Dispatch>> {
+        let outputs = match epilogue {
+            Epilogue::Plain => weight.rows,
+            Epilogue::Swiglu => weight.rows / 2,
+        };
         weight
             .parts
             .iter()
@@ -228,11 +321,11 @@ impl Gemm {
                     expert_rows: 0,
                     expert: 0,
                     x_div: 1,
-                    y_stride: weight.rows as u32,
+                    y_stride: outputs as u32,
                 };
                 let g = &self.no_groups;
                 let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0 };
-                self.dispatch(gpu, (weight, part), params, shape, [step, x, y, g, g])
+                self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g])
             })
             .collect()
     }
@@ -240,14 +333,16 @@ impl Gemm {
     /// For the experts `experts` of a stacked `weight` (`expert_rows` rows
     /// each), all in one dispatch per part holding any of their rows:
     /// `y[idx] = W_e x[idx / x_div]` for every pair index `idx` grouped under
-    /// expert `e`. Encoded for the chunk's tokens, the most any expert can
-    /// have; `tokens_per_expert`, what an expert has on average, sizes the
-    /// tiles.
+    /// expert `e` (rows of `expert_rows`, or half that with
+    /// [`Epilogue::Swiglu`]). Encoded for the chunk's tokens, the most any
+    /// expert can have; `tokens_per_expert`, what an expert has on average,
+    /// sizes the tiles.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_experts(
         &self,
         gpu: &Gpu,
         weight: &GpuTensor,
+        epilogue: Epilogue,
         experts: std::ops::Range<usize>,
         expert_rows: usize,
         x_div: usize,
@@ -269,10 +364,14 @@ impl Gemm {
                     expert_rows: expert_rows as u32,
                     expert: first as u32,
                     x_div: x_div as u32,
-                    y_stride: expert_rows as u32,
+                    y_stride: match epilogue {
+                        Epilogue::Plain => expert_rows as u32,
+                        Epilogue::Swiglu => (expert_rows / 2) as u32,
+                    },
                 };
                 let shape = Shape { rows: expert_rows, tokens: tokens_per_expert, experts: end - first };
-                self.dispatch(gpu, (weight, part), params, shape, [step, b.x, b.y, b.groups, b.pairs])
+                let b = [step, b.x, b.y, b.groups, b.pairs];
+                self.dispatch(gpu, (weight, part), epilogue, params, shape, b)
             })
             .collect()
     }

@@ -12,11 +12,10 @@ pub const W_SPLIT: &str = "W_SPLIT";
 /// tiled into 8 subgroup tiles).
 pub const SUBGROUP_SIZE: u32 = 32;
 
-/// Workgroup memory of the largest builds: the staged tiles (128 tokens
-/// of x in two parts and 256 weight rows, or 128 of each in two parts),
-/// rows of 40 f16s (32 and padding), and eight 16 x 16 f32 accumulators on
-/// their way out.
-const WORKGROUP_BYTES: u32 = (2 * 128 + 256) * 40 * 2 + 8 * 256 * 4;
+/// Workgroup memory the kernel may use: what Vulkan guarantees (and
+/// NVIDIA's drivers offer), 48 KiB. [`Tile::fits`] keeps every build
+/// within it.
+const WORKGROUP_BYTES: u32 = 48 * 1024;
 
 /// The kernel stages eight k at a time with 16-byte loads: bf16 rows must
 /// hold a multiple of 8 values (other formats' rows are read four at a
@@ -49,6 +48,7 @@ pub fn flags(gpu: &crate::gpu::Gpu, format: crate::format::WeightFormat, split: 
 pub const FEATURES: wgpu::Features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
     .union(wgpu::Features::SHADER_F16)
     .union(wgpu::Features::SUBGROUP)
+    .union(wgpu::Features::SUBGROUP_BARRIER)
     .union(wgpu::Features::PASSTHROUGH_SHADERS);
 
 /// The adapter offers what the kernel needs: a Vulkan device (the one
@@ -71,50 +71,87 @@ pub fn usable(adapter: &wgpu::Adapter) -> bool {
         })
 }
 
-/// A workgroup's tile: tokens x weight rows (pipeline constants `TILE_M`
-/// and `TILE_N`).
+/// A workgroup's tile: tokens x weight rows, k per step (pipeline
+/// constants `TILE_M`, `TILE_N` and `TILE_K`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tile {
     /// 32, 64 or 128.
     pub tokens: u32,
     /// 128 or 256.
     pub rows: u32,
+    /// 32 or 64.
+    pub k: u32,
 }
 
 impl Tile {
     /// Every tile the kernel is built in, the most work per staged value
-    /// first (a tile's staging is shared by tokens x rows products).
-    pub const ALL: [Tile; 6] = [
-        Tile { tokens: 128, rows: 256 },
-        Tile { tokens: 128, rows: 128 },
-        Tile { tokens: 64, rows: 256 },
-        Tile { tokens: 64, rows: 128 },
-        Tile { tokens: 32, rows: 256 },
-        Tile { tokens: 32, rows: 128 },
+    /// first (a tile's staging is shared by tokens x rows products), each
+    /// in steps of 32 before 64.
+    pub const ALL: [Tile; 12] = [
+        Tile { tokens: 128, rows: 256, k: 32 },
+        Tile { tokens: 128, rows: 256, k: 64 },
+        Tile { tokens: 128, rows: 128, k: 32 },
+        Tile { tokens: 128, rows: 128, k: 64 },
+        Tile { tokens: 64, rows: 256, k: 32 },
+        Tile { tokens: 64, rows: 256, k: 64 },
+        Tile { tokens: 64, rows: 128, k: 32 },
+        Tile { tokens: 64, rows: 128, k: 64 },
+        Tile { tokens: 32, rows: 256, k: 32 },
+        Tile { tokens: 32, rows: 256, k: 64 },
+        Tile { tokens: 32, rows: 128, k: 32 },
+        Tile { tokens: 32, rows: 128, k: 64 },
     ];
 
-    /// Whether a build with `flags` can use this tile: 256 rows leave no
-    /// room for the second weight tile of [`W_SPLIT`].
+    /// Workgroup memory of a build with `flags` in this tile: the staged
+    /// tiles (a second of each split operand) in rows of k f16s and 16
+    /// bytes of padding, and eight 16 x 16 f32 accumulators on their way
+    /// out (as `wgsl/gemm_coop.wgsl` declares them).
+    pub fn workgroup_bytes(self, flags: &[&str]) -> u32 {
+        let parts = |split: &str| if flags.contains(&split) { 2 } else { 1 };
+        let staged_rows = self.tokens * parts(X_SPLIT) + self.rows * parts(W_SPLIT);
+        staged_rows * (2 * self.k + 16) + 8 * 256 * 4
+    }
+
+    /// Whether a build with `flags` can use this tile: its workgroup
+    /// memory fits.
     pub fn fits(self, flags: &[&str]) -> bool {
-        self.rows == 128 || !flags.contains(&W_SPLIT)
+        self.workgroup_bytes(flags) <= WORKGROUP_BYTES
     }
 
     /// The tile of a product of `n_rows` weight rows over `max_tokens`
-    /// tokens: the largest that still gives the product at least
-    /// [`MIN_WORKGROUPS`] workgroups, else the smallest. Expert groups
-    /// pass the tokens an expert has on average.
+    /// tokens: the first of [`Self::PREFERRED`] that fits the build and
+    /// still gives the product at least [`MIN_WORKGROUPS`] workgroups, else
+    /// the smallest. Expert groups pass the tokens an expert has on average.
     pub fn choose(n_rows: usize, max_tokens: usize, flags: &[&str]) -> Tile {
         let workgroups = |t: Tile| n_rows.div_ceil(t.rows as usize) * max_tokens.div_ceil(t.tokens as usize);
-        let fitting = Self::ALL.into_iter().filter(|t| t.fits(flags));
+        // Decoded weights take twice the registers in steps of 64.
+        let decodes = flags.contains(&"WEIGHT_FORMAT");
+        let fitting = Self::PREFERRED.into_iter().filter(|t| t.fits(flags) && (t.k == 32 || !decodes));
         fitting
             .clone()
             .find(|&t| max_tokens >= t.tokens as usize && workgroups(t) >= MIN_WORKGROUPS)
             .unwrap_or_else(|| fitting.clone().next_back().expect("a tile of 128 rows fits every build"))
     }
 
+    /// The tiles [`Self::choose`] picks from, in order: on the H200 (NVIDIA,
+    /// Vulkan; `kernel_throughput -- gemm`), 128 x 256 in steps of 32 ran
+    /// bf16 products at 4096 tokens at 192-208 TFLOP/s, 128 x 128 in steps
+    /// of 64 at 162-177 and in steps of 32 at 125-139 (at 512 tokens of
+    /// 4096 rows: 174, 104 and 137); steps of 64 ran the smaller tiles and
+    /// the decoded formats (Q4_K: 61-63 against 67-70) slower.
+    pub const PREFERRED: [Tile; 7] = [
+        Tile { tokens: 128, rows: 256, k: 32 },
+        Tile { tokens: 128, rows: 128, k: 64 },
+        Tile { tokens: 128, rows: 128, k: 32 },
+        Tile { tokens: 64, rows: 256, k: 32 },
+        Tile { tokens: 64, rows: 128, k: 32 },
+        Tile { tokens: 32, rows: 256, k: 32 },
+        Tile { tokens: 32, rows: 128, k: 32 },
+    ];
+
     /// The pipeline constants of the tile.
-    pub fn constants(self) -> [(&'static str, f64); 2] {
-        [("TILE_M", self.tokens as f64), ("TILE_N", self.rows as f64)]
+    pub fn constants(self) -> [(&'static str, f64); 3] {
+        [("TILE_M", self.tokens as f64), ("TILE_N", self.rows as f64), ("TILE_K", self.k as f64)]
     }
 }
 
@@ -127,8 +164,12 @@ impl Tile {
 pub const MIN_WORKGROUPS: usize = 128;
 
 /// Every flag set the flow may build: each weight format, with and
-/// without splits.
+/// without splits, plain and with SwiGLU.
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
+    super::gemm::with_epilogues(precision_flag_sets())
+}
+
+fn precision_flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for flags in super::weight_flag_sets() {
         let exact = flags.is_empty() || flags.contains(&"W_F16");
@@ -148,22 +189,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn builds_fit_the_workgroup_memory_the_kernel_asks_for() {
+        let q4k_split: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
+        let t = |tokens, rows, k| Tile { tokens, rows, k };
+        // 128 tokens in two parts and 256 bf16 rows in steps of 32: 48 KiB.
+        assert_eq!(t(128, 256, 32).workgroup_bytes(&[X_SPLIT]), WORKGROUP_BYTES);
+        assert!(!t(128, 256, 32).fits(q4k_split) && t(128, 128, 32).fits(q4k_split));
+        assert!(t(128, 128, 64).fits(&[]) && !t(128, 128, 64).fits(&[X_SPLIT]));
+        assert!(!t(128, 256, 64).fits(&[]));
+        // Every build has a tile to fall back on.
+        for flags in flag_sets() {
+            assert!(Tile::PREFERRED.iter().any(|t| t.k == 32 && t.fits(&flags)), "{flags:?}");
+        }
+    }
+
+    #[test]
     fn tiles_are_the_largest_that_keep_the_gpu_busy_and_fit_the_build() {
         let bf16: &[&str] = &[X_SPLIT];
+        let bf16_f16: &[&str] = &[];
         let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
+        let q4k_f16: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K"];
         // A 512-token chunk of Llama-3.1-8B's projections.
-        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 128 });
-        assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128 });
-        assert_eq!(Tile::choose(6144, 4096, bf16), Tile { tokens: 128, rows: 256 });
-        assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256 });
+        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 128, k: 32 });
+        assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128, k: 32 });
+        // Unsplit bf16 has room for steps of 64; decoded formats keep 32.
+        assert_eq!(Tile::choose(4096, 512, bf16_f16), Tile { tokens: 128, rows: 128, k: 64 });
+        assert_eq!(Tile::choose(4096, 512, q4k_f16), Tile { tokens: 128, rows: 128, k: 32 });
+        assert_eq!(Tile::choose(28672, 4096, bf16_f16), Tile { tokens: 128, rows: 256, k: 32 });
+        assert_eq!(Tile::choose(6144, 4096, bf16), Tile { tokens: 128, rows: 256, k: 32 });
+        assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256, k: 32 });
         // Its second weight tile leaves a split format 128 rows.
-        assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128 });
+        assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128, k: 32 });
         // Experts of a few tokens each; products too small for any tile.
-        assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256 });
-        assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128 });
+        assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256, k: 32 });
+        assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128, k: 32 });
         for rows in [1, 100, 4096, 1 << 20] {
             for tokens in [0, 1, 31, 64, 200, 4096] {
-                for flags in [bf16, q4k] {
+                for flags in [bf16, bf16_f16, q4k, q4k_f16] {
                     let t = Tile::choose(rows, tokens, flags);
                     assert!(t.fits(flags) && Tile::ALL.contains(&t), "{rows} x {tokens}: {t:?}");
                 }

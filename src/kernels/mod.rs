@@ -27,7 +27,6 @@ pub mod residual;
 pub mod rms_norm;
 pub mod router;
 pub mod sample;
-pub mod swiglu;
 pub mod vulkan_memory_model;
 
 pub use attention::Attention;
@@ -40,7 +39,6 @@ pub use residual::Residual;
 pub use rms_norm::RmsNorm;
 pub use router::Router;
 pub use sample::Sample;
-pub use swiglu::Swiglu;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -172,12 +170,6 @@ pub const FAMILIES: &[Family] = &[
         structs: sample::structs,
         reads_weights: false,
     },
-    Family {
-        name: "swiglu",
-        source: include_str!("../../wgsl/swiglu.wgsl"),
-        structs: swiglu::structs,
-        reads_weights: false,
-    },
 ];
 
 const COMMON: &str = include_str!("../../wgsl/common.wgsl");
@@ -197,7 +189,8 @@ impl Build {
     }
 
     /// Uses cooperative matrices, f16 and subgroups (needs the adapter's
-    /// EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and SUBGROUP).
+    /// EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16, SUBGROUP and
+    /// SUBGROUP_BARRIER).
     pub fn uses_cooperative_matrix(&self) -> bool {
         self.family == "gemm_coop" || self.flags.contains(&attention::COOP)
     }
@@ -259,7 +252,8 @@ pub fn builds() -> Vec<Build> {
     for family in FAMILIES {
         let flag_sets = match family.name {
             "gemv" => gemv::flag_sets(),
-            "embed" | "gemm" => weight_flag_sets(),
+            "embed" => weight_flag_sets(),
+            "gemm" => gemm::flag_sets(),
             "gemm_coop" => gemm_coop::flag_sets(),
             "attention" => attention::flag_sets(),
             "residual" => residual::flag_sets(),
@@ -457,10 +451,8 @@ pub struct Kernels {
     pub embed: Embed,
     pub rms_norm: RmsNorm,
     pub gemv: Gemv,
-    pub gemm: Gemm,
     pub group_by_expert: GroupByExpert,
     pub attention: Attention,
-    pub swiglu: Swiglu,
     pub residual: Residual,
     pub router: Router,
     pub sample: Sample,
@@ -473,10 +465,8 @@ impl Kernels {
             embed: Embed::new(gpu)?,
             rms_norm: RmsNorm::new(gpu)?,
             gemv: Gemv::new(gpu),
-            gemm: Gemm::new(gpu)?,
             group_by_expert: GroupByExpert::new(gpu)?,
             attention: Attention::new(gpu),
-            swiglu: Swiglu::new(gpu)?,
             residual: Residual::new(),
             router: Router::new(gpu)?,
             sample: Sample::new(gpu),

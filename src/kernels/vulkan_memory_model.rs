@@ -11,7 +11,10 @@
 //! the module is handed to the driver as it is:
 //! - every load and store through a workgroup pointer (plain and
 //!   cooperative) is marked `NonPrivatePointer`;
-//! - every barrier's semantics gain `MakeAvailable | MakeVisible`.
+//! - every barrier's semantics gain `MakeAvailable | MakeVisible`, and a
+//!   subgroup barrier's (naga's `SubgroupMemory`, which no storage class
+//!   answers to) `WorkgroupMemory`: the kernels order their subgroup's
+//!   workgroup memory with it.
 //!
 //! The module's bindings are numbered as wgpu numbers a layout's (in
 //! order, from 0), since nothing remaps a module passed through.
@@ -36,6 +39,8 @@ const OP_COOPERATIVE_MATRIX_STORE: u32 = 4458;
 const STORAGE_CLASS_WORKGROUP: u32 = 4;
 const MEMORY_ACCESS_NON_PRIVATE_POINTER: u32 = 0x20;
 const SEMANTICS_MAKE_AVAILABLE_VISIBLE: u32 = 0x2000 | 0x4000;
+const SEMANTICS_SUBGROUP_MEMORY: u32 = 0x80;
+const SEMANTICS_WORKGROUP_MEMORY: u32 = 0x100;
 const HEADER_WORDS: usize = 5;
 
 /// The SPIR-V of `entry` in `source` (WGSL), its override constants set,
@@ -180,7 +185,12 @@ pub fn follow_memory_model(words: &[u32]) -> Result<Vec<u32>> {
         let (ty, value) = *constants
             .get(&id)
             .ok_or_else(|| Error::Gpu(format!("barrier semantics %{id} is not a 32-bit constant")))?;
-        emit(&mut new_constants, OP_CONSTANT, &[ty, bound, value | SEMANTICS_MAKE_AVAILABLE_VISIBLE]);
+        let workgroup = if value & SEMANTICS_SUBGROUP_MEMORY != 0 { SEMANTICS_WORKGROUP_MEMORY } else { 0 };
+        emit(
+            &mut new_constants,
+            OP_CONSTANT,
+            &[ty, bound, value | SEMANTICS_MAKE_AVAILABLE_VISIBLE | workgroup],
+        );
         replaced.insert(id, bound);
         bound += 1;
     }
@@ -269,7 +279,7 @@ fn main(@builtin(local_invocation_index) l: u32) {
     let b = coopLoad<coop_mat16x16<f16, B>>(&tile[0], 16u);
     let c = coopMultiplyAdd(a, b, coop_mat16x16<f32, C>());
     coopStoreT(c, &result[0], 16u);
-    workgroupBarrier();
+    subgroupBarrier();
     out[l] = result[l] + f32(tile[l]);
 }
 ";
@@ -289,6 +299,9 @@ fn main(@builtin(local_invocation_index) l: u32) {
         assert!(
             barriers.iter().all(|s| s & SEMANTICS_MAKE_AVAILABLE_VISIBLE == SEMANTICS_MAKE_AVAILABLE_VISIBLE)
         );
+        // Both order workgroup memory, the subgroup barrier too.
+        assert!(barriers.iter().all(|s| s & SEMANTICS_WORKGROUP_MEMORY != 0), "{barriers:x?}");
+        assert!(barriers.iter().any(|s| s & SEMANTICS_SUBGROUP_MEMORY != 0), "{barriers:x?}");
         // Stores: tile[l] and result (cooperative); loads: tile (plain and
         // two cooperative), result[l]; the storage buffer's store stays private.
         let marked = |op: u32, mask_at: usize| {

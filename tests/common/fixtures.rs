@@ -58,9 +58,14 @@ pub fn replay(model: &wgspark::Model, e: &Expected) -> wgspark::Result<Vec<Vec<f
 }
 
 /// Session options whose logits are held to transformers' within 1e-3:
-/// an f32 KV cache (the default f16 one has its own tolerance).
+/// an f32 KV cache and, on cooperative matrices, prompt chunks multiplied
+/// in two f16 parts (the defaults, f16 for both, have their own tolerance).
 pub fn exact() -> wgspark::SessionOptions {
-    wgspark::SessionOptions { kv_format: wgspark::KvFormat::F32, ..Default::default() }
+    wgspark::SessionOptions {
+        kv_format: wgspark::KvFormat::F32,
+        prefill_precision: wgspark::PrefillPrecision::Split,
+        ..Default::default()
+    }
 }
 
 /// As [`replay`], with a session opened with `options`.
