@@ -445,7 +445,9 @@ fn compile_spirv(
 }
 
 /// All kernels of the layer flow, created once per model; specialisations
-/// a session asks for later come from the device's pipeline cache.
+/// a session asks for later come from the device's pipeline cache. (The
+/// chunk GEMM, whose precision a session chooses, is the session's:
+/// [`crate::ChunkMatmul::gemm`].)
 #[derive(Debug)]
 pub struct Kernels {
     pub embed: Embed,
