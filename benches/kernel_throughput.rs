@@ -209,12 +209,13 @@ fn main() {
         }
     }
 
-    // GEMM: each kernel the device runs, bf16 and Q4_K weights, on a
-    // chunk of the default size and on a long one.
+    // GEMM: each kernel the device runs, bf16 and Q4_K weights, on 512
+    // and 4096 tokens: the 8B shape's projections and head, Qwen3-30B-A3B's
+    // expert gate/up, the 1B shape's q/k/v and down projections.
     let gemm_sizes: &[(usize, usize)] = if cpu {
         &[(1536, 576)]
     } else {
-        &[(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 2048)]
+        &[(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 2048), (3072, 2048), (2048, 8192)]
     };
     // The wide f32 tiling, the cooperative kernel split in its chosen tile
     // and unsplit (the default) in its chosen tile and every tile that fits.
