@@ -215,7 +215,15 @@ fn main() {
     let gemm_sizes: &[(usize, usize)] = if cpu {
         &[(1536, 576)]
     } else {
-        &[(6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 2048), (3072, 2048), (2048, 8192)]
+        &[
+            (6144, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (128256, 4096),
+            (1536, 2048),
+            (3072, 2048),
+            (2048, 8192),
+        ]
     };
     // The wide f32 tiling, the cooperative kernel split in its chosen tile
     // and unsplit (the default) in its chosen tile and every tile that fits.
