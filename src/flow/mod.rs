@@ -21,9 +21,10 @@
 //! the session asks, the next token chosen on the GPU.
 //!
 //! A prompt chunk runs the same steps with kernels for many tokens: on
-//! GPUs the projections are `rms_norm` + GEMM (+ the residual add or the
-//! SwiGLU), attention is `rope_store` + `attend`; MoE readback groups the
-//! chunk's tokens by expert.
+//! GPUs the projections are `rms_norm` + GEMM (+ the residual add; the
+//! gate/up GEMM applies the SwiGLU as it writes), attention is
+//! `rope_store` + `attend` (or `attend_coop`); MoE layers group the chunk's
+//! tokens by expert (on the GPU, or on the host from the routing read back).
 
 mod buffers;
 pub(crate) mod moe;
