@@ -47,8 +47,8 @@ pub struct SessionOptions {
     /// unless asked for: see [`ExpertPrefetch`]).
     pub expert_prefetch: ExpertPrefetch,
     /// Prompt tokens per submission in [`Session::prefill`] (default
-    /// [`DEFAULT_PREFILL_CHUNK`]; lowered if the activations of a chunk
-    /// would not fit one storage binding).
+    /// [`DEFAULT_PREFILL_CHUNK`]; lowered to the context, and if the
+    /// activations of a chunk would not fit one storage binding).
     pub prefill_chunk: Option<usize>,
     /// Which kernel runs the projections of a prompt chunk.
     pub chunk_matmul: ChunkMatmul,
@@ -166,7 +166,9 @@ impl<'m> Session<'m> {
             model.weights.bytes().saturating_add(kv_bytes),
         )?;
         let kv = KvCache::new(gpu, c.layers, c.heads, context_len, options.kv_format)?;
-        let chunk = Activations::max_chunk(gpu, c, options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK));
+        // No prompt chunk is longer than the context.
+        let wanted = options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).min(context_len);
+        let chunk = Activations::max_chunk(gpu, c, wanted);
         let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
         let activations = Activations::new(gpu, c, chunk, context_len)?;
         let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, &kv)?;

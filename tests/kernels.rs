@@ -512,6 +512,7 @@ fn check_attention(gpu: &Gpu) {
             v_cache: &v_b,
             out: &out,
         };
+        let tol = if format == F16 { 2e-3 } else { 1e-5 };
         // A chunk on cooperative matrices in both precisions (each run
         // stores the same keys).
         for chunk_precision in [PrefillPrecision::Split, PrefillPrecision::F16] {
@@ -536,14 +537,12 @@ fn check_attention(gpu: &Gpu) {
             } else {
                 run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
             }
-            let tol = if format == F16 { 2e-3 } else { 1e-5 };
             let what = format!("attention {what} {chunk_precision:?}");
             assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
             if tokens == 1 || all_keys || !Attention::coop_fits(gpu, &shape) {
                 break;
             }
         }
-        let tol = if format == F16 { 2e-3 } else { 1e-5 };
         let words = match format {
             F32 => ctx * kvw,
             F16 => ctx * kvw / 2,

@@ -959,7 +959,7 @@ const RESCALE_MARGIN: f32 = 8.0;
 const TILE_LOADS: u32 = 4u;
 
 // The tile's K (rows 0 .. 31) and V (rows 32 .. 63); before the key loop,
-// the q rows (high, then low parts).
+// the q rows (with Q_SPLIT their high, then their low parts).
 var<workgroup> kv_sh: array<vec4<f16>, 2176>;
 const V_ROWS: u32 = 1088u;
 // Per subgroup: 16 rows x 32 scores, then one 16 x 16 block of O at a time.

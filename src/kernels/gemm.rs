@@ -226,7 +226,10 @@ impl Gemm {
             if !(shape.rows.is_multiple_of(2) && part.first_row.is_multiple_of(2)) {
                 return Err(crate::Error::Unsupported {
                     what: "SwiGLU GEMM rows (gate/up pairs)",
-                    value: format!("{}: part of {} rows from {}", weight.name, part.rows, part.first_row),
+                    value: format!(
+                        "{}: {} rows of a part from row {}",
+                        weight.name, shape.rows, part.first_row
+                    ),
                 });
             }
             flags.push(SWIGLU);

@@ -12,9 +12,9 @@ pub const W_SPLIT: &str = "W_SPLIT";
 /// tiled into 8 subgroup tiles).
 pub const SUBGROUP_SIZE: u32 = 32;
 
-/// Workgroup memory the kernel may use: what Vulkan guarantees (and
-/// NVIDIA's drivers offer), 48 KiB. [`Tile::fits`] keeps every build
-/// within it.
+/// Workgroup memory the kernel may use: 48 KiB, what NVIDIA's Vulkan
+/// drivers offer (Vulkan itself guarantees 16 KiB: an adapter with less
+/// than this runs the f32 GEMM). [`Tile::fits`] keeps every build within it.
 const WORKGROUP_BYTES: u32 = 48 * 1024;
 
 /// The kernel stages eight k at a time with 16-byte loads: bf16 rows must
@@ -134,11 +134,12 @@ impl Tile {
     }
 
     /// The tiles [`Self::choose`] picks from, in order: on the H200 (NVIDIA,
-    /// Vulkan; `kernel_throughput -- gemm`), 128 x 256 in steps of 32 ran
-    /// bf16 products at 4096 tokens at 192-208 TFLOP/s, 128 x 128 in steps
-    /// of 64 at 162-177 and in steps of 32 at 125-139 (at 512 tokens of
-    /// 4096 rows: 174, 104 and 137); steps of 64 ran the smaller tiles and
-    /// the decoded formats (Q4_K: 61-63 against 67-70) slower.
+    /// Vulkan; `kernel_throughput -- gemm`), bf16 products at 4096 tokens
+    /// ran at 192-208 TFLOP/s in 128 x 256 tiles in steps of 32, 162-177
+    /// in 128 x 128 in steps of 64 and 125-139 in steps of 32; at 512
+    /// tokens of the 4096 x 14336 down projection, 104, 174 and 137. Steps
+    /// of 64 ran the smaller tiles and the decoded formats (Q4_K: 61-63
+    /// against 67-70) slower.
     pub const PREFERRED: [Tile; 7] = [
         Tile { tokens: 128, rows: 256, k: 32 },
         Tile { tokens: 128, rows: 128, k: 64 },
