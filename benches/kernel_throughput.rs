@@ -6,7 +6,7 @@
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
-use wgspark::kernels::gemm::{GemmKernel, Tiling};
+use wgspark::kernels::gemm::{Epilogue, GemmKernel, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
@@ -249,7 +249,7 @@ fn main() {
                 let s = step(&gpu, 0, tokens, 1);
                 for kernel in kernels.iter().filter(|k| builds(format, k)) {
                     let gemm = Gemm::with_kernel(&gpu, *kernel).unwrap();
-                    let d = gemm.plan(&gpu, &w, tokens as usize, &s, &x, &y).unwrap();
+                    let d = gemm.plan(&gpu, &w, Epilogue::Plain, tokens as usize, &s, &x, &y).unwrap();
                     time(&gpu, &d, None, tokens, 1);
                     let secs = time(&gpu, &d, None, tokens, if cpu { 1 } else { 5 });
                     let flops = 2.0 * (rows * cols) as f64 * tokens as f64;

@@ -12,6 +12,7 @@ use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
+use wgspark::kernels::gemm::Epilogue;
 use wgspark::kernels::gemv::{
     EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units,
 };
@@ -473,7 +474,11 @@ fn gemm_in_every_format_matches_the_cpu_product_of_its_values() {
             let xb = gpu.storage_buffer_init("x", &x);
             let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
             let step = step_buffer(gpu, 0, tokens, 1);
-            run(gpu, &gemm.plan(gpu, &weight, tokens, &step, &xb, &yb).unwrap(), tokens as u32);
+            run(
+                gpu,
+                &gemm.plan(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap(),
+                tokens as u32,
+            );
             let want: Vec<f32> = (0..tokens)
                 .flat_map(|t| reference::gemv(&c.values, rows, cols, &x[t * cols..(t + 1) * cols]))
                 .collect();

@@ -786,7 +786,11 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     let xb = gpu.storage_buffer_init("x", &x);
                     let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
                     let step = step_buffer(&gpu, 0, tokens, 1);
-                    run(&gpu, &gemm.plan(&gpu, &weight, tokens, &step, &xb, &yb).unwrap(), tokens as u32);
+                    run(
+                        &gpu,
+                        &gemm.plan(&gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap(),
+                        tokens as u32,
+                    );
                     let want: Vec<f32> = (0..tokens)
                         .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
                         .collect();
@@ -801,7 +805,7 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     // rows have no pairs to gate.
                     let pairs = GpuTensor::alloc_grouped(&gpu, "w", rows, cols, 2).unwrap();
                     pairs.write_rows(&gpu, 0, &bf16_bytes(&w));
-                    let gated = gemm.plan_swiglu(&gpu, &pairs, tokens, &step, &xb, &yb);
+                    let gated = gemm.plan(&gpu, &pairs, Epilogue::Swiglu, tokens, &step, &xb, &yb);
                     if rows % 2 == 1 {
                         assert!(matches!(gated, Err(wgspark::Error::Unsupported { .. })), "{what}");
                         continue;

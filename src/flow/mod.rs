@@ -42,7 +42,7 @@ use crate::kernels::Step;
 use crate::kernels::attention::{
     AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
 };
-use crate::kernels::gemm::{Gemm, PrefillPrecision};
+use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
@@ -160,7 +160,7 @@ impl<'a> Builder<'a> {
         let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
         let chunk = self.chunk(|gemm| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(gemm.plan(gpu, weight, act.max_tokens, &act.step, &act.h, y)?);
+            d.extend(gemm.plan(gpu, weight, Epilogue::Plain, act.max_tokens, &act.step, &act.h, y)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
@@ -179,7 +179,7 @@ impl<'a> Builder<'a> {
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
         let chunk = self.chunk(|gemm| {
-            let mut d = gemm.plan(gpu, weight, act.max_tokens, &act.step, a, scratch)?;
+            let mut d = gemm.plan(gpu, weight, Epilogue::Plain, act.max_tokens, &act.step, a, scratch)?;
             d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
             Ok(d)
         })?;
@@ -201,7 +201,7 @@ impl<'a> Builder<'a> {
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
         let chunk = self.chunk(|gemm| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(gemm.plan_swiglu(gpu, weight, act.max_tokens, &act.step, &act.h, out)?);
+            d.extend(gemm.plan(gpu, weight, Epilogue::Swiglu, act.max_tokens, &act.step, &act.h, out)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Dispatch, Gpu};
 use crate::kernels::attention::{AttentionBindings, AttentionShape};
 use crate::kernels::bias_act::Activation;
-use crate::kernels::gemm::{Gemm, PrefillPrecision};
+use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
 use crate::kernels::gemv::GemvSpec;
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows;
@@ -145,7 +145,7 @@ impl Pass<'_> {
     ) -> Result<()> {
         let (gpu, k) = (self.gpu, self.kernels);
         let product = if let Some(gemm) = self.gemm {
-            gemm.plan(gpu, &l.weight, tokens, step, x, y)?
+            gemm.plan(gpu, &l.weight, Epilogue::Plain, tokens, step, x, y)?
         } else {
             k.gemv.plan(gpu, &GemvSpec::plain(&l.weight, x, y))?
         };

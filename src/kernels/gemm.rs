@@ -274,40 +274,18 @@ impl Gemm {
     }
 
     /// `y[t] = W x[t]` for the `step.n_tokens` tokens in flight (at most
-    /// `max_tokens`), x packed `[tokens, W.cols]`, y packed `[tokens, W.rows]`.
+    /// `max_tokens`), x packed `[tokens, W.cols]`, y packed `[tokens, W.rows]`
+    /// (or `W.rows / 2` with [`Epilogue::Swiglu`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn plan(
-        &self,
-        gpu: &Gpu,
-        weight: &GpuTensor,
-        max_tokens: usize,
-        step: &wgpu::Buffer,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-    ) -> Result<Vec<Dispatch>> {
-        self.plan_dense(gpu, weight, Epilogue::Plain, max_tokens, [step, x, y])
-    }
-
-    /// As [`Self::plan`] with W's rows gate/up pairs, y packed `[tokens,
-    /// W.rows / 2]`: [`Epilogue::Swiglu`].
-    pub fn plan_swiglu(
-        &self,
-        gpu: &Gpu,
-        weight: &GpuTensor,
-        max_tokens: usize,
-        step: &wgpu::Buffer,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-    ) -> Result<Vec<Dispatch>> {
-        self.plan_dense(gpu, weight, Epilogue::Swiglu, max_tokens, [step, x, y])
-    }
-
-    fn plan_dense(
         &self,
         gpu: &Gpu,
         weight: &GpuTensor,
         epilogue: Epilogue,
         max_tokens: usize,
-        [step, x, y]: [&wgpu::Buffer; 3],
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
         let outputs = match epilogue {
             Epilogue::Plain => weight.rows,
