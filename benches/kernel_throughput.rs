@@ -2,10 +2,13 @@
 //! bandwidth (plain and fused, over workgroup shapes; bf16 and quantized) as a fraction of the
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
 //! time by depth and cache format. `cargo bench --bench kernel_throughput`
-//! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`) one of them.
+//! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`) one of them,
+//! `-- quantized Q4_K Q8_0` some formats, `-- attention chunk` prompt chunks alone.
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
-use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
+use wgspark::kernels::attention::{
+    AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
+};
 use wgspark::kernels::gemm::{Epilogue, GemmKernel, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
@@ -80,8 +83,12 @@ fn main() {
         bandwidth.kernel / 1e12
     );
     let reps = if cpu { 2 } else { 50 };
-    let section = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let runs = |name: &str| section.as_deref().is_none_or(|s| s == name);
+    // `kernel_throughput [SECTION [ARG...]]`: one section; `quantized
+    // Q4_K Q6_K` in those formats only, `attention chunk` prompt chunks only.
+    let positional: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let section = positional.first();
+    let runs = |name: &str| section.is_none_or(|s| s == name);
+    let section_args = &positional[positional.len().min(1)..];
     if !cpu && runs("copy") {
         let bytes = 1u64 << 30;
         let (a, b) =
@@ -304,7 +311,10 @@ fn main() {
         ("f32", GemvShape { int8: false, ..default_shape }),
         ("f32 quads", GemvShape { units: false, int8: false, ..default_shape }),
     ];
-    for format in formats.into_iter().filter(|_| runs("quantized")) {
+    for format in formats
+        .into_iter()
+        .filter(|f| runs("quantized") && (section_args.is_empty() || section_args.contains(&f.to_string())))
+    {
         for &(rows, cols) in sizes {
             let bytes = rows * format.gpu_row_bytes(cols);
             // Enough copies that they do not stay in the GPU's cache.
@@ -432,6 +442,15 @@ fn main() {
     // Attention of Llama-3.1-8B's and Llama-3.2-1B's geometry by depth and
     // cache format, and of Qwen3-30B-A3B's with its per-head q/k norm.
     let attention = Attention::new(&gpu);
+    // Chunks in every layout of the cooperative-matrix kernel the device
+    // has memory for (else the default kernels alone).
+    let mut chunk_kernels: Vec<(String, Attention)> = CoopLayout::fitting(&gpu)
+        .filter(|_| gpu.caps.cooperative_matrix)
+        .map(|l| (format!(", {} subgroups", l.subgroups), Attention::with_coop_layout(&gpu, l)))
+        .collect();
+    if chunk_kernels.is_empty() {
+        chunk_kernels.push((String::new(), attention));
+    }
     let depths: &[usize] = if cpu { &[64] } else { &[64, 512, 4096, 16384] };
     let geometries = [
         (Heads { q: 32, kv: 8, dim: 128 }, KvFormat::F16, QkNorm::None),
@@ -440,7 +459,12 @@ fn main() {
         (Heads { q: 32, kv: 4, dim: 128 }, KvFormat::F16, QkNorm::PerHead),
     ];
     let norm_weight = GpuTensor::vector_f32(&gpu, "qk_norm", &vec![1.0f32; 128]).unwrap();
-    for (heads, format, norm) in geometries.into_iter().filter(|_| runs("attention")) {
+    // `attention chunk`: the prompt chunks alone, on the caches they run on
+    // cooperative matrices with.
+    let chunks_only = section_args.iter().any(|a| a == "chunk");
+    for (heads, format, norm) in
+        geometries.into_iter().filter(|g| runs("attention") && !(chunks_only && g.1 == KvFormat::F32))
+    {
         for &ctx in depths {
             let k_cache = gpu.storage_buffer_init("k_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
             let v_cache = gpu.storage_buffer_init("v_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
@@ -462,7 +486,9 @@ fn main() {
             let max_splits = wgspark::kernels::attention::MAX_SPLITS;
             let acc = gpu.storage_buffer("split_acc", heads.q * max_splits * heads.dim).unwrap();
             let max_sum = gpu.storage_buffer("split_max_sum", heads.q * max_splits * 2).unwrap();
-            for tokens in [1u32, if cpu { 8 } else { 512 }].into_iter().filter(|&t| t as usize <= ctx) {
+            let token_counts = if cpu { vec![1u32, 8] } else { vec![1, 512, 2048] };
+            for tokens in token_counts.into_iter().filter(|&t| t as usize <= ctx && !(chunks_only && t == 1))
+            {
                 let qkv = gpu.storage_buffer_init("qkv", &vec![0.01f32; tokens as usize * heads.qkv_width()]);
                 let out = gpu.storage_buffer("out", tokens as usize * heads.q * heads.dim).unwrap();
                 let pos0 = ctx as u32 - tokens;
@@ -495,7 +521,7 @@ fn main() {
                     let value = Step { pos0, n_tokens: 1, attn_splits: splits as u32, _pad: 0 };
                     gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
                 }
-                let secs = if tokens == 1 {
+                let timings: Vec<(&str, f64)> = if tokens == 1 {
                     let d = attention
                         .plan_decode(&gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
                         .unwrap();
@@ -506,31 +532,34 @@ fn main() {
                         0.0
                     };
                     println!("  attend {:.4} ms, combine {:.4} ms", attend * 1e3, combine * 1e3);
-                    attend + combine
+                    vec![("", attend + combine)]
                 } else {
-                    time(
-                        &gpu,
-                        &attention.plan_chunk(&gpu, &shape, &b).unwrap(),
-                        None,
-                        tokens,
-                        if cpu { 1 } else { 5 },
-                    )
+                    let chunk_reps = if cpu { 1 } else { 5 };
+                    let time_chunk = |a: &Attention| {
+                        time(&gpu, &a.plan_chunk(&gpu, &shape, &b).unwrap(), None, tokens, chunk_reps)
+                    };
+                    chunk_kernels.iter().map(|(name, a)| (name.as_str(), time_chunk(a))).collect()
                 };
                 let kv_bytes = (2 * ctx * heads.kv_width() * format.bytes_per_value()) as f64;
-                // (f32 caches read the same words as f16 values: only the timing matters here.)
-                println!(
-                    "attention {format:?} {}/{} heads x {}{}, {tokens} tokens ending at {ctx} ({splits} splits): {:.4} ms{}",
-                    heads.q,
-                    heads.kv,
-                    heads.dim,
-                    if norm == QkNorm::None { "" } else { ", q/k norm" },
-                    secs * 1e3,
-                    if tokens == 1 {
-                        format!(", {:.1}% of copy bandwidth", 100.0 * kv_bytes / secs / copy)
-                    } else {
-                        String::new()
-                    }
-                );
+                for (layout, secs) in timings {
+                    // (f32 caches read the same words as f16 values: only the timing matters here.)
+                    println!(
+                        "attention {format:?} {}/{} heads x {}{}, {tokens} tokens ending at {ctx} ({splits} splits{layout}): {:.4} ms{}",
+                        heads.q,
+                        heads.kv,
+                        heads.dim,
+                        if norm == QkNorm::None { "" } else { ", q/k norm" },
+                        secs * 1e3,
+                        if tokens == 1 {
+                            format!(", {:.1}% of copy bandwidth", 100.0 * kv_bytes / secs / copy)
+                        } else {
+                            // Causal: token t sees pos0 + t + 1 keys; q k^T and P V.
+                            let row_keys = (0..tokens as u64).map(|t| pos0 as u64 + t + 1).sum::<u64>();
+                            let flops = 4.0 * (row_keys * (heads.q * heads.dim) as u64) as f64;
+                            format!(", {:.1} TFLOP/s", flops / secs / 1e12)
+                        }
+                    );
+                }
             }
         }
     }

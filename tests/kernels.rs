@@ -5,7 +5,9 @@ mod common;
 
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
-use wgspark::kernels::attention::{AttentionBindings, AttentionShape, QkNormWeights, SplitScratch};
+use wgspark::kernels::attention::{
+    AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
+};
 use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
@@ -387,7 +389,11 @@ fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
 
 fn check_attention(gpu: &Gpu) {
     let mut rng = Rng::new(6);
-    let attention = Attention::new(gpu);
+    // The default kernels, then the chunk attention in each other layout
+    // the device has memory for.
+    let attentions: Vec<Attention> = std::iter::once(Attention::new(gpu))
+        .chain(CoopLayout::fitting(gpu).skip(1).map(|l| Attention::with_coop_layout(gpu, l)))
+        .collect();
     use KvFormat::{F16, F32};
     use QkNorm::{None as NoNorm, PerHead, WholeProjection};
     // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format,
@@ -513,9 +519,12 @@ fn check_attention(gpu: &Gpu) {
             out: &out,
         };
         let tol = if format == F16 { 2e-3 } else { 1e-5 };
-        // A chunk on cooperative matrices in both precisions (each run
-        // stores the same keys).
-        for chunk_precision in [PrefillPrecision::Split, PrefillPrecision::F16] {
+        // A chunk on cooperative matrices in both precisions and every
+        // layout (each run stores the same keys).
+        let layouts = attentions.iter().enumerate();
+        for ((layout, attention), chunk_precision) in
+            layouts.flat_map(|a| [(a, PrefillPrecision::Split), (a, PrefillPrecision::F16)])
+        {
             let shape = AttentionShape {
                 heads,
                 rotary_dim: rot,
@@ -537,9 +546,9 @@ fn check_attention(gpu: &Gpu) {
             } else {
                 run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
             }
-            let what = format!("attention {what} {chunk_precision:?}");
+            let what = format!("attention {what} {chunk_precision:?} layout {layout}");
             assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
-            if tokens == 1 || all_keys || !Attention::coop_fits(gpu, &shape) {
+            if tokens == 1 || all_keys || !attention.coop_fits(&shape) {
                 break;
             }
         }

@@ -929,44 +929,64 @@ fn attend_lanes(
 
 #if COOP
 // ---- attend_coop: a chunk's attention on cooperative matrices ----
-// One workgroup per (KV head, block of 64 query rows = 64 / group tokens),
-// four subgroups of 16 rows. Each subgroup holds its rows' q (normalised
-// and rotated into `out` by rope_store) in f16 A fragments (with Q_SPLIT
-// as high and low parts: 22 bits of mantissa), staged in turn through the
-// K/V tile's memory. Keys go by in tiles of 32, K and V staged as the f16
-// cache stores them (each invocation's share of the next tile loaded into
-// registers while this one is multiplied): S = q k^T into f32; a lane pair
-// per row masks and applies the online softmax; O += P V with P in f16, O
-// held in f32 accumulators. The probabilities are taken against a
+// One workgroup per (KV head, block of C_ROWS = 16 C_SUBGROUPS query rows
+// = C_ROWS / group tokens), C_SUBGROUPS subgroups of 16 rows; the blocks
+// with the most keys (the chunk's last tokens) start first, so that the
+// short ones fill the GPU's tail. Each subgroup stages its rows' q
+// (normalised and rotated into `out` by rope_store) 32 dimensions at a
+// time through its own P memory into f16 A fragments (with Q_SPLIT as
+// high and low parts: 22 bits of mantissa) held for the whole key loop.
+// Keys go by in tiles of 32, K and V staged as the f16 cache stores them,
+// each invocation's share of the next tile loaded into registers while
+// this one is multiplied. S = q k^T into f32; a lane pair per row
+// masks and applies the online softmax; O += P V with P in f16, O held in
+// f32 accumulators. S and P go through memory of the subgroup's own, so
+// subgroup barriers order them. The probabilities are taken against a
 // reference maximum that moves only when a row's scores exceed it by
 // RESCALE_MARGIN, so P stays below e^RESCALE_MARGIN and O is rescaled
-// (through workgroup memory) only then: rarely after a row's first keys.
+// (through memory) only then: rarely after a row's first keys; the
+// subgroups agree on it through one workgroup-uniform load per tile, as
+// the matrix operations must stay in uniform control flow.
+// On the H200, eight subgroups (one K/V tile for 128 rows) ran the 8B
+// shape's chunk attention 1.35x as fast as four, and rows of 36 scores
+// instead of 32 1.3x as fast again; a second K/V buffer, stored while the
+// other is multiplied, gained nothing.
 // The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
 // stores, strides in vec4s).
 // Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
-// 16), a group dividing 16 and subgroups of 32.
+// 16), a group dividing 16 and subgroups of 32; workgroup memory of
+// kernels::attention::CoopLayout::workgroup_bytes.
 
 override HD_FRAGS: u32 = 8u;
+// 8, or 4 where workgroup memory is short.
+override C_SUBGROUPS: u32 = 8u;
+override C_WG: u32 = 32u * C_SUBGROUPS;
+override C_ROWS: u32 = 16u * C_SUBGROUPS;
 const C_KEYS: u32 = 32u;
 // Row stride of the K/V tiles in vec4<f16>s (128 f16s + 8 of padding).
 const C_STRIDE: u32 = 34u;
-const C_ROWS: u32 = 64u;
-// Row stride of P in vec4<f16>s (32 f16s + 8 of padding).
+// Row stride of P (and of q as it is staged) in vec4<f16>s (32 f16s + 8
+// of padding).
 const P_STRIDE: u32 = 10u;
+const P_LEN: u32 = 160u;
+// Row stride of the scores in f32s: 32 and 4 of padding (with rows of
+// 32, the 16 rows' reads of one column all fell on one bank).
+const S_STRIDE: u32 = 36u;
 const RESCALE_MARGIN: f32 = 8.0;
 // Quads of 8 f16s (one vec4<u32> of the cache) of a tile each invocation
-// stages: 32 keys of head_dim 128, K and V.
+// stages: at most 32 keys of head_dim 128, K and V, over 128 invocations.
 const TILE_LOADS: u32 = 4u;
-
-// The tile's K (rows 0 .. 31) and V (rows 32 .. 63); before the key loop,
-// the q rows (with Q_SPLIT their high, then their low parts).
-var<workgroup> kv_sh: array<vec4<f16>, 2176>;
+// The tile's K (rows 0 .. 31) and V (rows 32 .. 63).
 const V_ROWS: u32 = 1088u;
-// Per subgroup: 16 rows x 32 scores, then one 16 x 16 block of O at a time.
-var<workgroup> sc_sh: array<f32, 2048>;
-var<workgroup> pc_sh: array<vec4<f16>, 640>;
+var<workgroup> kv_sh: array<vec4<f16>, 2176>;
+// Per subgroup: 16 rows x 32 scores, or one 16 x 16 block of O.
+override SC_LEN: u32 = C_SUBGROUPS * 16u * S_STRIDE;
+var<workgroup> sc_sh: array<f32, SC_LEN>;
+override PC_LEN: u32 = C_SUBGROUPS * P_LEN;
+var<workgroup> pc_sh: array<vec4<f16>, PC_LEN>;
 var<workgroup> alpha_sh: array<f32, C_ROWS>;
-var<workgroup> rescale_sg: array<u32, 4>;
+// Per subgroup (of at most 8), whether its O needs rescaling.
+var<workgroup> rescale_sg: array<u32, 8>;
 
 // An invocation's share of a tile: its quads of K and V.
 struct TileLoads {
@@ -974,16 +994,21 @@ struct TileLoads {
     v: array<vec4<u32>, TILE_LOADS>,
 }
 
+// Whether quad slot c of each invocation lies in the tile.
+fn slot_used(c: u32) -> bool {
+    return c * C_WG < C_KEYS * 2u * HD_FRAGS;
+}
+
 // This invocation's quads of keys [k0, k0 + n) of KV head g, zero past n.
 fn load_coop_tile(k0: u32, n: u32, g: u32, l: u32) -> TileLoads {
     let quads = p.head_dim / 8u;
     var t: TileLoads;
     for (var c = 0u; c < TILE_LOADS; c++) {
-        let i = l + c * WG;
+        let i = l + c * C_WG;
         let j = i / quads;
         t.k[c] = vec4<u32>(0u);
         t.v[c] = vec4<u32>(0u);
-        if (i < C_KEYS * quads && j < n) {
+        if (slot_used(c) && i < C_KEYS * quads && j < n) {
             let q = kv_index(k0 + j, g, 0u) / 8u + i % quads;
             t.k[c] = k_cache[q];
             t.v[c] = v_cache[q];
@@ -1001,8 +1026,8 @@ fn f16x4(a: u32, b: u32) -> vec4<f16> {
 fn store_coop_tile(t: TileLoads, l: u32) {
     let quads = p.head_dim / 8u;
     for (var c = 0u; c < TILE_LOADS; c++) {
-        let i = l + c * WG;
-        if (i < C_KEYS * quads) {
+        let i = l + c * C_WG;
+        if (slot_used(c) && i < C_KEYS * quads) {
             let at = (i / quads) * C_STRIDE + (i % quads) * 2u;
             kv_sh[at] = f16x4(t.k[c].x, t.k[c].y);
             kv_sh[at + 1u] = f16x4(t.k[c].z, t.k[c].w);
@@ -1013,46 +1038,54 @@ fn store_coop_tile(t: TileLoads, l: u32) {
 }
 
 // Multiplies the 16 x 16 block of subgroup sg's accumulator `o` by each
-// row's alpha_sh (all invocations call it).
+// row's alpha_sh (the subgroup's lanes call it together).
 fn rescale(o: coop_mat16x16<f32, C>, sg: u32, lane: u32) -> coop_mat16x16<f32, C> {
-    coopStoreT(o, &sc_sh[sg * 512u], 16u);
-    workgroupBarrier();
+    let at = sg * 16u * S_STRIDE;
+    coopStoreT(o, &sc_sh[at], 16u);
+    subgroupBarrier();
     for (var c = 0u; c < 8u; c++) {
         let e = lane + 32u * c;
-        sc_sh[sg * 512u + e] *= alpha_sh[sg * 16u + e / 16u];
+        sc_sh[at + e] *= alpha_sh[sg * 16u + e / 16u];
     }
-    workgroupBarrier();
-    let scaled = coopLoadT<coop_mat16x16<f32, C>>(&sc_sh[sg * 512u], 16u);
-    workgroupBarrier();
+    subgroupBarrier();
+    let scaled = coopLoadT<coop_mat16x16<f32, C>>(&sc_sh[at], 16u);
+    subgroupBarrier();
     return scaled;
 }
 
-// Fragment i (head dimensions 16 i ..) of subgroup sg's query rows, as
-// stage_q left them.
-fn q_frag(sg: u32, i: u32) -> coop_mat16x16<f16, A> {
-    return coopLoadT<coop_mat16x16<f16, A>>(&kv_sh[16u * sg * C_STRIDE + 4u * i], C_STRIDE);
+// Fragments 2 h and 2 h + 1 (head dimensions 32 h ..) of subgroup sg's
+// query rows (their high or low parts with Q_SPLIT), staged from `out`
+// through the subgroup's P memory (zero past the block's `rows`).
+struct QPair {
+    a: coop_mat16x16<f16, A>,
+    b: coop_mat16x16<f16, A>,
 }
 
-// The query rows, as rope_store left them in `out` (their high or low
-// parts with Q_SPLIT), into kv_sh's 64 rows (zero past `rows`).
-fn stage_q(low: bool, t0: u32, g: u32, rows: u32, l: u32) {
-    let hd = p.head_dim;
+fn q_pair(low: bool, h: u32, t0: u32, g: u32, rows: u32, sg: u32, lane: u32) -> QPair {
     let group = p.n_q_heads / p.n_kv_heads;
-    for (var i = l; i < C_ROWS * hd / 4u; i += WG) {
-        let row = i / (hd / 4u);
-        let d = 4u * (i % (hd / 4u));
+    // 16 rows x 8 quads of the 32 dimensions: four per lane.
+    for (var c = 0u; c < 4u; c++) {
+        let i = lane + 32u * c;
+        let r = sg * 16u + i / 8u;
+        let d = 32u * h + 4u * (i % 8u);
         var v = vec4<f32>(0.0);
-        if (row < rows) {
-            let at = (t0 + row / group) * p.out_stride + (g * group + row % group) * hd + d;
+        if (r < rows && d < p.head_dim) {
+            let at = (t0 + r / group) * p.out_stride + (g * group + r % group) * p.head_dim + d;
             v = vec4<f32>(out[at], out[at + 1u], out[at + 2u], out[at + 3u]);
         }
 #if Q_SPLIT
         let high = bitcast<vec4<f32>>(bitcast<vec4<u32>>(v) & vec4<u32>(0xffffe000u));
         v = select(high, v - high, low);
 #endif
-        kv_sh[row * C_STRIDE + d / 4u] = vec4<f16>(v);
+        pc_sh[sg * P_LEN + (i / 8u) * P_STRIDE + i % 8u] = vec4<f16>(v);
     }
-    workgroupBarrier();
+    subgroupBarrier();
+    let pair = QPair(
+        coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * P_LEN], P_STRIDE),
+        coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * P_LEN + 4u], P_STRIDE),
+    );
+    subgroupBarrier();
+    return pair;
 }
 
 // s + q k^T over head dimensions 16 i .. for the tile's keys 16 j .. (q
@@ -1074,10 +1107,11 @@ fn pv(p0: coop_mat16x16<f16, A>, p1: coop_mat16x16<f16, A>, o: coop_mat16x16<f32
 }
 
 // Writes head dimensions 16 i .. of subgroup sg's rows, times alpha_sh
-// (1 / the row's sum), to `out` (all invocations call it).
+// (1 / the row's sum), to `out` (the subgroup's lanes call it together).
 fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: u32, rows: u32) {
-    coopStoreT(o, &sc_sh[sg * 512u], 16u);
-    workgroupBarrier();
+    let at = sg * 16u * S_STRIDE;
+    coopStoreT(o, &sc_sh[at], 16u);
+    subgroupBarrier();
     let group = p.n_q_heads / p.n_kv_heads;
     for (var c = 0u; c < 8u; c++) {
         let e = lane + 32u * c;
@@ -1085,62 +1119,49 @@ fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: 
         if (row < rows) {
             let t = t0 + row / group;
             let head = g * group + row % group;
-            out[t * p.out_stride + head * p.head_dim + 16u * i + e % 16u] = sc_sh[sg * 512u + e] * alpha_sh[row];
+            out[t * p.out_stride + head * p.head_dim + 16u * i + e % 16u] = sc_sh[at + e] * alpha_sh[row];
         }
     }
-    workgroupBarrier();
+    subgroupBarrier();
 }
 
 // Fragments are named rather than indexed: drivers may not index arrays
 // of cooperative matrices. Those past HD_FRAGS are loaded but unused.
-@compute @workgroup_size(WG)
+@compute @workgroup_size(C_WG)
 fn attend_coop(
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) l: u32,
     @builtin(subgroup_id) sg: u32,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let g = wid.x;
-    let t0 = wid.y * p.tokens_per_wg;
-    let hd = p.head_dim;
+    let t0 = (nwg.y - 1u - wid.y) * p.tokens_per_wg;
     let group = p.n_q_heads / p.n_kv_heads;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * group;
     let start = first_key(step.pos0 + t0);
     let end = step.pos0 + t0 + n_tok;
+    if (l < 8u) {
+        rescale_sg[l] = 0u;
+    }
     // The first tile's loads are in flight while q is staged.
     var tile = load_coop_tile(start, min(C_KEYS, end - start), g, l);
 
-    stage_q(false, t0, g, rows, l);
-    let qh0 = q_frag(sg, 0u);
-    let qh1 = q_frag(sg, 1u);
-    let qh2 = q_frag(sg, 2u);
-    let qh3 = q_frag(sg, 3u);
-    let qh4 = q_frag(sg, 4u);
-    let qh5 = q_frag(sg, 5u);
-    let qh6 = q_frag(sg, 6u);
-    let qh7 = q_frag(sg, 7u);
-    workgroupBarrier();
+    let q01 = q_pair(false, 0u, t0, g, rows, sg, lane);
+    let q23 = q_pair(false, 1u, t0, g, rows, sg, lane);
+    let q45 = q_pair(false, 2u, t0, g, rows, sg, lane);
+    let q67 = q_pair(false, 3u, t0, g, rows, sg, lane);
 #if Q_SPLIT
-    stage_q(true, t0, g, rows, l);
-    let ql0 = q_frag(sg, 0u);
-    let ql1 = q_frag(sg, 1u);
-    let ql2 = q_frag(sg, 2u);
-    let ql3 = q_frag(sg, 3u);
-    let ql4 = q_frag(sg, 4u);
-    let ql5 = q_frag(sg, 5u);
-    let ql6 = q_frag(sg, 6u);
-    let ql7 = q_frag(sg, 7u);
-    workgroupBarrier();
+    let l01 = q_pair(true, 0u, t0, g, rows, sg, lane);
+    let l23 = q_pair(true, 1u, t0, g, rows, sg, lane);
+    let l45 = q_pair(true, 2u, t0, g, rows, sg, lane);
+    let l67 = q_pair(true, 3u, t0, g, rows, sg, lane);
 #else
-    let ql0 = qh0;
-    let ql1 = qh1;
-    let ql2 = qh2;
-    let ql3 = qh3;
-    let ql4 = qh4;
-    let ql5 = qh5;
-    let ql6 = qh6;
-    let ql7 = qh7;
+    let l01 = q01;
+    let l23 = q23;
+    let l45 = q45;
+    let l67 = q67;
 #endif
 
     var o0 = coop_mat16x16<f32, C>();
@@ -1157,6 +1178,7 @@ fn attend_coop(
     let half = lane % 2u;
     let row = sg * 16u + r;
     let row_pos = step.pos0 + t0 + row / group;
+    let s_at = sg * 16u * S_STRIDE;
     var m_ref = NEG_BIG;
     var l_sum = 0.0;
 
@@ -1170,39 +1192,39 @@ fn attend_coop(
 
         var s0 = coop_mat16x16<f32, C>();
         var s1 = coop_mat16x16<f32, C>();
-        s0 = qk(qh0, ql0, s0, 0u, 0u);
-        s1 = qk(qh0, ql0, s1, 1u, 0u);
+        s0 = qk(q01.a, l01.a, s0, 0u, 0u);
+        s1 = qk(q01.a, l01.a, s1, 1u, 0u);
         if (HD_FRAGS > 1u) {
-            s0 = qk(qh1, ql1, s0, 0u, 1u);
-            s1 = qk(qh1, ql1, s1, 1u, 1u);
+            s0 = qk(q01.b, l01.b, s0, 0u, 1u);
+            s1 = qk(q01.b, l01.b, s1, 1u, 1u);
         }
         if (HD_FRAGS > 2u) {
-            s0 = qk(qh2, ql2, s0, 0u, 2u);
-            s1 = qk(qh2, ql2, s1, 1u, 2u);
+            s0 = qk(q23.a, l23.a, s0, 0u, 2u);
+            s1 = qk(q23.a, l23.a, s1, 1u, 2u);
         }
         if (HD_FRAGS > 3u) {
-            s0 = qk(qh3, ql3, s0, 0u, 3u);
-            s1 = qk(qh3, ql3, s1, 1u, 3u);
+            s0 = qk(q23.b, l23.b, s0, 0u, 3u);
+            s1 = qk(q23.b, l23.b, s1, 1u, 3u);
         }
         if (HD_FRAGS > 4u) {
-            s0 = qk(qh4, ql4, s0, 0u, 4u);
-            s1 = qk(qh4, ql4, s1, 1u, 4u);
+            s0 = qk(q45.a, l45.a, s0, 0u, 4u);
+            s1 = qk(q45.a, l45.a, s1, 1u, 4u);
         }
         if (HD_FRAGS > 5u) {
-            s0 = qk(qh5, ql5, s0, 0u, 5u);
-            s1 = qk(qh5, ql5, s1, 1u, 5u);
+            s0 = qk(q45.b, l45.b, s0, 0u, 5u);
+            s1 = qk(q45.b, l45.b, s1, 1u, 5u);
         }
         if (HD_FRAGS > 6u) {
-            s0 = qk(qh6, ql6, s0, 0u, 6u);
-            s1 = qk(qh6, ql6, s1, 1u, 6u);
+            s0 = qk(q67.a, l67.a, s0, 0u, 6u);
+            s1 = qk(q67.a, l67.a, s1, 1u, 6u);
         }
         if (HD_FRAGS > 7u) {
-            s0 = qk(qh7, ql7, s0, 0u, 7u);
-            s1 = qk(qh7, ql7, s1, 1u, 7u);
+            s0 = qk(q67.b, l67.b, s0, 0u, 7u);
+            s1 = qk(q67.b, l67.b, s1, 1u, 7u);
         }
-        coopStoreT(s0, &sc_sh[sg * 512u], 32u);
-        coopStoreT(s1, &sc_sh[sg * 512u + 16u], 32u);
-        workgroupBarrier();
+        coopStoreT(s0, &sc_sh[s_at], S_STRIDE);
+        coopStoreT(s1, &sc_sh[s_at + 16u], S_STRIDE);
+        subgroupBarrier();
 
         var s: array<f32, 16>;
         var m_tile = NEG_BIG;
@@ -1210,7 +1232,7 @@ fn attend_coop(
             let j = 16u * half + c;
             let key = k0 + j;
             let valid = j < n && row < rows && key <= row_pos && key >= first_key(row_pos);
-            s[c] = select(NEG_BIG, sc_sh[sg * 512u + r * 32u + j] * p.scale, valid);
+            s[c] = select(NEG_BIG, sc_sh[s_at + r * S_STRIDE + j] * p.scale, valid);
             m_tile = max(m_tile, s[c]);
         }
         m_tile = max(m_tile, subgroupShuffleXor(m_tile, 1u));
@@ -1225,7 +1247,7 @@ fn attend_coop(
             let e = vec4<f32>(s[c], s[c + 1u], s[c + 2u], s[c + 3u]);
             let pr = select(exp(e - m_ref), vec4<f32>(0.0), e <= vec4<f32>(NEG_BIG));
             sum += pr.x + pr.y + pr.z + pr.w;
-            pc_sh[sg * 160u + r * P_STRIDE + 4u * half + c / 4u] = vec4<f16>(pr);
+            pc_sh[sg * P_LEN + r * P_STRIDE + 4u * half + c / 4u] = vec4<f16>(pr);
         }
         sum += subgroupShuffleXor(sum, 1u);
         // O holds earlier keys' sums only where l_sum > 0.
@@ -1238,8 +1260,10 @@ fn attend_coop(
         if (lane == 0u) {
             rescale_sg[sg] = select(0u, 1u, any_grows);
         }
+        // (Its barrier also orders P and alpha_sh before their reads.)
         let flags = workgroupUniformLoad(&rescale_sg);
-        if (flags[0] + flags[1] + flags[2] + flags[3] > 0u) {
+        let rescales = flags[0] + flags[1] + flags[2] + flags[3] + flags[4] + flags[5] + flags[6] + flags[7];
+        if (rescales > 0u) {
             o0 = rescale(o0, sg, lane);
             if (HD_FRAGS > 1u) { o1 = rescale(o1, sg, lane); }
             if (HD_FRAGS > 2u) { o2 = rescale(o2, sg, lane); }
@@ -1250,8 +1274,8 @@ fn attend_coop(
             if (HD_FRAGS > 7u) { o7 = rescale(o7, sg, lane); }
         }
 
-        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 160u], P_STRIDE);
-        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * 160u + 4u], P_STRIDE);
+        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * P_LEN], P_STRIDE);
+        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&pc_sh[sg * P_LEN + 4u], P_STRIDE);
         o0 = pv(p0, p1, o0, 0u);
         if (HD_FRAGS > 1u) { o1 = pv(p0, p1, o1, 1u); }
         if (HD_FRAGS > 2u) { o2 = pv(p0, p1, o2, 2u); }

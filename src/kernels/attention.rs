@@ -43,8 +43,48 @@ pub const BIDIRECTIONAL: &str = "BIDIRECTIONAL";
 pub const COOP: &str = "COOP";
 /// `attend_coop` with its query rows in two f16 parts.
 pub const Q_SPLIT: &str = "Q_SPLIT";
-/// Query rows of one `attend_coop` workgroup: four subgroups of 16.
-const COOP_ROWS: usize = 64;
+/// How `attend_coop` is laid out: `subgroups` of 16 query rows each share
+/// one K/V tile (the kernel's `C_SUBGROUPS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoopLayout {
+    pub subgroups: usize,
+}
+
+impl CoopLayout {
+    /// The layouts in order of preference: on the H200, eight subgroups
+    /// ran the 8B shape's chunk attention 1.4x as fast as four (they read
+    /// each K/V tile for twice the rows); four where workgroup memory is
+    /// short (32 KiB).
+    const PREFERRED: [CoopLayout; 2] = [CoopLayout { subgroups: 8 }, CoopLayout { subgroups: 4 }];
+
+    /// Query rows of one workgroup.
+    pub fn rows(&self) -> usize {
+        16 * self.subgroups
+    }
+
+    /// Workgroup memory: the kernel's `kv_sh` (a tile of 32 keys, K and V,
+    /// in rows of 136 f16s), and per subgroup `sc_sh` (16 rows of 36 f32s),
+    /// `pc_sh` (16 rows of 40 f16s) and `alpha_sh` (16 f32s), and
+    /// `rescale_sg` (8 u32s).
+    pub fn workgroup_bytes(&self) -> usize {
+        2176 * 8 + self.subgroups * (16 * 36 * 4 + 160 * 8 + 16 * 4) + 8 * 4
+    }
+
+    /// The layouts whose memory and invocations `gpu` offers, preferred
+    /// first.
+    pub fn fitting(gpu: &Gpu) -> impl Iterator<Item = CoopLayout> + use<> {
+        let limit = gpu.limits.max_compute_workgroup_storage_size as usize;
+        let invocations = gpu.limits.max_compute_invocations_per_workgroup as usize;
+        Self::PREFERRED
+            .into_iter()
+            .filter(move |l| l.workgroup_bytes() <= limit && 32 * l.subgroups <= invocations)
+    }
+
+    fn constants(&self) -> Vec<(&'static str, f64)> {
+        vec![("C_SUBGROUPS", self.subgroups as f64)]
+    }
+}
+
 /// Widest head `attend_coop` holds (its tiles' row stride).
 const COOP_MAX_HEAD_DIM: usize = 128;
 /// Most query rows (token, head) one workgroup holds.
@@ -116,7 +156,7 @@ enum Entry {
     /// `attend_lanes`: one token on subgroup lanes.
     LanesAttend(LaneLayout),
     /// `attend_coop`: a chunk on cooperative matrices.
-    CoopAttend,
+    CoopAttend(CoopLayout),
     Combine,
 }
 
@@ -126,7 +166,7 @@ impl Entry {
             Entry::RopeStore => "rope_store",
             Entry::ChunkAttend { .. } | Entry::TokenAttend => "attend",
             Entry::LanesAttend(_) => "attend_lanes",
-            Entry::CoopAttend => "attend_coop",
+            Entry::CoopAttend(_) => "attend_coop",
             Entry::Combine => "combine",
         }
     }
@@ -210,12 +250,23 @@ impl DecodeAttention {
     }
 }
 
-#[derive(Debug, Default)]
-pub struct Attention;
+/// The attention kernels, with the layout of the chunk attention on
+/// cooperative matrices where the device has them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Attention {
+    coop: Option<CoopLayout>,
+}
 
 impl Attention {
-    pub fn new(_gpu: &Gpu) -> Self {
-        Attention
+    pub fn new(gpu: &Gpu) -> Self {
+        let coop = if gpu.caps.cooperative_matrix { CoopLayout::fitting(gpu).next() } else { None };
+        Attention { coop }
+    }
+
+    /// The kernels with `attend_coop` laid out as `layout` (one of
+    /// [`CoopLayout::fitting`]).
+    pub fn with_coop_layout(gpu: &Gpu, layout: CoopLayout) -> Self {
+        Attention { coop: Some(layout).filter(|_| gpu.caps.cooperative_matrix) }
     }
 
     /// Key splits for one token with `n_keys` keys in view: enough
@@ -251,7 +302,7 @@ impl Attention {
         match entry {
             Entry::TokenAttend => flags.push("DECODE"),
             Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
-            Entry::CoopAttend => {
+            Entry::CoopAttend(_) => {
                 flags.push(COOP);
                 if shape.chunk_precision == PrefillPrecision::Split {
                     flags.push(Q_SPLIT);
@@ -266,7 +317,7 @@ impl Attention {
                 flags.push(super::F16_NATIVE);
             }
         }
-        match shape.qk_norm.map(|n| n.mode).filter(|_| entry != Entry::CoopAttend) {
+        match shape.qk_norm.map(|n| n.mode).filter(|_| !matches!(entry, Entry::CoopAttend(_))) {
             None | Some(QkNorm::None) => {}
             Some(QkNorm::PerHead) => flags.push("QK_NORM"),
             Some(QkNorm::WholeProjection) => flags.extend(["QK_NORM", "QK_NORM_WHOLE"]),
@@ -291,14 +342,16 @@ impl Attention {
         let function = entry.function();
         let constants = match entry {
             Entry::LanesAttend(layout) => layout.constants(),
-            Entry::CoopAttend => vec![("HD_FRAGS", (shape.heads.dim / 16) as f64)],
+            Entry::CoopAttend(layout) => {
+                [vec![("HD_FRAGS", (shape.heads.dim / 16) as f64)], layout.constants()].concat()
+            }
             _ => vec![],
         };
         let pipeline = super::pipeline(gpu, "attention", function, &flags, &constants)?;
         let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
         bound.extend_from_slice(buffers);
         // attend_coop reads its rows already normalised and rotated.
-        let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend);
+        let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend(_));
         if let (true, Some(n)) = (rotates, shape.qk_norm.filter(|n| n.mode != QkNorm::None)) {
             bound.extend([(9, &n.q.parts[0].buffer), (10, &n.k.parts[0].buffer)]);
         }
@@ -345,16 +398,15 @@ impl Attention {
         let h = shape.heads;
         let group = h.group();
         debug_assert!(h.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * h.dim <= MAX_GROUP_WIDTH);
-        let coop = !bidirectional && Self::coop_fits(gpu, shape);
+        let coop = self.coop.filter(|_| !bidirectional && self.coop_fits(shape));
         // The chunk's tokens share each K/V tile among as many query rows as fit.
-        let tokens_per_wg = if coop {
-            COOP_ROWS / group
-        } else {
-            (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1)
+        let tokens_per_wg = match coop {
+            Some(layout) => layout.rows() / group,
+            None => (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1),
         };
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, tokens_per_wg));
         // K and V heads; for attend_coop, the query rows too (into `out`).
-        let rope_groups = if coop { 3 * h.kv } else { 2 * h.kv };
+        let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
             gpu,
             shape,
@@ -364,13 +416,13 @@ impl Attention {
             [rope_groups as u32, 1, 1],
             1,
         )?;
-        let attend = if coop {
+        let attend = if let Some(layout) = coop {
             // The rows come from `out`, already normalised and rotated.
             let bound = [(1, b.step), (4, b.k_cache), (5, b.v_cache), (6, b.out)];
             self.dispatch(
                 gpu,
                 shape,
-                Entry::CoopAttend,
+                Entry::CoopAttend(layout),
                 &params,
                 &bound,
                 [h.kv as u32, 1, 1],
@@ -392,12 +444,13 @@ impl Attention {
     }
 
     /// A chunk's attention runs on cooperative matrices: the device has
-    /// them, the cache is f16 (an f32 cache is asked for its precision,
-    /// which f16 tiles would lose), heads are whole 16-wide fragments of at
-    /// most [`COOP_MAX_HEAD_DIM`], and a group divides a subgroup's 16 rows.
-    pub fn coop_fits(gpu: &Gpu, shape: &AttentionShape<'_>) -> bool {
+    /// them (and workgroup memory for a layout), the cache is f16 (an f32
+    /// cache is asked for its precision, which f16 tiles would lose), heads
+    /// are whole 16-wide fragments of at most [`COOP_MAX_HEAD_DIM`], and a
+    /// group divides a subgroup's 16 rows.
+    pub fn coop_fits(&self, shape: &AttentionShape<'_>) -> bool {
         let h = shape.heads;
-        gpu.caps.cooperative_matrix
+        self.coop.is_some()
             && shape.kv_format == KvFormat::F16
             && h.dim.is_multiple_of(16)
             && h.dim <= COOP_MAX_HEAD_DIM
