@@ -52,7 +52,7 @@ pub struct CoopLayout {
 
 impl CoopLayout {
     /// The layouts in order of preference: on the H200, eight subgroups
-    /// ran the 8B shape's chunk attention 1.4x as fast as four (they read
+    /// ran the 8B shape's chunk attention 1.55x as fast as four (they stage
     /// each K/V tile for twice the rows); four where workgroup memory is
     /// short (32 KiB).
     const PREFERRED: [CoopLayout; 2] = [CoopLayout { subgroups: 8 }, CoopLayout { subgroups: 4 }];
