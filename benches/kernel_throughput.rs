@@ -84,7 +84,8 @@ fn main() {
     );
     let reps = if cpu { 2 } else { 50 };
     // `kernel_throughput [SECTION [ARG...]]`: one section; `quantized
-    // Q4_K Q6_K` in those formats only, `attention chunk` prompt chunks only.
+    // Q4_K Q6_K` in those formats only, `gemm 28672x4096` in that shape
+    // only, `attention chunk` prompt chunks only.
     let positional: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let section = positional.first();
     let runs = |name: &str| section.is_none_or(|s| s == name);
@@ -247,7 +248,11 @@ fn main() {
         }
         _ => true,
     };
-    for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
+    // `gemm 28672x4096 ...`: those weight shapes only.
+    let picked = |rows: usize, cols: usize| {
+        section_args.is_empty() || section_args.iter().any(|a| *a == format!("{rows}x{cols}"))
+    };
+    for &(rows, cols) in gemm_sizes.iter().filter(|&&(r, c)| runs("gemm") && picked(r, c)) {
         for format in [WeightFormat::Bf16, WeightFormat::Q4K] {
             let w = random_tensor(&gpu, format, rows, cols);
             for tokens in if cpu { vec![16u32] } else { vec![512, 4096] } {

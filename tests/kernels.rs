@@ -628,15 +628,27 @@ fn bias_then_activation_matches_cpu() {
 fn residual_adds_scaled() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(8);
-        let (n, tokens) = (77, 2);
-        let x = rng.vec(tokens * n, 1.0);
-        let y = rng.vec(tokens * n, 1.0);
-        let xb = gpu.storage_buffer_init("x", &x);
-        let yb = gpu.storage_buffer_init("y", &y);
-        let residual = Residual::new();
-        run(gpu, &[residual.plan(gpu, n, 0.5, &yb, &xb, &LayerOutput::default()).unwrap()], tokens as u32);
-        let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + 0.5 * b).collect();
-        assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, "residual");
+        // Rows shorter than a workgroup's elements, and rows of several
+        // workgroups with a ragged last one.
+        for (n, tokens) in [(77, 2), (2500, 3)] {
+            let x = rng.vec(tokens * n, 1.0);
+            let y = rng.vec(tokens * n, 1.0);
+            let xb = gpu.storage_buffer_init("x", &x);
+            let yb = gpu.storage_buffer_init("y", &y);
+            let residual = Residual::new();
+            run(
+                gpu,
+                &[residual.plan(gpu, n, 0.5, &yb, &xb, &LayerOutput::default()).unwrap()],
+                tokens as u32,
+            );
+            let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + 0.5 * b).collect();
+            assert_close(
+                &gpu.read_buffer(&xb, want.len()).unwrap(),
+                &want,
+                1e-6,
+                &format!("residual of {n}"),
+            );
+        }
     });
 }
 

@@ -43,15 +43,17 @@ fn every_kernel_translates_to_msl_hlsl_and_spirv() {
         });
         for ep in &module.entry_points {
             let label = format!("{name}:{}", ep.name);
-            // Override constants at their defaults, one entry point, as each
+            // Override constants at their defaults (the attention's head
+            // shape, which has none, at Llama-3's), one entry point, as each
             // backend receives it after pipeline creation.
-            let (m, i) = process_overrides(
-                &module,
-                &info,
-                Some((naga::ShaderStage::Compute, &ep.name)),
-                &Default::default(),
-            )
-            .unwrap_or_else(|e| panic!("{label}: overrides: {e}"));
+            let heads: naga::back::PipelineConstants = if name.starts_with("attention") {
+                [("HEAD_DIM".to_string(), 128.0), ("GROUP".to_string(), 4.0)].into()
+            } else {
+                Default::default()
+            };
+            let (m, i) =
+                process_overrides(&module, &info, Some((naga::ShaderStage::Compute, &ep.name)), &heads)
+                    .unwrap_or_else(|e| panic!("{label}: overrides: {e}"));
 
             let msl_options = naga::back::msl::Options { lang_version: (2, 4), ..Default::default() };
             naga::back::msl::write_string(&m, &i, &msl_options, &Default::default())
@@ -92,7 +94,10 @@ fn cooperative_builds_translate_to_spirv_under_the_vulkan_memory_model() {
                 let tiles = Tile::ALL.into_iter().filter(|t| t.fits(&b.flags));
                 ("main", tiles.map(|t| t.constants().to_vec()).collect())
             }
-            _ => ("attend_coop", vec![vec![("HD_FRAGS", 4.0)], vec![("HD_FRAGS", 8.0)]]),
+            _ => (
+                "attend_coop",
+                vec![vec![("HEAD_DIM", 64.0), ("GROUP", 8.0)], vec![("HEAD_DIM", 128.0), ("GROUP", 4.0)]],
+            ),
         };
         for constants in shapes {
             let (words, _) = wgspark::kernels::vulkan_memory_model::spirv(&source, entry, &constants)

@@ -41,6 +41,12 @@ enable wgpu_cooperative_matrix;
 // Limits (attend): head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32
 // rows, rows * head_dim <= 2048; attend_coop's are in its section.
 
+// The heads' width and query heads per KV head: constants of each build,
+// so that the index arithmetic on them compiles to shifts and multiplies
+// rather than divisions (rope_store computes several per element).
+override HEAD_DIM: u32;
+override GROUP: u32;
+
 const WG: u32 = 128u;
 const Q_FLOATS: u32 = 2048u;
 // Query rows and one k row.
@@ -175,7 +181,7 @@ fn kv_store2(values: bool, e: u32, v: vec2<f32>) {
 
 // Cache element of dimension d of KV head g at position j.
 fn kv_index(j: u32, g: u32, d: u32) -> u32 {
-    return j * p.n_kv_heads * p.head_dim + g * p.head_dim + d;
+    return j * p.n_kv_heads * HEAD_DIM + g * HEAD_DIM + d;
 }
 
 // First attended key of the token at `pos`.
@@ -218,7 +224,7 @@ struct HeadRow {
 }
 
 fn head_row(r: u32, t0: u32, g: u32, n_q: u32, t_k: u32) -> HeadRow {
-    let group = p.n_q_heads / p.n_kv_heads;
+    let group = GROUP;
     if (r < n_q) {
         return HeadRow(t0 + r / group, g * group + r % group, false);
     }
@@ -226,13 +232,13 @@ fn head_row(r: u32, t0: u32, g: u32, n_q: u32, t_k: u32) -> HeadRow {
 }
 
 fn row_offset(h: HeadRow) -> u32 {
-    return h.token * p.qkv_stride + (select(0u, p.n_q_heads, h.is_k) + h.head) * p.head_dim;
+    return h.token * p.qkv_stride + (select(0u, p.n_q_heads, h.is_k) + h.head) * HEAD_DIM;
 }
 
 // Element d of row r of q_sh rotated for position `pos`.
 fn rotated(r: u32, d: u32, pos: u32) -> f32 {
     let half = p.half_rot;
-    let row = r * p.head_dim;
+    let row = r * HEAD_DIM;
     if (d >= 2u * half) {
         return q_sh[row + d];
     }
@@ -249,7 +255,7 @@ fn rotated(r: u32, d: u32, pos: u32) -> f32 {
 // All invocations call it; the rows are processed together, so the cost
 // is a few global round trips whatever their number.
 fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
-    let hd = p.head_dim;
+    let hd = HEAD_DIM;
     let n = n_q + select(0u, 1u, with_k);
     for (var i = l; i < n * hd; i += WG) {
         let r = i / hd;
@@ -260,7 +266,7 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
 #if QK_NORM_WHOLE
     // Over the token's whole q (or k) projection: summed by the workgroup,
     // once per (token, projection) that a row needs.
-    let group = p.n_q_heads / p.n_kv_heads;
+    let group = GROUP;
     let n_tok = (n_q + group - 1u) / group;
     for (var c = 0u; c < n_tok + select(0u, 1u, with_k); c++) {
         let is_k = c == n_tok;
@@ -332,7 +338,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     // attend_coop) the query rows of each KV head.
     let c = wid.x;
     let t = wid.y;
-    let hd = p.head_dim;
+    let hd = HEAD_DIM;
     let pos = step.pos0 + t;
     let nkv = p.n_kv_heads;
     if (c >= 2u * nkv) {
@@ -432,7 +438,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let t0 = wid.y * p.tokens_per_wg;
     let split = wid.z;
     let splits = step.attn_splits;
-    let hd = p.head_dim;
+    let hd = HEAD_DIM;
     let nq = p.n_q_heads;
     let nkv = p.n_kv_heads;
     let group = nq / nkv;
@@ -661,7 +667,7 @@ fn prepare_row(row: LaneRow, lane: u32, sg_lane: u32, in_row: bool, is_k: bool, 
     for (var j = 0u; j < VEC4_PER_QUAD; j++) {
         ss += dot(r.v[j], r.v[j]);
     }
-    let scale = inverseSqrt(slot_sum(ss) / f32(p.head_dim) + p.eps);
+    let scale = inverseSqrt(slot_sum(ss) / f32(HEAD_DIM) + p.eps);
 #endif
     for (var j = 0u; j < VEC4_PER_QUAD; j++) {
         let w = w0 + select(0u, lane * PER_QUAD, in_row) + 4u * j;
@@ -728,8 +734,8 @@ fn attend_lanes(
     let r0 = wid.y * BLOCK_ROWS;
     let split = wid.z;
     let splits = step.attn_splits;
-    let hd = p.head_dim;
-    let group = p.n_q_heads / p.n_kv_heads;
+    let hd = HEAD_DIM;
+    let group = GROUP;
     let rows = min(BLOCK_ROWS, group - r0);
 
     let pos = step.pos0;
@@ -950,14 +956,15 @@ fn attend_lanes(
 // On the H200 (8B shape, 2048 tokens ending at 4096), eight subgroups
 // (one K/V tile for 128 rows) ran in 1.20 ms against 1.86 for four, rows
 // of 36 scores against 1.56 for rows of 32; a second K/V buffer, stored
-// while the other is multiplied, gained nothing.
+// while the other is multiplied, gained nothing, and staging from a view
+// of the caches as f16s (no conversions) ran slower: 1.79 ms.
 // The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
 // stores, strides in vec4s).
 // Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
 // 16), a group dividing 16 and subgroups of 32; workgroup memory of
 // kernels::attention::CoopLayout::workgroup_bytes.
 
-override HD_FRAGS: u32 = 8u;
+override HD_FRAGS: u32 = HEAD_DIM / 16u;
 // 8, or 4 where workgroup memory is short.
 override C_SUBGROUPS: u32 = 8u;
 override C_WG: u32 = 32u * C_SUBGROUPS;
@@ -1001,7 +1008,7 @@ fn slot_used(c: u32) -> bool {
 
 // This invocation's quads of keys [k0, k0 + n) of KV head g, zero past n.
 fn load_coop_tile(k0: u32, n: u32, g: u32, l: u32) -> TileLoads {
-    let quads = p.head_dim / 8u;
+    let quads = HEAD_DIM / 8u;
     var t: TileLoads;
     for (var c = 0u; c < TILE_LOADS; c++) {
         let i = l + c * C_WG;
@@ -1024,7 +1031,7 @@ fn f16x4(a: u32, b: u32) -> vec4<f16> {
 
 // Stores the loads into kv_sh.
 fn store_coop_tile(t: TileLoads, l: u32) {
-    let quads = p.head_dim / 8u;
+    let quads = HEAD_DIM / 8u;
     for (var c = 0u; c < TILE_LOADS; c++) {
         let i = l + c * C_WG;
         if (slot_used(c) && i < C_KEYS * quads) {
@@ -1062,15 +1069,15 @@ struct QPair {
 }
 
 fn q_pair(low: bool, h: u32, t0: u32, g: u32, rows: u32, sg: u32, lane: u32) -> QPair {
-    let group = p.n_q_heads / p.n_kv_heads;
+    let group = GROUP;
     // 16 rows x 8 quads of the 32 dimensions: four per lane.
     for (var c = 0u; c < 4u; c++) {
         let i = lane + 32u * c;
         let r = sg * 16u + i / 8u;
         let d = 32u * h + 4u * (i % 8u);
         var v = vec4<f32>(0.0);
-        if (r < rows && d < p.head_dim) {
-            let at = (t0 + r / group) * p.out_stride + (g * group + r % group) * p.head_dim + d;
+        if (r < rows && d < HEAD_DIM) {
+            let at = (t0 + r / group) * p.out_stride + (g * group + r % group) * HEAD_DIM + d;
             v = vec4<f32>(out[at], out[at + 1u], out[at + 2u], out[at + 3u]);
         }
 #if Q_SPLIT
@@ -1112,14 +1119,14 @@ fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: 
     let at = sg * 16u * S_STRIDE;
     coopStoreT(o, &sc_sh[at], 16u);
     subgroupBarrier();
-    let group = p.n_q_heads / p.n_kv_heads;
+    let group = GROUP;
     for (var c = 0u; c < 8u; c++) {
         let e = lane + 32u * c;
         let row = sg * 16u + e / 16u;
         if (row < rows) {
             let t = t0 + row / group;
             let head = g * group + row % group;
-            out[t * p.out_stride + head * p.head_dim + 16u * i + e % 16u] = sc_sh[at + e] * alpha_sh[row];
+            out[t * p.out_stride + head * HEAD_DIM + 16u * i + e % 16u] = sc_sh[at + e] * alpha_sh[row];
         }
     }
     subgroupBarrier();
@@ -1137,7 +1144,7 @@ fn attend_coop(
 ) {
     let g = wid.x;
     let t0 = (nwg.y - 1u - wid.y) * p.tokens_per_wg;
-    let group = p.n_q_heads / p.n_kv_heads;
+    let group = GROUP;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * group;
     let start = first_key(step.pos0 + t0);
@@ -1310,7 +1317,7 @@ var<workgroup> split_weight: array<f32, MAX_SPLITS>;
 @compute @workgroup_size(WG)
 fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let qh = wid.x;
-    let hd = p.head_dim;
+    let hd = HEAD_DIM;
     let splits = step.attn_splits;
     let base = qh * splits;
     for (var s = l; s < splits; s += WG) {

@@ -6,7 +6,9 @@
 // on the GPU), else the constant scale (k = 1: plain residual add); then
 // x[t, i] = layer_output(t, i, n, v): steered and captured at a layer's
 // output where STEER / CAPTURE are set (common.wgsl).
-// Grid: x covers n in workgroups of 64, y = token.
+// Grid: x covers n in workgroups of WG invocations, each adding RUNS
+// elements WG apart (RUNS independent loads in flight, consecutive
+// invocations on consecutive elements), y = token.
 
 @group(0) @binding(0) var<uniform> p: ResidualParams;
 @group(0) @binding(1) var<storage, read> y: array<f32>;
@@ -15,22 +17,26 @@
 @group(0) @binding(3) var<storage, read> weights: array<f32>;
 #endif
 
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    let t = gid.y;
-    if (i >= p.n) {
-        return;
-    }
-    var sum = 0.0;
-    for (var j = 0u; j < p.k; j++) {
+const WG: u32 = 256u;
+const RUNS: u32 = 4u;
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let t = wid.y;
+    for (var r = 0u; r < RUNS; r++) {
+        let i = (wid.x * RUNS + r) * WG + l;
+        if (i < p.n) {
+            var sum = 0.0;
+            for (var j = 0u; j < p.k; j++) {
 #if WEIGHTED
-        let s = weights[t * p.k + j];
+                let s = weights[t * p.k + j];
 #else
-        let s = p.scale;
+                let s = p.scale;
 #endif
-        sum += s * y[(p.y_first + t * p.k + j) * p.n + i];
+                sum += s * y[(p.y_first + t * p.k + j) * p.n + i];
+            }
+            let at = (p.x_first + t) * p.n + i;
+            x[at] = layer_output(t, i, p.n, x[at] + sum);
+        }
     }
-    let at = (p.x_first + t) * p.n + i;
-    x[at] = layer_output(t, i, p.n, x[at] + sum);
 }

@@ -14,7 +14,6 @@ crate::wgsl_struct! {
     pub struct AttentionParams {
         n_q_heads: u32,
         n_kv_heads: u32,
-        head_dim: u32,
         /// Rotary dimensions / 2.
         half_rot: u32,
         qkv_stride: u32,
@@ -286,7 +285,6 @@ impl Attention {
         AttentionParams {
             n_q_heads: h.q as u32,
             n_kv_heads: h.kv as u32,
-            head_dim: h.dim as u32,
             half_rot: (shape.rotary_dim / 2) as u32,
             qkv_stride: h.qkv_width() as u32,
             out_stride: (h.q * h.dim) as u32,
@@ -340,15 +338,17 @@ impl Attention {
     ) -> Result<Dispatch> {
         let flags = Self::flags(gpu, shape, entry);
         let function = entry.function();
-        let constants = match entry {
+        let heads = vec![("HEAD_DIM", shape.heads.dim as f64), ("GROUP", shape.heads.group() as f64)];
+        let layout = match entry {
             Entry::LanesAttend(layout) => layout.constants(),
-            Entry::CoopAttend(layout) => {
-                [vec![("HD_FRAGS", (shape.heads.dim / 16) as f64)], layout.constants()].concat()
-            }
+            Entry::CoopAttend(layout) => layout.constants(),
             _ => vec![],
         };
+        let constants = [heads, layout].concat();
         let pipeline = super::pipeline(gpu, "attention", function, &flags, &constants)?;
-        let mut bound: Vec<(u32, &wgpu::Buffer)> = vec![(0, &params.0)];
+        // combine reads no parameters: its head width is a constant of the build.
+        let mut bound: Vec<(u32, &wgpu::Buffer)> =
+            if entry == Entry::Combine { vec![] } else { vec![(0, &params.0)] };
         bound.extend_from_slice(buffers);
         // attend_coop reads its rows already normalised and rotated.
         let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend(_));
