@@ -3,8 +3,6 @@
 // or with SWIGLU, W's rows gate and up interleaved (n even a gate, n + 1
 // its up), half as many columns:
 //   Y[yrow(m), col(n) / 2] = swiglu(Y'[m, n], Y'[m, n + 1])
-// or with ADD, added to what Y holds (the residual stream):
-//   Y[yrow(m), col(n)] += sum_k X[xrow(m), k] * W[wrow(n), k]
 // W: [rows, cols] (one part of a possibly split tensor): bf16 (cols even),
 // or with WEIGHT_FORMAT any format of weights.wgsl (cols a multiple of 4),
 // decoded as it is staged into workgroup memory;
@@ -250,11 +248,7 @@ fn main(
 #if SWIGLU
                 y[yrow * p.y_stride + col / 2u] = swiglu(v, acc[8u * (i / 4u) + j + 1u][i % 4u]);
 #else
-#if ADD
-                y[yrow * p.y_stride + col] += v;
-#else
                 y[yrow * p.y_stride + col] = v;
-#endif
 #endif
             }
         }

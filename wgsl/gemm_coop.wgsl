@@ -2,7 +2,7 @@ enable f16;
 enable wgpu_cooperative_matrix;
 
 // The chunk product of gemm.wgsl (same parameters, bindings, dense and
-// grouped modes, SWIGLU and ADD) on cooperative matrices (tensor cores):
+// grouped modes, SWIGLU) on cooperative matrices (tensor cores):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
 // A workgroup of 8 subgroups of 32 computes TILE_M tokens x TILE_N weight
 // rows, k in steps of TILE_K: the step's X (f32) and W (bf16, or with
@@ -369,11 +369,7 @@ fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) 
 #if SWIGLU
             y[yrow * p.y_stride + col / 2u] = swiglu(v, out_tile[warp * 256u + e + 1u]);
 #else
-#if ADD
-            y[yrow * p.y_stride + col] += v;
-#else
             y[yrow * p.y_stride + col] = v;
-#endif
 #endif
         }
     }

@@ -166,9 +166,7 @@ impl<'a> Builder<'a> {
         Ok(Projection { gemv, chunk })
     }
 
-    /// `x = layer_output(x + W a)`; a chunk's GEMM adds into `x` itself
-    /// where the layer output is the sum alone, else it goes through
-    /// `scratch` and the residual kernel, which steers and captures.
+    /// `x = layer_output(x + W a)`; a chunk's GEMM goes through `scratch`.
     fn add_into(
         &self,
         weight: &GpuTensor,
@@ -181,9 +179,6 @@ impl<'a> Builder<'a> {
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
         let chunk = self.chunk(|gemm| {
-            if output.is_sum() {
-                return gemm.plan(gpu, weight, Epilogue::Add, act.max_tokens, &act.step, a, x);
-            }
             let mut d = gemm.plan(gpu, weight, Epilogue::Plain, act.max_tokens, &act.step, a, scratch)?;
             d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
             Ok(d)

@@ -85,40 +85,19 @@ pub enum Epilogue {
     /// W's rows are gate and up interleaved (row 2o gate, 2o + 1 up):
     /// `y[o] = silu(W[2o] x) * (W[2o + 1] x)`, half as many outputs as rows.
     Swiglu,
-    /// `y += W x`: the residual add of a projection that ends a block, in
-    /// the pass that computes it (each output is written by one invocation
-    /// once).
-    Add,
-}
-
-impl Epilogue {
-    /// The flag of its builds, if any.
-    fn flag(self) -> Option<&'static str> {
-        match self {
-            Epilogue::Plain => None,
-            Epilogue::Swiglu => Some(SWIGLU),
-            Epilogue::Add => Some(ADD),
-        }
-    }
 }
 
 /// The flag of builds with [`Epilogue::Swiglu`].
 pub const SWIGLU: &str = "SWIGLU";
-/// The flag of builds with [`Epilogue::Add`].
-pub const ADD: &str = "ADD";
 
 /// Every flag set of `gemm.wgsl` builds.
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     with_epilogues(super::weight_flag_sets())
 }
 
-/// Each of `sets` plain, with [`SWIGLU`] and with [`ADD`].
+/// Each of `sets` plain and with [`SWIGLU`].
 pub(crate) fn with_epilogues(sets: Vec<Vec<&'static str>>) -> Vec<Vec<&'static str>> {
-    sets.into_iter()
-        .flat_map(|flags| {
-            [flags.clone(), [flags.clone(), vec![SWIGLU]].concat(), [flags, vec![ADD]].concat()]
-        })
-        .collect()
+    sets.into_iter().flat_map(|flags| [flags.clone(), [flags, vec![SWIGLU]].concat()]).collect()
 }
 
 /// The kernel that computes the products.
@@ -253,8 +232,8 @@ impl Gemm {
                     ),
                 });
             }
+            flags.push(SWIGLU);
         }
-        flags.extend(epilogue.flag());
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
         let kernel = match self.kernel {
             GemmKernel::Cooperative { .. } if !gemm_coop::takes(part.format, weight.cols) => {
@@ -275,7 +254,9 @@ impl Gemm {
             }
             GemmKernel::Cooperative { split, tile } => {
                 let mut flags = gemm_coop::flags(gpu, part.format, split);
-                flags.extend(epilogue.flag());
+                if epilogue == Epilogue::Swiglu {
+                    flags.push(SWIGLU);
+                }
                 let tile = tile
                     .filter(|t| t.fits(&flags))
                     .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags));
@@ -307,7 +288,7 @@ impl Gemm {
         y: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
         let outputs = match epilogue {
-            Epilogue::Plain | Epilogue::Add => weight.rows,
+            Epilogue::Plain => weight.rows,
             Epilogue::Swiglu => weight.rows / 2,
         };
         weight
@@ -365,7 +346,7 @@ impl Gemm {
                     expert: first as u32,
                     x_div: x_div as u32,
                     y_stride: match epilogue {
-                        Epilogue::Plain | Epilogue::Add => expert_rows as u32,
+                        Epilogue::Plain => expert_rows as u32,
                         Epilogue::Swiglu => (expert_rows / 2) as u32,
                     },
                 };

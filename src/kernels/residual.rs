@@ -59,12 +59,6 @@ impl<'a> LayerOutput<'a> {
         }
     }
 
-    /// Whether the output is the residual sum alone (nothing steered or
-    /// captured).
-    pub fn is_sum(&self) -> bool {
-        self.steer.is_none() && self.capture.is_none()
-    }
-
     /// Every combination of layer-output flags.
     pub fn flag_sets() -> Vec<Vec<&'static str>> {
         vec![vec![], vec!["STEER"], vec!["CAPTURE"], vec!["STEER", "CAPTURE"]]
