@@ -141,6 +141,8 @@ impl RopeConfig {
                     .map(|&f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
                         let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
+                        // As transformers writes it (`~(a < b) * ~(a > c)`), NaN included.
+                        #[allow(clippy::neg_cmp_op_on_partial_ord)]
                         let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                         if medium {
                             let smooth = (old_len / wavelen - low) / (high - low);
