@@ -224,9 +224,8 @@ struct HeadRow {
 }
 
 fn head_row(r: u32, t0: u32, g: u32, n_q: u32, t_k: u32) -> HeadRow {
-    let group = GROUP;
     if (r < n_q) {
-        return HeadRow(t0 + r / group, g * group + r % group, false);
+        return HeadRow(t0 + r / GROUP, g * GROUP + r % GROUP, false);
     }
     return HeadRow(t_k, g, true);
 }
@@ -255,24 +254,22 @@ fn rotated(r: u32, d: u32, pos: u32) -> f32 {
 // All invocations call it; the rows are processed together, so the cost
 // is a few global round trips whatever their number.
 fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
-    let hd = HEAD_DIM;
     let n = n_q + select(0u, 1u, with_k);
-    for (var i = l; i < n * hd; i += WG) {
-        let r = i / hd;
-        q_sh[i] = qkv[row_offset(head_row(r, t0, g, n_q, t_k)) + i % hd];
+    for (var i = l; i < n * HEAD_DIM; i += WG) {
+        let r = i / HEAD_DIM;
+        q_sh[i] = qkv[row_offset(head_row(r, t0, g, n_q, t_k)) + i % HEAD_DIM];
     }
 #if QK_NORM
     workgroupBarrier();
 #if QK_NORM_WHOLE
     // Over the token's whole q (or k) projection: summed by the workgroup,
     // once per (token, projection) that a row needs.
-    let group = GROUP;
-    let n_tok = (n_q + group - 1u) / group;
+    let n_tok = (n_q + GROUP - 1u) / GROUP;
     for (var c = 0u; c < n_tok + select(0u, 1u, with_k); c++) {
         let is_k = c == n_tok;
         let token = select(t0 + c, t_k, is_k);
-        let len = select(p.n_q_heads, p.n_kv_heads, is_k) * hd;
-        let first_value = token * p.qkv_stride + select(0u, p.n_q_heads * hd, is_k);
+        let len = select(p.n_q_heads, p.n_kv_heads, is_k) * HEAD_DIM;
+        let first_value = token * p.qkv_stride + select(0u, p.n_q_heads * HEAD_DIM, is_k);
         var ss = 0.0;
         for (var i = l; i < len; i += WG) {
             let v = qkv[first_value + i];
@@ -280,8 +277,8 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
         }
         let scale = inverseSqrt(workgroup_sum(ss, l) / f32(len) + p.eps);
         // Rows of this token (query rows c * group ..) or the k row.
-        let first = select(c * group, n_q, is_k);
-        let count = select(min(group, n_q - c * group), 1u, is_k);
+        let first = select(c * GROUP, n_q, is_k);
+        let count = select(min(GROUP, n_q - c * GROUP), 1u, is_k);
         if (l < count) {
             row_scale[first + l] = scale;
         }
@@ -289,20 +286,20 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
 #else
     if (l < n) {
         var ss = 0.0;
-        for (var d = 0u; d < hd; d++) {
-            let v = q_sh[l * hd + d];
+        for (var d = 0u; d < HEAD_DIM; d++) {
+            let v = q_sh[l * HEAD_DIM + d];
             ss += v * v;
         }
-        row_scale[l] = inverseSqrt(ss / f32(hd) + p.eps);
+        row_scale[l] = inverseSqrt(ss / f32(HEAD_DIM) + p.eps);
     }
 #endif
     workgroupBarrier();
-    for (var i = l; i < n * hd; i += WG) {
-        let h = head_row(i / hd, t0, g, n_q, t_k);
+    for (var i = l; i < n * HEAD_DIM; i += WG) {
+        let h = head_row(i / HEAD_DIM, t0, g, n_q, t_k);
 #if QK_NORM_WHOLE
-        let w_index = h.head * hd + i % hd;
+        let w_index = h.head * HEAD_DIM + i % HEAD_DIM;
 #else
-        let w_index = i % hd;
+        let w_index = i % HEAD_DIM;
 #endif
         var w: f32;
         if (h.is_k) {
@@ -310,22 +307,22 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
         } else {
             w = q_norm[w_index];
         }
-        q_sh[i] = w * (q_sh[i] * row_scale[i / hd]);
+        q_sh[i] = w * (q_sh[i] * row_scale[i / HEAD_DIM]);
     }
 #endif
     workgroupBarrier();
     var rot: array<f32, ROT_PER_THREAD>;
     for (var c = 0u; c < ROT_PER_THREAD; c++) {
         let i = l + c * WG;
-        if (i < n * hd) {
-            let r = i / hd;
-            rot[c] = rotated(r, i % hd, step.pos0 + head_row(r, t0, g, n_q, t_k).token);
+        if (i < n * HEAD_DIM) {
+            let r = i / HEAD_DIM;
+            rot[c] = rotated(r, i % HEAD_DIM, step.pos0 + head_row(r, t0, g, n_q, t_k).token);
         }
     }
     workgroupBarrier();
     for (var c = 0u; c < ROT_PER_THREAD; c++) {
         let i = l + c * WG;
-        if (i < n * hd) {
+        if (i < n * HEAD_DIM) {
             q_sh[i] = rot[c];
         }
     }
@@ -338,30 +335,28 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     // attend_coop) the query rows of each KV head.
     let c = wid.x;
     let t = wid.y;
-    let hd = HEAD_DIM;
     let pos = step.pos0 + t;
     let nkv = p.n_kv_heads;
     if (c >= 2u * nkv) {
         // Normalised and rotated into `out`, where attend_coop reads them
         // before it writes its results over them.
         let g = c - 2u * nkv;
-        let group = p.n_q_heads / nkv;
-        load_rows(t, g, group, false, 0u, l);
-        for (var i = l; i < group * hd; i += WG) {
-            out[t * p.out_stride + g * group * hd + i] = q_sh[i];
+        load_rows(t, g, GROUP, false, 0u, l);
+        for (var i = l; i < GROUP * HEAD_DIM; i += WG) {
+            out[t * p.out_stride + g * GROUP * HEAD_DIM + i] = q_sh[i];
         }
         return;
     }
     if (c >= nkv) {
-        let src = t * p.qkv_stride + (p.n_q_heads + c) * hd;
-        for (var i = l; i < hd / 2u; i += WG) {
+        let src = t * p.qkv_stride + (p.n_q_heads + c) * HEAD_DIM;
+        for (var i = l; i < HEAD_DIM / 2u; i += WG) {
             let s = src + 2u * i;
             kv_store2(true, kv_index(pos, c - nkv, 2u * i), vec2<f32>(qkv[s], qkv[s + 1u]));
         }
         return;
     }
     load_rows(0u, c, 0u, true, t, l);
-    for (var i = l; i < hd / 2u; i += WG) {
+    for (var i = l; i < HEAD_DIM / 2u; i += WG) {
         kv_store2(false, kv_index(pos, c, 2u * i), vec2<f32>(q_sh[2u * i], q_sh[2u * i + 1u]));
     }
 }
@@ -379,16 +374,16 @@ var<workgroup> row_rescale: array<f32, MAX_ROWS>;
 
 // Copies keys [k0, k0 + n) of KV head g (V with `values`) into tile_sh,
 // consecutive invocations reading consecutive words.
-fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
+fn load_tile(values: bool, k0: u32, n: u32, g: u32, l: u32) {
 #if KV_F16
     let per_quad = 8u;
 #else
     let per_quad = 4u;
 #endif
-    if (hd % per_quad == 0u) {
+    if (HEAD_DIM % per_quad == 0u) {
         // Whole rows of quads: every invocation issues all its 16-byte
         // loads before storing any, so many are in flight.
-        let quads = hd / per_quad;
+        let quads = HEAD_DIM / per_quad;
         let first = kv_index(k0, g, 0u) / per_quad;
         let row_quads = p.n_kv_heads * quads;
         var held: array<vec4<u32>, TILE_QUADS_PER_THREAD>;
@@ -401,7 +396,7 @@ fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
         for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
             let i = l + c * WG;
             if (i < n * quads) {
-                let at = (i / quads) * (hd + 1u) + (i % quads) * per_quad;
+                let at = (i / quads) * (HEAD_DIM + 1u) + (i % quads) * per_quad;
                 let w = held[c];
 #if KV_F16
                 let lo = vec4<f32>(unpack_f16(w.x), unpack_f16(w.y));
@@ -419,13 +414,13 @@ fn load_tile(values: bool, k0: u32, n: u32, g: u32, hd: u32, l: u32) {
         }
         return;
     }
-    let pairs = hd / 2u;
+    let pairs = HEAD_DIM / 2u;
     for (var i = l; i < n * pairs; i += WG) {
         let j = i / pairs;
         let d = 2u * (i % pairs);
         let v = kv_load2(values, kv_index(k0 + j, g, d));
-        tile_sh[j * (hd + 1u) + d] = v.x;
-        tile_sh[j * (hd + 1u) + d + 1u] = v.y;
+        tile_sh[j * (HEAD_DIM + 1u) + d] = v.x;
+        tile_sh[j * (HEAD_DIM + 1u) + d + 1u] = v.y;
     }
 }
 
@@ -438,13 +433,11 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let t0 = wid.y * p.tokens_per_wg;
     let split = wid.z;
     let splits = step.attn_splits;
-    let hd = HEAD_DIM;
     let nq = p.n_q_heads;
     let nkv = p.n_kv_heads;
-    let group = nq / nkv;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
-    let rows = n_tok * group;
-    let tk = min(32u, TILE_FLOATS / (hd + 1u));
+    let rows = n_tok * GROUP;
+    let tk = min(32u, TILE_FLOATS / (HEAD_DIM + 1u));
 
     // Keys any row attends, divided among the splits.
 #if BIDIRECTIONAL
@@ -464,10 +457,10 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let stores = lo <= pos && pos < hi;
     load_rows(t0, g, rows, stores, 0u, l);
     if (stores) {
-        let k_row = rows * hd;
-        for (var i = l; i < hd / 2u; i += WG) {
+        let k_row = rows * HEAD_DIM;
+        for (var i = l; i < HEAD_DIM / 2u; i += WG) {
             kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(q_sh[k_row + 2u * i], q_sh[k_row + 2u * i + 1u]));
-            let v = (nq + nkv + g) * hd + 2u * i;
+            let v = (nq + nkv + g) * HEAD_DIM + 2u * i;
             kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(qkv[v], qkv[v + 1u]));
         }
         storageBarrier();
@@ -482,7 +475,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 
     // Score roles: key l % tk of the tile, rows l / tk (+ WG / tk ...).
     // PV roles: outputs o = l (+ WG ...) of rows * (hd / 2) dimension pairs.
-    let pairs = hd / 2u;
+    let pairs = HEAD_DIM / 2u;
     var acc: array<vec2<f32>, OUT_PER_THREAD>;
     for (var c = 0u; c < OUT_PER_THREAD; c++) {
         acc[c] = vec2<f32>(0.0);
@@ -491,7 +484,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     for (var k0 = lo; k0 < hi; k0 += tk) {
         let n = min(tk, hi - k0);
         workgroupBarrier();
-        load_tile(false, k0, n, g, hd, l);
+        load_tile(false, k0, n, g, l);
         workgroupBarrier();
         let j = l % tk;
         for (var c = 0u; c < MAX_ROWS; c++) {
@@ -499,7 +492,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             if (r >= rows) {
                 break;
             }
-            let row_pos = step.pos0 + t0 + r / group;
+            let row_pos = step.pos0 + t0 + r / GROUP;
             let key = k0 + j;
             var s = NEG_BIG;
 #if BIDIRECTIONAL
@@ -509,8 +502,8 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 #endif
             if (visible) {
                 var dot = 0.0;
-                for (var d = 0u; d < hd; d++) {
-                    dot += q_sh[r * hd + d] * tile_sh[j * (hd + 1u) + d];
+                for (var d = 0u; d < HEAD_DIM; d++) {
+                    dot += q_sh[r * HEAD_DIM + d] * tile_sh[j * (HEAD_DIM + 1u) + d];
                 }
                 s = dot * p.scale;
             }
@@ -530,7 +523,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             let s = s_sh[i];
             s_sh[i] = select(exp(s - row_max[i / tk]), 0.0, s <= NEG_BIG);
         }
-        load_tile(true, k0, n, g, hd, l);
+        load_tile(true, k0, n, g, l);
         workgroupBarrier();
         if (l < rows) {
             var sum = 0.0;
@@ -546,7 +539,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
                 let d = 2u * (o % pairs);
                 var a = acc[c] * row_rescale[r];
                 for (var jj = 0u; jj < n; jj++) {
-                    let v = vec2<f32>(tile_sh[jj * (hd + 1u) + d], tile_sh[jj * (hd + 1u) + d + 1u]);
+                    let v = vec2<f32>(tile_sh[jj * (HEAD_DIM + 1u) + d], tile_sh[jj * (HEAD_DIM + 1u) + d + 1u]);
                     a += s_sh[r * tk + jj] * v;
                 }
                 acc[c] = a;
@@ -560,14 +553,14 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         if (o < rows * pairs) {
             let r = o / pairs;
             let d = 2u * (o % pairs);
-            let t = t0 + r / group;
-            let qh = g * group + r % group;
+            let t = t0 + r / GROUP;
+            let qh = g * GROUP + r % GROUP;
 #if DECODE
             if (splits > 1u) {
                 // Partials per (query head, split).
                 let slot = qh * splits + split;
-                part_acc[slot * hd + d] = acc[c].x;
-                part_acc[slot * hd + d + 1u] = acc[c].y;
+                part_acc[slot * HEAD_DIM + d] = acc[c].x;
+                part_acc[slot * HEAD_DIM + d + 1u] = acc[c].y;
                 if (d == 0u) {
                     part_ml[2u * slot] = row_max[r];
                     part_ml[2u * slot + 1u] = row_sum[r];
@@ -576,8 +569,8 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             }
 #endif
             let v = acc[c] / row_sum[r];
-            out[t * p.out_stride + qh * hd + d] = v.x;
-            out[t * p.out_stride + qh * hd + d + 1u] = v.y;
+            out[t * p.out_stride + qh * HEAD_DIM + d] = v.x;
+            out[t * p.out_stride + qh * HEAD_DIM + d + 1u] = v.y;
         }
     }
 }
@@ -734,9 +727,7 @@ fn attend_lanes(
     let r0 = wid.y * BLOCK_ROWS;
     let split = wid.z;
     let splits = step.attn_splits;
-    let hd = HEAD_DIM;
-    let group = GROUP;
-    let rows = min(BLOCK_ROWS, group - r0);
+    let rows = min(BLOCK_ROWS, GROUP - r0);
 
     let pos = step.pos0;
     let start = first_key(pos);
@@ -748,7 +739,7 @@ fn attend_lanes(
     let lane = l % LANES;
     let slot = l / LANES;
     let slots = WG / LANES;
-    let in_row = lane * PER_QUAD < hd;
+    let in_row = lane * PER_QUAD < HEAD_DIM;
 
     // Whole-projection norms: the workgroup sums the token's q and k.
     var q_scale = 1.0;
@@ -756,27 +747,27 @@ fn attend_lanes(
 #if QK_NORM_WHOLE
     var q_ss = 0.0;
     var k_ss = 0.0;
-    for (var i = l; i < p.n_q_heads * hd; i += WG) {
+    for (var i = l; i < p.n_q_heads * HEAD_DIM; i += WG) {
         q_ss += qkv[i] * qkv[i];
     }
-    for (var i = l; i < p.n_kv_heads * hd; i += WG) {
-        let v = qkv[p.n_q_heads * hd + i];
+    for (var i = l; i < p.n_kv_heads * HEAD_DIM; i += WG) {
+        let v = qkv[p.n_q_heads * HEAD_DIM + i];
         k_ss += v * v;
     }
-    q_scale = inverseSqrt(workgroup_sum(q_ss, l) / f32(p.n_q_heads * hd) + p.eps);
-    k_scale = inverseSqrt(workgroup_sum(k_ss, l) / f32(p.n_kv_heads * hd) + p.eps);
+    q_scale = inverseSqrt(workgroup_sum(q_ss, l) / f32(p.n_q_heads * HEAD_DIM) + p.eps);
+    k_scale = inverseSqrt(workgroup_sum(k_ss, l) / f32(p.n_kv_heads * HEAD_DIM) + p.eps);
 #endif
 
     // The block's query rows, normalised, rotated and scaled, in registers.
     var q: array<vec4<f32>, LANE_VEC4S>;
     for (var r = 0u; r < 4u; r++) {
-        let head = g * group + min(r0 + r, group - 1u);
+        let head = g * GROUP + min(r0 + r, GROUP - 1u);
 #if QK_NORM_WHOLE
-        let w0 = head * hd;
+        let w0 = head * HEAD_DIM;
 #else
         let w0 = 0u;
 #endif
-        let row = prepare_row(lane_row(head * hd, lane, in_row), lane, sg_lane, in_row, false, w0, q_scale, pos);
+        let row = prepare_row(lane_row(head * HEAD_DIM, lane, in_row), lane, sg_lane, in_row, false, w0, q_scale, pos);
         for (var j = 0u; j < VEC4_PER_QUAD; j++) {
             q[r * VEC4_PER_QUAD + j] = row.v[j] * p.scale;
         }
@@ -789,17 +780,17 @@ fn attend_lanes(
     var v_own = vec4<u32>(0u);
     if (stores) {
 #if QK_NORM_WHOLE
-        let w0 = g * hd;
+        let w0 = g * HEAD_DIM;
 #else
         let w0 = 0u;
 #endif
-        let k_base = (p.n_q_heads + g) * hd;
+        let k_base = (p.n_q_heads + g) * HEAD_DIM;
         k_own = cache_quad_of(prepare_row(lane_row(k_base, lane, in_row), lane, sg_lane, in_row, true, w0, k_scale, pos));
-        v_own = cache_quad_of(lane_row(k_base + p.n_kv_heads * hd, lane, in_row));
+        v_own = cache_quad_of(lane_row(k_base + p.n_kv_heads * HEAD_DIM, lane, in_row));
     }
 
-    let row_quads = p.n_kv_heads * hd / PER_QUAD;
-    let head_quad = g * (hd / PER_QUAD) + select(0u, lane, in_row);
+    let row_quads = p.n_kv_heads * HEAD_DIM / PER_QUAD;
+    let head_quad = g * (HEAD_DIM / PER_QUAD) + select(0u, lane, in_row);
     if (stores && wid.y == 0u && slot == 0u && in_row) {
         k_cache[pos * row_quads + head_quad] = k_own;
         v_cache[pos * row_quads + head_quad] = v_own;
@@ -888,7 +879,7 @@ fn attend_lanes(
             let at = subgroup * BLOCK_ROWS + r;
             for (var j = 0u; j < VEC4_PER_QUAD; j++) {
                 let v = acc[r * VEC4_PER_QUAD + j];
-                let e = at * hd + lane * PER_QUAD + 4u * j;
+                let e = at * HEAD_DIM + lane * PER_QUAD + 4u * j;
                 merge_acc[e] = v.x;
                 merge_acc[e + 1u] = v.y;
                 merge_acc[e + 2u] = v.z;
@@ -903,9 +894,9 @@ fn attend_lanes(
 
     // ... and every invocation merges the subgroups' for a share of the outputs.
     let subgroups = WG / sg_size;
-    for (var o = l; o < rows * hd; o += WG) {
-        let r = o / hd;
-        let d = o % hd;
+    for (var o = l; o < rows * HEAD_DIM; o += WG) {
+        let r = o / HEAD_DIM;
+        let d = o % HEAD_DIM;
         var m_all = NEG_BIG;
         for (var sg = 0u; sg < subgroups; sg++) {
             m_all = max(m_all, merge_ml[sg * BLOCK_ROWS + r].x);
@@ -915,19 +906,19 @@ fn attend_lanes(
         for (var sg = 0u; sg < subgroups; sg++) {
             let at = sg * BLOCK_ROWS + r;
             let w = exp(merge_ml[at].x - m_all);
-            total += merge_acc[at * hd + d] * w;
+            total += merge_acc[at * HEAD_DIM + d] * w;
             sum_all += merge_ml[at].y * w;
         }
-        let qh = g * group + r0 + r;
+        let qh = g * GROUP + r0 + r;
         if (splits > 1u) {
             let slot_index = qh * splits + split;
-            part_acc[slot_index * hd + d] = total;
+            part_acc[slot_index * HEAD_DIM + d] = total;
             if (d == 0u) {
                 part_ml[2u * slot_index] = m_all;
                 part_ml[2u * slot_index + 1u] = sum_all;
             }
         } else {
-            out[qh * hd + d] = total / sum_all;
+            out[qh * HEAD_DIM + d] = total / sum_all;
         }
     }
 }
@@ -1069,7 +1060,6 @@ struct QPair {
 }
 
 fn q_pair(low: bool, h: u32, t0: u32, g: u32, rows: u32, sg: u32, lane: u32) -> QPair {
-    let group = GROUP;
     // 16 rows x 8 quads of the 32 dimensions: four per lane.
     for (var c = 0u; c < 4u; c++) {
         let i = lane + 32u * c;
@@ -1077,7 +1067,7 @@ fn q_pair(low: bool, h: u32, t0: u32, g: u32, rows: u32, sg: u32, lane: u32) -> 
         let d = 32u * h + 4u * (i % 8u);
         var v = vec4<f32>(0.0);
         if (r < rows && d < HEAD_DIM) {
-            let at = (t0 + r / group) * p.out_stride + (g * group + r % group) * HEAD_DIM + d;
+            let at = (t0 + r / GROUP) * p.out_stride + (g * GROUP + r % GROUP) * HEAD_DIM + d;
             v = vec4<f32>(out[at], out[at + 1u], out[at + 2u], out[at + 3u]);
         }
 #if Q_SPLIT
@@ -1119,13 +1109,12 @@ fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: 
     let at = sg * 16u * S_STRIDE;
     coopStoreT(o, &sc_sh[at], 16u);
     subgroupBarrier();
-    let group = GROUP;
     for (var c = 0u; c < 8u; c++) {
         let e = lane + 32u * c;
         let row = sg * 16u + e / 16u;
         if (row < rows) {
-            let t = t0 + row / group;
-            let head = g * group + row % group;
+            let t = t0 + row / GROUP;
+            let head = g * GROUP + row % GROUP;
             out[t * p.out_stride + head * HEAD_DIM + 16u * i + e % 16u] = sc_sh[at + e] * alpha_sh[row];
         }
     }
@@ -1144,9 +1133,8 @@ fn attend_coop(
 ) {
     let g = wid.x;
     let t0 = (nwg.y - 1u - wid.y) * p.tokens_per_wg;
-    let group = GROUP;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
-    let rows = n_tok * group;
+    let rows = n_tok * GROUP;
     let start = first_key(step.pos0 + t0);
     let end = step.pos0 + t0 + n_tok;
     if (l < 8u) {
@@ -1184,7 +1172,7 @@ fn attend_coop(
     let r = lane / 2u;
     let half = lane % 2u;
     let row = sg * 16u + r;
-    let row_pos = step.pos0 + t0 + row / group;
+    let row_pos = step.pos0 + t0 + row / GROUP;
     let s_at = sg * 16u * S_STRIDE;
     var m_ref = NEG_BIG;
     var l_sum = 0.0;
@@ -1317,7 +1305,6 @@ var<workgroup> split_weight: array<f32, MAX_SPLITS>;
 @compute @workgroup_size(WG)
 fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let qh = wid.x;
-    let hd = HEAD_DIM;
     let splits = step.attn_splits;
     let base = qh * splits;
     for (var s = l; s < splits; s += WG) {
@@ -1337,11 +1324,11 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     for (var s = 0u; s < splits; s++) {
         sum += split_weight[s] * part_ml[2u * (base + s) + 1u];
     }
-    for (var d = l; d < hd; d += WG) {
+    for (var d = l; d < HEAD_DIM; d += WG) {
         var a = 0.0;
         for (var s = 0u; s < splits; s++) {
-            a += split_weight[s] * part_acc[(base + s) * hd + d];
+            a += split_weight[s] * part_acc[(base + s) * HEAD_DIM + d];
         }
-        out[qh * hd + d] = a / sum;
+        out[qh * HEAD_DIM + d] = a / sum;
     }
 }

@@ -17,8 +17,9 @@
 @group(0) @binding(3) var<storage, read> weights: array<f32>;
 #endif
 
-const WG: u32 = 256u;
-const RUNS: u32 = 4u;
+// Set by kernels::residual, whose workgroup grid depends on them.
+override WG: u32 = 256u;
+override RUNS: u32 = 4u;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {

@@ -65,10 +65,11 @@ impl<'a> LayerOutput<'a> {
     }
 }
 
-/// Elements of a row each workgroup adds: `WG` x `RUNS` of
-/// `wgsl/residual.wgsl`. (On the H200 a chunk's add of 2048 x 4096 took 85
-/// us in workgroups of 64 one element each.)
-const ELEMENTS_PER_WORKGROUP: u32 = 256 * 4;
+/// Invocations per workgroup, and elements each adds (`WG` and `RUNS` of
+/// `wgsl/residual.wgsl`). On the H200 a chunk's add of 2048 x 4096 took 43
+/// us so, 85 in workgroups of 64 adding one element each.
+const WG: u32 = 256;
+const RUNS: u32 = 4;
 
 #[derive(Debug, Default)]
 pub struct Residual;
@@ -88,7 +89,7 @@ impl Residual {
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
         let mut flags = vec![];
-        let mut constants = vec![];
+        let mut constants = vec![("WG", WG as f64), ("RUNS", RUNS as f64)];
         let mut buffers = vec![(1, y.as_entire_buffer_binding()), (2, x.as_entire_buffer_binding())];
         if let Some(w) = weights {
             flags.push("WEIGHTED");
@@ -103,7 +104,7 @@ impl Residual {
             label: "residual",
             bind_group: gpu.bind_ranges("residual", &pipeline, &buffers),
             pipeline,
-            workgroups: [n.div_ceil(ELEMENTS_PER_WORKGROUP), 1, 1],
+            workgroups: [n.div_ceil(WG * RUNS), 1, 1],
             tokens_per_workgroup: 1,
         })
     }
