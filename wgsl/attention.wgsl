@@ -234,19 +234,40 @@ fn row_offset(h: HeadRow) -> u32 {
     return h.token * p.qkv_stride + (select(0u, p.n_q_heads, h.is_k) + h.head) * HEAD_DIM;
 }
 
+// The dimension that d turns with: d + half_rot or d - half_rot (d itself
+// past the rotated dimensions).
+fn rope_partner(d: u32) -> u32 {
+    let half = p.half_rot;
+    if (d >= 2u * half) {
+        return d;
+    }
+    return select(d - half, d + half, d < half);
+}
+
+// Dimension d of a row, of value v and partner value w (see rope_partner),
+// rotated for position `pos`.
+fn rope(v: f32, w: f32, d: u32, pos: u32) -> f32 {
+    let half = p.half_rot;
+    if (d >= 2u * half) {
+        return v;
+    }
+    let i = select(d - half, d, d < half);
+    let table = pos * 2u * half + i;
+    let c = cos_sin[table];
+    let s = cos_sin[table + half];
+    return select(v * c + w * s, v * c - w * s, d < half);
+}
+
 // Element d of row r of q_sh rotated for position `pos`.
 fn rotated(r: u32, d: u32, pos: u32) -> f32 {
-    let half = p.half_rot;
     let row = r * HEAD_DIM;
-    if (d >= 2u * half) {
-        return q_sh[row + d];
-    }
-    let table = pos * 2u * half;
-    if (d < half) {
-        return q_sh[row + d] * cos_sin[table + d] - q_sh[row + d + half] * cos_sin[table + half + d];
-    }
-    let i = d - half;
-    return q_sh[row + d] * cos_sin[table + i] + q_sh[row + i] * cos_sin[table + half + i];
+    return rope(q_sh[row + d], q_sh[row + rope_partner(d)], d, pos);
+}
+
+// Element d of the row at qkv[row] rotated for position `pos`, straight
+// from qkv (rows without a norm).
+fn rotated_qkv(row: u32, d: u32, pos: u32) -> f32 {
+    return rope(qkv[row + d], qkv[row + rope_partner(d)], d, pos);
 }
 
 // Loads n_q query rows and, with `with_k`, one k row (see head_row) into
@@ -329,6 +350,9 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
     workgroupBarrier();
 }
 
+// Without a q/k norm no row needs another, so each invocation rotates its
+// elements straight from qkv: no workgroup memory, no barriers (the
+// normalised rows go through load_rows).
 @compute @workgroup_size(WG)
 fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     // K heads first, then V heads (qkv heads nq + c), then (for
@@ -341,10 +365,19 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         // Normalised and rotated into `out`, where attend_coop reads them
         // before it writes its results over them.
         let g = c - 2u * nkv;
+        let dst = t * p.out_stride + g * GROUP * HEAD_DIM;
+#if QK_NORM
         load_rows(t, g, GROUP, false, 0u, l);
         for (var i = l; i < GROUP * HEAD_DIM; i += WG) {
-            out[t * p.out_stride + g * GROUP * HEAD_DIM + i] = q_sh[i];
+            out[dst + i] = q_sh[i];
         }
+#else
+        let src = t * p.qkv_stride + g * GROUP * HEAD_DIM;
+        for (var i = l; i < GROUP * HEAD_DIM; i += WG) {
+            let d = i % HEAD_DIM;
+            out[dst + i] = rotated_qkv(src + i - d, d, pos);
+        }
+#endif
         return;
     }
     if (c >= nkv) {
@@ -355,10 +388,18 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         }
         return;
     }
+#if QK_NORM
     load_rows(0u, c, 0u, true, t, l);
     for (var i = l; i < HEAD_DIM / 2u; i += WG) {
         kv_store2(false, kv_index(pos, c, 2u * i), vec2<f32>(q_sh[2u * i], q_sh[2u * i + 1u]));
     }
+#else
+    let src = t * p.qkv_stride + (p.n_q_heads + c) * HEAD_DIM;
+    for (var i = l; i < HEAD_DIM / 2u; i += WG) {
+        let pair = vec2<f32>(rotated_qkv(src, 2u * i, pos), rotated_qkv(src, 2u * i + 1u, pos));
+        kv_store2(false, kv_index(pos, c, 2u * i), pair);
+    }
+#endif
 }
 
 // ---- attend: query rows against a range of keys, tile by tile ----
