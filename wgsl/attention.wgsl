@@ -976,7 +976,9 @@ fn attend_lanes(
 // high and low parts: 22 bits of mantissa) held for the whole key loop.
 // Keys go by in tiles of 32, K and V staged as the f16 cache stores them,
 // each invocation's share of the next tile loaded into registers while
-// this one is multiplied. S = q k^T into f32; a lane pair per row
+// this one is multiplied, its K stored over this one's once every subgroup
+// has its scores and its V once every subgroup has added P V: two
+// workgroup barriers a tile. S = q k^T into f32; a lane pair per row
 // masks and applies the online softmax; O += P V with P in f16, O held in
 // f32 accumulators. S and P go through memory of the subgroup's own, so
 // subgroup barriers order them. The probabilities are taken against a
@@ -989,7 +991,9 @@ fn attend_lanes(
 // (one K/V tile for 128 rows) ran in 1.20 ms against 1.86 for four, rows
 // of 36 scores against 1.56 for rows of 32; a second K/V buffer, stored
 // while the other is multiplied, gained nothing, and staging from a view
-// of the caches as f16s (no conversions) ran slower: 1.79 ms.
+// of the caches as f16s (no conversions) ran slower: 1.79 ms. Two
+// barriers a tile rather than three (K and V stored together before the
+// scores) took it from 1.06 to 1.01 ms.
 // The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
 // stores, strides in vec4s).
 // Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
@@ -1061,17 +1065,16 @@ fn f16x4(a: u32, b: u32) -> vec4<f16> {
     return vec4<f16>(vec4<f32>(unpack2x16float(a), unpack2x16float(b)));
 }
 
-// Stores the loads into kv_sh.
-fn store_coop_tile(t: TileLoads, l: u32) {
+// Stores the loads of K (`values` false) or V into kv_sh.
+fn store_coop_tile(t: TileLoads, values: bool, l: u32) {
     let quads = HEAD_DIM / 8u;
     for (var c = 0u; c < TILE_LOADS; c++) {
         let i = l + c * C_WG;
         if (slot_used(c) && i < C_KEYS * quads) {
-            let at = (i / quads) * C_STRIDE + (i % quads) * 2u;
-            kv_sh[at] = f16x4(t.k[c].x, t.k[c].y);
-            kv_sh[at + 1u] = f16x4(t.k[c].z, t.k[c].w);
-            kv_sh[V_ROWS + at] = f16x4(t.v[c].x, t.v[c].y);
-            kv_sh[V_ROWS + at + 1u] = f16x4(t.v[c].z, t.v[c].w);
+            let at = (i / quads) * C_STRIDE + (i % quads) * 2u + select(0u, V_ROWS, values);
+            let w = select(t.k[c], t.v[c], values);
+            kv_sh[at] = f16x4(w.x, w.y);
+            kv_sh[at + 1u] = f16x4(w.z, w.w);
         }
     }
 }
@@ -1183,7 +1186,6 @@ fn attend_coop(
     }
     // The first tile's loads are in flight while q is staged.
     var tile = load_coop_tile(start, min(C_KEYS, end - start), g, l);
-
     let q01 = q_pair(false, 0u, t0, g, rows, sg, lane);
     let q23 = q_pair(false, 1u, t0, g, rows, sg, lane);
     let q45 = q_pair(false, 2u, t0, g, rows, sg, lane);
@@ -1218,13 +1220,19 @@ fn attend_coop(
     var m_ref = NEG_BIG;
     var l_sum = 0.0;
 
+    store_coop_tile(tile, false, l);
+    store_coop_tile(tile, true, l);
+    if (start + C_KEYS < end) {
+        tile = load_coop_tile(start + C_KEYS, min(C_KEYS, end - start - C_KEYS), g, l);
+    }
+    workgroupBarrier();
+    // Two barriers a tile: once every subgroup has its scores (the
+    // rescale flags' load), the next tile's K goes over this one's; once
+    // every subgroup has added P V, its V over this one's. `tile` holds
+    // the next tile's loads until both are stored.
     for (var k0 = start; k0 < end; k0 += C_KEYS) {
         let n = min(C_KEYS, end - k0);
-        store_coop_tile(tile, l);
-        workgroupBarrier();
-        if (k0 + C_KEYS < end) {
-            tile = load_coop_tile(k0 + C_KEYS, min(C_KEYS, end - k0 - C_KEYS), g, l);
-        }
+        let more = k0 + C_KEYS < end;
 
         var s0 = coop_mat16x16<f32, C>();
         var s1 = coop_mat16x16<f32, C>();
@@ -1296,9 +1304,13 @@ fn attend_coop(
         if (lane == 0u) {
             rescale_sg[sg] = select(0u, 1u, any_grows);
         }
-        // (Its barrier also orders P and alpha_sh before their reads.)
+        // (Its barrier also orders P and alpha_sh before their reads, and
+        // ends every subgroup's reads of this tile's K.)
         let flags = workgroupUniformLoad(&rescale_sg);
         let rescales = flags[0] + flags[1] + flags[2] + flags[3] + flags[4] + flags[5] + flags[6] + flags[7];
+        if (more) {
+            store_coop_tile(tile, false, l);
+        }
         if (rescales > 0u) {
             o0 = rescale(o0, sg, lane);
             if (HD_FRAGS > 1u) { o1 = rescale(o1, sg, lane); }
@@ -1321,6 +1333,12 @@ fn attend_coop(
         if (HD_FRAGS > 6u) { o6 = pv(p0, p1, o6, 6u); }
         if (HD_FRAGS > 7u) { o7 = pv(p0, p1, o7, 7u); }
         workgroupBarrier();
+        if (more) {
+            store_coop_tile(tile, true, l);
+            if (k0 + 2u * C_KEYS < end) {
+                tile = load_coop_tile(k0 + 2u * C_KEYS, min(C_KEYS, end - k0 - 2u * C_KEYS), g, l);
+            }
+        }
     }
 
     // out = O / l.
