@@ -4,7 +4,7 @@ enable wgpu_cooperative_matrix;
 // The chunk product of gemm.wgsl (same parameters, bindings, dense and
 // grouped modes, SWIGLU) on cooperative matrices (tensor cores):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
-// A workgroup of 8 subgroups of 32 computes TILE_M tokens x TILE_N weight
+// A workgroup of WARPS subgroups of 32 computes TILE_M tokens x TILE_N weight
 // rows, k in steps of TILE_K: the step's X (f32) and W (bf16, or with
 // WEIGHT_FORMAT any format of weights.wgsl, decoded) are converted to f16
 // as they are staged into workgroup memory, the next step's loaded into
@@ -47,9 +47,11 @@ const OUTPUT_STEP: u32 = 1u;
 override ROW: u32 = TILE_K / 4u + 2u;
 override XS_LEN: u32 = TILE_M * ROW;
 override WS_LEN: u32 = TILE_N * ROW;
-// Subgroups: WARPS_M along the tokens x WARPS_N along the rows, each
-// WARP_M x WARP_N: 32 or 64 tokens, 16 to 64 rows.
-const WARPS: u32 = 8u;
+// Subgroups: 8 or 16 (a pipeline constant with the tile), WARPS_M
+// along the tokens x WARPS_N along the rows, each WARP_M x WARP_N: 32 or
+// 64 tokens, 16 to 64 rows.
+override WARPS: u32 = 8u;
+override WG: u32 = 32u * WARPS;
 override WARP_M: u32 = max(32u, TILE_M * TILE_N / (WARPS * 64u));
 override WARPS_M: u32 = TILE_M / WARP_M;
 override WARPS_N: u32 = WARPS / WARPS_M;
@@ -60,7 +62,7 @@ override FRAGS_N: u32 = WARP_N / 16u;
 // Each invocation stages runs of eight k: TILE_K / 8 invocations cover a
 // row's step, ROUND_ROWS rows a round.
 override RUNS_PER_ROW: u32 = TILE_K / 8u;
-override ROUND_ROWS: u32 = 256u / RUNS_PER_ROW;
+override ROUND_ROWS: u32 = WG / RUNS_PER_ROW;
 override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
 override W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
 
@@ -87,7 +89,8 @@ var<workgroup> ws: array<vec4<f16>, WS_LEN>;
 var<workgroup> ws_lo: array<vec4<f16>, WS_LEN>;
 #endif
 // One 16 x 16 accumulator per subgroup on its way out.
-var<workgroup> out_tile: array<f32, 8 * 256>;
+override OUT_LEN: u32 = WARPS * 256u;
+var<workgroup> out_tile: array<f32, OUT_LEN>;
 
 fn weight_word(i: u32) -> u32 {
 #if WEIGHT_FORMAT
@@ -388,7 +391,7 @@ fn write_row(c0: Acc, c1: Acc, c2: Acc, c3: Acc, t: Tile, warp: u32, lane: u32, 
     }
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,

@@ -8,9 +8,12 @@ pub const X_SPLIT: &str = "X_SPLIT";
 /// Staged weights as two f16s, for formats whose values f16 does not hold.
 pub const W_SPLIT: &str = "W_SPLIT";
 
-/// The kernel's subgroups: 8 of 32 invocations (its workgroup of 256 is
-/// tiled into 8 subgroup tiles).
+/// The kernel's subgroups: of 32 invocations, 8 or 16 to a workgroup
+/// ([`Tile::warps`]), each computing a part of the workgroup's tile.
 pub const SUBGROUP_SIZE: u32 = 32;
+
+/// Subgroups of the largest build's workgroup.
+const MAX_WARPS: u32 = 16;
 
 /// Workgroup memory the kernel may use: 48 KiB, what NVIDIA's Vulkan
 /// drivers offer (Vulkan itself guarantees 16 KiB: an adapter with less
@@ -55,7 +58,8 @@ pub const FEATURES: wgpu::Features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MA
 /// backend whose translation has been fixed and measured) with 16 x 16 x 16
 /// products of f16 into f32 at subgroup scope, f16 in shaders (and its
 /// conversions in f32 ones, which the attention uses), subgroups of
-/// exactly 32, and the workgroup memory of the largest build.
+/// exactly 32, and the workgroup memory and invocations of the largest
+/// build.
 pub fn usable(adapter: &wgpu::Adapter) -> bool {
     let info = adapter.get_info();
     info.backend == wgpu::Backend::Vulkan
@@ -64,6 +68,7 @@ pub fn usable(adapter: &wgpu::Adapter) -> bool {
         && info.subgroup_min_size == SUBGROUP_SIZE
         && info.subgroup_max_size == SUBGROUP_SIZE
         && adapter.limits().max_compute_workgroup_storage_size >= WORKGROUP_BYTES
+        && adapter.limits().max_compute_invocations_per_workgroup >= MAX_WARPS * SUBGROUP_SIZE
         && adapter.cooperative_matrix_properties().iter().any(|c| {
             (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
                 && c.ab_type == wgpu::CooperativeScalarType::F16
@@ -81,35 +86,39 @@ pub struct Tile {
     pub rows: u32,
     /// 32 or 64.
     pub k: u32,
+    /// Subgroups of 32: 8, or 16 where decoding weights (see
+    /// [`Self::PREFERRED`]); each computes 32 or 64 tokens x 16 to 64 rows.
+    pub warps: u32,
 }
 
 impl Tile {
     /// Every tile the kernel is built in, the most work per staged value
     /// first (a tile's staging is shared by tokens x rows products), each
     /// in steps of 32 before 64.
-    pub const ALL: [Tile; 12] = [
-        Tile { tokens: 128, rows: 256, k: 32 },
-        Tile { tokens: 128, rows: 256, k: 64 },
-        Tile { tokens: 128, rows: 128, k: 32 },
-        Tile { tokens: 128, rows: 128, k: 64 },
-        Tile { tokens: 64, rows: 256, k: 32 },
-        Tile { tokens: 64, rows: 256, k: 64 },
-        Tile { tokens: 64, rows: 128, k: 32 },
-        Tile { tokens: 64, rows: 128, k: 64 },
-        Tile { tokens: 32, rows: 256, k: 32 },
-        Tile { tokens: 32, rows: 256, k: 64 },
-        Tile { tokens: 32, rows: 128, k: 32 },
-        Tile { tokens: 32, rows: 128, k: 64 },
+    pub const ALL: [Tile; 13] = [
+        Tile { tokens: 128, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 128, rows: 256, k: 64, warps: 8 },
+        Tile { tokens: 128, rows: 128, k: 32, warps: 8 },
+        Tile { tokens: 128, rows: 128, k: 64, warps: 8 },
+        Tile { tokens: 64, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 64, rows: 256, k: 64, warps: 8 },
+        Tile { tokens: 64, rows: 128, k: 32, warps: 8 },
+        Tile { tokens: 64, rows: 128, k: 64, warps: 8 },
+        Tile { tokens: 32, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 32, rows: 256, k: 64, warps: 8 },
+        Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
+        Tile { tokens: 32, rows: 128, k: 64, warps: 8 },
+        Tile { tokens: 128, rows: 256, k: 32, warps: 16 },
     ];
 
     /// Workgroup memory of a build with `flags` in this tile: the staged
     /// tiles (a second of each split operand) in rows of k f16s and 16
-    /// bytes of padding, and eight 16 x 16 f32 accumulators on their way
-    /// out (as `wgsl/gemm_coop.wgsl` declares them).
+    /// bytes of padding, and a 16 x 16 f32 accumulator per subgroup on its
+    /// way out (as `wgsl/gemm_coop.wgsl` declares them).
     pub fn workgroup_bytes(self, flags: &[&str]) -> u32 {
         let parts = |split: &str| if flags.contains(&split) { 2 } else { 1 };
         let staged_rows = self.tokens * parts(X_SPLIT) + self.rows * parts(W_SPLIT);
-        staged_rows * (2 * self.k + 16) + 8 * 256 * 4
+        staged_rows * (2 * self.k + 16) + self.warps * 256 * 4
     }
 
     /// Whether a build with `flags` can use this tile: its workgroup
@@ -124,9 +133,11 @@ impl Tile {
     /// the smallest. Expert groups pass the tokens an expert has on average.
     pub fn choose(n_rows: usize, max_tokens: usize, flags: &[&str]) -> Tile {
         let workgroups = |t: Tile| n_rows.div_ceil(t.rows as usize) * max_tokens.div_ceil(t.tokens as usize);
-        // Decoded weights take twice the registers in steps of 64.
+        // Decoded weights take twice the registers in steps of 64; only
+        // they gain from 16 subgroups.
         let decodes = flags.contains(&"WEIGHT_FORMAT");
-        let fitting = Self::PREFERRED.into_iter().filter(|t| t.fits(flags) && (t.k == 32 || !decodes));
+        let suits = |t: &Tile| (t.k == 32 || !decodes) && (t.warps == 8 || decodes);
+        let fitting = Self::PREFERRED.into_iter().filter(|t| t.fits(flags) && suits(t));
         fitting
             .clone()
             .find(|&t| max_tokens >= t.tokens as usize && workgroups(t) >= MIN_WORKGROUPS)
@@ -139,20 +150,32 @@ impl Tile {
     /// in 128 x 128 in steps of 64 and 125-139 in steps of 32; at 512
     /// tokens of the 4096 x 14336 down projection, 104, 174 and 137. Steps
     /// of 64 ran the smaller tiles and the decoded formats (Q4_K: 61-63
-    /// against 67-70) slower.
-    pub const PREFERRED: [Tile; 7] = [
-        Tile { tokens: 128, rows: 256, k: 32 },
-        Tile { tokens: 128, rows: 128, k: 64 },
-        Tile { tokens: 128, rows: 128, k: 32 },
-        Tile { tokens: 64, rows: 256, k: 32 },
-        Tile { tokens: 64, rows: 128, k: 32 },
-        Tile { tokens: 32, rows: 256, k: 32 },
-        Tile { tokens: 32, rows: 128, k: 32 },
+    /// against 67-70) slower. Decoded formats ran faster with 16 subgroups
+    /// sharing the decoding: Q4_K at 4096 tokens 87-91 TFLOP/s against
+    /// 71-74 with 8, where bf16 ran slower (182-201 against 191-208).
+    /// Tiles of 4 subgroups (two workgroups per multiprocessor) ran 128 x
+    /// 128 in steps of 32 at 180-192 against 126-142 at 4096 tokens, but
+    /// behind 128 x 256 in 8, and slower at 512 tokens (33 against 97 on
+    /// the 6144 x 4096 q/k/v).
+    pub const PREFERRED: [Tile; 8] = [
+        Tile { tokens: 128, rows: 256, k: 32, warps: 16 },
+        Tile { tokens: 128, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 128, rows: 128, k: 64, warps: 8 },
+        Tile { tokens: 128, rows: 128, k: 32, warps: 8 },
+        Tile { tokens: 64, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 64, rows: 128, k: 32, warps: 8 },
+        Tile { tokens: 32, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
     ];
 
     /// The pipeline constants of the tile.
-    pub fn constants(self) -> [(&'static str, f64); 3] {
-        [("TILE_M", self.tokens as f64), ("TILE_N", self.rows as f64), ("TILE_K", self.k as f64)]
+    pub fn constants(self) -> [(&'static str, f64); 4] {
+        [
+            ("TILE_M", self.tokens as f64),
+            ("TILE_N", self.rows as f64),
+            ("TILE_K", self.k as f64),
+            ("WARPS", self.warps as f64),
+        ]
     }
 }
 
@@ -192,7 +215,7 @@ mod tests {
     #[test]
     fn builds_fit_the_workgroup_memory_the_kernel_asks_for() {
         let q4k_split: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
-        let t = |tokens, rows, k| Tile { tokens, rows, k };
+        let t = |tokens, rows, k| Tile { tokens, rows, k, warps: 8 };
         // 128 tokens in two parts and 256 bf16 rows in steps of 32: 48 KiB.
         assert_eq!(t(128, 256, 32).workgroup_bytes(&[X_SPLIT]), WORKGROUP_BYTES);
         assert!(!t(128, 256, 32).fits(q4k_split) && t(128, 128, 32).fits(q4k_split));
@@ -204,6 +227,26 @@ mod tests {
         }
     }
 
+    /// The layout `wgsl/gemm_coop.wgsl` derives from a tile: subgroups of
+    /// 32 or 64 tokens x 16 to 64 rows covering it, and staging rounds
+    /// (rows of the tile staged by all invocations at once) within the
+    /// kernel's arrays of 4 for X and 8 for W.
+    #[test]
+    fn every_tile_has_a_layout_the_kernel_holds() {
+        for t in Tile::ALL {
+            let warp_m = 32.max(t.tokens * t.rows / (t.warps * 64));
+            let warps_n = t.warps / (t.tokens / warp_m);
+            let warp_n = t.rows / warps_n;
+            assert!(matches!(warp_m, 32 | 64) && matches!(warp_n, 16 | 32 | 64), "{t:?}");
+            assert_eq!((t.tokens / warp_m) * warps_n, t.warps, "{t:?}");
+            let round_rows = t.warps * SUBGROUP_SIZE / (t.k / 8);
+            let x_rounds = t.tokens.div_ceil(round_rows);
+            let w_rounds = t.rows / round_rows;
+            assert!(x_rounds <= 4 && (1..=8).contains(&w_rounds) && t.rows % round_rows == 0, "{t:?}");
+            assert!(t.warps <= MAX_WARPS);
+        }
+    }
+
     #[test]
     fn tiles_are_the_largest_that_keep_the_gpu_busy_and_fit_the_build() {
         let bf16: &[&str] = &[X_SPLIT];
@@ -211,19 +254,23 @@ mod tests {
         let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
         let q4k_f16: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K"];
         // A 512-token chunk of Llama-3.1-8B's projections.
-        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 128, k: 32 });
-        assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128, k: 32 });
+        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
         // Unsplit bf16 has room for steps of 64; decoded formats keep 32.
-        assert_eq!(Tile::choose(4096, 512, bf16_f16), Tile { tokens: 128, rows: 128, k: 64 });
-        assert_eq!(Tile::choose(4096, 512, q4k_f16), Tile { tokens: 128, rows: 128, k: 32 });
-        assert_eq!(Tile::choose(28672, 4096, bf16_f16), Tile { tokens: 128, rows: 256, k: 32 });
-        assert_eq!(Tile::choose(6144, 4096, bf16), Tile { tokens: 128, rows: 256, k: 32 });
-        assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256, k: 32 });
+        assert_eq!(Tile::choose(4096, 512, bf16_f16), Tile { tokens: 128, rows: 128, k: 64, warps: 8 });
+        assert_eq!(Tile::choose(4096, 512, q4k_f16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(28672, 4096, bf16_f16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(6144, 4096, bf16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
         // Its second weight tile leaves a split format 128 rows.
-        assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128, k: 32 });
+        assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        // Decoded formats share the decoding among 16 subgroups where
+        // their accumulators' memory fits.
+        assert_eq!(Tile::choose(28672, 4096, q4k_f16), Tile { tokens: 128, rows: 256, k: 32, warps: 16 });
+        assert_eq!(Tile::choose(28672, 4096, q4k), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
         // Experts of a few tokens each; products too small for any tile.
-        assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256, k: 32 });
-        assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128, k: 32 });
+        assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128, k: 32, warps: 8 });
         for rows in [1, 100, 4096, 1 << 20] {
             for tokens in [0, 1, 31, 64, 200, 4096] {
                 for flags in [bf16, bf16_f16, q4k, q4k_f16] {
