@@ -1,5 +1,6 @@
 //! Chunked prefill is the same computation as token-by-token decoding: for
-//! every fixture case, chunk sizes 1, 2, 5 and one longer than the prompt,
+//! every fixture case, chunk sizes 1, 2, 5 and one longer than the prompt
+//! (and 32 and 80 where the prompt is long),
 //! and both chunk kernels (GEMM, per-token GEMV), the last prompt
 //! position's logits match transformers within 1e-3 and the greedy
 //! continuation is the fixture's.
@@ -26,6 +27,11 @@ fn every_chunk_size_matches_the_fixture() {
             let mut chunks = vec![1, 2, 5, e.prompt_ids.len() + 1];
             if e.prompt_ids.len() >= 64 {
                 chunks.push(32);
+            }
+            if e.prompt_ids.len() >= 100 {
+                // Chunks of 80, then one shorter than 64: the GEMM's plan
+                // for the shorter chunks' class.
+                chunks.push(80);
             }
             for (chunk, matmul) in
                 chunks.into_iter().flat_map(|c| [(c, ChunkMatmul::Gemm), (c, ChunkMatmul::Gemv)])

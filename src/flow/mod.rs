@@ -99,17 +99,69 @@ pub enum Head {
 #[derive(Debug)]
 struct Projection {
     gemv: Vec<Dispatch>,
-    chunk: Option<Vec<Dispatch>>,
+    chunk: ChunkPlans,
 }
 
 impl Projection {
     fn encode(&self, rec: &mut Recorder<'_>, phase: Phase, n_tokens: u32) {
-        let dispatches = match &self.chunk {
+        let dispatches = match self.chunk.for_tokens(n_tokens as usize) {
             Some(chunk) if n_tokens > 1 => chunk,
             _ => &self.gemv,
         };
         rec.encode(phase, dispatches, n_tokens);
     }
+}
+
+/// A chunk's GEMM sequence planned for each class of chunk lengths: the
+/// tiles that keep the GPU busy at 4096 tokens leave it half idle at 512
+/// (the 8B shape's 4096 x 14336 down projection ran 512 tokens at 104
+/// TFLOP/s in the 128 x 256 tiles chosen for 4096, at 174 in the 128 x 128
+/// chosen for 512, on the H200). Classes end at powers of two from
+/// [`Self::SHORTEST`] up to the longest chunk; neighbours planned alike
+/// are merged. Empty where chunks run the GEMV.
+#[derive(Debug, Default)]
+struct ChunkPlans(Vec<(usize, Vec<Dispatch>)>);
+
+impl ChunkPlans {
+    /// The shortest class's longest chunk: below it, tiles of 32 tokens
+    /// (the smallest) are chosen whatever the length.
+    const SHORTEST: usize = 64;
+
+    /// `plan(gemm, most)` for each class, `most` its longest chunk.
+    fn new(
+        gemm: Option<&Gemm>,
+        max_tokens: usize,
+        plan: impl Fn(&Gemm, usize) -> Result<Vec<Dispatch>>,
+    ) -> Result<Self> {
+        let Some(gemm) = gemm else { return Ok(Self::default()) };
+        let mut classes: Vec<(usize, Vec<Dispatch>)> = Vec::new();
+        let ends =
+            std::iter::successors(Some(Self::SHORTEST), |&n| Some(2 * n)).take_while(|&n| n < max_tokens);
+        for most in ends.chain([max_tokens]) {
+            let dispatches = plan(gemm, most)?;
+            match classes.last_mut() {
+                Some((end, last)) if same_kernels(last, &dispatches) => *end = most,
+                _ => classes.push((most, dispatches)),
+            }
+        }
+        Ok(Self(classes))
+    }
+
+    /// The sequence for a chunk of `n_tokens` (at most the longest chunk).
+    fn for_tokens(&self, n_tokens: usize) -> Option<&Vec<Dispatch>> {
+        let class = self.0.iter().find(|(most, _)| n_tokens <= *most).or(self.0.last());
+        class.map(|(_, dispatches)| dispatches)
+    }
+}
+
+/// Whether two sequences run the same pipelines over the same grids.
+fn same_kernels(a: &[Dispatch], b: &[Dispatch]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(a, b)| {
+            a.pipeline == b.pipeline
+                && a.workgroups == b.workgroups
+                && a.tokens_per_workgroup == b.tokens_per_workgroup
+        })
 }
 
 /// What a prompt chunk holding image tokens adds to the forward pass: the
@@ -158,9 +210,9 @@ impl<'a> Builder<'a> {
         let (gpu, k, act, eps) = (&self.model.gpu, &self.model.kernels, self.act, self.model.config.rms_eps);
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
-        let chunk = self.chunk(|gemm| {
+        let chunk = self.chunk(|gemm, tokens| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(gemm.plan(gpu, weight, Epilogue::Plain, act.max_tokens, &act.step, &act.h, y)?);
+            d.extend(gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, y)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
@@ -178,8 +230,8 @@ impl<'a> Builder<'a> {
         let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
-        let chunk = self.chunk(|gemm| {
-            let mut d = gemm.plan(gpu, weight, Epilogue::Plain, act.max_tokens, &act.step, a, scratch)?;
+        let chunk = self.chunk(|gemm, tokens| {
+            let mut d = gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, a, scratch)?;
             d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
             Ok(d)
         })?;
@@ -199,16 +251,16 @@ impl<'a> Builder<'a> {
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv =
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
-        let chunk = self.chunk(|gemm| {
+        let chunk = self.chunk(|gemm, tokens| {
             let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(gemm.plan(gpu, weight, Epilogue::Swiglu, act.max_tokens, &act.step, &act.h, out)?);
+            d.extend(gemm.plan(gpu, weight, Epilogue::Swiglu, tokens, &act.step, &act.h, out)?);
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
     }
 
-    fn chunk(&self, f: impl FnOnce(&Gemm) -> Result<Vec<Dispatch>>) -> Result<Option<Vec<Dispatch>>> {
-        self.gemm.map(f).transpose()
+    fn chunk(&self, plan: impl Fn(&Gemm, usize) -> Result<Vec<Dispatch>>) -> Result<ChunkPlans> {
+        ChunkPlans::new(self.gemm, self.act.max_tokens, plan)
     }
 }
 
