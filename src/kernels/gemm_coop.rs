@@ -149,20 +149,22 @@ impl Tile {
     /// ran at 192-208 TFLOP/s in 128 x 256 tiles in steps of 32, 162-177
     /// in 128 x 128 in steps of 64 and 125-139 in steps of 32; at 512
     /// tokens of the 4096 x 14336 down projection, 104, 174 and 137. Steps
-    /// of 64 ran the smaller tiles and the decoded formats (Q4_K: 61-63
-    /// against 67-70) slower. Decoded formats ran faster with 16 subgroups
+    /// of 64 ran the decoded formats (Q4_K: 61-63 against 67-70) slower,
+    /// but the 1B shape's 2048 x 8192 down projection at 512 tokens faster
+    /// in 64 x 128 tiles (117 against 74). Decoded formats ran faster with 16 subgroups
     /// sharing the decoding: Q4_K at 4096 tokens 87-91 TFLOP/s against
     /// 71-74 with 8, where bf16 ran slower (182-201 against 191-208).
     /// Tiles of 4 subgroups (two workgroups per multiprocessor) ran 128 x
     /// 128 in steps of 32 at 180-192 against 126-142 at 4096 tokens, but
     /// behind 128 x 256 in 8, and slower at 512 tokens (33 against 97 on
     /// the 6144 x 4096 q/k/v).
-    pub const PREFERRED: [Tile; 8] = [
+    pub const PREFERRED: [Tile; 9] = [
         Tile { tokens: 128, rows: 256, k: 32, warps: 16 },
         Tile { tokens: 128, rows: 256, k: 32, warps: 8 },
         Tile { tokens: 128, rows: 128, k: 64, warps: 8 },
         Tile { tokens: 128, rows: 128, k: 32, warps: 8 },
         Tile { tokens: 64, rows: 256, k: 32, warps: 8 },
+        Tile { tokens: 64, rows: 128, k: 64, warps: 8 },
         Tile { tokens: 64, rows: 128, k: 32, warps: 8 },
         Tile { tokens: 32, rows: 256, k: 32, warps: 8 },
         Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
@@ -179,13 +181,13 @@ impl Tile {
     }
 }
 
-/// Fewest workgroups a product should have: about one per multiprocessor
-/// of a large GPU (an NVIDIA H200 has 132), the setting of README's
-/// prefill figures. 96 ran 512 tokens of 6144 rows faster in a kernel
-/// benchmark (96 tiles of 128 x 256 against 192 of 128 x 128: 100 against
-/// 85 TFLOP/s), but whole-model prefills on several machines did not
-/// show it better throughout.
-pub const MIN_WORKGROUPS: usize = 128;
+/// Fewest workgroups a product should have: about three quarters of the
+/// multiprocessors of a large GPU (an NVIDIA H200 has 132), the setting of
+/// README's prefill figures; larger tiles make up for the idle ones. With
+/// 96 rather than 128 (and 64 x 128 tiles in steps of 64 preferred to
+/// steps of 32) the 1B shape prefilled 512 tokens at 51 570-53 164 tok/s
+/// against 44 874-45 900, the 8B shape's pp512 unchanged, in one call.
+pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and
 /// without splits, plain and with SwiGLU.
@@ -254,7 +256,7 @@ mod tests {
         let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
         let q4k_f16: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K"];
         // A 512-token chunk of Llama-3.1-8B's projections.
-        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
         assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
         // Unsplit bf16 has room for steps of 64; decoded formats keep 32.
         assert_eq!(Tile::choose(4096, 512, bf16_f16), Tile { tokens: 128, rows: 128, k: 64, warps: 8 });
@@ -268,6 +270,9 @@ mod tests {
         // their accumulators' memory fits.
         assert_eq!(Tile::choose(28672, 4096, q4k_f16), Tile { tokens: 128, rows: 256, k: 32, warps: 16 });
         assert_eq!(Tile::choose(28672, 4096, q4k), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        // Llama-3.2-1B's q/k/v and down projection at 513 tokens.
+        assert_eq!(Tile::choose(3072, 513, bf16_f16), Tile { tokens: 128, rows: 128, k: 64, warps: 8 });
+        assert_eq!(Tile::choose(2048, 513, bf16_f16), Tile { tokens: 64, rows: 128, k: 64, warps: 8 });
         // Experts of a few tokens each; products too small for any tile.
         assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256, k: 32, warps: 8 });
         assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128, k: 32, warps: 8 });
