@@ -106,7 +106,7 @@ impl Projection {
     fn encode(&self, rec: &mut Recorder<'_>, phase: Phase, n_tokens: u32) {
         let dispatches = match self.chunk.for_tokens(n_tokens as usize) {
             Some(chunk) if n_tokens > 1 => chunk,
-            _ => &self.gemv,
+            _ => self.gemv.as_slice(),
         };
         rec.encode(phase, dispatches, n_tokens);
     }
@@ -148,9 +148,9 @@ impl ChunkPlans {
     }
 
     /// The sequence for a chunk of `n_tokens` (at most the longest chunk).
-    fn for_tokens(&self, n_tokens: usize) -> Option<&Vec<Dispatch>> {
+    fn for_tokens(&self, n_tokens: usize) -> Option<&[Dispatch]> {
         let class = self.0.iter().find(|(most, _)| n_tokens <= *most).or(self.0.last());
-        class.map(|(_, dispatches)| dispatches)
+        class.map(|(_, dispatches)| dispatches.as_slice())
     }
 }
 

@@ -255,27 +255,28 @@ mod tests {
         let bf16_f16: &[&str] = &[];
         let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K", X_SPLIT, W_SPLIT];
         let q4k_f16: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K"];
+        let tile = |tokens, rows, k, warps| Tile { tokens, rows, k, warps };
         // A 512-token chunk of Llama-3.1-8B's projections.
-        assert_eq!(Tile::choose(6144, 512, bf16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
-        assert_eq!(Tile::choose(4096, 512, bf16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(6144, 512, bf16), tile(128, 256, 32, 8));
+        assert_eq!(Tile::choose(4096, 512, bf16), tile(128, 128, 32, 8));
         // Unsplit bf16 has room for steps of 64; decoded formats keep 32.
-        assert_eq!(Tile::choose(4096, 512, bf16_f16), Tile { tokens: 128, rows: 128, k: 64, warps: 8 });
-        assert_eq!(Tile::choose(4096, 512, q4k_f16), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
-        assert_eq!(Tile::choose(28672, 4096, bf16_f16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
-        assert_eq!(Tile::choose(6144, 4096, bf16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
-        assert_eq!(Tile::choose(28672, 512, bf16), Tile { tokens: 128, rows: 256, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(4096, 512, bf16_f16), tile(128, 128, 64, 8));
+        assert_eq!(Tile::choose(4096, 512, q4k_f16), tile(128, 128, 32, 8));
+        assert_eq!(Tile::choose(28672, 4096, bf16_f16), tile(128, 256, 32, 8));
+        assert_eq!(Tile::choose(6144, 4096, bf16), tile(128, 256, 32, 8));
+        assert_eq!(Tile::choose(28672, 512, bf16), tile(128, 256, 32, 8));
         // Its second weight tile leaves a split format 128 rows.
-        assert_eq!(Tile::choose(28672, 512, q4k), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(28672, 512, q4k), tile(128, 128, 32, 8));
         // Decoded formats share the decoding among 16 subgroups where
         // their accumulators' memory fits.
-        assert_eq!(Tile::choose(28672, 4096, q4k_f16), Tile { tokens: 128, rows: 256, k: 32, warps: 16 });
-        assert_eq!(Tile::choose(28672, 4096, q4k), Tile { tokens: 128, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(28672, 4096, q4k_f16), tile(128, 256, 32, 16));
+        assert_eq!(Tile::choose(28672, 4096, q4k), tile(128, 128, 32, 8));
         // Llama-3.2-1B's q/k/v and down projection at 513 tokens.
-        assert_eq!(Tile::choose(3072, 513, bf16_f16), Tile { tokens: 128, rows: 128, k: 64, warps: 8 });
-        assert_eq!(Tile::choose(2048, 513, bf16_f16), Tile { tokens: 64, rows: 128, k: 64, warps: 8 });
+        assert_eq!(Tile::choose(3072, 513, bf16_f16), tile(128, 128, 64, 8));
+        assert_eq!(Tile::choose(2048, 513, bf16_f16), tile(64, 128, 64, 8));
         // Experts of a few tokens each; products too small for any tile.
-        assert_eq!(Tile::choose(1536 * 128, 32, bf16), Tile { tokens: 32, rows: 256, k: 32, warps: 8 });
-        assert_eq!(Tile::choose(200, 3, bf16), Tile { tokens: 32, rows: 128, k: 32, warps: 8 });
+        assert_eq!(Tile::choose(1536 * 128, 32, bf16), tile(32, 256, 32, 8));
+        assert_eq!(Tile::choose(200, 3, bf16), tile(32, 128, 32, 8));
         for rows in [1, 100, 4096, 1 << 20] {
             for tokens in [0, 1, 31, 64, 200, 4096] {
                 for flags in [bf16, bf16_f16, q4k, q4k_f16] {
