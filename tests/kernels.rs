@@ -53,6 +53,7 @@ fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
             rows_per_workgroup: 4,
             threads_per_row: 16,
             unroll: 3,
+            norm_unroll: 2,
             units: true,
             int8: true,
             int8_rows_per_workgroup: 4,
