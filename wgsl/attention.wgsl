@@ -1042,9 +1042,11 @@ fn slot_used(c: u32) -> bool {
     return c * C_WG < C_KEYS * 2u * HD_FRAGS;
 }
 
-// This invocation's quads of keys [k0, k0 + n) of KV head g, zero past n.
-fn load_coop_tile(k0: u32, n: u32, g: u32, l: u32) -> TileLoads {
+// This invocation's quads of the tile of keys from k0 (k0 < end) of KV
+// head g, zero from `end` on.
+fn load_coop_tile(k0: u32, end: u32, g: u32, l: u32) -> TileLoads {
     let quads = HEAD_DIM / 8u;
+    let n = min(C_KEYS, end - k0);
     var t: TileLoads;
     for (var c = 0u; c < TILE_LOADS; c++) {
         let i = l + c * C_WG;
@@ -1185,7 +1187,7 @@ fn attend_coop(
         rescale_sg[l] = 0u;
     }
     // The first tile's loads are in flight while q is staged.
-    var tile = load_coop_tile(start, min(C_KEYS, end - start), g, l);
+    var tile = load_coop_tile(start, end, g, l);
     let q01 = q_pair(false, 0u, t0, g, rows, sg, lane);
     let q23 = q_pair(false, 1u, t0, g, rows, sg, lane);
     let q45 = q_pair(false, 2u, t0, g, rows, sg, lane);
@@ -1223,7 +1225,7 @@ fn attend_coop(
     store_coop_tile(tile, false, l);
     store_coop_tile(tile, true, l);
     if (start + C_KEYS < end) {
-        tile = load_coop_tile(start + C_KEYS, min(C_KEYS, end - start - C_KEYS), g, l);
+        tile = load_coop_tile(start + C_KEYS, end, g, l);
     }
     workgroupBarrier();
     // Two barriers a tile: once every subgroup has its scores (the
@@ -1336,7 +1338,7 @@ fn attend_coop(
         if (more) {
             store_coop_tile(tile, true, l);
             if (k0 + 2u * C_KEYS < end) {
-                tile = load_coop_tile(k0 + 2u * C_KEYS, min(C_KEYS, end - k0 - 2u * C_KEYS), g, l);
+                tile = load_coop_tile(k0 + 2u * C_KEYS, end, g, l);
             }
         }
     }
