@@ -175,7 +175,7 @@ fn main() {
                 println!(
                     "gemv {rows:>6} x {cols:>5} {name:<12} {:>2} rows/wg x{}: {:8.4} ms, {:.3} TB/s = {:5.1}% of copy",
                     shape.rows_per_workgroup,
-                    if name == "norm" { shape.norm_unroll } else { shape.unroll },
+                    shape.unroll_for(&spec, false),
                     secs * 1e3,
                     bytes / secs / 1e12,
                     100.0 * bytes / secs / copy

@@ -133,6 +133,23 @@ impl GemvShape {
         }
     }
 
+    /// The loads a lane issues together for `spec` (`int8`: in the
+    /// byte-activation build).
+    pub fn unroll_for(&self, spec: &GemvSpec<'_>, int8: bool) -> u32 {
+        let norm = matches!(spec.input, Input::RmsNorm { .. });
+        let swiglu = matches!(spec.output, Output::Swiglu);
+        if int8 && matches!(spec.rows, Rows::Sum { .. }) {
+            // A byte-activation sum over slots walks each slot's few units
+            // in turn: a lane's second unit of a round would mostly lie
+            // past the slot and be read for nothing.
+            1
+        } else if norm && !swiglu && !int8 {
+            self.norm_unroll
+        } else {
+            self.unroll
+        }
+    }
+
     /// The GPU shape on the adapter's subgroups, where they have one width
     /// (the builds that reduce with subgroup operations), CPU rasterisers
     /// included.
@@ -329,16 +346,7 @@ impl Gemv {
         } else {
             s.rows_per_workgroup
         };
-        // A byte-activation sum over slots walks each slot's few units in
-        // turn: a lane's second unit of a round would mostly lie past the
-        // slot and be read for nothing.
-        let unroll = if int8 && matches!(spec.rows, Rows::Sum { .. }) {
-            1
-        } else if norm && !swiglu && !int8 {
-            s.norm_unroll
-        } else {
-            s.unroll
-        };
+        let unroll = s.unroll_for(spec, int8);
         constants.extend([
             ("ROWS_PER_WG", groups as f64),
             ("THREADS_PER_ROW", s.threads_per_row as f64),
