@@ -252,11 +252,13 @@ fn main() {
         }
         _ => true,
     };
-    // `gemm 28672x4096 ...`: those weight shapes only.
-    let picked = |rows: usize, cols: usize| {
-        section_args.is_empty() || section_args.iter().any(|a| *a == format!("{rows}x{cols}"))
-    };
-    for &(rows, cols) in gemm_sizes.iter().filter(|&&(r, c)| runs("gemm") && picked(r, c)) {
+    // `gemm 28672x4096 ...`: those weight shapes (rows x cols) only, listed or not.
+    let picked: Vec<(usize, usize)> = section_args
+        .iter()
+        .filter_map(|a| a.split_once('x').and_then(|(r, c)| Some((r.parse().ok()?, c.parse().ok()?))))
+        .collect();
+    let gemm_sizes = if picked.is_empty() { gemm_sizes.to_vec() } else { picked };
+    for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
         for format in [WeightFormat::Bf16, WeightFormat::Q4K] {
             let w = random_tensor(&gpu, format, rows, cols);
             for tokens in if cpu { vec![16u32] } else { vec![512, 4096] } {
