@@ -12,7 +12,7 @@ use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
 use wgspark::kernels::group_by_expert::GroupBuffers;
-use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
+use wgspark::kernels::residual::{CaptureTarget, LayerOutput, ThenNorm};
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::router::RouterBindings;
 use wgspark::kernels::sample::{SampleBindings, SampleScratch};
@@ -649,6 +649,51 @@ fn residual_adds_scaled() {
                 1e-6,
                 &format!("residual of {n}"),
             );
+        }
+    });
+}
+
+/// The add at the end of a chunk's projection also writes the RMSNorm of
+/// the new rows for the next projection: of the steered rows, at a layer's
+/// output.
+#[test]
+fn residual_add_then_norm_matches_cpu() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(16);
+        let residual = Residual::new();
+        // A row shorter than a workgroup, and rows of several strides with a
+        // ragged last one.
+        for (n, tokens) in [(77, 2), (2500, 3)] {
+            let x = rng.vec(tokens * n, 1.0);
+            let y = rng.vec(tokens * n, 1.0);
+            let w = rng.vec(n, 1.0);
+            let steer = rng.vec(n, 1.0);
+            let (xb, yb, sb) = (
+                gpu.storage_buffer_init("x", &x),
+                gpu.storage_buffer_init("y", &y),
+                gpu.storage_buffer_init("s", &steer),
+            );
+            let hb = gpu.storage_buffer("h", tokens * n).unwrap();
+            let weight = GpuTensor::vector_f32(gpu, "norm", &w).unwrap();
+            let eps = 1e-5;
+            for steered in [false, true] {
+                let output = LayerOutput { steer: steered.then_some(&sb), capture: None };
+                let norm = ThenNorm { weight: &weight, eps, out: &hb };
+                gpu.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&x));
+                run(gpu, &[residual.plan_normed(gpu, n, &yb, &xb, &output, norm).unwrap()], tokens as u32);
+                let added: Vec<f32> =
+                    (0..tokens * n).map(|e| x[e] + y[e] + if steered { steer[e % n] } else { 0.0 }).collect();
+                let want_h: Vec<f32> =
+                    added.chunks(n).flat_map(|row| reference::rms_norm(row, &w, eps)).collect();
+                let what = format!("{tokens} rows of {n}, steered {steered}");
+                assert_close(&gpu.read_buffer(&xb, added.len()).unwrap(), &added, 1e-6, &what);
+                assert_close(
+                    &gpu.read_buffer(&hb, want_h.len()).unwrap(),
+                    &want_h,
+                    1e-5,
+                    &format!("{what}: norm"),
+                );
+            }
         }
     });
 }

@@ -21,8 +21,11 @@
 //! the session asks, the next token chosen on the GPU.
 //!
 //! A prompt chunk runs the same steps with kernels for many tokens: on
-//! GPUs the projections are `rms_norm` + GEMM (+ the residual add; the
-//! gate/up GEMM applies the SwiGLU as it writes), attention is
+//! GPUs the projections are GEMMs of `h`, the normalised rows, which the
+//! residual add before them writes beside `x` (`residual` NORM; the first
+//! layer's, a MoE layer's and the next after an image's rows `rms_norm`
+//! alone), then the residual add (the gate/up GEMM applies the SwiGLU as
+//! it writes), attention is
 //! `rope_store` + `attend` (or `attend_coop`); MoE layers group the chunk's
 //! tokens by expert (on the GPU, or on the host from the routing read back).
 
@@ -44,7 +47,7 @@ use crate::kernels::attention::{
 };
 use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output};
-use crate::kernels::residual::LayerOutput;
+use crate::kernels::residual::{LayerOutput, ThenNorm};
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::sample::SampleBindings;
 use crate::kv_cache::KvCache;
@@ -199,7 +202,8 @@ impl<'a> Builder<'a> {
         self.model.kernels.gemv.plan(&self.model.gpu, &spec)
     }
 
-    /// `y = W rms_norm(x)`.
+    /// `y = W rms_norm(x)`; a chunk's GEMM reads `act.h`, the rows
+    /// normalised before it (by the add before it, or [`Self::input_norm`]).
     fn normed(
         &self,
         weight: &GpuTensor,
@@ -207,38 +211,64 @@ impl<'a> Builder<'a> {
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
     ) -> Result<Projection> {
-        let (gpu, k, act, eps) = (&self.model.gpu, &self.model.kernels, self.act, self.model.config.rms_eps);
+        let (gpu, act, eps) = (&self.model.gpu, self.act, self.model.config.rms_eps);
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
-        let chunk = self.chunk(|gemm, tokens| {
-            let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, y)?);
-            Ok(d)
-        })?;
+        let chunk =
+            self.chunk(|gemm, tokens| gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, y))?;
         Ok(Projection { gemv, chunk })
     }
 
-    /// `x = layer_output(x + W a)`; a chunk's GEMM goes through `scratch`.
+    /// A chunk's `act.h = rms_norm(act.x)` where no add before it wrote
+    /// it; `None` where chunks run the GEMV (which normalises `x` itself).
+    fn input_norm(&self, norm: &GpuTensor) -> Option<Dispatch> {
+        let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
+        let rows = NormRows::vector(act.hidden);
+        self.gemm.map(|_| k.rms_norm.plan(gpu, norm, self.model.config.rms_eps, &act.x, &act.h, rows))
+    }
+
+    /// `x = layer_output(x + W a)`; a chunk's GEMM goes through `scratch`,
+    /// and with `then_norm` its add also writes `act.h = rms_norm(x)` for
+    /// the projection after it.
     fn add_into(
         &self,
         weight: &GpuTensor,
         a: &wgpu::Buffer,
-        x: &wgpu::Buffer,
-        scratch: &wgpu::Buffer,
+        (x, scratch): (&wgpu::Buffer, &wgpu::Buffer),
         output: &LayerOutput<'_>,
+        then_norm: Option<&GpuTensor>,
     ) -> Result<Projection> {
         let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
         let chunk = self.chunk(|gemm, tokens| {
             let mut d = gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, a, scratch)?;
-            d.push(k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?);
+            d.push(match then_norm {
+                Some(weight) => {
+                    let norm = ThenNorm { weight, eps: self.model.config.rms_eps, out: &act.h };
+                    k.residual.plan_normed(gpu, act.hidden, scratch, x, output, norm)?
+                }
+                None => k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?,
+            });
             Ok(d)
         })?;
         Ok(Projection { gemv, chunk })
     }
 
-    /// `act = silu(h W_gate) * (h W_up)`, h = rms_norm(x), W gate/up interleaved.
+    /// A dense layer's down projection, added into the residual stream at
+    /// the layer's output (`output`), normalising it for the next layer's
+    /// q/k/v where there is one.
+    fn down(&self, layer: usize, output: &LayerOutput<'_>) -> Result<Projection> {
+        let (w, act) = (&self.model.weights, self.act);
+        let FfnWeights::Dense { down, .. } = &w.layers[layer].ffn else {
+            unreachable!("down of a dense layer")
+        };
+        let next_norm = w.layers.get(layer + 1).map(|next| &next.attn_norm);
+        self.add_into(down, &act.ffn_act, (&act.x, &act.ffn_out), output, next_norm)
+    }
+
+    /// `act = silu(h W_gate) * (h W_up)`, h = rms_norm(x), W gate/up
+    /// interleaved; a chunk's GEMM reads `act.h` (see [`Self::normed`]).
     fn gated(
         &self,
         weight: &GpuTensor,
@@ -246,16 +276,13 @@ impl<'a> Builder<'a> {
         x: &wgpu::Buffer,
         out: &wgpu::Buffer,
     ) -> Result<Projection> {
-        let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
+        let (gpu, act) = (&self.model.gpu, self.act);
         let eps = self.model.config.rms_eps;
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv =
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
-        let chunk = self.chunk(|gemm, tokens| {
-            let mut d = vec![k.rms_norm.plan(gpu, norm, eps, x, &act.h, NormRows::vector(weight.cols))];
-            d.extend(gemm.plan(gpu, weight, Epilogue::Swiglu, tokens, &act.step, &act.h, out)?);
-            Ok(d)
-        })?;
+        let chunk = self
+            .chunk(|gemm, tokens| gemm.plan(gpu, weight, Epilogue::Swiglu, tokens, &act.step, &act.h, out))?;
         Ok(Projection { gemv, chunk })
     }
 
@@ -267,6 +294,9 @@ impl<'a> Builder<'a> {
 /// The attention half of a layer, in flow order.
 #[derive(Debug)]
 struct AttentionPlan {
+    /// A chunk's norm of the layer's input, where the add before it did
+    /// not write it (`None` where chunks run the GEMV).
+    input_norm: Option<Dispatch>,
     qkv: Projection,
     decode: DecodeAttention,
     /// rope_store, attend.
@@ -328,15 +358,9 @@ impl Plan {
                 Ok(LayerPlan {
                     attention: AttentionPlan::new(&b, kv, i)?,
                     ffn: match &w.layers[i].ffn {
-                        FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
+                        FfnWeights::Dense { gate_up, .. } => FfnPlan::Dense(DensePlan {
                             gate_up: b.gated(gate_up, &w.layers[i].ffn_norm, &act.x, &act.ffn_act)?,
-                            down: b.add_into(
-                                down,
-                                &act.ffn_act,
-                                &act.x,
-                                &act.ffn_out,
-                                &LayerOutput::default(),
-                            )?,
+                            down: b.down(i, &LayerOutput::default())?,
                         }),
                         FfnWeights::Moe(mw) => FfnPlan::Moe(Box::new(MoePlan::new(model, act, gemm, mw, i)?)),
                     },
@@ -370,9 +394,7 @@ impl Plan {
                 capture: capture.and_then(|c| c.target(i)),
             };
             match (&mut layer.ffn, &model.weights.layers[i].ffn) {
-                (FfnPlan::Dense(dense), FfnWeights::Dense { down, .. }) => {
-                    dense.down = b.add_into(down, &act.ffn_act, &act.x, &act.ffn_out, &output)?;
-                }
+                (FfnPlan::Dense(dense), FfnWeights::Dense { .. }) => dense.down = b.down(i, &output)?,
                 (FfnPlan::Moe(moe), FfnWeights::Moe(mw)) => moe.set_output(model, act, mw, &output)?,
                 _ => unreachable!("a layer's plan follows its weights"),
             }
@@ -417,8 +439,12 @@ impl Plan {
             let (src, dst, len) = (c.src_row as u64 * row, c.dst_row as u64 * row, c.rows as u64 * row);
             rec.encoder().copy_buffer_to_buffer(c.src, src, &act.x, dst, len);
         }
+        // Whether a chunk's `h` holds the next layer's normalised input:
+        // a dense layer's output add writes it, unless an image's rows are
+        // added after it.
+        let mut h_ready = false;
         for (i, layer) in self.layers.iter().enumerate() {
-            layer.attention.encode(rec, step);
+            layer.attention.encode(rec, step, h_ready);
             match &layer.ffn {
                 FfnPlan::Dense(dense) => {
                     dense.gate_up.encode(rec, Phase::Attention, n);
@@ -426,8 +452,10 @@ impl Plan {
                 }
                 FfnPlan::Moe(moe) => moe.run(rec, n, routing)?,
             }
+            h_ready = matches!(layer.ffn, FfnPlan::Dense(_));
             for (add, rows) in media.iter().flat_map(|m| m.after_layer.get(i)).flatten() {
                 rec.encode(Phase::Attention, std::slice::from_ref(add), *rows);
+                h_ready = false;
             }
         }
         if head != Head::None {
@@ -474,16 +502,25 @@ impl AttentionPlan {
             out: &act.attn,
         };
         let scratch = SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum };
+        // A dense FFN's gate/up reads the norm the o-projection's add
+        // writes; a MoE layer normalises its own input.
+        let ffn_norm = matches!(lw.ffn, FfnWeights::Dense { .. }).then_some(&lw.ffn_norm);
+        let o_out = (&act.x, &act.attn_out);
         Ok(AttentionPlan {
+            input_norm: b.input_norm(&lw.attn_norm),
             qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, &act.qkv)?,
             decode: k.attention.plan_decode(gpu, &shape, &bindings, &scratch)?,
             chunk: k.attention.plan_chunk(gpu, &shape, &bindings)?,
-            o_proj: b.add_into(&lw.o_proj, &act.attn, &act.x, &act.attn_out, &LayerOutput::default())?,
+            o_proj: b.add_into(&lw.o_proj, &act.attn, o_out, &LayerOutput::default(), ffn_norm)?,
         })
     }
 
-    fn encode(&self, rec: &mut Recorder<'_>, step: &Step) {
+    /// `h_ready`: a chunk's normalised input is in `act.h` already.
+    fn encode(&self, rec: &mut Recorder<'_>, step: &Step, h_ready: bool) {
         let n = step.n_tokens;
+        if let Some(norm) = self.input_norm.as_ref().filter(|_| n > 1 && !h_ready) {
+            rec.encode(Phase::Attention, std::slice::from_ref(norm), n);
+        }
         self.qkv.encode(rec, Phase::Attention, n);
         if n == 1 {
             let count = self.decode.encode(rec.pass(Phase::Attention), step.attn_splits);
