@@ -1,6 +1,8 @@
 //! `wgsl/residual.wgsl`: the residual add, plain (scaled) or as the
 //! weighted sum of the routed experts' outputs, and the layer output
-//! (steering and capture, `common.wgsl`) that any layer-ending add carries.
+//! (steering and capture, `common.wgsl`) that any layer-ending add
+//! carries; optionally followed by the RMSNorm of the new rows, which a
+//! chunk's next projection reads.
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
