@@ -12,7 +12,7 @@ use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
 use wgspark::kernels::group_by_expert::GroupBuffers;
-use wgspark::kernels::residual::{CaptureTarget, LayerOutput, ThenNorm};
+use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
 use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::router::RouterBindings;
 use wgspark::kernels::sample::{SampleBindings, SampleScratch};
@@ -660,7 +660,7 @@ fn residual_adds_scaled() {
 fn residual_add_then_norm_matches_cpu() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(16);
-        let residual = Residual::new();
+        let rms_norm = RmsNorm::new(gpu).unwrap();
         // A row shorter than a workgroup, and rows of several strides with a
         // ragged last one.
         for (n, tokens) in [(77, 2), (2500, 3)] {
@@ -678,9 +678,9 @@ fn residual_add_then_norm_matches_cpu() {
             let eps = 1e-5;
             for steered in [false, true] {
                 let output = LayerOutput { steer: steered.then_some(&sb), capture: None };
-                let norm = ThenNorm { weight: &weight, eps, out: &hb };
                 gpu.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&x));
-                run(gpu, &[residual.plan_normed(gpu, n, &yb, &xb, &output, norm).unwrap()], tokens as u32);
+                let d = rms_norm.plan_after_add(gpu, &weight, eps, &yb, &xb, &hb, &output).unwrap();
+                run(gpu, &[d], tokens as u32);
                 let added: Vec<f32> =
                     (0..tokens * n).map(|e| x[e] + y[e] + if steered { steer[e % n] } else { 0.0 }).collect();
                 let want_h: Vec<f32> =

@@ -8,6 +8,11 @@
 // (heads of head_dim sharing one weight) and whole-projection q/k norm.
 // x and out may be the same buffer (in-place): each invocation rewrites only
 // the elements it read.
+// ADD (RMSNorm of rows of the hidden state): first x[r, i] =
+// layer_output(t, i, n, x[r, i] + y[r, i]), the residual add at the end of
+// a chunk's projection (steered and captured at a layer's output,
+// common.wgsl), so that the add and the next projection's norm are one
+// dispatch.
 // w (and b): f32 [n]. One workgroup per row; WG must be a power of two.
 
 override WG: u32 = 64u;
@@ -18,6 +23,9 @@ override WG: u32 = 64u;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 #if LAYER_NORM
 @group(0) @binding(4) var<storage, read> b: array<f32>;
+#endif
+#if ADD
+@group(0) @binding(5) var<storage, read> y: array<f32>;
 #endif
 
 var<workgroup> partial: array<f32, WG>;
@@ -58,7 +66,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 #else
     var squares = 0.0;
     for (var i = lid.x; i < p.n; i += WG) {
+#if ADD
+        let v = layer_output(wid.y, i, p.n, x[row + i] + y[row + i]);
+        x[row + i] = v;
+#else
         let v = x[row + i];
+#endif
         squares += v * v;
     }
     let scale = inverseSqrt(workgroup_sum(squares, lid.x) / n + p.eps);

@@ -22,7 +22,7 @@
 //!
 //! A prompt chunk runs the same steps with kernels for many tokens: on
 //! GPUs the projections are GEMMs of `h`, the normalised rows, which the
-//! residual add before them writes beside `x` (`residual` NORM; the first
+//! residual add before them writes beside `x` (`rms_norm` ADD; the first
 //! layer's, a MoE layer's and the next after an image's rows `rms_norm`
 //! alone), then the residual add (the gate/up GEMM applies the SwiGLU as
 //! it writes), attention is
@@ -47,7 +47,7 @@ use crate::kernels::attention::{
 };
 use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output};
-use crate::kernels::residual::{LayerOutput, ThenNorm};
+use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::sample::SampleBindings;
 use crate::kv_cache::KvCache;
@@ -244,10 +244,15 @@ impl<'a> Builder<'a> {
         let chunk = self.chunk(|gemm, tokens| {
             let mut d = gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, a, scratch)?;
             d.push(match then_norm {
-                Some(weight) => {
-                    let norm = ThenNorm { weight, eps: self.model.config.rms_eps, out: &act.h };
-                    k.residual.plan_normed(gpu, act.hidden, scratch, x, output, norm)?
-                }
+                Some(norm) => k.rms_norm.plan_after_add(
+                    gpu,
+                    norm,
+                    self.model.config.rms_eps,
+                    scratch,
+                    x,
+                    &act.h,
+                    output,
+                )?,
                 None => k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?,
             });
             Ok(d)

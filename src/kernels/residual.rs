@@ -1,11 +1,9 @@
 //! `wgsl/residual.wgsl`: the residual add, plain (scaled) or as the
 //! weighted sum of the routed experts' outputs, and the layer output
-//! (steering and capture, `common.wgsl`) that any layer-ending add
-//! carries; optionally followed by the RMSNorm of the new rows, which a
-//! chunk's next projection reads.
+//! (steering and capture, `common.wgsl`) that any layer-ending add carries.
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 
 crate::wgsl_struct! {
     pub struct ResidualParams {
@@ -15,8 +13,6 @@ crate::wgsl_struct! {
         /// Rows of x and y before the first one added.
         x_first: u32,
         y_first: u32,
-        /// NORM builds: the RMSNorm's epsilon.
-        eps: f32,
     }
 }
 
@@ -75,15 +71,6 @@ impl<'a> LayerOutput<'a> {
 const WG: u32 = 256;
 const RUNS: u32 = 4;
 
-/// The RMSNorm that follows an add (NORM builds): its weight and epsilon,
-/// and where the normalised rows go.
-#[derive(Debug, Clone, Copy)]
-pub struct ThenNorm<'a> {
-    pub weight: &'a GpuTensor,
-    pub eps: f32,
-    pub out: &'a wgpu::Buffer,
-}
-
 #[derive(Debug, Default)]
 pub struct Residual;
 
@@ -92,7 +79,6 @@ impl Residual {
         Residual
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &self,
         gpu: &Gpu,
@@ -101,22 +87,13 @@ impl Residual {
         x: &wgpu::Buffer,
         weights: Option<&wgpu::Buffer>,
         output: &LayerOutput<'_>,
-        norm: Option<ThenNorm<'_>>,
     ) -> Result<Dispatch> {
         let mut flags = vec![];
-        // A NORM build's workgroup covers a row: on CPU rasterisers, where
-        // each barrier is slow, a smaller one (as rms_norm's).
-        let wg = if norm.is_some() && gpu.caps.is_cpu { 64 } else { WG };
-        let mut constants = vec![("WG", wg as f64), ("RUNS", RUNS as f64)];
+        let mut constants = vec![("WG", WG as f64), ("RUNS", RUNS as f64)];
         let mut buffers = vec![(1, y.as_entire_buffer_binding()), (2, x.as_entire_buffer_binding())];
         if let Some(w) = weights {
             flags.push("WEIGHTED");
             buffers.push((3, w.as_entire_buffer_binding()));
-        }
-        if let Some(norm) = &norm {
-            flags.push("NORM");
-            buffers.push((4, norm.weight.parts[0].buffer.as_entire_buffer_binding()));
-            buffers.push((5, norm.out.as_entire_buffer_binding()));
         }
         output.bind(&mut flags, &mut buffers, &mut constants);
         let pipeline = super::pipeline(gpu, "residual", "main", &flags, &constants)?;
@@ -127,7 +104,7 @@ impl Residual {
             label: "residual",
             bind_group: gpu.bind_ranges("residual", &pipeline, &buffers),
             pipeline,
-            workgroups: [if norm.is_some() { 1 } else { n.div_ceil(WG * RUNS) }, 1, 1],
+            workgroups: [n.div_ceil(WG * RUNS), 1, 1],
             tokens_per_workgroup: 1,
         })
     }
@@ -143,24 +120,7 @@ impl Residual {
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
         let params = ResidualParams { n: n as u32, k: 1, scale, ..Default::default() };
-        self.dispatch(gpu, params, y, x, None, output, None)
-    }
-
-    /// `x[t] = layer_output(x[t] + y[t])`, then `norm.out[t]` = the
-    /// RMSNorm of the new `x[t]` (times `norm.weight`), both packed
-    /// `[tokens, n]`: the add at the end of a chunk's projection and the
-    /// norm of the next one's input, in one dispatch.
-    pub fn plan_normed(
-        &self,
-        gpu: &Gpu,
-        n: usize,
-        y: &wgpu::Buffer,
-        x: &wgpu::Buffer,
-        output: &LayerOutput<'_>,
-        norm: ThenNorm<'_>,
-    ) -> Result<Dispatch> {
-        let params = ResidualParams { n: n as u32, k: 1, scale: 1.0, eps: norm.eps, ..Default::default() };
-        self.dispatch(gpu, params, y, x, None, output, Some(norm))
+        self.dispatch(gpu, params, y, x, None, output)
     }
 
     /// `x[x_first + t] += y[y_first + t]` for the tokens encoded, rows of
@@ -179,9 +139,8 @@ impl Residual {
             scale: 1.0,
             x_first: x_first as u32,
             y_first: y_first as u32,
-            ..Default::default()
         };
-        self.dispatch(gpu, params, y, x, None, &LayerOutput::default(), None)
+        self.dispatch(gpu, params, y, x, None, &LayerOutput::default())
     }
 
     /// `x[t] = layer_output(x[t] + sum_j weights[t, j] * y[t, j])`, y
@@ -198,7 +157,7 @@ impl Residual {
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
         let params = ResidualParams { n: n as u32, k: k as u32, scale: 0.0, ..Default::default() };
-        self.dispatch(gpu, params, y, x, Some(weights), output, None)
+        self.dispatch(gpu, params, y, x, Some(weights), output)
     }
 }
 
@@ -208,7 +167,6 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     for layer in LayerOutput::flag_sets() {
         out.push(layer.clone());
         out.push([&["WEIGHTED"][..], &layer].concat());
-        out.push([&["NORM"][..], &layer].concat());
     }
     out
 }

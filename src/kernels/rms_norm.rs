@@ -1,6 +1,8 @@
 //! `wgsl/rms_norm.wgsl`: RMSNorm over rows of the hidden state or of q/k
-//! heads, and LayerNorm (the vision tower's) over rows.
+//! heads (after a residual add, for a chunk's projections), and LayerNorm
+//! (the vision tower's) over rows.
 
+use super::residual::LayerOutput;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
 
@@ -41,8 +43,12 @@ impl Rows {
 /// The flag of the LayerNorm build.
 pub const LAYER_NORM: &str = "LAYER_NORM";
 
+/// The flag of builds that add a row into x before normalising it.
+pub const ADD: &str = "ADD";
+
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
-    vec![vec![], vec![LAYER_NORM]]
+    let after_add = LayerOutput::flag_sets().into_iter().map(|layer| [&[ADD][..], &layer].concat());
+    [vec![], vec![LAYER_NORM]].into_iter().chain(after_add).collect()
 }
 
 #[derive(Debug)]
@@ -91,6 +97,42 @@ impl RmsNorm {
             workgroups: [rows.heads as u32, 1, 1],
             tokens_per_workgroup: 1,
         }
+    }
+
+    /// `x[t] = output(x[t] + y[t])` (the residual add, steered and
+    /// captured at a layer's output), then `out[t]` = the RMSNorm of the
+    /// new `x[t]` (times `weight`), rows of `weight.cols` packed per token:
+    /// a chunk's add and the next projection's norm in one dispatch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_after_add(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        eps: f32,
+        y: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        output: &LayerOutput<'_>,
+    ) -> Result<Dispatch> {
+        let mut flags = vec![ADD];
+        let mut constants = vec![("WG", self.wg)];
+        let params = Self::params(gpu, eps, Rows::vector(weight.cols));
+        let mut buffers = vec![
+            (0, params.0.as_entire_buffer_binding()),
+            (1, weight.parts[0].buffer.as_entire_buffer_binding()),
+            (2, x.as_entire_buffer_binding()),
+            (3, out.as_entire_buffer_binding()),
+            (5, y.as_entire_buffer_binding()),
+        ];
+        output.bind(&mut flags, &mut buffers, &mut constants);
+        let pipeline = super::pipeline(gpu, "rms_norm", "main", &flags, &constants)?;
+        Ok(Dispatch {
+            label: "add_rms_norm",
+            bind_group: gpu.bind_ranges("add_rms_norm", &pipeline, &buffers),
+            pipeline,
+            workgroups: [1, 1, 1],
+            tokens_per_workgroup: 1,
+        })
     }
 
     /// LayerNorm per row, `out = (x - mean) * rsqrt(var + eps) * w + b`
