@@ -263,11 +263,8 @@ impl<'a> Builder<'a> {
     /// A dense layer's down projection, added into the residual stream at
     /// the layer's output (`output`), normalising it for the next layer's
     /// q/k/v where there is one.
-    fn down(&self, layer: usize, output: &LayerOutput<'_>) -> Result<Projection> {
+    fn down(&self, layer: usize, down: &GpuTensor, output: &LayerOutput<'_>) -> Result<Projection> {
         let (w, act) = (&self.model.weights, self.act);
-        let FfnWeights::Dense { down, .. } = &w.layers[layer].ffn else {
-            unreachable!("down of a dense layer")
-        };
         let next_norm = w.layers.get(layer + 1).map(|next| &next.attn_norm);
         self.add_into(down, &act.ffn_act, (&act.x, &act.ffn_out), output, next_norm)
     }
@@ -363,9 +360,9 @@ impl Plan {
                 Ok(LayerPlan {
                     attention: AttentionPlan::new(&b, kv, i)?,
                     ffn: match &w.layers[i].ffn {
-                        FfnWeights::Dense { gate_up, .. } => FfnPlan::Dense(DensePlan {
+                        FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
                             gate_up: b.gated(gate_up, &w.layers[i].ffn_norm, &act.x, &act.ffn_act)?,
-                            down: b.down(i, &LayerOutput::default())?,
+                            down: b.down(i, down, &LayerOutput::default())?,
                         }),
                         FfnWeights::Moe(mw) => FfnPlan::Moe(Box::new(MoePlan::new(model, act, gemm, mw, i)?)),
                     },
@@ -399,7 +396,9 @@ impl Plan {
                 capture: capture.and_then(|c| c.target(i)),
             };
             match (&mut layer.ffn, &model.weights.layers[i].ffn) {
-                (FfnPlan::Dense(dense), FfnWeights::Dense { .. }) => dense.down = b.down(i, &output)?,
+                (FfnPlan::Dense(dense), FfnWeights::Dense { down, .. }) => {
+                    dense.down = b.down(i, down, &output)?
+                }
                 (FfnPlan::Moe(moe), FfnWeights::Moe(mw)) => moe.set_output(model, act, mw, &output)?,
                 _ => unreachable!("a layer's plan follows its weights"),
             }
