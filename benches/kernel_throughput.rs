@@ -96,6 +96,10 @@ fn main() {
         let bytes = 1u64 << 30;
         let (a, b) =
             (gpu.storage_buffer_bytes("a", bytes).unwrap(), gpu.storage_buffer_bytes("b", bytes).unwrap());
+        // The least a dependent dispatch takes here: a 4 KiB copy, timed as
+        // every kernel below is (what no kernel's time can go under).
+        let small = wgspark::kernels::copy::plan_with(&gpu, &a, &b, 4096, 1).unwrap();
+        println!("dispatch floor (4 KiB copy): {:.2} us", time(&gpu, &[small], None, 1, reps) * 1e6);
         for per_thread in [2, 4, 8, 16] {
             let d = wgspark::kernels::copy::plan_with(&gpu, &a, &b, bytes, per_thread).unwrap();
             let secs = time(&gpu, &[d], None, 1, 10);

@@ -236,12 +236,29 @@ fn chunk_dots(row: u32, row_b: u32, lane: u32, begin: u32, end: u32, r0: u32) ->
 }
 
 #if NORM
+#if SUBGROUPS
+// Each subgroup's sum (a group's lanes are one subgroup): one barrier
+// rather than a tree of them.
+var<workgroup> squares_partial: array<f32, ROWS_PER_WG>;
+#else
 var<workgroup> squares_partial: array<f32, WG>;
+#endif
 #endif
 
 // The sum over the workgroup of every invocation's v (all call it).
 fn workgroup_sum(v: f32, li: u32) -> f32 {
 #if NORM
+#if SUBGROUPS
+    let part = subgroupAdd(v);
+    if (li % THREADS_PER_ROW == 0u) {
+        squares_partial[li / THREADS_PER_ROW] = part;
+    }
+    workgroupBarrier();
+    var total = 0.0;
+    for (var i = 0u; i < ROWS_PER_WG; i++) {
+        total += squares_partial[i];
+    }
+#else
     squares_partial[li] = v;
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
@@ -251,6 +268,7 @@ fn workgroup_sum(v: f32, li: u32) -> f32 {
         workgroupBarrier();
     }
     let total = squares_partial[0];
+#endif
     workgroupBarrier();
     return total;
 #else
