@@ -114,8 +114,9 @@ fn every_wgsl_file_is_a_registered_kernel() {
         let path = entry.unwrap().path();
         let file = path.file_name().unwrap().to_string_lossy().into_owned();
         let stem = file.trim_end_matches(".wgsl");
-        // common.wgsl and weights.wgsl are prepended to the families.
-        let registered = ["common", "weights"].contains(&stem) || FAMILIES.iter().any(|f| f.name == stem);
+        // common.wgsl, weights.wgsl and workgroup_sum.wgsl are prepended to the families.
+        let registered =
+            ["common", "weights", "workgroup_sum"].contains(&stem) || FAMILIES.iter().any(|f| f.name == stem);
         assert!(registered, "{} is not listed in kernels::FAMILIES", path.display());
     }
 }

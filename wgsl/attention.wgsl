@@ -198,21 +198,6 @@ fn first_key(pos: u32) -> u32 {
 // head) that head's row.
 var<workgroup> q_sh: array<f32, ROW_FLOATS>;
 var<workgroup> row_scale: array<f32, MAX_ROWS_K>;
-var<workgroup> red: array<f32, WG>;
-
-// The sum of every invocation's v (all must call it).
-fn workgroup_sum(v: f32, l: u32) -> f32 {
-    workgroupBarrier();
-    red[l] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (l < s) {
-            red[l] += red[l + s];
-        }
-        workgroupBarrier();
-    }
-    return red[0];
-}
 
 // Where loaded row r comes from: query rows r < n_q are token t0 + r /
 // group, q head g * group + r % group; row n_q is k head g of token t_k.

@@ -235,47 +235,6 @@ fn chunk_dots(row: u32, row_b: u32, lane: u32, begin: u32, end: u32, r0: u32) ->
     return r;
 }
 
-#if NORM
-#if SUBGROUPS
-// Each subgroup's sum (a group's lanes are one subgroup): one barrier
-// rather than a tree of them.
-var<workgroup> squares_partial: array<f32, ROWS_PER_WG>;
-#else
-var<workgroup> squares_partial: array<f32, WG>;
-#endif
-#endif
-
-// The sum over the workgroup of every invocation's v (all call it).
-fn workgroup_sum(v: f32, li: u32) -> f32 {
-#if NORM
-#if SUBGROUPS
-    let part = subgroupAdd(v);
-    if (li % THREADS_PER_ROW == 0u) {
-        squares_partial[li / THREADS_PER_ROW] = part;
-    }
-    workgroupBarrier();
-    var total = 0.0;
-    for (var i = 0u; i < ROWS_PER_WG; i++) {
-        total += squares_partial[i];
-    }
-#else
-    squares_partial[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            squares_partial[li] += squares_partial[li + s];
-        }
-        workgroupBarrier();
-    }
-    let total = squares_partial[0];
-#endif
-    workgroupBarrier();
-    return total;
-#else
-    return v;
-#endif
-}
-
 // The workgroup's sum of squares of the x staged last, for a block that
 // reuses it.
 var<workgroup> staged_squares: f32;
@@ -302,12 +261,14 @@ fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool
             d.y += c.y;
         }
     }
+#if NORM
     if (reuse) {
         d.z = staged_squares;
     } else {
         d.z = workgroup_sum(d.z, li);
         staged_squares = d.z;
     }
+#endif
     return d;
 }
 

@@ -28,21 +28,6 @@ override WG: u32 = 64u;
 @group(0) @binding(5) var<storage, read> y: array<f32>;
 #endif
 
-var<workgroup> partial: array<f32, WG>;
-
-// The sum over the workgroup of every invocation's v (all call it).
-fn workgroup_sum(v: f32, l: u32) -> f32 {
-    workgroupBarrier();
-    partial[l] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (l < s) {
-            partial[l] += partial[l + s];
-        }
-        workgroupBarrier();
-    }
-    return partial[0];
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {

@@ -94,6 +94,9 @@ pub struct Family {
     /// Reads weight matrices in any [`WeightFormat`] (`weights.wgsl` is
     /// prepended; the family defines `weight_word`).
     pub reads_weights: bool,
+    /// Sums over its workgroups (`workgroup_sum.wgsl` is prepended; the
+    /// family declares `WG`).
+    pub sums_workgroups: bool,
 }
 
 /// Every kernel family, by file name (without `.wgsl`).
@@ -103,77 +106,90 @@ pub const FAMILIES: &[Family] = &[
         source: include_str!("../../wgsl/attention.wgsl"),
         structs: attention::structs,
         reads_weights: false,
+        sums_workgroups: true,
     },
     Family {
         name: "bias_act",
         source: include_str!("../../wgsl/bias_act.wgsl"),
         structs: bias_act::structs,
         reads_weights: false,
+        sums_workgroups: false,
     },
     Family {
         name: "copy",
         source: include_str!("../../wgsl/copy.wgsl"),
         structs: copy::structs,
         reads_weights: false,
+        sums_workgroups: false,
     },
     Family {
         name: "embed",
         source: include_str!("../../wgsl/embed.wgsl"),
         structs: embed::structs,
         reads_weights: true,
+        sums_workgroups: false,
     },
     Family {
         name: "gemm",
         source: include_str!("../../wgsl/gemm.wgsl"),
         structs: gemm::structs,
         reads_weights: true,
+        sums_workgroups: false,
     },
     Family {
         name: "gemm_coop",
         source: include_str!("../../wgsl/gemm_coop.wgsl"),
         structs: gemm::structs,
         reads_weights: true,
+        sums_workgroups: false,
     },
     Family {
         name: "gemv",
         source: include_str!("../../wgsl/gemv.wgsl"),
         structs: gemv::structs,
         reads_weights: true,
+        sums_workgroups: true,
     },
     Family {
         name: "group_by_expert",
         source: include_str!("../../wgsl/group_by_expert.wgsl"),
         structs: group_by_expert::structs,
         reads_weights: false,
+        sums_workgroups: false,
     },
     Family {
         name: "residual",
         source: include_str!("../../wgsl/residual.wgsl"),
         structs: residual::structs,
         reads_weights: false,
+        sums_workgroups: false,
     },
     Family {
         name: "rms_norm",
         source: include_str!("../../wgsl/rms_norm.wgsl"),
         structs: rms_norm::structs,
         reads_weights: false,
+        sums_workgroups: true,
     },
     Family {
         name: "router",
         source: include_str!("../../wgsl/router.wgsl"),
         structs: router::structs,
         reads_weights: false,
+        sums_workgroups: false,
     },
     Family {
         name: "sample",
         source: include_str!("../../wgsl/sample.wgsl"),
         structs: sample::structs,
         reads_weights: false,
+        sums_workgroups: false,
     },
 ];
 
 const COMMON: &str = include_str!("../../wgsl/common.wgsl");
 const WEIGHTS: &str = include_str!("../../wgsl/weights.wgsl");
+const WORKGROUP_SUM: &str = include_str!("../../wgsl/workgroup_sum.wgsl");
 
 /// One specialisation the engine may build: a family with a set of flags.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -269,20 +285,22 @@ pub fn builds() -> Vec<Build> {
 }
 
 /// The complete source of a build as it is compiled: the shared helpers of
-/// `common.wgsl` and the family's file, with the family's parameter structs
+/// `common.wgsl` (and of `weights.wgsl`, `workgroup_sum.wgsl` where the
+/// family uses them) and the family's file, with the family's parameter structs
 /// declared, and `#if` sections resolved by `flags`. The `enable`
 /// directives a build keeps move to the top, where WGSL wants them.
 pub fn shader_source(family: &str, flags: &[&str]) -> Option<String> {
     let f = FAMILIES.iter().find(|f| f.name == family)?;
     let structs: String = std::iter::once(Step::WGSL).chain((f.structs)()).collect();
     let weights = if f.reads_weights { WEIGHTS } else { "" };
+    let sum = if f.sums_workgroups { WORKGROUP_SUM } else { "" };
     let body = preprocess(f.source, flags);
     let is_enable = |l: &&str| l.starts_with("enable ");
     let enables: String = body.lines().filter(is_enable).map(|l| format!("{l}\n")).collect();
     // The moved lines stay as empty lines, so the file's own line count is kept.
     let body: String =
         body.lines().map(|l| if is_enable(&l) { "\n".to_string() } else { format!("{l}\n") }).collect();
-    let prefix = preprocess(&format!("{structs}\n{COMMON}\n{weights}\n"), flags);
+    let prefix = preprocess(&format!("{structs}\n{COMMON}\n{weights}\n{sum}\n"), flags);
     Some(format!("{enables}{prefix}{body}"))
 }
 
