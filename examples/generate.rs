@@ -324,11 +324,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
         with_logits(&mut session, &parts, sampling, args.seed, max_tokens, eos)?
     } else {
-        if let Some(tok) = tokenizer.filter(|_| !args.chat) {
-            print!("{}", tok.decode(&prompt_ids, false)?);
-            std::io::stdout().flush()?;
-        }
-        let reply = stream(&mut session, &parts, &options, tokenizer, args.chat)?;
+        let echo = match tokenizer.filter(|_| !args.chat) {
+            Some(tok) => Some(tok.decode(&prompt_ids, false)?),
+            None => None,
+        };
+        let reply = stream(&mut session, &parts, &options, tokenizer, args.chat, echo.as_deref())?;
         (reply.ids, Vec::new(), reply.prefill_secs, reply.decode_secs)
     };
     let prompt_ids = wgspark::multimodal::expanded_ids(&model, &parts)?;
@@ -445,7 +445,8 @@ struct Reply {
 }
 
 /// Generates from `prompt` (fed from the session's position), printing the
-/// text as it comes where there is a tokenizer; `reply_only` leaves out
+/// text as it comes where there is a tokenizer, after `echo` (the prompt's
+/// text) once the session has accepted the prompt; `reply_only` leaves out
 /// special tokens (a chat reply).
 fn stream(
     session: &mut Session<'_>,
@@ -453,12 +454,20 @@ fn stream(
     options: &GenerateOptions,
     tokenizer: Option<&Tokenizer>,
     reply_only: bool,
+    echo: Option<&str>,
 ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
     let start = Instant::now();
     let mut ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let mut first_id_at = None;
-    for id in session.generate_multimodal(prompt, options)? {
+    let generation = session.generate_multimodal(prompt, options)?;
+    // The prompt's text once the session has taken it (a bad prompt or
+    // option is reported alone).
+    if let Some(text) = echo {
+        print!("{text}");
+        std::io::stdout().flush()?;
+    }
+    for id in generation {
         ids.push(id?);
         first_id_at.get_or_insert_with(Instant::now);
         if let Some(tok) = tokenizer {
@@ -533,7 +542,7 @@ fn converse(
         let kept = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
         session.truncate(kept);
         cached.truncate(kept);
-        let reply = stream(session, &[PromptPart::Text(&ids[kept..])], options, Some(tok), true)?;
+        let reply = stream(session, &[PromptPart::Text(&ids[kept..])], options, Some(tok), true, None)?;
         // The last id generated is not in the cache.
         cached.extend_from_slice(&ids[kept..]);
         cached.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);

@@ -110,6 +110,10 @@ pub enum Error {
     NonFiniteSample { position: usize },
     #[error("a context of {context_len} positions: {reason}")]
     InvalidContext { context_len: usize, reason: String },
+    #[error(
+        "a prefill chunk of 0 tokens: a chunk needs at least one (SessionOptions::prefill_chunk, --prefill-chunk)"
+    )]
+    InvalidPrefillChunk,
     #[error("empty prompt: prefill needs at least one token")]
     EmptyPrompt,
 

@@ -48,7 +48,8 @@ pub struct SessionOptions {
     pub expert_prefetch: ExpertPrefetch,
     /// Prompt tokens per submission in [`Session::prefill`] (default
     /// [`DEFAULT_PREFILL_CHUNK`]; lowered to the context, and if the
-    /// activations of a chunk would not fit one storage binding).
+    /// activations of a chunk would not fit one storage binding; 0 is an
+    /// error).
     pub prefill_chunk: Option<usize>,
     /// Which kernel runs the projections of a prompt chunk.
     pub chunk_matmul: ChunkMatmul,
@@ -148,6 +149,9 @@ impl<'m> Session<'m> {
                 reason: "a session needs at least one position (SessionOptions::context_len, --context)"
                     .into(),
             });
+        }
+        if options.prefill_chunk == Some(0) {
+            return Err(Error::InvalidPrefillChunk);
         }
         let gpu = &model.gpu;
         if let (Some(experts), RoutingMode::DeviceResident) = (&model.experts, options.routing) {

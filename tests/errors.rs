@@ -123,6 +123,21 @@ fn context_sizes_out_of_reach() {
 }
 
 #[test]
+fn prefill_chunk_of_zero() {
+    let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
+    let err = model
+        .session(&SessionOptions { prefill_chunk: Some(0), ..Default::default() })
+        .err()
+        .expect("no chunk");
+    assert!(
+        matches!(err, Error::InvalidPrefillChunk) && err.to_string().contains("--prefill-chunk"),
+        "{err}"
+    );
+    // One token a chunk is a chunk.
+    assert!(model.session(&SessionOptions { prefill_chunk: Some(1), ..Default::default() }).is_ok());
+}
+
+#[test]
 fn empty_prompt() {
     let model = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
     let mut session = model.session(&SessionOptions::default()).unwrap();
