@@ -28,7 +28,6 @@ override WG: u32 = 64u;
 @group(0) @binding(5) var<storage, read> y: array<f32>;
 #endif
 
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = p.offset + wid.y * p.token_stride + wid.x * p.head_stride;
