@@ -88,7 +88,7 @@ struct Args {
     /// KV cache format: f16 (default) or f32.
     #[arg(long, default_value = "f16")]
     kv_cache: KvFormat,
-    /// Decode steps kept running ahead of the tokens printed.
+    /// Decode steps kept running ahead of the tokens printed (at most 64).
     #[arg(long, default_value_t = wgspark::session::DEFAULT_IN_FLIGHT)]
     in_flight: usize,
     /// Print one JSON object {prompt_ids, generated_ids, logits} on stdout
@@ -471,18 +471,30 @@ fn stream(
         ids.push(id?);
         first_id_at.get_or_insert_with(Instant::now);
         if let Some(tok) = tokenizer {
+            // A character split over tokens decodes as U+FFFD until its
+            // last byte comes: held back until then.
             let text = reply_text(tok, &ids, &options.stop_tokens, reply_only)?;
-            if text.len() > printed.len() && text.is_char_boundary(printed.len()) {
-                print!("{}", &text[printed.len()..]);
-                std::io::stdout().flush()?;
-                printed = text;
-            }
+            print_new(&mut printed, text.trim_end_matches(char::REPLACEMENT_CHARACTER))?;
         }
+    }
+    if let Some(tok) = tokenizer {
+        print_new(&mut printed, &reply_text(tok, &ids, &options.stop_tokens, reply_only)?)?;
     }
     println!();
     // The first id comes with the prompt; the rest are decode steps.
     let first = first_id_at.unwrap_or(start);
     Ok(Reply { ids, prefill_secs: (first - start).as_secs_f64(), decode_secs: first.elapsed().as_secs_f64() })
+}
+
+/// Prints what `text` adds to the `printed` text it extends (text whose
+/// start changed, which printing cannot take back, is left out).
+fn print_new(printed: &mut String, text: &str) -> std::io::Result<()> {
+    if let Some(new) = text.strip_prefix(printed.as_str()).filter(|new| !new.is_empty()) {
+        print!("{new}");
+        std::io::stdout().flush()?;
+        printed.push_str(new);
+    }
+    Ok(())
 }
 
 /// The text of generated `ids`, decoded whole so that multi-token

@@ -348,12 +348,29 @@ impl Gguf {
         }
     }
 
+    /// A finite number (no model parameter is NaN or infinite).
     pub fn meta_float(&self, key: &str) -> Result<f64> {
         match self.meta(key)? {
-            Meta::Float(v) => Ok(*v),
+            Meta::Float(v) if v.is_finite() => Ok(*v),
             Meta::Int(v) => Ok(*v as f64),
-            other => Err(self.err(format!("{key} is {other}, expected a number"))),
+            other => Err(self.err(format!("{key} is {other}, expected a finite number"))),
         }
+    }
+
+    /// [`Self::meta_int`] of a key the file may leave out: `None` where it
+    /// does, an error where it holds something else.
+    pub fn meta_int_opt(&self, key: &str) -> Result<Option<i64>> {
+        self.metadata.contains_key(key).then(|| self.meta_int(key)).transpose()
+    }
+
+    /// [`Self::meta_str`] of a key the file may leave out.
+    pub fn meta_str_opt(&self, key: &str) -> Result<Option<&str>> {
+        self.metadata.contains_key(key).then(|| self.meta_str(key)).transpose()
+    }
+
+    /// [`Self::meta_float`] of a key the file may leave out.
+    pub fn meta_float_opt(&self, key: &str) -> Result<Option<f64>> {
+        self.metadata.contains_key(key).then(|| self.meta_float(key)).transpose()
     }
 
     pub fn meta_str(&self, key: &str) -> Result<&str> {

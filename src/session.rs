@@ -35,6 +35,10 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
 /// has read: the host records step N + 1 while the GPU runs step N.
 pub const DEFAULT_IN_FLIGHT: usize = 3;
 
+/// The most decode steps [`GenerateOptions::in_flight`] keeps in flight
+/// (a larger value runs as this many).
+pub const MAX_IN_FLIGHT: usize = 64;
+
 #[derive(Debug, Clone, Default)]
 pub struct SessionOptions {
     /// Positions the KV cache holds. `None`: the config's
@@ -83,7 +87,8 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Generation stops after yielding any of these (end-of-sequence ids).
     pub stop_tokens: Vec<u32>,
-    /// Decode steps submitted ahead of the ids read (at least 1).
+    /// Decode steps submitted ahead of the ids read (at least 1, at most
+    /// [`MAX_IN_FLIGHT`] and the tokens asked for).
     pub in_flight: usize,
 }
 
@@ -330,7 +335,9 @@ impl<'m> Session<'m> {
             self.plan.set_sampling(self.model, &self.activations, options.sampling, options.seed)?;
             self.sampling = Some(key);
         }
-        let depth = options.in_flight.max(1);
+        // More steps in flight than it will take, or than MAX_IN_FLIGHT,
+        // would only hold readback buffers.
+        let depth = options.in_flight.clamp(1, options.max_tokens.min(MAX_IN_FLIGHT));
         while self.id_readbacks.len() < depth + 1 {
             let slot = Readback::new(&self.model.gpu, "generated_id.readback", 4);
             self.id_readbacks.push(slot);

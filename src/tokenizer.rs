@@ -54,7 +54,15 @@ pub const MAX_PATTERN_BYTES: usize = 64 << 10;
 fn build(json: Value) -> std::result::Result<Tokenizer, String> {
     check_bounds(&json)?;
     match std::panic::catch_unwind(move || serde_json::from_value::<Tokenizer>(json)) {
-        Ok(built) => built.map_err(|e| e.to_string()),
+        Ok(built) => {
+            let mut tokenizer = built.map_err(|e| e.to_string())?;
+            // A prompt is encoded as it is, as transformers encodes it by
+            // default: a tokenizer.json's padding would feed pad tokens to
+            // the model as text, its truncation would cut the prompt.
+            tokenizer.with_padding(None);
+            tokenizer.with_truncation(None).map_err(|e| e.to_string())?;
+            Ok(tokenizer)
+        }
         Err(_) => Err("building it panicked (a malformed pattern?)".into()),
     }
 }

@@ -807,6 +807,17 @@ fn hostile_tokenizers_are_refused() {
         }
     }
 
+    // Padding and truncation within bounds are not applied to a prompt (as
+    // transformers encodes by default): no pad tokens fed as text, no cut.
+    let mut doc = base.clone();
+    doc["padding"] = json!({"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null,
+        "pad_id": 1, "pad_type_id": 0, "pad_token": "b"});
+    doc["truncation"] =
+        json!({"direction": "Right", "max_length": 1, "strategy": "LongestFirst", "stride": 0});
+    doc["pre_tokenizer"] = json!({"type": "Whitespace"});
+    let tok = load(&doc).unwrap().unwrap();
+    assert_eq!(tokenizer::encode(&tok, "a a a", false).unwrap(), [0, 0, 0]);
+
     // Larger than any tokenizer: refused before it is read (a sparse file).
     let dir = temp_dir("tokenizer");
     let file = std::fs::File::create(dir.join("tokenizer.json")).unwrap();
@@ -836,10 +847,21 @@ fn edited_gguf(
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
     extra: &[(&str, Vec<usize>, GgmlType, Vec<u8>)],
 ) -> std::path::PathBuf {
+    gguf_with(case, tensor, extra, &[])
+}
+
+/// [`edited_gguf`] with the metadata keys of `meta` set (added, or
+/// replacing the fixture's).
+fn gguf_with(
+    case: &str,
+    tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
+    extra: &[(&str, Vec<usize>, GgmlType, Vec<u8>)],
+    meta: &[(&str, MetaValue)],
+) -> std::path::PathBuf {
     use wgspark::gguf::{Gguf, Meta};
     let source = Gguf::open(fixture_dir(case).join("model.gguf")).unwrap();
     let mut w = GgufWriter::new();
-    for (key, value) in &source.metadata {
+    for (key, value) in source.metadata.iter().filter(|(k, _)| !meta.iter().any(|(m, _)| m == k)) {
         w.meta(
             key,
             match value {
@@ -850,6 +872,9 @@ fn edited_gguf(
                 Meta::Array(_) => panic!("the fixture has no array metadata"),
             },
         );
+    }
+    for (key, value) in meta {
+        w.meta(key, value.clone());
     }
     for t in &source.tensors {
         let (dims, ty, bytes) = tensor(&t.name).unwrap_or((t.dims.clone(), t.ty, source.data(t).to_vec()));
@@ -992,4 +1017,66 @@ fn fused_experts_of_neither_layout_are_errors() {
         matches!(err, Error::Unsupported { .. }) && err.to_string().contains("stored transposed"),
         "{err}"
     );
+}
+
+/// Config values the flow cannot honour are refused, not dropped: an
+/// `eos_token_id` that is no token id (generation would run past the end
+/// of a reply), an activation other than SwiGLU's, projection biases, a
+/// rope factor without its type, head counts beyond any model.
+#[test]
+fn config_values_that_would_be_dropped_are_refused() {
+    use serde_json::json;
+    let cases: [(&str, serde_json::Value, &str); 10] = [
+        ("eos_token_id", json!("2"), "eos_token_id"),
+        ("eos_token_id", json!(2.5), "eos_token_id"),
+        ("eos_token_id", json!(-1), "eos_token_id"),
+        ("eos_token_id", json!(4_294_967_298u64), "eos_token_id"),
+        ("eos_token_id", json!([2, "3"]), "eos_token_id"),
+        ("hidden_act", json!("gelu"), "hidden_act"),
+        ("attention_bias", json!(true), "attention_bias"),
+        ("mlp_bias", json!(true), "mlp_bias"),
+        ("rope_scaling", json!({"factor": 2.0}), "rope_type"),
+        ("num_attention_heads", json!(1u64 << 61), "num_attention_heads"),
+    ];
+    for (key, value, named) in cases {
+        let dir = edited_fixture("llama_untied", |c, _| c[key] = value.clone());
+        let err = load_err(&dir);
+        assert!(
+            matches!(err, Error::InvalidConfig { .. } | Error::Unsupported { .. }),
+            "{key} = {value}: {err}"
+        );
+        assert!(err.to_string().contains(named), "{key} = {value}: {err}");
+    }
+    // Ids, lists of ids and null are what the key holds.
+    for value in [json!(2), json!([2, 3]), serde_json::Value::Null] {
+        let dir = edited_fixture("llama_untied", |c, _| c["eos_token_id"] = value.clone());
+        let model = Model::load(&dir, &gpu()).unwrap();
+        let expected: Vec<u32> = match &value {
+            serde_json::Value::Null => vec![],
+            serde_json::Value::Array(ids) => ids.iter().map(|v| v.as_u64().unwrap() as u32).collect(),
+            v => vec![v.as_u64().unwrap() as u32],
+        };
+        assert_eq!(model.config.eos_token_ids, expected);
+    }
+}
+
+/// GGUF metadata the loader cannot use is an error naming the key, not a
+/// default in its place: a NaN or infinite rope base or epsilon, an
+/// end-of-sequence id of the wrong type, a rope scaling it does not apply.
+#[test]
+fn gguf_metadata_that_would_be_replaced_by_defaults() {
+    let cases = [
+        ("llama.rope.freq_base", MetaValue::F32(f32::NAN)),
+        ("llama.rope.freq_base", MetaValue::F32(f32::INFINITY)),
+        ("llama.rope.freq_base", MetaValue::Str("10000".into())),
+        ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(f32::NAN)),
+        ("tokenizer.ggml.eos_token_id", MetaValue::Str("2".into())),
+        ("llama.attention.head_count_kv", MetaValue::Str("2".into())),
+        ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
+    ];
+    for (key, value) in cases {
+        let path = gguf_with("gguf_llama_q8_0_tied", |_| None, &[], &[(key, value.clone())]);
+        let err = load_err(&path);
+        assert!(err.to_string().contains(key), "{key} = {value:?}: {err}");
+    }
 }

@@ -75,7 +75,9 @@ fn stops_drop_the_steps_in_flight_and_roll_back_the_position() {
     let e = &case.expected;
     on_each_backend(|gpu| {
         let model = Model::load(&case.dir, gpu).unwrap();
-        for in_flight in [1, 2, 4] {
+        // More in flight than the engine keeps (or than the tokens asked
+        // for) runs as many as it keeps.
+        for in_flight in [1, 2, 4, wgspark::session::MAX_IN_FLIGHT + 1, usize::MAX] {
             // A stop token mid-flight: the third id, with steps queued after it.
             let mut session = model.session(&exact()).unwrap();
             let stop = e.generated_ids[2];

@@ -293,3 +293,41 @@ fn chat_without_a_prompt_converses_line_by_line() {
         assert_eq!(String::from_utf8_lossy(&out.stdout), expected, "on {backend:?}");
     }
 }
+
+/// A reply whose characters take several tokens each (Chinese, from the
+/// default model) is printed as the tokenizer decodes the whole reply: a
+/// character is held back until its last byte has come, never printed as
+/// U+FFFD pieces.
+#[test]
+fn streamed_text_keeps_characters_split_over_tokens_whole() {
+    let file = wgspark::fetch::default_model(|_| {}).unwrap_or_else(|e| panic!("no default model: {e}"));
+    let (prompt, max_tokens) = ("Translate to Chinese: hello", 12);
+    if let Some(&backend) = common::backends().first() {
+        let gpu = common::gpu(backend);
+        let model = Model::load(&file, &gpu).unwrap();
+        let tokenizer = model.tokenizer().unwrap().unwrap();
+        let template = model.chat_template().unwrap().unwrap();
+        let stop = model.config.eos_token_ids.clone();
+        let text = template.render(&[Message::new("user", prompt)], true).unwrap();
+        let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+        let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
+        let mut session = model.session(&SessionOptions::default()).unwrap();
+        let mut reply: Vec<u32> = session.generate(&ids, &options).unwrap().map(Result::unwrap).collect();
+        if reply.last().is_some_and(|id| stop.contains(id)) {
+            reply.pop();
+        }
+        // The case this test is for: some character spans tokens.
+        let split =
+            (1..reply.len()).any(|n| tokenizer.decode(&reply[..n], true).unwrap().ends_with('\u{fffd}'));
+        assert!(split, "no reply token splits a character: {reply:?}");
+        let expected = format!("{}\n", tokenizer.decode(&reply, true).unwrap());
+
+        let out = Command::new(generate_bin())
+            .args(["--model", file.to_str().unwrap(), "--chat", "--backend", &format!("{backend:?}")])
+            .args(["--prompt", prompt, "--max-new-tokens", &max_tokens.to_string()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "on {backend:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), expected, "on {backend:?}");
+    }
+}

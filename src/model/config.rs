@@ -16,10 +16,17 @@ use crate::kernels::Heads;
 /// (and would size per-layer tables before any tensor is read).
 const MAX_LAYERS: usize = 1 << 16;
 
+/// The most query heads a config may give (real models have at most a few
+/// hundred): head counts times widths then stay far from overflow.
+const MAX_HEADS: usize = 1 << 16;
+
 /// The fields of `config.json` this engine reads, as written.
 #[derive(Debug, Clone, Deserialize)]
 struct RawConfig {
     model_type: Option<String>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
     #[serde(default)]
     architectures: Vec<String>,
     hidden_size: usize,
@@ -312,9 +319,32 @@ impl ModelConfig {
             .or_else(|| raw.architectures.first().cloned())
             .ok_or_else(|| invalid("neither model_type nor architectures is given".into()))?;
         let family = family::for_model_type(&model_type)?;
+        // Every family's MLP is SwiGLU, its projections without biases: a
+        // config saying otherwise describes a model the flow would compute
+        // wrongly.
+        if let Some(act) = raw.hidden_act.as_deref().filter(|a| !matches!(*a, "silu" | "swish")) {
+            return Err(Error::Unsupported {
+                what: "hidden_act",
+                value: format!("{act} (the MLP is SwiGLU: silu)"),
+            });
+        }
+        for (name, set) in [("attention_bias", raw.attention_bias), ("mlp_bias", raw.mlp_bias)] {
+            if set == Some(true) {
+                return Err(Error::Unsupported {
+                    what: "projection biases",
+                    value: format!("{name} = true"),
+                });
+            }
+        }
 
         let heads_q = raw.num_attention_heads;
         let heads_kv = raw.num_key_value_heads.unwrap_or(heads_q);
+        // Checked before any width is a product of it.
+        if heads_q > MAX_HEADS {
+            return Err(invalid(format!(
+                "num_attention_heads {heads_q} is more than any model has (at most {MAX_HEADS})"
+            )));
+        }
         if heads_q == 0 || heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
             return Err(invalid(format!(
                 "num_attention_heads ({heads_q}) must be a positive multiple of num_key_value_heads ({heads_kv})"
@@ -421,13 +451,7 @@ impl ModelConfig {
             tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             sliding_window,
             dtype: raw.dtype.or(raw.torch_dtype),
-            eos_token_ids: match raw.eos_token_id {
-                Some(serde_json::Value::Number(n)) => n.as_u64().map(|id| id as u32).into_iter().collect(),
-                Some(serde_json::Value::Array(ids)) => {
-                    ids.iter().filter_map(|v| v.as_u64()).map(|id| id as u32).collect()
-                }
-                _ => Vec::new(),
-            },
+            eos_token_ids: eos_token_ids(raw.eos_token_id.as_ref()).map_err(invalid)?,
             media_token_ids: raw.image_token_id.into_iter().chain(raw.video_token_id).collect(),
             moe,
             quantization,
@@ -549,6 +573,23 @@ fn parse_moe(
     Ok(Some(MoeConfig { experts, top_k, intermediate, routing, sparse_layers }))
 }
 
+/// config.json's `eos_token_id`: an id, a list of ids, or none (null or
+/// absent); anything else (a string, a float, a negative or oversized id)
+/// is refused rather than dropped, which would let generation run past the
+/// end of a reply.
+fn eos_token_ids(value: Option<&serde_json::Value>) -> std::result::Result<Vec<u32>, String> {
+    let id = |v: &serde_json::Value| {
+        v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+            format!("eos_token_id holds {v}, expected token ids (non-negative integers below 2^32)")
+        })
+    };
+    match value {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Array(ids)) => ids.iter().map(id).collect(),
+        Some(v) => id(v).map(|id| vec![id]),
+    }
+}
+
 fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfig, String> {
     // transformers 5 folds everything into rope_parameters; the hub layout
     // keeps theta at the top level and scaling (if any) in rope_scaling.
@@ -584,6 +625,11 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
     let kind = params
         .and_then(|p| p.rope_type.clone().or(p.legacy_type.clone()))
         .unwrap_or_else(|| "default".to_string());
+    // A scaling factor without its type (transformers refuses it too)
+    // would otherwise be dropped.
+    if kind == "default" && params.is_some_and(|p| p.factor.is_some_and(|f| f != 1.0)) {
+        return Err("rope scaling gives a factor but no rope_type (linear, llama3, ...)".to_string());
+    }
     let factor = || params.and_then(|p| p.factor).ok_or_else(|| format!("rope type {kind:?} needs `factor`"));
     let scaling = match kind.as_str() {
         "default" => RopeScaling::None,

@@ -132,6 +132,14 @@ impl GgufCheckpoint {
         self.meta().meta_float(&format!("{}.{key}", self.arch))
     }
 
+    fn meta_int_opt(&self, key: &str) -> Result<Option<i64>> {
+        self.meta().meta_int_opt(&format!("{}.{key}", self.arch))
+    }
+
+    fn meta_float_opt(&self, key: &str) -> Result<Option<f64>> {
+        self.meta().meta_float_opt(&format!("{}.{key}", self.arch))
+    }
+
     fn tensor(&self, gguf_name: &str) -> Option<(&Gguf, &TensorInfo)> {
         let &(f, i) = self.index.get(gguf_name)?;
         Some((&self.files[f], &self.files[f].tensors[i]))
@@ -151,8 +159,8 @@ impl GgufCheckpoint {
         };
         let heads = self.meta_int("attention.head_count")?;
         let hidden = self.meta_int("embedding_length")?;
-        let head_dim = self.meta_int("attention.key_length").unwrap_or(hidden / heads.max(1));
-        let experts = self.meta_int("expert_count").unwrap_or(0);
+        let head_dim = self.meta_int_opt("attention.key_length")?.unwrap_or(hidden / heads.max(1));
+        let experts = self.meta_int_opt("expert_count")?.unwrap_or(0);
         let mut config = json!({
             "model_type": if experts > 0 && model_type == "llama" { "mixtral" } else { model_type },
             "hidden_size": hidden,
@@ -162,45 +170,54 @@ impl GgufCheckpoint {
             })?,
             "num_hidden_layers": self.meta_int("block_count")?,
             "num_attention_heads": heads,
-            "num_key_value_heads": self.meta_int("attention.head_count_kv").unwrap_or(heads),
+            "num_key_value_heads": self.meta_int_opt("attention.head_count_kv")?.unwrap_or(heads),
             "head_dim": head_dim,
             "rms_norm_eps": self.meta_float("attention.layer_norm_rms_epsilon")?,
-            "rope_theta": self.meta_float("rope.freq_base").unwrap_or(10_000.0),
+            "rope_theta": self.meta_float_opt("rope.freq_base")?.unwrap_or(10_000.0),
             "max_position_embeddings": self.meta_int("context_length")?,
             "vocab_size": vocab,
             "tie_word_embeddings": self.tensor("output.weight").is_none(),
-            "eos_token_id": self.meta().meta_int("tokenizer.ggml.eos_token_id").ok(),
-            "bos_token_id": self.meta().meta_int("tokenizer.ggml.bos_token_id").ok(),
+            "eos_token_id": self.meta().meta_int_opt("tokenizer.ggml.eos_token_id")?,
+            "bos_token_id": self.meta().meta_int_opt("tokenizer.ggml.bos_token_id")?,
             "torch_dtype": "gguf",
         });
         let fields = config.as_object_mut().unwrap();
-        if let Ok(window) = self.meta_int("attention.sliding_window") {
+        if let Some(window) = self.meta_int_opt("attention.sliding_window")? {
             fields.insert("sliding_window".into(), json!(window));
         }
-        if let Ok(rot) = self.meta_int("rope.dimension_count") {
+        if let Some(rot) = self.meta_int_opt("rope.dimension_count")? {
             fields.insert("rotary_dim".into(), json!(rot));
         }
-        if self.meta().meta_str(&format!("{}.rope.scaling.type", self.arch)).ok() == Some("linear") {
-            let factor = self.meta_float("rope.scaling.factor")?;
-            fields.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+        match self.meta().meta_str_opt(&format!("{}.rope.scaling.type", self.arch))? {
+            None | Some("none") => {}
+            Some("linear") => {
+                let factor = self.meta_float("rope.scaling.factor")?;
+                fields.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+            }
+            Some(other) => {
+                return Err(Error::Unsupported {
+                    what: "GGUF rope scaling",
+                    value: format!("{}.rope.scaling.type = {other}", self.arch),
+                });
+            }
         }
         if experts > 0 {
             let used = self.meta_int("expert_used_count")?;
             fields.insert("num_local_experts".into(), json!(experts));
             fields.insert("num_experts".into(), json!(experts));
             fields.insert("num_experts_per_tok".into(), json!(used));
-            if let Ok(ffn) = self.meta_int("expert_feed_forward_length") {
+            if let Some(ffn) = self.meta_int_opt("expert_feed_forward_length")? {
                 fields.insert("moe_intermediate_size".into(), json!(ffn));
             }
             fields.insert("norm_topk_prob".into(), json!(true));
             // llama.cpp's gating functions: 1 softmax, 2 sigmoid.
-            let scoring = match self.meta_int("expert_gating_func") {
-                Ok(1) => Some("softmax"),
-                Ok(2) => Some("sigmoid"),
-                Ok(other) => {
+            let scoring = match self.meta_int_opt("expert_gating_func")? {
+                Some(1) => Some("softmax"),
+                Some(2) => Some("sigmoid"),
+                Some(other) => {
                     return Err(self.meta().err(format!("expert_gating_func {other} is not 1 or 2")));
                 }
-                Err(_) => None,
+                None => None,
             };
             if let Some(scoring) = scoring {
                 fields.insert("scoring_func".into(), json!(scoring));
