@@ -430,6 +430,8 @@ pub enum MetaValue {
     F32(f32),
     Bool(bool),
     Str(String),
+    /// An array of strings (a vocabulary, merges).
+    Strings(Vec<String>),
 }
 
 impl GgufWriter {
@@ -475,6 +477,13 @@ impl GgufWriter {
                     string(&mut out, v);
                 }
                 MetaValue::U64(v) => out.extend(10u32.to_le_bytes().into_iter().chain(v.to_le_bytes())),
+                MetaValue::Strings(items) => {
+                    out.extend(9u32.to_le_bytes().into_iter().chain(8u32.to_le_bytes()));
+                    out.extend((items.len() as u64).to_le_bytes());
+                    for item in items {
+                        string(&mut out, item);
+                    }
+                }
             }
         }
         let mut offset = 0usize;

@@ -232,17 +232,7 @@ fn sentencepiece_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
         normalizers.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
-    let bos_id = g.meta_int("tokenizer.ggml.bos_token_id").ok();
-    let post_processor = match (bos_id, token_at("tokenizer.ggml.bos_token_id")) {
-        (Some(id), Some(bos)) if bool_meta(g, "tokenizer.ggml.add_bos_token", true) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}},
-        }),
-        _ => Value::Null,
-    };
+    let post_processor = bos_template(g, tokens, true)?.unwrap_or(Value::Null);
     let normalizer = json!({"type": "Sequence", "normalizers": normalizers});
     let decoder = json!({"type": "Sequence", "decoders": decoders});
     let bpe = json!({"unk_token": token_at("tokenizer.ggml.unknown_token_id"), "fuse_unk": true, "byte_fallback": true});
@@ -279,29 +269,106 @@ fn score_merges(g: &Gguf, tokens: &[&str], types: &[i64]) -> Result<Vec<Value>> 
     Ok(ranked.into_iter().map(|(_, _, l, r)| json!([tokens[l], tokens[r]])).collect())
 }
 
+/// Llama 3's split before byte-level BPE: numbers in runs of up to three
+/// digits (its tokenizer.json's `Split` pattern).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen2's (and Qwen3's) split: Llama 3's with digits one by one.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// How a byte-level BPE vocabulary splits text before its merges, by
+/// llama.cpp's name for it (`tokenizer.ggml.pre`).
+struct PreTokenizer {
+    /// The pre-tokenizer stage of the tokenizer.json.
+    stage: Value,
+    /// Whether a word in the vocabulary is taken whole, before merges.
+    ignore_merges: bool,
+    /// Whether an encoding starts with BOS where the file does not say.
+    adds_bos: bool,
+}
+
+impl PreTokenizer {
+    fn named(name: &str) -> Result<Self> {
+        let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+        let split = |pattern: &str| {
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+                byte_level(false)]})
+        };
+        let (stage, ignore_merges, adds_bos) = match name {
+            "default" | "gpt2" | "gpt-2" => (byte_level(true), false, false),
+            // These split digits one by one before the GPT-2 regex.
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => (
+                json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+                false,
+                false,
+            ),
+            "llama3" | "llama-v3" | "llama-bpe" => (split(LLAMA3_SPLIT), true, true),
+            "qwen2" => (split(QWEN2_SPLIT), false, false),
+            other => {
+                return Err(Error::Unsupported {
+                    what: "GGUF pre-tokenizer (tokenizer.ggml.pre)",
+                    value: format!(
+                        "{other} (known: default, gpt2, llama-bpe, qwen2, smollm, starcoder and their kin)"
+                    ),
+                });
+            }
+        };
+        Ok(PreTokenizer { stage, ignore_merges, adds_bos })
+    }
+}
+
 /// A tokenizers-library `tokenizer.json` for a GPT-2 style byte-level BPE
-/// vocabulary (tokenizer.ggml.model = "gpt2").
+/// vocabulary (tokenizer.ggml.model = "gpt2"), split as its
+/// `tokenizer.ggml.pre` names, BOS first where `add_bos_token` (or the
+/// pre-tokenizer's default) says.
 fn tokenizer_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
     let merges = g.meta_strings("tokenizer.ggml.merges")?;
     let types = token_types(g, tokens.len())?;
-    // llama.cpp's pre-tokenizer names; these split digits one by one before
-    // the GPT-2 byte-level regex.
-    let digits_first = matches!(
-        g.meta_str("tokenizer.ggml.pre").unwrap_or("default"),
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b"
-    );
+    let pre = PreTokenizer::named(g.meta_str_opt("tokenizer.ggml.pre")?.unwrap_or("default"))?;
     let byte_level =
         json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    let pre_tokenizer = if digits_first {
-        json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
-    } else {
-        byte_level.clone()
+    let post_processor = match bos_template(g, tokens, pre.adds_bos)? {
+        Some(template) => json!({"type": "Sequence", "processors": [byte_level, template]}),
+        None => byte_level,
     };
     let decoder =
         json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
-    let bpe = json!({"unk_token": null, "fuse_unk": false, "byte_fallback": false});
+    let bpe = json!({"unk_token": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges});
     let merges = merges.into_iter().map(|m| json!(m)).collect();
-    Ok(document(tokens, &types, merges, [Value::Null, pre_tokenizer, byte_level, decoder], bpe))
+    Ok(document(tokens, &types, merges, [Value::Null, pre.stage, post_processor, decoder], bpe))
+}
+
+/// The post-processor that puts BOS first where `tokenizer.ggml.add_bos_token`
+/// (else `default`) asks for it and the file names a BOS token.
+fn bos_template(g: &Gguf, tokens: &[&str], default: bool) -> Result<Option<Value>> {
+    let adds = match g.meta("tokenizer.ggml.add_bos_token") {
+        Ok(Meta::Bool(b)) => *b,
+        Ok(other) => {
+            return Err(Error::Tokenizer {
+                source_file: g.path().to_path_buf(),
+                message: format!("tokenizer.ggml.add_bos_token is {other}, expected a bool"),
+            });
+        }
+        Err(_) => default,
+    };
+    let Some(id) = g.meta_int_opt("tokenizer.ggml.bos_token_id")?.filter(|_| adds) else {
+        return Ok(None);
+    };
+    let Some(bos) = usize::try_from(id).ok().and_then(|i| tokens.get(i)) else {
+        return Err(Error::Tokenizer {
+            source_file: g.path().to_path_buf(),
+            message: format!("tokenizer.ggml.bos_token_id {id} is not among the {} tokens", tokens.len()),
+        });
+    };
+    Ok(Some(json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {*bos: {"id": bos, "ids": [id], "tokens": [bos]}},
+    })))
 }
 
 /// A tokenizers-library `tokenizer.json` of a BPE model over `tokens`:

@@ -263,3 +263,44 @@ fn sentencepiece_gguf_tokenizer_encodes_as_sentencepiece_does() {
     let bos = tokenizer.encode("<s>", false).unwrap().get_ids().to_vec();
     assert_eq!(bos, [expected.bos_id]);
 }
+
+/// A byte-level BPE vocabulary (`tokenizer.ggml.model` = gpt2) splits text
+/// as its `tokenizer.ggml.pre` names before merging: GPT-2's regex keeps a
+/// number whole, Llama 3's (`llama-bpe`) cuts it into runs of three digits,
+/// takes a word of the vocabulary whole and puts BOS first, Qwen2's cuts
+/// it into single digits; a name it does not know is an error.
+#[test]
+fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
+    let tokens = ["1", "2", "3", "4", "5", "12", "34", "123", "45", "a", "b", "c", "abc", "<bos>"];
+    let merges = ["3 4", "1 2", "12 3", "4 5"];
+    let build = |pre: Option<&str>| {
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", MetaValue::Str("llama".into()));
+        w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()));
+        w.meta("tokenizer.ggml.tokens", MetaValue::Strings(tokens.map(String::from).to_vec()));
+        w.meta("tokenizer.ggml.merges", MetaValue::Strings(merges.map(String::from).to_vec()));
+        w.meta("tokenizer.ggml.bos_token_id", MetaValue::U32(13));
+        if let Some(pre) = pre {
+            w.meta("tokenizer.ggml.pre", MetaValue::Str(pre.into()));
+        }
+        let path = temp_dir("pre_tokenizer").join("tokenizer.gguf");
+        w.write(&path).unwrap();
+        wgspark::tokenizer::from_gguf(&Gguf::open(&path).unwrap())
+    };
+    let id = |t: &str| tokens.iter().position(|x| *x == t).unwrap() as u32;
+    let encode = |pre: Option<&str>, text: &str, special: bool| {
+        let tokenizer = build(pre).unwrap().expect("a gpt2 tokenizer is built");
+        tokenizer.encode(text, special).unwrap().get_ids().to_vec()
+    };
+    for pre in [None, Some("default"), Some("gpt2")] {
+        assert_eq!(encode(pre, "12345", true), [id("12"), id("34"), id("5")], "{pre:?}");
+        assert_eq!(encode(pre, "abc", false), ["a", "b", "c"].map(id), "{pre:?}");
+    }
+    assert_eq!(encode(Some("llama-bpe"), "12345", false), [id("123"), id("45")]);
+    assert_eq!(encode(Some("llama-bpe"), "12345", true), [id("<bos>"), id("123"), id("45")]);
+    assert_eq!(encode(Some("llama-bpe"), "abc", false), [id("abc")]);
+    assert_eq!(encode(Some("qwen2"), "12345", true), ["1", "2", "3", "4", "5"].map(id));
+    assert_eq!(encode(Some("qwen2"), "abc", false), ["a", "b", "c"].map(id));
+    let err = build(Some("tekken-unknown")).unwrap_err();
+    assert!(err.to_string().contains("tekken-unknown"), "{err}");
+}
