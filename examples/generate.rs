@@ -27,6 +27,7 @@ use wgspark::vision::RgbImage;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
     Model, PromptPart, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
+    StopReason,
 };
 
 #[derive(Parser, Debug)]
@@ -42,8 +43,9 @@ struct Args {
     /// read line by line from stdin).
     #[arg(long)]
     prompt: Option<String>,
-    /// Comma-separated token ids, used instead of --prompt.
-    #[arg(long, value_delimiter = ',')]
+    /// Comma-separated token ids, used instead of --prompt (fed as they are:
+    /// no chat template).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["prompt", "chat"])]
     prompt_ids: Option<Vec<u32>>,
     /// An image (PNG or JPEG) for a model with a vision tower (Qwen3-VL);
     /// repeatable, in order. With --chat the user message holds the images
@@ -405,6 +407,11 @@ impl Reporter {
 /// `--capture` must not overwrite the model: a file of the model folder, or
 /// the GGUF file itself or one beside it (a split set's other parts).
 fn refuse_model_file(capture: &Path, model: &Path) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    // Where the file cannot be written, say so before generating.
+    let folder = capture.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if capture.is_dir() || !folder.is_dir() {
+        return Err(format!("--capture {}: not a file in an existing folder", capture.display()).into());
+    }
     let Ok(target) = capture.canonicalize() else { return Ok(()) };
     let model = model.canonicalize()?;
     let of_model = if model.is_dir() {
@@ -460,14 +467,14 @@ fn stream(
     let mut ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let mut first_id_at = None;
-    let generation = session.generate_multimodal(prompt, options)?;
+    let mut generation = session.generate_multimodal(prompt, options)?;
     // The prompt's text once the session has taken it (a bad prompt or
     // option is reported alone).
     if let Some(text) = echo {
         print!("{text}");
         std::io::stdout().flush()?;
     }
-    for id in generation {
+    for id in generation.by_ref() {
         ids.push(id?);
         first_id_at.get_or_insert_with(Instant::now);
         if let Some(tok) = tokenizer {
@@ -481,6 +488,11 @@ fn stream(
         print_new(&mut printed, &reply_text(tok, &ids, &options.stop_tokens, reply_only)?)?;
     }
     println!();
+    let stop = generation.stop_reason();
+    drop(generation);
+    if stop == Some(StopReason::ContextFull) {
+        eprintln!("stopped at the end of the context ({} positions: --context)", session.context_len());
+    }
     // The first id comes with the prompt; the rest are decode steps.
     let first = first_id_at.unwrap_or(start);
     Ok(Reply { ids, prefill_secs: (first - start).as_secs_f64(), decode_secs: first.elapsed().as_secs_f64() })

@@ -232,6 +232,12 @@ fn bad_input_exits_with_a_message() {
             "malformed GGUF",
         ),
         (on_fixture(&["--prefill-chunk", "0"]), "--prefill-chunk"),
+        (
+            on_fixture(&["--capture", "/nonexistent/folder/rows.safetensors"]),
+            "not a file in an existing folder",
+        ),
+        (on_fixture(&["--prompt", "text"]), "cannot be used with"),
+        (on_fixture(&["--chat"]), "cannot be used with"),
         (on_fixture(&["--max-new-tokens", "0"]), "max_tokens must be at least 1"),
         (on_fixture(&["--context", "1", "--prompt-ids", "1,2"]), "context overflow"),
     ] {
