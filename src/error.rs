@@ -123,8 +123,8 @@ pub enum Error {
     #[error("{path}: invalid control vector: {problem}")]
     ControlVector { path: PathBuf, problem: ControlVectorProblem },
 
-    #[error("invalid control vector layer range {start}..={end}: the start is after the end")]
-    InvalidLayerRange { start: usize, end: usize },
+    #[error("invalid control vector layer range {start}..={end}: {reason}")]
+    InvalidLayerRange { start: usize, end: usize, reason: String },
 
     #[error(
         "steering made for {steering_layers} layers of width {steering_hidden} does not fit this model \

@@ -154,8 +154,17 @@ impl Steering {
         layer_range: Option<RangeInclusive<usize>>,
     ) -> Result<Self> {
         if let Some(range) = &layer_range {
+            let invalid = |reason: String| Error::InvalidLayerRange {
+                start: *range.start(),
+                end: *range.end(),
+                reason,
+            };
             if range.start() > range.end() {
-                return Err(Error::InvalidLayerRange { start: *range.start(), end: *range.end() });
+                return Err(invalid("the start is after the end".into()));
+            }
+            // A range past the last layer would steer nothing.
+            if *range.start() >= config.layers {
+                return Err(invalid(format!("the model has layers 0..{}", config.layers)));
             }
         }
         let mut layers: Vec<Option<Vec<f32>>> = vec![None; config.layers];

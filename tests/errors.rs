@@ -672,8 +672,14 @@ fn control_vector_that_does_not_fit_the_model() {
 
     let fits = vector("fits", &[(1, vec![0.1; hidden])]);
     let (start, end) = (1, 0);
-    let err = Steering::new(&model.config, &[(fits, 1.0)], Some(start..=end)).unwrap_err();
-    assert!(matches!(err, Error::InvalidLayerRange { start: 1, end: 0 }), "{err}");
+    let err = Steering::new(&model.config, &[(fits.clone(), 1.0)], Some(start..=end)).unwrap_err();
+    assert!(matches!(err, Error::InvalidLayerRange { start: 1, end: 0, .. }), "{err}");
+    // A range that starts past the last layer would steer nothing.
+    let err = Steering::new(&model.config, &[(fits, 1.0)], Some(layers..=layers + 4)).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidLayerRange { .. }) && err.to_string().contains("has layers"),
+        "{err}"
+    );
 
     // Steering made for another model.
     let other = wgspark::ModelConfig::load(&fixture_dir("mistral_window")).unwrap();
