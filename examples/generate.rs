@@ -452,7 +452,8 @@ struct Reply {
 }
 
 /// Generates from `prompt` (fed from the session's position), printing the
-/// text as it comes where there is a tokenizer, after `echo` (the prompt's
+/// text as it comes where there is a tokenizer (else the ids, as
+/// `--prompt-ids` takes them), after `echo` (the prompt's
 /// text) once the session has accepted the prompt; `reply_only` leaves out
 /// special tokens (a chat reply).
 fn stream(
@@ -477,11 +478,18 @@ fn stream(
     for id in generation.by_ref() {
         ids.push(id?);
         first_id_at.get_or_insert_with(Instant::now);
-        if let Some(tok) = tokenizer {
-            // A character split over tokens decodes as U+FFFD until its
-            // last byte comes: held back until then.
-            let text = reply_text(tok, &ids, &options.stop_tokens, reply_only)?;
-            print_new(&mut printed, text.trim_end_matches(char::REPLACEMENT_CHARACTER))?;
+        match tokenizer {
+            Some(tok) => {
+                // A character split over tokens decodes as U+FFFD until its
+                // last byte comes: held back until then.
+                let text = reply_text(tok, &ids, &options.stop_tokens, reply_only)?;
+                print_new(&mut printed, text.trim_end_matches(char::REPLACEMENT_CHARACTER))?;
+            }
+            // Without a tokenizer the ids are the output.
+            None => {
+                print!("{}{}", if ids.len() > 1 { "," } else { "" }, ids[ids.len() - 1]);
+                std::io::stdout().flush()?;
+            }
         }
     }
     if let Some(tok) = tokenizer {

@@ -59,6 +59,21 @@ fn json_output_matches_every_fixture() {
             }
         }
     }
+    // Without --json or a tokenizer (the fixtures have none), the ids
+    // stream out as --prompt-ids takes them.
+    let case = cases().into_iter().find(|c| c.name == "llama_untied").unwrap();
+    let e = &case.expected;
+    let ids: Vec<String> = e.prompt_ids.iter().map(u32::to_string).collect();
+    let out = Command::new(&bin)
+        .arg("--model")
+        .arg(&case.dir)
+        .args(["--prompt-ids", &ids.join(","), "--max-new-tokens", &e.generated_ids.len().to_string()])
+        .args(["--ignore-eos", "--kv-cache", "f32"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let generated: Vec<String> = e.generated_ids.iter().map(u32::to_string).collect();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{}\n", generated.join(",")));
 }
 
 /// Steering flags reproduce both steering fixture runs of every case, and
