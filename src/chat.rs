@@ -51,6 +51,11 @@ impl Serialize for Message {
     }
 }
 
+/// The most instructions rendering a chat template may take: far more
+/// than any real template spends on a long conversation (a few hundred
+/// thousand), far fewer than one that never ends.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
 /// A Jinja chat template and the special tokens it may name.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
@@ -128,6 +133,9 @@ impl ChatTemplate {
             message: format!("{e:#}"),
         };
         let mut env = minijinja::Environment::new();
+        // A template from a file may loop without end (nested ranges each
+        // within minijinja's own limit): its steps are bounded.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -172,6 +180,22 @@ mod tests {
             template.render(&messages, false).unwrap(),
             "user:[image][image]what differs?;assistant:the colour;"
         );
+    }
+
+    /// A template that would loop for ever (nested ranges, each within
+    /// minijinja's own limit on one range) is an error once its fuel is spent.
+    #[test]
+    fn a_template_without_end_runs_out_of_fuel() {
+        let source = "{% for i in range(10000) %}{% for j in range(10000) %}{% for k in range(10000) %}\
+            {% endfor %}{% endfor %}{% endfor %}";
+        let template = ChatTemplate {
+            source: source.into(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+            origin: "test".into(),
+        };
+        let err = template.render(&[Message::new("user", "hi")], true).unwrap_err();
+        assert!(matches!(&err, Error::ChatTemplate { message, .. } if message.contains("fuel")), "{err}");
     }
 
     /// Multimodal releases keep their template beside the tokenizer's
