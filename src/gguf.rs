@@ -237,7 +237,15 @@ impl Cursor<'_> {
                 }
                 Meta::Array(items)
             }
-            10 | 11 => Meta::Int(self.u64()? as i64),
+            // u64 past i64's range means no count or id a model has: refused
+            // rather than read as a negative number.
+            10 => {
+                let v = self.u64()?;
+                Meta::Int(
+                    i64::try_from(v).map_err(|_| self.err(format!("unsigned value {v} is beyond 2^63")))?,
+                )
+            }
+            11 => Meta::Int(self.u64()? as i64),
             12 => Meta::Float(f64::from_le_bytes(self.array()?)),
             other => return Err(self.err(format!("unknown metadata type {other}"))),
         })

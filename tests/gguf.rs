@@ -88,6 +88,11 @@ fn malformed_headers_are_rejected_with_the_file_named() {
         ("duplicate_tensor", duplicate_tensor, "tensor t appears twice"),
         ("nested_arrays", nested, "nested more than"),
         ("truncated", valid[..valid.len() - 3].to_vec(), "truncated"),
+        (
+            "u64_past_i64",
+            GgufWriter::new().meta("llama.block_count", MetaValue::U64(1 << 63)).to_bytes(),
+            "beyond 2^63",
+        ),
     ] {
         let path = dir.join(format!("{name}.gguf"));
         std::fs::write(&path, bytes).unwrap();
