@@ -237,13 +237,12 @@ impl Cursor<'_> {
                 }
                 Meta::Array(items)
             }
-            // u64 past i64's range means no count or id a model has: refused
-            // rather than read as a negative number.
+            // A u64 past i64's range is no count or id a model has: kept as
+            // the number it is (an error where an integer is read), not as a
+            // negative one.
             10 => {
                 let v = self.u64()?;
-                Meta::Int(
-                    i64::try_from(v).map_err(|_| self.err(format!("unsigned value {v} is beyond 2^63")))?,
-                )
+                i64::try_from(v).map(Meta::Int).unwrap_or(Meta::Float(v as f64))
             }
             11 => Meta::Int(self.u64()? as i64),
             12 => Meta::Float(f64::from_le_bytes(self.array()?)),
