@@ -69,7 +69,7 @@ pub struct ChatTemplate {
 impl ChatTemplate {
     /// The template of a GGUF file (`None`: it has none).
     pub fn from_gguf(g: &Gguf) -> Result<Option<Self>> {
-        let Ok(source) = g.meta_str("tokenizer.chat_template") else { return Ok(None) };
+        let Some(source) = g.meta_str_opt("tokenizer.chat_template")? else { return Ok(None) };
         let token = |key: &str| -> String {
             let tokens = g.meta_strings("tokenizer.ggml.tokens").unwrap_or_default();
             g.meta_int(key)
@@ -98,15 +98,13 @@ impl ChatTemplate {
         };
         let config = if path.exists() { json(&path)? } else { serde_json::Value::Null };
         let (jinja, json_file) = (dir.join("chat_template.jinja"), dir.join("chat_template.json"));
-        let (source, origin) = match config.get("chat_template").and_then(|t| t.as_str()) {
-            Some(source) => (source.to_string(), path.clone()),
+        let (source, origin) = match template_source(&config, &path)? {
+            Some(source) => (source, path.clone()),
             None if jinja.exists() => (crate::error::read_text(&jinja, crate::error::MAX_JSON_BYTES)?, jinja),
-            None if json_file.exists() => {
-                match json(&json_file)?.get("chat_template").and_then(|t| t.as_str()) {
-                    Some(source) => (source.to_string(), json_file),
-                    None => return Ok(None),
-                }
-            }
+            None if json_file.exists() => match template_source(&json(&json_file)?, &json_file)? {
+                Some(source) => (source, json_file),
+                None => return Ok(None),
+            },
             None => return Ok(None),
         };
         // Special tokens are strings, or {"content": ...} objects.
@@ -153,6 +151,27 @@ impl ChatTemplate {
                 eos_token => &self.eos_token,
             })
             .map_err(error)
+    }
+}
+
+/// The `chat_template` of a JSON config: a string, or a list of named
+/// templates (`{"name", "template"}`) of which transformers renders the one
+/// named "default"; `None` where the key is absent or null.
+fn template_source(config: &serde_json::Value, path: &Path) -> Result<Option<String>> {
+    let invalid = |message: String| Error::Json { path: path.to_path_buf(), message };
+    match config.get("chat_template") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(source)) => Ok(Some(source.clone())),
+        Some(serde_json::Value::Array(named)) => {
+            let default = named.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+            match default.and_then(|t| t.get("template")).and_then(|t| t.as_str()) {
+                Some(source) => Ok(Some(source.to_string())),
+                None => Err(invalid("chat_template lists named templates but none named \"default\"".into())),
+            }
+        }
+        Some(other) => {
+            Err(invalid(format!("chat_template is {other}, expected a string or named templates")))
+        }
     }
 }
 
@@ -210,6 +229,16 @@ mod tests {
             .unwrap();
         let t = ChatTemplate::from_folder(&dir).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "from json <end>");
+        // A list of named templates: the one named "default".
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(ChatTemplate::from_folder(&dir).unwrap().unwrap().render(&[], false).unwrap(), "plain");
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": 5}"#).unwrap();
+        assert!(ChatTemplate::from_folder(&dir).unwrap_err().to_string().contains("chat_template is 5"));
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<end>"}"#).unwrap();
         std::fs::write(dir.join("chat_template.jinja"), "from jinja").unwrap();
         assert_eq!(
             ChatTemplate::from_folder(&dir).unwrap().unwrap().render(&[], false).unwrap(),
