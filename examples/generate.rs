@@ -638,8 +638,12 @@ fn parse_size(text: &str) -> Result<u64, String> {
         }
     };
     let bytes = number * scale;
-    if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
+    // `number` holds digits and dots only: never NaN, infinite when long.
+    if bytes < 1.0 {
         return Err(format!("{text:?} is not a size of at least one byte"));
+    }
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("{text:?} is more bytes than a 64-bit count holds"));
     }
     Ok(bytes as u64)
 }

@@ -253,6 +253,8 @@ fn bad_input_exits_with_a_message() {
         ),
         (on_fixture(&["--prompt", "text"]), "cannot be used with"),
         (on_fixture(&["--chat"]), "cannot be used with"),
+        (on_fixture(&["--gpu-memory", "0.5"]), "at least one byte"),
+        (on_fixture(&["--gpu-memory", "18446744073709551615"]), "more bytes than a 64-bit count holds"),
         (on_fixture(&["--max-new-tokens", "0"]), "max_tokens must be at least 1"),
         (on_fixture(&["--context", "1", "--prompt-ids", "1,2"]), "context overflow"),
     ] {
