@@ -1079,6 +1079,7 @@ fn gguf_metadata_that_would_be_replaced_by_defaults() {
         ("tokenizer.ggml.eos_token_id", MetaValue::Str("2".into())),
         ("llama.attention.head_count_kv", MetaValue::Str("2".into())),
         ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
+        ("llama.attention.value_length", MetaValue::U32(8)),
     ];
     for (key, value) in cases {
         let path = gguf_with("gguf_llama_q8_0_tied", |_| None, &[], &[(key, value.clone())]);

@@ -160,6 +160,16 @@ impl GgufCheckpoint {
         let heads = self.meta_int("attention.head_count")?;
         let hidden = self.meta_int("embedding_length")?;
         let head_dim = self.meta_int_opt("attention.key_length")?.unwrap_or(hidden / heads.max(1));
+        // Values as wide as keys: the attention kernels' one head width.
+        if let Some(value_dim) = self.meta_int_opt("attention.value_length")?.filter(|&v| v != head_dim) {
+            return Err(Error::Unsupported {
+                what: "attention geometry",
+                value: format!(
+                    "{}.attention.value_length {value_dim} unlike key_length {head_dim}",
+                    self.arch
+                ),
+            });
+        }
         let experts = self.meta_int_opt("expert_count")?.unwrap_or(0);
         let mut config = json!({
             "model_type": if experts > 0 && model_type == "llama" { "mixtral" } else { model_type },
