@@ -28,12 +28,25 @@ pub fn from_folder(dir: &Path) -> Result<Option<Tokenizer>> {
 /// The tokenizer a GGUF file describes (`None`: its tokenizer model is not
 /// one built here, or it has none).
 pub fn from_gguf(g: &Gguf) -> Result<Option<Tokenizer>> {
-    let json = match g.meta_str("tokenizer.ggml.model").ok() {
-        Some("gpt2") => tokenizer_json(g, &g.meta_strings("tokenizer.ggml.tokens")?)?,
-        Some("llama") => sentencepiece_json(g, &g.meta_strings("tokenizer.ggml.tokens")?)?,
-        _ => return Ok(None),
+    let problem = |message: String| Error::Tokenizer { source_file: g.path().to_path_buf(), message };
+    let model = g.meta_str_opt("tokenizer.ggml.model")?;
+    if !matches!(model, Some("gpt2" | "llama")) {
+        return Ok(None);
+    }
+    let tokens = g.meta_strings("tokenizer.ggml.tokens")?;
+    // A vocabulary maps each string to one id: a string twice would leave
+    // one of its ids without a token.
+    let mut seen = std::collections::HashMap::with_capacity(tokens.len());
+    for (id, token) in tokens.iter().enumerate() {
+        if let Some(first) = seen.insert(*token, id) {
+            return Err(problem(format!("token {token:?} appears at ids {first} and {id}")));
+        }
+    }
+    let json = match model {
+        Some("gpt2") => tokenizer_json(g, &tokens)?,
+        _ => sentencepiece_json(g, &tokens)?,
     };
-    build(json).map(Some).map_err(|message| Error::Tokenizer { source_file: g.path().to_path_buf(), message })
+    build(json).map(Some).map_err(problem)
 }
 
 /// Largest tokenizer.json read (the largest shipped ones are about 35 MB).

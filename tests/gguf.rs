@@ -315,4 +315,13 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     assert_eq!(encode(Some("minimax-m2"), "abc", false), ["a", "b", "c"].map(id));
     let err = build(Some("tekken-unknown")).unwrap_err();
     assert!(err.to_string().contains("tekken-unknown"), "{err}");
+    // A string twice in the vocabulary is named with both ids.
+    let mut w = GgufWriter::new();
+    w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()));
+    w.meta("tokenizer.ggml.tokens", MetaValue::Strings(["a", "b", "a"].map(String::from).to_vec()));
+    w.meta("tokenizer.ggml.merges", MetaValue::Strings(vec![]));
+    let path = temp_dir("pre_tokenizer").join("duplicate.gguf");
+    w.write(&path).unwrap();
+    let err = wgspark::tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("\"a\" appears at ids 0 and 2"), "{err}");
 }
