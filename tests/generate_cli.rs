@@ -267,6 +267,22 @@ fn bad_input_exits_with_a_message() {
     }
 }
 
+/// The ids a fresh session of `model` replies to `messages` with (through
+/// its chat template, greedy, at most `max_tokens`), less the stop token.
+fn chat_reply(model: &Model, messages: &[Message], max_tokens: usize) -> Vec<u32> {
+    let tokenizer = model.tokenizer().unwrap().unwrap();
+    let text = model.chat_template().unwrap().unwrap().render(messages, true).unwrap();
+    let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+    let stop = model.config.eos_token_ids.clone();
+    let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
+    let mut session = model.session(&SessionOptions::default()).unwrap();
+    let mut reply: Vec<u32> = session.generate(&ids, &options).unwrap().map(Result::unwrap).collect();
+    if reply.last().is_some_and(|id| stop.contains(id)) {
+        reply.pop();
+    }
+    reply
+}
+
 /// `--chat` without `--prompt` answers each line of stdin through the chat
 /// template, keeping the conversation's KV cache between turns: each reply
 /// is the one a fresh session gives the whole conversation so far.
@@ -281,21 +297,11 @@ fn chat_without_a_prompt_converses_line_by_line() {
         let gpu = common::gpu(backend);
         let model = Model::load(&file, &gpu).unwrap();
         let tokenizer = model.tokenizer().unwrap().unwrap();
-        let template = model.chat_template().unwrap().unwrap();
-        let stop = model.config.eos_token_ids.clone();
-        let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
         let mut messages = Vec::new();
         let mut expected = String::new();
         for question in questions {
             messages.push(Message::new("user", question));
-            let text = template.render(&messages, true).unwrap();
-            let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
-            let mut session = model.session(&SessionOptions::default()).unwrap();
-            let mut reply: Vec<u32> = session.generate(&ids, &options).unwrap().map(Result::unwrap).collect();
-            if reply.last().is_some_and(|id| stop.contains(id)) {
-                reply.pop();
-            }
-            let reply = tokenizer.decode(&reply, true).unwrap();
+            let reply = tokenizer.decode(&chat_reply(&model, &messages, max_tokens), true).unwrap();
             expected += &format!("{reply}\n");
             messages.push(Message::new("assistant", &reply));
         }
@@ -329,16 +335,7 @@ fn streamed_text_keeps_characters_split_over_tokens_whole() {
         let gpu = common::gpu(backend);
         let model = Model::load(&file, &gpu).unwrap();
         let tokenizer = model.tokenizer().unwrap().unwrap();
-        let template = model.chat_template().unwrap().unwrap();
-        let stop = model.config.eos_token_ids.clone();
-        let text = template.render(&[Message::new("user", prompt)], true).unwrap();
-        let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
-        let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
-        let mut session = model.session(&SessionOptions::default()).unwrap();
-        let mut reply: Vec<u32> = session.generate(&ids, &options).unwrap().map(Result::unwrap).collect();
-        if reply.last().is_some_and(|id| stop.contains(id)) {
-            reply.pop();
-        }
+        let reply = chat_reply(&model, &[Message::new("user", prompt)], max_tokens);
         // The case this test is for: some character spans tokens.
         let split =
             (1..reply.len()).any(|n| tokenizer.decode(&reply[..n], true).unwrap().ends_with('\u{fffd}'));
