@@ -212,10 +212,15 @@ fn added_tokens(tokens: &[&str], types: &[i64]) -> Vec<Value> {
         .collect()
 }
 
-fn bool_meta(g: &Gguf, key: &str, default: bool) -> bool {
+/// A bool the file may leave out (`default` then); another type is an error.
+fn bool_meta(g: &Gguf, key: &str, default: bool) -> Result<bool> {
     match g.meta(key) {
-        Ok(Meta::Bool(b)) => *b,
-        _ => default,
+        Ok(Meta::Bool(b)) => Ok(*b),
+        Ok(other) => Err(Error::Tokenizer {
+            source_file: g.path().to_path_buf(),
+            message: format!("{key} is {other}, expected a bool"),
+        }),
+        Err(_) => Ok(default),
     }
 }
 
@@ -234,7 +239,7 @@ fn sentencepiece_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
     let token_at = |key: &str| -> Option<&str> {
         g.meta_int(key).ok().and_then(|i| usize::try_from(i).ok()).and_then(|i| tokens.get(i).copied())
     };
-    let space_prefix = bool_meta(g, "tokenizer.ggml.add_space_prefix", true);
+    let space_prefix = bool_meta(g, "tokenizer.ggml.add_space_prefix", true)?;
     let mut normalizers = vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"})];
     let mut decoders = vec![
         json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
@@ -361,16 +366,7 @@ fn tokenizer_json(g: &Gguf, tokens: &[&str]) -> Result<Value> {
 /// The post-processor that puts BOS first where `tokenizer.ggml.add_bos_token`
 /// (else `default`) asks for it and the file names a BOS token.
 fn bos_template(g: &Gguf, tokens: &[&str], default: bool) -> Result<Option<Value>> {
-    let adds = match g.meta("tokenizer.ggml.add_bos_token") {
-        Ok(Meta::Bool(b)) => *b,
-        Ok(other) => {
-            return Err(Error::Tokenizer {
-                source_file: g.path().to_path_buf(),
-                message: format!("tokenizer.ggml.add_bos_token is {other}, expected a bool"),
-            });
-        }
-        Err(_) => default,
-    };
+    let adds = bool_meta(g, "tokenizer.ggml.add_bos_token", default)?;
     let Some(id) = g.meta_int_opt("tokenizer.ggml.bos_token_id")?.filter(|_| adds) else {
         return Ok(None);
     };
