@@ -517,6 +517,7 @@ fn main() {
                     k_cache: &k_cache,
                     v_cache: &v_cache,
                     out: &out,
+                    values: None,
                 };
                 if tokens == 1 && ctx <= 4096 && format == KvFormat::F16 {
                     // How the time scales with the keys per split.

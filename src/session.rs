@@ -8,7 +8,10 @@ use std::collections::VecDeque;
 use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
 use crate::flow::moe::{ExpertPrefetch, RoutingContext};
-use crate::flow::{Activations, ChunkMatmul, ChunkMedia, Head, PhaseTimer, Plan, Recorder, RoutingMode};
+use crate::flow::{
+    Activations, ChunkMatmul, ChunkMedia, Head, PhaseTimer, Plan, Recorder, RoutingMode,
+    first_value_row_apart,
+};
 use crate::gpu::{MapWait, Readback};
 use crate::kernels::gemm::{Gemm, PrefillPrecision};
 use crate::kv_cache::{KvCache, KvFormat};
@@ -179,7 +182,9 @@ impl<'m> Session<'m> {
         let wanted = options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).min(context_len);
         let chunk = Activations::max_chunk(gpu, c, wanted);
         let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
-        let activations = Activations::new(gpu, c, chunk, context_len)?;
+        let values_apart =
+            model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
+        let activations = Activations::new(gpu, c, chunk, context_len, (values_apart, gemm.is_some()))?;
         let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, &kv)?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);

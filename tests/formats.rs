@@ -512,3 +512,86 @@ fn a_width_that_is_not_whole_quads_is_a_typed_error() {
         assert!(err.to_string().contains("odd"), "names the tensor: {err}");
     });
 }
+
+/// A projection whose last rows are a part in another format (a Q4_K_M
+/// file's Q6_K value rows after Q4_K queries and keys) writes those rows
+/// to a buffer of their own, in rows of their own width, when asked: the
+/// GEMV (normed, as the q/k/v projection runs) and every GEMM kernel.
+#[test]
+fn rows_apart_go_to_their_own_buffer() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(13);
+        let (head, tail, cols, tokens) = (6, 4, 512, 3);
+        let rows = head + tail;
+        let segments = [(WeightFormat::Q4K, head), (WeightFormat::Q6K, tail)];
+        let weight = GpuTensor::alloc_stacked(gpu, "qkv", &segments, cols, 1).unwrap();
+        let mut values = Vec::new();
+        let mut first = 0;
+        for (format, n) in segments {
+            let bytes = random_blocks(&mut rng, format, n, cols);
+            weight.write_rows(gpu, first, &format.to_gpu_layout(&bytes));
+            values.extend(format.dequantize(&bytes, cols));
+            first += n;
+        }
+        assert_eq!(weight.parts.iter().map(|p| p.first_row).collect::<Vec<_>>(), [0, head]);
+        let x = rng.vec(tokens * cols, 1.0);
+        let xb = gpu.storage_buffer_init("x", &x);
+        // Rows of `width` outputs from `first` of each token's product, as
+        // `products` rounds x.
+        let expect = |products: &dyn Fn(&[f32]) -> Vec<f32>, first: usize, width: usize| -> Vec<f32> {
+            (0..tokens)
+                .flat_map(|t| products(&x[t * cols..(t + 1) * cols])[first..first + width].to_vec())
+                .collect()
+        };
+        let tol = 1e-5 * (cols as f32).sqrt();
+
+        let norm: Vec<f32> = common::bf16_round(&rng.vec(cols, 1.0));
+        let norm_t = GpuTensor::vector_f32(gpu, "norm", &norm).unwrap();
+        let gemv = Gemv::new(gpu);
+        let int8 = gemv.shape.int8;
+        let normed = |x: &[f32]| {
+            let h = reference::rms_norm(x, &norm, 1e-5);
+            let h = if int8 { reference::int8_activations(&h) } else { h };
+            reference::gemv(&values, rows, cols, &h)
+        };
+        let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+        let tail_b = gpu.storage_buffer("tail", tokens * tail).unwrap();
+        let spec = GemvSpec {
+            input: Input::RmsNorm { weight: &norm_t, eps: 1e-5 },
+            rows: Rows::DenseApart { from_row: head, tail: &tail_b },
+            ..GemvSpec::plain(&weight, &xb, &yb)
+        };
+        run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
+        let y = gpu.read_buffer(&yb, tokens * rows).unwrap();
+        let y_head: Vec<f32> = y.chunks_exact(rows).flat_map(|r| r[..head].to_vec()).collect();
+        assert_close(&y_head, &expect(&normed, 0, head), tol, "gemv rows before");
+        let got = gpu.read_buffer(&tail_b, tokens * tail).unwrap();
+        assert_close(&got, &expect(&normed, head, tail), tol, "gemv rows apart");
+
+        let step = step_buffer(gpu, 0, tokens, 1);
+        let plain = |x: &[f32]| reference::gemv(&values, rows, cols, x);
+        for kernel in Gemm::kernels(gpu) {
+            let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
+            let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+            let tail_b = gpu.storage_buffer("tail", tokens * tail).unwrap();
+            let plan = gemm.plan_apart(
+                gpu,
+                &weight,
+                Epilogue::Plain,
+                tokens,
+                &step,
+                &xb,
+                (&yb, Some((head, &tail_b))),
+            );
+            run(gpu, &plan.unwrap(), tokens as u32);
+            // As in gemm_in_every_format_matches_the_cpu_product_of_its_values.
+            let largest = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let tol = (4.0 * kernel.activation_rounding() * largest * (cols as f32).sqrt()).max(tol);
+            let y = gpu.read_buffer(&yb, tokens * rows).unwrap();
+            let y_head: Vec<f32> = y.chunks_exact(rows).flat_map(|r| r[..head].to_vec()).collect();
+            assert_close(&y_head, &expect(&plain, 0, head), tol, &format!("{kernel:?} rows before"));
+            let got = gpu.read_buffer(&tail_b, tokens * tail).unwrap();
+            assert_close(&got, &expect(&plain, head, tail), tol, &format!("{kernel:?} rows apart"));
+        }
+    });
+}

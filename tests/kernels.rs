@@ -369,7 +369,8 @@ fn cache_values(words: &[u32], format: KvFormat) -> Vec<f32> {
 /// q/k norm, RoPE, the cache store and attention, for a chunk (rope_store,
 /// then attend) and for one token (attend_lanes, or attend without
 /// subgroups, split over the keys, then combine): outputs and stored K/V
-/// against the CPU, in both cache formats.
+/// against the CPU, in both cache formats, the value rows in qkv or in a
+/// buffer of their own.
 #[test]
 fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
     on_each_backend(|gpu| {
@@ -399,7 +400,7 @@ fn check_attention(gpu: &Gpu) {
     use QkNorm::{None as NoNorm, PerHead, WholeProjection};
     // (heads, context, first position, tokens, window, key splits, q/k norm, rotary dims, format,
     // growth of the keys' scale with their position)
-    for (heads, ctx, pos0, tokens, window, splits, norm, rot, format, growth, all_keys) in [
+    for (case, (heads, ctx, pos0, tokens, window, splits, norm, rot, format, growth, all_keys)) in [
         (Heads { q: 4, kv: 2, dim: 12 }, 150, 0, 1, 0, 1, NoNorm, 12, F32, 0.0, false),
         (Heads { q: 4, kv: 2, dim: 12 }, 150, 70, 2, 0, 1, PerHead, 6, F16, 0.0, false),
         (Heads { q: 6, kv: 1, dim: 130 }, 200, 140, 1, 0, 7, WholeProjection, 130, F16, 0.0, false),
@@ -438,7 +439,10 @@ fn check_attention(gpu: &Gpu) {
         (Heads { q: 4, kv: 4, dim: 72 }, 64, 0, 64, 0, 1, NoNorm, 72, F32, 0.0, true),
         (Heads { q: 2, kv: 2, dim: 16 }, 100, 0, 37, 0, 1, NoNorm, 16, F32, 0.0, true),
         (Heads { q: 6, kv: 2, dim: 32 }, 90, 20, 50, 0, 1, NoNorm, 32, F16, 0.0, true),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let what = format!(
             "{heads:?} pos0 {pos0} x{tokens} window {window} splits {splits} {norm:?} rot {rot} {format:?} all keys {all_keys}"
         );
@@ -505,7 +509,17 @@ fn check_attention(gpu: &Gpu) {
             }
         }
 
-        let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
+        // Odd cases read their value rows from a buffer of their own (as a
+        // projection writes them apart), their slots in qkv poisoned.
+        let apart = case % 2 == 1;
+        let first_value = (heads.q + heads.kv) * hd;
+        let values: Vec<f32> = qkv.chunks(width).flat_map(|r| r[first_value..].to_vec()).collect();
+        let poisoned: Vec<f32> = qkv
+            .chunks(width)
+            .flat_map(|r| r[..first_value].iter().copied().chain(std::iter::repeat_n(f32::NAN, kvw)))
+            .collect();
+        let qkv_b = gpu.storage_buffer_init("qkv", if apart { &poisoned } else { &qkv });
+        let values_b = gpu.storage_buffer_init("values", &values);
         let cos_sin = gpu.storage_buffer_init("cos_sin", &rope.cos_sin_table(ctx));
         let out = gpu.storage_buffer("out", tokens * heads.q * hd).unwrap();
         let acc = gpu.storage_buffer("split_acc", heads.q * splits * hd).unwrap();
@@ -518,7 +532,9 @@ fn check_attention(gpu: &Gpu) {
             k_cache: &k_b,
             v_cache: &v_b,
             out: &out,
+            values: apart.then_some(&values_b),
         };
+        let what = format!("{what}, value rows apart {apart}");
         let tol = if format == F16 { 2e-3 } else { 1e-5 };
         // A chunk on cooperative matrices in both precisions and every
         // layout (each run stores the same keys).

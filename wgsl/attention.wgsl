@@ -37,7 +37,11 @@ enable wgpu_cooperative_matrix;
 //               each split writes its unnormalised sums and (max, sum) per
 //               row, and `combine` merges them.
 // qkv is only read: a whole-projection q norm reads every q head, so no
-// head may be rewritten in place while others are normalised.
+// head may be rewritten in place while others are normalised. The value
+// rows are read through `value_rows`, from element p.v_offset, rows of
+// p.v_stride: the qkv buffer itself (after the keys), or a buffer of
+// their own where the projection wrote them apart (a part in another
+// weight format, which then runs beside the q/k part instead of after it).
 // Limits (attend): head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32
 // rows, rows * head_dim <= 2048; attend_coop's are in its section.
 
@@ -80,6 +84,12 @@ const NEG_BIG: f32 = -3.0e38;
 @group(0) @binding(9) var<storage, read> q_norm: array<f32>;
 @group(0) @binding(10) var<storage, read> k_norm: array<f32>;
 #endif
+@group(0) @binding(11) var<storage, read> value_rows: array<f32>;
+
+// Element e (KV head * head_dim + dimension) of token t's value row.
+fn value_at(t: u32, e: u32) -> f32 {
+    return value_rows[p.v_offset + t * p.v_stride + e];
+}
 
 #if KV_F16
 #if F16_NATIVE
@@ -340,7 +350,7 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
 // normalised rows go through load_rows).
 @compute @workgroup_size(WG)
 fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
-    // K heads first, then V heads (qkv heads nq + c), then (for
+    // K heads first, then V heads (value rows c - nkv), then (for
     // attend_coop) the query rows of each KV head.
     let c = wid.x;
     let t = wid.y;
@@ -366,10 +376,10 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         return;
     }
     if (c >= nkv) {
-        let src = t * p.qkv_stride + (p.n_q_heads + c) * HEAD_DIM;
+        let src = (c - nkv) * HEAD_DIM;
         for (var i = l; i < HEAD_DIM / 2u; i += WG) {
             let s = src + 2u * i;
-            kv_store2(true, kv_index(pos, c - nkv, 2u * i), vec2<f32>(qkv[s], qkv[s + 1u]));
+            kv_store2(true, kv_index(pos, c - nkv, 2u * i), vec2<f32>(value_at(t, s), value_at(t, s + 1u)));
         }
         return;
     }
@@ -459,8 +469,6 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let t0 = wid.y * p.tokens_per_wg;
     let split = wid.z;
     let splits = step.attn_splits;
-    let nq = p.n_q_heads;
-    let nkv = p.n_kv_heads;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * GROUP;
     let tk = min(32u, TILE_FLOATS / (HEAD_DIM + 1u));
@@ -486,8 +494,8 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         let k_row = rows * HEAD_DIM;
         for (var i = l; i < HEAD_DIM / 2u; i += WG) {
             kv_store2(false, kv_index(pos, g, 2u * i), vec2<f32>(q_sh[k_row + 2u * i], q_sh[k_row + 2u * i + 1u]));
-            let v = (nq + nkv + g) * HEAD_DIM + 2u * i;
-            kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(qkv[v], qkv[v + 1u]));
+            let v = g * HEAD_DIM + 2u * i;
+            kv_store2(true, kv_index(pos, g, 2u * i), vec2<f32>(value_at(0u, v), value_at(0u, v + 1u)));
         }
         storageBarrier();
     }
@@ -664,6 +672,18 @@ fn lane_row(base: u32, lane: u32, in_row: bool) -> LaneRow {
     return r;
 }
 
+// This lane's share of KV head g's value row of the token (zeros past the row).
+fn lane_value_row(g: u32, lane: u32, in_row: bool) -> LaneRow {
+    var r: LaneRow;
+    let e0 = g * HEAD_DIM + select(0u, lane * PER_QUAD, in_row);
+    for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+        let e = e0 + 4u * j;
+        let v = vec4<f32>(value_at(0u, e), value_at(0u, e + 1u), value_at(0u, e + 2u), value_at(0u, e + 3u));
+        r.v[j] = select(vec4<f32>(0.0), v, in_row);
+    }
+    return r;
+}
+
 // The sum of v over the lanes of a slot.
 fn slot_sum(v: f32) -> f32 {
     var s = v;
@@ -812,7 +832,7 @@ fn attend_lanes(
 #endif
         let k_base = (p.n_q_heads + g) * HEAD_DIM;
         k_own = cache_quad_of(prepare_row(lane_row(k_base, lane, in_row), lane, sg_lane, in_row, true, w0, k_scale, pos));
-        v_own = cache_quad_of(lane_row(k_base + p.n_kv_heads * HEAD_DIM, lane, in_row));
+        v_own = cache_quad_of(lane_value_row(g, lane, in_row));
     }
 
     let row_quads = p.n_kv_heads * HEAD_DIM / PER_QUAD;

@@ -19,6 +19,10 @@
 //! ```
 //! then `logits = rms_norm(x, norm) @ lm_head` (gemv NORM), raw, and where
 //! the session asks, the next token chosen on the GPU.
+//! Where a layer's value rows are a part of the q/k/v weight of their own
+//! (another weight format, as in Q4_K_M files), the projection is two
+//! dispatches that write different buffers and so run side by side
+//! (`first_value_row_apart`).
 //!
 //! A prompt chunk runs the same steps with kernels for many tokens: on
 //! GPUs the projections are GEMMs of `h`, the normalised rows, which the
@@ -41,15 +45,15 @@ pub use recorder::{PhaseTimer, Recorder};
 use crate::capture::CapturePlan;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor};
-use crate::kernels::Step;
 use crate::kernels::attention::{
     AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
 };
 use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
-use crate::kernels::gemv::{GemvSpec, Input, Output};
+use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::sample::SampleBindings;
+use crate::kernels::{Heads, Step};
 use crate::kv_cache::KvCache;
 use crate::model::{FfnWeights, Model};
 use crate::sampling::Sampling;
@@ -204,18 +208,25 @@ impl<'a> Builder<'a> {
 
     /// `y = W rms_norm(x)`; a chunk's GEMM reads `act.h`, the rows
     /// normalised before it (by the add before it, or [`Self::input_norm`]).
+    /// With `apart`, the rows from its `row` on go to its buffers.
     fn normed(
         &self,
         weight: &GpuTensor,
         norm: &GpuTensor,
         x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
+        (y, apart): (&wgpu::Buffer, Option<RowsApart<'_>>),
     ) -> Result<Projection> {
         let (gpu, act, eps) = (&self.model.gpu, self.act, self.model.config.rms_eps);
         let input = Input::RmsNorm { weight: norm, eps };
-        let gemv = self.gemv(GemvSpec { input, ..GemvSpec::plain(weight, x, y) })?;
-        let chunk =
-            self.chunk(|gemm, tokens| gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, y))?;
+        let rows = match apart {
+            Some(a) => Rows::DenseApart { from_row: a.row, tail: a.gemv },
+            None => Rows::Dense,
+        };
+        let gemv = self.gemv(GemvSpec { input, rows, ..GemvSpec::plain(weight, x, y) })?;
+        let tail = apart.map(|a| (a.row, a.gemm));
+        let chunk = self.chunk(|gemm, tokens| {
+            gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail))
+        })?;
         Ok(Projection { gemv, chunk })
     }
 
@@ -479,6 +490,25 @@ impl Plan {
     }
 }
 
+/// Where a projection's rows from `row` on go: `gemv`'s buffer for the
+/// GEMV, `gemm`'s for a chunk's GEMM.
+#[derive(Clone, Copy)]
+struct RowsApart<'b> {
+    row: usize,
+    gemv: &'b wgpu::Buffer,
+    gemm: &'b wgpu::Buffer,
+}
+
+/// The first value row of a layer's q/k/v projection where a part of it
+/// starts there, `None` where a part holds rows on both sides. Such a part
+/// (value rows in another weight format than the keys', as a Q4_K_M file's
+/// Q6_K ones beside Q4_K) writes `act.values`, not `act.qkv`, so that its
+/// dispatch runs beside the one before it instead of after it.
+pub(crate) fn first_value_row_apart(qkv: &GpuTensor, heads: Heads) -> Option<usize> {
+    let row = (heads.q + heads.kv) * heads.dim;
+    qkv.parts.iter().any(|p| p.first_row == row).then_some(row)
+}
+
 impl AttentionPlan {
     fn new(b: &Builder<'_>, kv: &KvCache, i: usize) -> Result<Self> {
         let (model, act) = (b.model, b.act);
@@ -497,14 +527,21 @@ impl AttentionPlan {
             kv_format: kv.format,
             chunk_precision: b.precision,
         };
-        let bindings = AttentionBindings {
+        let apart = first_value_row_apart(&lw.qkv, c.heads).map(|row| {
+            let values = act.values.as_ref().expect("buffers for value rows apart");
+            RowsApart { row, gemv: values.decode(i), gemm: &values.chunk }
+        });
+        let bindings = |values| AttentionBindings {
             step: &act.step,
             qkv: &act.qkv,
             cos_sin: &act.cos_sin,
             k_cache: &kv.k[i],
             v_cache: &kv.v[i],
             out: &act.attn,
+            values,
         };
+        let (decode_bindings, chunk_bindings) =
+            (bindings(apart.map(|a| a.gemv)), bindings(apart.map(|a| a.gemm)));
         let scratch = SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum };
         // A dense FFN's gate/up reads the norm the o-projection's add
         // writes; a MoE layer normalises its own input.
@@ -512,9 +549,9 @@ impl AttentionPlan {
         let o_out = (&act.x, &act.attn_out);
         Ok(AttentionPlan {
             input_norm: b.input_norm(&lw.attn_norm),
-            qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, &act.qkv)?,
-            decode: k.attention.plan_decode(gpu, &shape, &bindings, &scratch)?,
-            chunk: k.attention.plan_chunk(gpu, &shape, &bindings)?,
+            qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, (&act.qkv, apart))?,
+            decode: k.attention.plan_decode(gpu, &shape, &decode_bindings, &scratch)?,
+            chunk: k.attention.plan_chunk(gpu, &shape, &chunk_bindings)?,
             o_proj: b.add_into(&lw.o_proj, &act.attn, o_out, &LayerOutput::default(), ffn_norm)?,
         })
     }

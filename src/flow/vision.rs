@@ -289,6 +289,7 @@ pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Re
         k_cache: &k_cache,
         v_cache: &v_cache,
         out: &attended,
+        values: None,
     };
     for (b, block) in w.blocks.iter().enumerate() {
         pass.layer_norm(&block.norm1, h, n, &x, &normed)?;

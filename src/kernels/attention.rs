@@ -23,6 +23,10 @@ crate::wgsl_struct! {
         tokens_per_wg: u32,
         /// Of the q/k norm.
         eps: f32,
+        /// Where token 0's value row starts in `value_rows`, and the
+        /// elements per token there.
+        v_offset: u32,
+        v_stride: u32,
     }
 }
 
@@ -118,6 +122,16 @@ pub struct AttentionBindings<'a> {
     pub k_cache: &'a wgpu::Buffer,
     pub v_cache: &'a wgpu::Buffer,
     pub out: &'a wgpu::Buffer,
+    /// The value rows, where the projection wrote them apart from `qkv`
+    /// (`[tokens, kv heads x head_dim]`); `None`: in `qkv`, after the keys.
+    pub values: Option<&'a wgpu::Buffer>,
+}
+
+impl AttentionBindings<'_> {
+    /// The buffer holding the value rows.
+    fn value_rows(&self) -> &wgpu::Buffer {
+        self.values.unwrap_or(self.qkv)
+    }
 }
 
 /// Scratch of split attention: `[nq, splits, head_dim]` partial sums and
@@ -280,8 +294,16 @@ impl Attention {
         Self::decode_splits(context_len, kv_heads, MAX_SPLITS)
     }
 
-    fn params(shape: &AttentionShape<'_>, tokens_per_wg: usize) -> AttentionParams {
+    fn params(
+        shape: &AttentionShape<'_>,
+        b: &AttentionBindings<'_>,
+        tokens_per_wg: usize,
+    ) -> AttentionParams {
         let h = shape.heads;
+        let (v_offset, v_stride) = match b.values {
+            Some(_) => (0, h.kv * h.dim),
+            None => ((h.q + h.kv) * h.dim, h.qkv_width()),
+        };
         AttentionParams {
             n_q_heads: h.q as u32,
             n_kv_heads: h.kv as u32,
@@ -292,6 +314,8 @@ impl Attention {
             scale: shape.scale,
             tokens_per_wg: tokens_per_wg as u32,
             eps: shape.qk_norm.map_or(0.0, |n| n.eps),
+            v_offset: v_offset as u32,
+            v_stride: v_stride as u32,
         }
     }
 
@@ -404,7 +428,7 @@ impl Attention {
             Some(layout) => layout.rows() / group,
             None => (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1),
         };
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, tokens_per_wg));
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg));
         // K and V heads; for attend_coop, the query rows too (into `out`).
         let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
@@ -412,7 +436,15 @@ impl Attention {
             shape,
             Entry::RopeStore,
             &params,
-            &[(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)],
+            &[
+                (1, b.step),
+                (2, b.qkv),
+                (3, b.cos_sin),
+                (4, b.k_cache),
+                (5, b.v_cache),
+                (6, b.out),
+                (11, b.value_rows()),
+            ],
             [rope_groups as u32, 1, 1],
             1,
         )?;
@@ -467,7 +499,7 @@ impl Attention {
         scratch: &SplitScratch<'_>,
     ) -> Result<DecodeAttention> {
         let h = shape.heads;
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, 1));
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1));
         let layout = LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format);
         let (entry, row_blocks) = match layout {
             Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
@@ -487,6 +519,7 @@ impl Attention {
                 (6, b.out),
                 (7, scratch.acc),
                 (8, scratch.max_sum),
+                (11, b.value_rows()),
             ],
             [h.kv as u32, row_blocks as u32, 1],
             0,

@@ -287,22 +287,52 @@ impl Gemm {
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        let outputs = match epilogue {
-            Epilogue::Plain => weight.rows,
-            Epilogue::Swiglu => weight.rows / 2,
+        self.plan_apart(gpu, weight, epilogue, max_tokens, step, x, (y, None))
+    }
+
+    /// [`Self::plan`], with `apart = Some((from_row, tail))` the rows from
+    /// `from_row` (where a part starts) on written to `tail` instead, packed
+    /// `[tokens, W.rows - from_row]` (as the GEMV's `Rows::DenseApart`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_apart(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        epilogue: Epilogue,
+        max_tokens: usize,
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        (y, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
+    ) -> Result<Vec<Dispatch>> {
+        let outputs = |rows: usize| match epilogue {
+            Epilogue::Plain => rows,
+            Epilogue::Swiglu => rows / 2,
         };
         weight
             .parts
             .iter()
             .map(|part| {
+                let (y, first_row) = match apart {
+                    Some((from_row, tail)) if part.first_row >= from_row => (tail, from_row),
+                    Some((from_row, _)) => {
+                        let name = &weight.name;
+                        assert!(
+                            part.first_row + part.rows <= from_row,
+                            "{name}: a part straddles row {from_row}"
+                        );
+                        (y, 0)
+                    }
+                    None => (y, 0),
+                };
                 let params = GemmParams {
                     rows: part.rows as u32,
                     cols: weight.cols as u32,
-                    first_row: part.first_row as u32,
+                    // Dense: only the output's column moves with it.
+                    first_row: (part.first_row - first_row) as u32,
                     expert_rows: 0,
                     expert: 0,
                     x_div: 1,
-                    y_stride: outputs as u32,
+                    y_stride: outputs(weight.rows - first_row) as u32,
                 };
                 let g = &self.no_groups;
                 let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0 };

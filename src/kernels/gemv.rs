@@ -185,6 +185,11 @@ pub enum Output<'a> {
 pub enum Rows<'a> {
     /// The whole matrix.
     Dense,
+    /// The whole matrix, the rows from `from_row` (where a part starts) on
+    /// written to `tail` instead, in rows of `W.rows - from_row`: the parts
+    /// before it and from it write different buffers, so they run side by
+    /// side rather than one after the other.
+    DenseApart { from_row: usize, tail: &'a wgpu::Buffer },
     /// Per routing slot: the chosen expert's `expert_rows` rows, input
     /// `x[t]`, output row `t * top_k + slot` (grid y = tokens x top_k).
     Slots { ids: &'a wgpu::Buffer, top_k: usize, expert_rows: usize },
@@ -287,10 +292,25 @@ impl Gemv {
             top_k: 1,
             ..Default::default()
         };
+        // Dense rows of y: the buffer, its first row and its rows.
+        let (y, y_first_row, y_rows) = match spec.rows {
+            Rows::DenseApart { from_row, tail } if part.first_row >= from_row => {
+                (tail, from_row, w.rows - from_row)
+            }
+            Rows::DenseApart { from_row, .. } => {
+                assert!(
+                    part.first_row + part.rows <= from_row,
+                    "{}: a part straddles row {from_row}",
+                    w.name
+                );
+                (spec.y, 0, w.rows)
+            }
+            _ => (spec.y, 0, w.rows),
+        };
         let mut buffers: Vec<(u32, wgpu::BufferBinding<'_>)> = vec![
             (1, part.buffer.as_entire_buffer_binding()),
             (2, spec.x.as_entire_buffer_binding()),
-            (3, spec.y.as_entire_buffer_binding()),
+            (3, y.as_entire_buffer_binding()),
         ];
         if let Input::RmsNorm { weight, eps } = spec.input {
             flags.push("NORM");
@@ -307,9 +327,9 @@ impl Gemv {
             }
         }
         let (outputs, grid_y) = match spec.rows {
-            Rows::Dense => {
-                params.out_offset = (part.first_row / rows_per_output) as u32;
-                params.y_stride = (w.rows / rows_per_output) as u32;
+            Rows::Dense | Rows::DenseApart { .. } => {
+                params.out_offset = ((part.first_row - y_first_row) / rows_per_output) as u32;
+                params.y_stride = (y_rows / rows_per_output) as u32;
                 (part.rows / rows_per_output, 1)
             }
             Rows::Slots { ids, top_k, expert_rows } => {
