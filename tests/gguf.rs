@@ -325,3 +325,25 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     let err = wgspark::tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap_err();
     assert!(err.to_string().contains("\"a\" appears at ids 0 and 2"), "{err}");
 }
+
+/// llama-quantize's Q4_K_M gives some layers' value rows another format
+/// (Q6_K) than their queries' and keys' (Q4_K): those rows load as a part
+/// of their own, which the flow writes apart from the q/k rows; the
+/// others share one part with them. (The conformance test checks the
+/// logits such a file gives.)
+#[test]
+fn value_rows_in_their_own_format_are_written_apart() {
+    let gpu = common::gpu(common::backends()[0]);
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf_llama_q4_k_m/model.gguf");
+    let model = wgspark::Model::load(std::path::Path::new(path), &gpu).unwrap();
+    let heads = model.config.heads;
+    let apart: Vec<bool> = model
+        .weights
+        .layers
+        .iter()
+        .map(|l| wgspark::flow::first_value_row_apart(&l.qkv, heads).is_some())
+        .collect();
+    assert_eq!(apart, [false, true], "layer 0's value rows are Q4_K, layer 1's Q6_K");
+    let v_part = model.weights.layers[1].qkv.parts.last().unwrap();
+    assert_eq!(v_part.first_row, (heads.q + heads.kv) * heads.dim);
+}

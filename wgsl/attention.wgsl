@@ -8,7 +8,7 @@ enable wgpu_cooperative_matrix;
 //   out[t, h] = softmax_j(scale * q[t, h] . K[j, g]) V[j, g],  g = h / (nq / nkv)
 // over keys j in [start, pos], start = pos + 1 - window when a sliding
 // window is set (window = 0: none).
-// q, k, v: f32 rows of the qkv buffer as the projection wrote them. Before
+// q, k, v: f32 rows as the projection wrote them (v: see value_rows). Before
 // use, q and k are normalised (QK_NORM: RMSNorm per head with a [hd]
 // weight, or with QK_NORM_WHOLE over the whole q or k projection with an
 // [n * hd] weight) and rotated: dimension i < half_rot pairs with

@@ -38,7 +38,7 @@ pub(crate) mod moe;
 mod recorder;
 pub mod vision;
 
-pub use buffers::{Activations, MoeActivations};
+pub use buffers::{Activations, MoeActivations, ValueRows};
 pub use moe::{ExpertPrefetch, RoutingMode};
 pub use recorder::{PhaseTimer, Recorder};
 
@@ -504,7 +504,7 @@ struct RowsApart<'b> {
 /// (value rows in another weight format than the keys', as a Q4_K_M file's
 /// Q6_K ones beside Q4_K) writes `act.values`, not `act.qkv`, so that its
 /// dispatch runs beside the one before it instead of after it.
-pub(crate) fn first_value_row_apart(qkv: &GpuTensor, heads: Heads) -> Option<usize> {
+pub fn first_value_row_apart(qkv: &GpuTensor, heads: Heads) -> Option<usize> {
     let row = (heads.q + heads.kv) * heads.dim;
     qkv.parts.iter().any(|p| p.first_row == row).then_some(row)
 }
