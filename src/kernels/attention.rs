@@ -128,9 +128,25 @@ pub struct AttentionBindings<'a> {
 }
 
 impl AttentionBindings<'_> {
-    /// The buffer holding the value rows.
-    fn value_rows(&self) -> &wgpu::Buffer {
-        self.values.unwrap_or(self.qkv)
+    /// Bindings 1 to 6: the step, the q/k/v rows, the rotations, the
+    /// caches and the output.
+    fn rows_and_caches(&self) -> [(u32, &wgpu::Buffer); 6] {
+        [
+            (1, self.step),
+            (2, self.qkv),
+            (3, self.cos_sin),
+            (4, self.k_cache),
+            (5, self.v_cache),
+            (6, self.out),
+        ]
+    }
+
+    /// Those and the value rows (binding 11: `values`, else `qkv`), for the
+    /// entry points that store the new keys and values.
+    fn storing_values(&self) -> Vec<(u32, &wgpu::Buffer)> {
+        let mut bound = self.rows_and_caches().to_vec();
+        bound.push((11, self.values.unwrap_or(self.qkv)));
+        bound
     }
 }
 
@@ -436,15 +452,7 @@ impl Attention {
             shape,
             Entry::RopeStore,
             &params,
-            &[
-                (1, b.step),
-                (2, b.qkv),
-                (3, b.cos_sin),
-                (4, b.k_cache),
-                (5, b.v_cache),
-                (6, b.out),
-                (11, b.value_rows()),
-            ],
+            &b.storing_values(),
             [rope_groups as u32, 1, 1],
             1,
         )?;
@@ -461,13 +469,12 @@ impl Attention {
                 tokens_per_wg as u32,
             )?
         } else {
-            let bound = [(1, b.step), (2, b.qkv), (3, b.cos_sin), (4, b.k_cache), (5, b.v_cache), (6, b.out)];
             self.dispatch(
                 gpu,
                 shape,
                 Entry::ChunkAttend { bidirectional },
                 &params,
-                &bound,
+                &b.rows_and_caches(),
                 [h.kv as u32, 1, 1],
                 tokens_per_wg as u32,
             )?
@@ -505,25 +512,10 @@ impl Attention {
             Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
             None => (Entry::TokenAttend, 1),
         };
-        let attend = self.dispatch(
-            gpu,
-            shape,
-            entry,
-            &params,
-            &[
-                (1, b.step),
-                (2, b.qkv),
-                (3, b.cos_sin),
-                (4, b.k_cache),
-                (5, b.v_cache),
-                (6, b.out),
-                (7, scratch.acc),
-                (8, scratch.max_sum),
-                (11, b.value_rows()),
-            ],
-            [h.kv as u32, row_blocks as u32, 1],
-            0,
-        )?;
+        let mut bound = b.storing_values();
+        bound.extend([(7, scratch.acc), (8, scratch.max_sum)]);
+        let attend =
+            self.dispatch(gpu, shape, entry, &params, &bound, [h.kv as u32, row_blocks as u32, 1], 0)?;
         let combine = self.dispatch(
             gpu,
             shape,
