@@ -233,9 +233,11 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
     bytes
 }
 
-/// The byte-activation GEMV stages x in chunks of 4096: rows wider than
-/// one chunk, ending mid-chunk, in every format it reads, plain, normed
-/// (the norm's sum of squares over every chunk) and summed over experts.
+/// The byte-activation GEMV stages x in chunks of 4096 (14336 with
+/// subgroups where workgroup memory holds it: then the rows below fit one
+/// chunk and the expert sum's two slots span two): rows wider than one
+/// chunk, ending mid-chunk, in every format it reads, plain, normed (the
+/// norm's sum of squares over every chunk) and summed over experts.
 #[test]
 fn int8_gemv_spans_chunks_of_the_activations() {
     on_each_backend(|gpu| {

@@ -86,14 +86,24 @@ fn weight_quad(q: u32) -> vec4<u32> {
 // (half a step, and the f32 roundings of x / s and of its product with s;
 // f32 itself: 2^-24 of each element; two bytes gave errors of 1e-3 in the
 // fixtures' logits).
+// LONG_ROWS (with SUBGROUPS, whose staging needs no per-quad arrays beside
+// the chunk): rows of up to 14336 columns in one chunk, staged once rather
+// than in four, each of which drained the weight loads; 48 900 bytes of
+// workgroup memory in all, kernels::gemv::LONG_ROWS_BYTES. With the staging
+// by shuffles, the H200's 4096 x 14336 Q4_K down projection (timed alone)
+// took 29.6-29.8 us against 33.9-34.5 in four chunks of three passes.
+#if LONG_ROWS
+const X_CHUNK: u32 = 14336u;
+#else
 const X_CHUNK: u32 = 4096u;
+#endif
 // Run r (16 elements) of the chunk: its bytes h, m, l.
-var<workgroup> x_high: array<vec4<u32>, 256>;
-var<workgroup> x_mid: array<vec4<u32>, 256>;
-var<workgroup> x_low: array<vec4<u32>, 256>;
+var<workgroup> x_high: array<vec4<u32>, X_CHUNK / 16u>;
+var<workgroup> x_mid: array<vec4<u32>, X_CHUNK / 16u>;
+var<workgroup> x_low: array<vec4<u32>, X_CHUNK / 16u>;
 // s of each block of 32, and the sum of each run of the values staged.
-var<workgroup> x_scale: array<f32, 128>;
-var<workgroup> x_sums: array<f32, 256>;
+var<workgroup> x_scale: array<f32, X_CHUNK / 32u>;
+var<workgroup> x_sums: array<f32, X_CHUNK / 16u>;
 
 // The 16 signed bytes of q dotted with each byte of run r: (h, m, l).
 fn digit_dots(q: vec4<u32>, r: u32) -> vec3<i32> {
@@ -146,11 +156,6 @@ fn pack_bytes(b: vec4<i32>) -> u32 {
     return u.x | (u.y << 8u) | (u.z << 16u) | (u.w << 24u);
 }
 
-// Per quad of the chunk: its largest magnitude (infinite where a value is
-// not finite), then the sum of its steps.
-var<workgroup> quad_max: array<f32, 1024>;
-var<workgroup> quad_steps: array<f32, 1024>;
-
 // Steps per block scale.
 const STEPS: f32 = 63.0 * 65536.0;
 
@@ -168,6 +173,85 @@ fn chunk_quad(xq: u32, c0: u32, q: u32) -> vec4<f32> {
     return v;
 }
 
+// Quad a of the chunk, at quad q, as digits in x_high, x_mid, x_low, with
+// inv = STEPS / (its block's largest magnitude); returns the sum of its steps.
+// Each value becomes t steps, t = 65536 h + 256 m + l in balanced digits
+// (each in -128 .. 127); at most 4 * STEPS in all: exact in f32.
+fn stage_digits(a: vec4<f32>, inv: f32, q: u32) -> f32 {
+    let t = bitcast<vec4<i32>>(a * inv + ROUNDER) - vec4<i32>(0x4b400000);
+    let l = balanced_digit(t);
+    let n1 = (t - l) >> vec4<u32>(8u);
+    let m = balanced_digit(n1);
+    x_high[q / 4u][q % 4u] = pack_bytes((n1 - m) >> vec4<u32>(8u));
+    x_mid[q / 4u][q % 4u] = pack_bytes(m);
+    x_low[q / 4u][q % 4u] = pack_bytes(l);
+    return f32(t.x + t.y + t.z + t.w);
+}
+
+// The largest magnitude of a quad, infinite where a value is not finite
+// (then its block gets no steps and a NaN scale, which reaches every
+// product of the block).
+fn quad_largest(a: vec4<f32>) -> f32 {
+    let m = abs(a);
+    let finite = all((bitcast<vec4<u32>>(a) & vec4<u32>(0x7f800000u)) != vec4<u32>(0x7f800000u));
+    return select(bitcast<f32>(0x7f800000u), max(max(m.x, m.y), max(m.z, m.w)), finite);
+}
+
+// A block's scale s from its largest magnitude.
+fn block_scale(largest: f32) -> f32 {
+    return select(largest / STEPS, bitcast<f32>(0x7fc00000u), bitcast<u32>(largest) == 0x7f800000u);
+}
+
+#if SUBGROUPS
+// Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
+// first quad is xq, one quad per invocation at a time: the eight
+// invocations of a block (consecutive lanes of a subgroup) agree on its
+// largest magnitude, and the four of a run sum their steps, by shuffles,
+// so that staging is one pass with no barrier inside (rather than three
+// with two: with LONG_ROWS, the H200's 8B Q4_K_M decode went from 318.2 to
+// 331.6 tok/s; staging a whole block per invocation instead, 128 of 512
+// busy, took it to 277.8). Returns this invocation's
+// share of their sum of squares (before norm_w). Every invocation calls it
+// (the shuffles need the whole subgroup); the caller puts a barrier before
+// and after.
+fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
+    let quads = n / 4u;
+    var squares = 0.0;
+    for (var q0 = 0u; q0 < quads; q0 += WG) {
+        let q = q0 + li;
+        let live = q < quads;
+        let a = chunk_quad(xq, c0, min(q, quads - 1u));
+#if NORM
+        let raw = x[xq + c0 / 4u + min(q, quads - 1u)];
+        squares += select(0.0, dot(raw, raw), live);
+#endif
+        var largest = quad_largest(a);
+        for (var o = 1u; o < 8u; o <<= 1u) {
+            largest = max(largest, subgroupShuffleXor(largest, o));
+        }
+        let inv = select(0.0, STEPS / largest, largest > 0.0);
+        var steps = 0.0;
+        if (live) {
+            steps = stage_digits(a, inv, q);
+        }
+        // The run's four quads' steps, summed in their order.
+        let run_steps = ((steps + subgroupShuffleXor(steps, 1u)) + subgroupShuffleXor(steps, 2u)) + subgroupShuffleXor(steps, 3u);
+        let scale = block_scale(largest);
+        if (live && q % 8u == 0u) {
+            x_scale[q / 8u] = scale;
+        }
+        if (live && q % 4u == 0u) {
+            x_sums[q / 4u] = run_steps * scale;
+        }
+    }
+    return squares;
+}
+#else
+// Per quad of the chunk: its largest magnitude (infinite where a value is
+// not finite), then the sum of its steps.
+var<workgroup> quad_max: array<f32, X_CHUNK / 4u>;
+var<workgroup> quad_steps: array<f32, X_CHUNK / 4u>;
+
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
 // first quad is xq, one quad per invocation at a time; returns this
 // invocation's share of their sum of squares (before norm_w). Every
@@ -179,10 +263,7 @@ fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
         let raw = x[xq + c0 / 4u + q];
         squares += dot(raw, raw);
 #endif
-        let a = chunk_quad(xq, c0, q);
-        let m = abs(a);
-        let finite = all((bitcast<vec4<u32>>(a) & vec4<u32>(0x7f800000u)) != vec4<u32>(0x7f800000u));
-        quad_max[q] = select(bitcast<f32>(0x7f800000u), max(max(m.x, m.y), max(m.z, m.w)), finite);
+        quad_max[q] = quad_largest(chunk_quad(xq, c0, q));
     }
     workgroupBarrier();
     for (var q = li; q < n / 4u; q += WG) {
@@ -191,22 +272,10 @@ fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
         for (var k = 0u; k < 8u; k++) {
             largest = max(largest, quad_max[8u * block + k]);
         }
-        // Each value as t steps, t = 65536 h + 256 m + l in balanced
-        // digits (each in -128 .. 127). An infinite largest gives no steps
-        // and a NaN scale, which reaches every product of the block.
         let inv = select(0.0, STEPS / largest, largest > 0.0);
-        let t = bitcast<vec4<i32>>(chunk_quad(xq, c0, q) * inv + ROUNDER) - vec4<i32>(0x4b400000);
-        let l = balanced_digit(t);
-        let n1 = (t - l) >> vec4<u32>(8u);
-        let m = balanced_digit(n1);
-        x_high[q / 4u][q % 4u] = pack_bytes((n1 - m) >> vec4<u32>(8u));
-        x_mid[q / 4u][q % 4u] = pack_bytes(m);
-        x_low[q / 4u][q % 4u] = pack_bytes(l);
-        // At most 4 * STEPS: exact in f32.
-        quad_steps[q] = f32(t.x + t.y + t.z + t.w);
+        quad_steps[q] = stage_digits(chunk_quad(xq, c0, q), inv, q);
         if (q % 8u == 0u) {
-            let infinite = bitcast<u32>(largest) == 0x7f800000u;
-            x_scale[block] = select(largest / STEPS, bitcast<f32>(0x7fc00000u), infinite);
+            x_scale[block] = block_scale(largest);
         }
     }
     workgroupBarrier();
@@ -216,6 +285,7 @@ fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
     }
     return squares;
 }
+#endif
 
 // This lane's share of the two rows' dots over their units [begin, end),
 // the staged chunk starting at run r0 of the rows (16 elements a run).

@@ -6,8 +6,11 @@
 // barriers (adapters without subgroups, CPU rasterisers).
 #if SUBGROUP_SUM
 override SUBGROUP_WIDTH: u32 = 32u;
-#endif
+// One per subgroup: at most 1024 invocations, in subgroups of at least 8.
+var<workgroup> sum_partials: array<f32, 128>;
+#else
 var<workgroup> sum_partials: array<f32, WG>;
+#endif
 
 fn workgroup_sum(v: f32, l: u32) -> f32 {
     // A previous sum may still be being read.

@@ -65,7 +65,7 @@ pub struct GemvShape {
     pub int8_rows_per_workgroup: u32,
     /// Most workgroups of those builds (0: one per block of rows): each
     /// then takes blocks in turn, and stages activations that fit one
-    /// chunk (`X_CHUNK` of `wgsl/gemv.wgsl`, 4096) once for all of them.
+    /// chunk ([`X_CHUNK`], or 14336 with `LONG_ROWS`) once for all of them.
     pub int8_workgroups: u32,
     /// Products of f32-activation builds with fewer groups' worth of
     /// outputs than this run one group per workgroup (0: never): a
@@ -75,6 +75,16 @@ pub struct GemvShape {
 
 /// Invocations per workgroup of the byte-activation builds on GPUs.
 const INT8_WORKGROUP: u32 = 512;
+
+/// Elements of x a byte-activation build stages at a time (`X_CHUNK` of
+/// `wgsl/gemv.wgsl`).
+const X_CHUNK: usize = 4096;
+
+/// Workgroup memory of a byte-activation build with `LONG_ROWS`: rows of up
+/// to 14336 columns (a slot sum: all its slots' columns) staged in one
+/// chunk, three bytes an element, a scale per 32 and a sum per 16 (48 384
+/// bytes), the workgroup's sum of squares and its subgroups' partials.
+const LONG_ROWS_BYTES: u32 = 48_900;
 
 /// Workgroups of the byte-activation builds on GPUs: a few per
 /// multiprocessor of a large GPU.
@@ -229,7 +239,11 @@ impl Gemv {
 
     pub fn with_shape(gpu: &Gpu, shape: GemvShape) -> Self {
         assert!(shape.threads_per_row.is_power_of_two());
-        Gemv { shape, subgroups: super::subgroup_width(gpu) == Some(shape.threads_per_row) }
+        // The byte-activation builds' staging shuffles within eight lanes,
+        // and the workgroup sum keeps a partial per subgroup of at least eight.
+        let subgroups =
+            super::subgroup_width(gpu) == Some(shape.threads_per_row) && shape.threads_per_row >= 8;
+        Gemv { shape, subgroups }
     }
 
     /// The dispatches of `spec`, one per weight part, in part order.
@@ -372,6 +386,19 @@ impl Gemv {
             s.rows_per_workgroup
         };
         let unroll = s.unroll_for(spec, int8);
+        // Rows longer than a chunk staged at once, where the subgroups'
+        // staging leaves room for it.
+        let staged = match spec.rows {
+            Rows::Sum { top_k, .. } => top_k * w.cols,
+            _ => w.cols,
+        };
+        if int8
+            && self.subgroups
+            && staged > X_CHUNK
+            && gpu.limits.max_compute_workgroup_storage_size >= LONG_ROWS_BYTES
+        {
+            flags.push(LONG_ROWS);
+        }
         constants.extend([
             ("ROWS_PER_WG", groups as f64),
             ("THREADS_PER_ROW", s.threads_per_row as f64),
@@ -412,6 +439,9 @@ fn has_units(format: WeightFormat) -> bool {
 /// Rows dotted with activations quantized to bytes, on the integer dot units.
 const INT8_DOTS: &str = "INT8_DOTS";
 
+/// Byte-activation builds that stage rows of up to 14336 columns at once.
+const LONG_ROWS: &str = "LONG_ROWS";
+
 /// The formats `weights.wgsl` defines `unit_dots` against byte activations for.
 pub fn has_int8_units(format: WeightFormat) -> bool {
     use WeightFormat::*;
@@ -446,6 +476,13 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
             for form in [&["NORM"][..], &["NORM", "SWIGLU", "EXPERTS", "SLOTS"], &["ADD", "EXPERTS", "SUM"]] {
                 for read in &reads {
                     out.push([form, &weights, read].concat());
+                }
+                // The byte-activation staging by shuffles, in chunks and
+                // in one.
+                if has_int8_units(format) {
+                    let subgroups = [INT8_DOTS, super::SUBGROUPS, SUBGROUP_SUM];
+                    out.push([form, &weights, &subgroups].concat());
+                    out.push([form, &weights, &subgroups, &[LONG_ROWS]].concat());
                 }
             }
         }
