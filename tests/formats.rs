@@ -233,16 +233,16 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
     bytes
 }
 
-/// The byte-activation GEMV stages x in chunks of 4096 (14336 with
-/// subgroups where workgroup memory holds it: then the rows below fit one
-/// chunk and the expert sum's two slots span two): rows wider than one
-/// chunk, ending mid-chunk, in every format it reads, plain, normed (the
-/// norm's sum of squares over every chunk) and summed over experts.
+/// The byte-activation GEMV stages x in chunks of 4096, or of 14336 for
+/// rows of more than two chunks with subgroups where workgroup memory holds
+/// it: rows wider than one chunk of either, ending mid-chunk, in every
+/// format it reads, plain, normed (the norm's sum of squares over every
+/// chunk) and summed over experts.
 #[test]
 fn int8_gemv_spans_chunks_of_the_activations() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(12);
-        let (rows, cols, tokens) = (6, 8192 + 2048 + 256, 2);
+        let (rows, cols, tokens) = (6, 14336 + 2048 + 256, 2);
         let shapes = [
             GemvShape::for_gpu(gpu),
             GemvShape::ONE_PER_INVOCATION,

@@ -87,9 +87,10 @@ fn weight_quad(q: u32) -> vec4<u32> {
 // f32 itself: 2^-24 of each element; two bytes gave errors of 1e-3 in the
 // fixtures' logits).
 // LONG_ROWS (with SUBGROUPS, whose staging needs no per-quad arrays beside
-// the chunk): rows of up to 14336 columns in one chunk, staged once rather
-// than in four, each of which drained the weight loads; 48 900 bytes of
-// workgroup memory in all, kernels::gemv::LONG_ROWS_BYTES. With the staging
+// the chunk; the host sets it for rows of more than two chunks of 4096):
+// rows of up to 14336 columns in one chunk, staged once rather than in
+// four, each of which drained the weight loads; 48 900 bytes of workgroup
+// memory in all, kernels::gemv::LONG_ROWS_BYTES. With the staging
 // by shuffles, the H200's 4096 x 14336 Q4_K down projection (timed alone)
 // took 29.6-29.8 us against 33.9-34.5 in four chunks of three passes.
 #if LONG_ROWS
@@ -205,7 +206,9 @@ fn block_scale(largest: f32) -> f32 {
 #if SUBGROUPS
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
 // first quad is xq, one quad per invocation at a time: the eight
-// invocations of a block (consecutive lanes of a subgroup) agree on its
+// invocations of a block (lanes 8k .. 8k + 7 of a subgroup: subgroups of
+// at least 8 lanes numbered in order of local index, as SUBGROUP_SUM's
+// builds arrange them) agree on its
 // largest magnitude, and the four of a run sum their steps, by shuffles,
 // so that staging is one pass with no barrier inside (rather than three
 // with two: with LONG_ROWS, the H200's 8B Q4_K_M decode went from 318.2 to

@@ -6,7 +6,8 @@
 // barriers (adapters without subgroups, CPU rasterisers).
 #if SUBGROUP_SUM
 override SUBGROUP_WIDTH: u32 = 32u;
-// One per subgroup: at most 1024 invocations, in subgroups of at least 8.
+// One per subgroup: the GEMV's workgroups, the one family that sets
+// SUBGROUP_SUM, are at most 512 invocations, in subgroups of at least 4.
 var<workgroup> sum_partials: array<f32, 128>;
 #else
 var<workgroup> sum_partials: array<f32, WG>;

@@ -65,7 +65,7 @@ pub struct GemvShape {
     pub int8_rows_per_workgroup: u32,
     /// Most workgroups of those builds (0: one per block of rows): each
     /// then takes blocks in turn, and stages activations that fit one
-    /// chunk ([`X_CHUNK`], or 14336 with `LONG_ROWS`) once for all of them.
+    /// chunk (4096 elements, or 14336 with `LONG_ROWS`) once for all of them.
     pub int8_workgroups: u32,
     /// Products of f32-activation builds with fewer groups' worth of
     /// outputs than this run one group per workgroup (0: never): a
@@ -80,11 +80,19 @@ const INT8_WORKGROUP: u32 = 512;
 /// `wgsl/gemv.wgsl`).
 const X_CHUNK: usize = 4096;
 
-/// Workgroup memory of a byte-activation build with `LONG_ROWS`: rows of up
-/// to 14336 columns (a slot sum: all its slots' columns) staged in one
-/// chunk, three bytes an element, a scale per 32 and a sum per 16 (48 384
-/// bytes), the workgroup's sum of squares and its subgroups' partials.
-const LONG_ROWS_BYTES: u32 = 48_900;
+/// Elements of x a byte-activation build with `LONG_ROWS` stages at a time
+/// (`X_CHUNK` of `wgsl/gemv.wgsl` with that flag).
+const LONG_CHUNK: usize = 14336;
+
+/// Workgroup memory of a byte-activation build with `LONG_ROWS`: the chunk
+/// as three bytes an element with a scale per 32 and a sum per 16, the
+/// workgroup's sum of squares and its subgroups' partials (48 900 bytes).
+const LONG_ROWS_BYTES: u32 =
+    (3 * LONG_CHUNK + 4 * LONG_CHUNK / 32 + 4 * LONG_CHUNK / 16 + 4 + 4 * 128) as u32;
+
+/// Lanes of one block of 32 activations in the byte-activation staging
+/// by subgroup shuffles (a quad each).
+const STAGING_LANES: u32 = 8;
 
 /// Workgroups of the byte-activation builds on GPUs: a few per
 /// multiprocessor of a large GPU.
@@ -239,11 +247,7 @@ impl Gemv {
 
     pub fn with_shape(gpu: &Gpu, shape: GemvShape) -> Self {
         assert!(shape.threads_per_row.is_power_of_two());
-        // The byte-activation builds' staging shuffles within eight lanes,
-        // and the workgroup sum keeps a partial per subgroup of at least eight.
-        let subgroups =
-            super::subgroup_width(gpu) == Some(shape.threads_per_row) && shape.threads_per_row >= 8;
-        Gemv { shape, subgroups }
+        Gemv { shape, subgroups: super::subgroup_width(gpu) == Some(shape.threads_per_row) }
     }
 
     /// The dispatches of `spec`, one per weight part, in part order.
@@ -367,7 +371,9 @@ impl Gemv {
         };
         params.outputs = outputs as u32;
         let s = self.shape;
-        if self.subgroups {
+        // The byte-activation staging shuffles within the lanes of a block.
+        let subgroups = self.subgroups && (!int8 || s.threads_per_row >= STAGING_LANES);
+        if subgroups {
             // A group's lanes are one subgroup: the workgroup's sum of
             // squares is its subgroups' sums (on the H200 the 8B Q4_K_M
             // shape decoded at 303.6 tok/s against 299.1 with a tree of
@@ -386,15 +392,19 @@ impl Gemv {
             s.rows_per_workgroup
         };
         let unroll = s.unroll_for(spec, int8);
-        // Rows longer than a chunk staged at once, where the subgroups'
-        // staging leaves room for it.
+        // Rows of more than two chunks staged at once, where the subgroups'
+        // staging leaves room for it: the down projections, measured. Rows
+        // of two chunks come with many-row products (the gate/up of models
+        // 5120-8192 wide), for which a larger workgroup memory means fewer
+        // workgroups in flight (an 8192-element chunk took the 8B shape's
+        // gate/up from 37 to 49 us on the H200), so they stay in chunks.
         let staged = match spec.rows {
             Rows::Sum { top_k, .. } => top_k * w.cols,
             _ => w.cols,
         };
         if int8
-            && self.subgroups
-            && staged > X_CHUNK
+            && subgroups
+            && staged > 2 * X_CHUNK
             && gpu.limits.max_compute_workgroup_storage_size >= LONG_ROWS_BYTES
         {
             flags.push(LONG_ROWS);
