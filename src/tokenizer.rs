@@ -298,6 +298,10 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// their contraction, numbers in runs of up to three digits.
 const O200K_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mistral's tekken split (Mistral NeMo, Mistral Small 3): GPT-4o's case
+/// runs without the contractions, digits one by one.
+const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// How a byte-level BPE vocabulary splits text before its merges, by
 /// llama.cpp's name for it (`tokenizer.ggml.pre`).
 struct PreTokenizer {
@@ -329,11 +333,12 @@ impl PreTokenizer {
             "llama3" | "llama-v3" | "llama-bpe" => (split(LLAMA3_SPLIT), true, true),
             "qwen2" => (split(QWEN2_SPLIT), false, false),
             "gpt-4o" | "minimax-m2" => (split(O200K_SPLIT), false, false),
+            "tekken" => (split(TEKKEN_SPLIT), true, true),
             other => {
                 return Err(Error::Unsupported {
                     what: "GGUF pre-tokenizer (tokenizer.ggml.pre)",
                     value: format!(
-                        "{other} (known: default, gpt2, llama-bpe, qwen2, minimax-m2, gpt-4o, smollm, starcoder and their kin)"
+                        "{other} (known: default, gpt2, llama-bpe, qwen2, minimax-m2, gpt-4o, tekken, smollm, starcoder and their kin)"
                     ),
                 });
             }

@@ -276,8 +276,9 @@ fn sentencepiece_gguf_tokenizer_encodes_as_sentencepiece_does() {
 /// as its `tokenizer.ggml.pre` names before merging: GPT-2's regex keeps a
 /// number whole, Llama 3's (`llama-bpe`) cuts it into runs of three digits,
 /// takes a word of the vocabulary whole and puts BOS first, Qwen2's cuts
-/// it into single digits, MiniMax-M2's (GPT-4o's) into runs of three; a
-/// name it does not know is an error.
+/// it into single digits, MiniMax-M2's (GPT-4o's) into runs of three,
+/// Mistral's tekken into single digits, taking a word whole and putting
+/// BOS first; a name it does not know is an error.
 #[test]
 fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     let tokens = ["1", "2", "3", "4", "5", "12", "34", "123", "45", "a", "b", "c", "abc", "<bos>"];
@@ -313,6 +314,8 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     // MiniMax-M2's (GPT-4o's): runs of three digits, merges as they come.
     assert_eq!(encode(Some("minimax-m2"), "12345", false), [id("123"), id("45")]);
     assert_eq!(encode(Some("minimax-m2"), "abc", false), ["a", "b", "c"].map(id));
+    assert_eq!(encode(Some("tekken"), "12345", true), ["<bos>", "1", "2", "3", "4", "5"].map(id));
+    assert_eq!(encode(Some("tekken"), "abc", false), [id("abc")]);
     let err = build(Some("tekken-unknown")).unwrap_err();
     assert!(err.to_string().contains("tekken-unknown"), "{err}");
     // A string twice in the vocabulary is named with both ids.
