@@ -14,7 +14,7 @@ use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::gemm::Epilogue;
 use wgspark::kernels::gemv::{
-    EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units,
+    EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units, x_chunk,
 };
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Embed, Gemm, Gemv};
@@ -233,16 +233,18 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
     bytes
 }
 
-/// The byte-activation GEMV stages x in chunks of 4096, or of 14336 for
-/// rows of more than two chunks with subgroups where workgroup memory holds
-/// it: rows wider than one chunk of either, ending mid-chunk, in every
-/// format it reads, plain, normed (the norm's sum of squares over every
-/// chunk) and summed over experts.
+/// The byte-activation GEMV stages x in chunks of 4096, or for rows of
+/// more than two such chunks, with subgroups, in chunks of as much as
+/// workgroup memory holds: rows wider than one chunk of either, ending
+/// mid-chunk, in every format it reads, plain, normed (the norm's sum of
+/// squares over every chunk) and summed over experts.
 #[test]
 fn int8_gemv_spans_chunks_of_the_activations() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(12);
-        let (rows, cols, tokens) = (6, 14336 + 2048 + 256, 2);
+        // Past the longest chunk this adapter's workgroup memory holds
+        // (14336 in 48 KiB, 9472 in 32 KiB), ending mid-chunk.
+        let (rows, cols, tokens) = (6, x_chunk(gpu, true, 1 << 20) + 2048 + 256, 2);
         let shapes = [
             GemvShape::for_gpu(gpu),
             GemvShape::ONE_PER_INVOCATION,

@@ -86,25 +86,27 @@ fn weight_quad(q: u32) -> vec4<u32> {
 // (half a step, and the f32 roundings of x / s and of its product with s;
 // f32 itself: 2^-24 of each element; two bytes gave errors of 1e-3 in the
 // fixtures' logits).
-// LONG_ROWS (with SUBGROUPS, whose staging needs no per-quad arrays beside
-// the chunk; the host sets it for rows of more than two chunks of 4096):
-// rows of up to 14336 columns in one chunk, staged once rather than in
-// four, each of which drained the weight loads; 48 900 bytes of workgroup
-// memory in all, kernels::gemv::LONG_ROWS_BYTES. With the staging
-// by shuffles, the H200's 4096 x 14336 Q4_K down projection (timed alone)
+// X_CHUNK is set by the host (kernels::gemv::x_chunk): 4096, or with
+// SUBGROUPS (whose staging needs no per-quad arrays beside the chunk), for
+// rows of more than two such chunks, as much of the row as workgroup
+// memory holds (14336 in NVIDIA's 48 KiB), staged once rather than in four
+// chunks, each of which drained the weight loads: with the staging by
+// shuffles, the H200's 4096 x 14336 Q4_K down projection (timed alone)
 // took 29.6-29.8 us against 33.9-34.5 in four chunks of three passes.
-#if LONG_ROWS
-const X_CHUNK: u32 = 14336u;
-#else
-const X_CHUNK: u32 = 4096u;
-#endif
+// Beside it the host sets X_RUNS = X_CHUNK / 16, X_BLOCKS = X_CHUNK / 32
+// and X_QUADS = X_CHUNK / 4: naga sizes a workgroup array by an
+// override's name, not by an expression of one.
+override X_CHUNK: u32 = 4096u;
+override X_RUNS: u32 = 256u;
+override X_BLOCKS: u32 = 128u;
+override X_QUADS: u32 = 1024u;
 // Run r (16 elements) of the chunk: its bytes h, m, l.
-var<workgroup> x_high: array<vec4<u32>, X_CHUNK / 16u>;
-var<workgroup> x_mid: array<vec4<u32>, X_CHUNK / 16u>;
-var<workgroup> x_low: array<vec4<u32>, X_CHUNK / 16u>;
+var<workgroup> x_high: array<vec4<u32>, X_RUNS>;
+var<workgroup> x_mid: array<vec4<u32>, X_RUNS>;
+var<workgroup> x_low: array<vec4<u32>, X_RUNS>;
 // s of each block of 32, and the sum of each run of the values staged.
-var<workgroup> x_scale: array<f32, X_CHUNK / 32u>;
-var<workgroup> x_sums: array<f32, X_CHUNK / 16u>;
+var<workgroup> x_scale: array<f32, X_BLOCKS>;
+var<workgroup> x_sums: array<f32, X_RUNS>;
 
 // The 16 signed bytes of q dotted with each byte of run r: (h, m, l).
 fn digit_dots(q: vec4<u32>, r: u32) -> vec3<i32> {
@@ -208,13 +210,12 @@ fn block_scale(largest: f32) -> f32 {
 // first quad is xq, one quad per invocation at a time: the eight
 // invocations of a block (lanes 8k .. 8k + 7 of a subgroup: subgroups of
 // at least 8 lanes numbered in order of local index, as SUBGROUP_SUM's
-// builds arrange them) agree on its
-// largest magnitude, and the four of a run sum their steps, by shuffles,
-// so that staging is one pass with no barrier inside (rather than three
-// with two: with LONG_ROWS, the H200's 8B Q4_K_M decode went from 318.2 to
-// 331.6 tok/s; staging a whole block per invocation instead, 128 of 512
-// busy, took it to 277.8). Returns this invocation's
-// share of their sum of squares (before norm_w). Every invocation calls it
+// builds arrange them) agree on its largest magnitude, and the four of a
+// run sum their steps, by shuffles, so that staging is one pass with no
+// barrier inside (rather than three with two: with whole 14336-column
+// chunks, the H200's 8B Q4_K_M decode went from 318.2 to 331.6 tok/s;
+// staging a whole block per invocation instead, 128 of 512 busy, took it
+// to 277.8). Returns this invocation's share of their sum of squares (before norm_w). Every invocation calls it
 // (the shuffles need the whole subgroup); the caller puts a barrier before
 // and after.
 fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
@@ -252,8 +253,8 @@ fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
 #else
 // Per quad of the chunk: its largest magnitude (infinite where a value is
 // not finite), then the sum of its steps.
-var<workgroup> quad_max: array<f32, X_CHUNK / 4u>;
-var<workgroup> quad_steps: array<f32, X_CHUNK / 4u>;
+var<workgroup> quad_max: array<f32, X_QUADS>;
+var<workgroup> quad_steps: array<f32, X_QUADS>;
 
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
 // first quad is xq, one quad per invocation at a time; returns this

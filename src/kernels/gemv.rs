@@ -65,7 +65,7 @@ pub struct GemvShape {
     pub int8_rows_per_workgroup: u32,
     /// Most workgroups of those builds (0: one per block of rows): each
     /// then takes blocks in turn, and stages activations that fit one
-    /// chunk (4096 elements, or 14336 with `LONG_ROWS`) once for all of them.
+    /// chunk (see [`x_chunk`]) once for all of them.
     pub int8_workgroups: u32,
     /// Products of f32-activation builds with fewer groups' worth of
     /// outputs than this run one group per workgroup (0: never): a
@@ -76,19 +76,36 @@ pub struct GemvShape {
 /// Invocations per workgroup of the byte-activation builds on GPUs.
 const INT8_WORKGROUP: u32 = 512;
 
-/// Elements of x a byte-activation build stages at a time (`X_CHUNK` of
-/// `wgsl/gemv.wgsl`).
+/// Elements of x a byte-activation build stages at a time, unless its
+/// rows are longer than two such chunks (see [`x_chunk`]).
 const X_CHUNK: usize = 4096;
 
-/// Elements of x a byte-activation build with `LONG_ROWS` stages at a time
-/// (`X_CHUNK` of `wgsl/gemv.wgsl` with that flag).
-const LONG_CHUNK: usize = 14336;
+/// Workgroup memory of the byte-activation staging by subgroup shuffles
+/// per 8 elements of the chunk: their three bytes each, an eighth of their
+/// block's scale and half their run's sum.
+const STAGED_BYTES_PER_8: usize = 3 * 8 + 1 + 2;
 
-/// Workgroup memory of a byte-activation build with `LONG_ROWS`: the chunk
-/// as three bytes an element with a scale per 32 and a sum per 16, the
-/// workgroup's sum of squares and its subgroups' partials (48 900 bytes).
-const LONG_ROWS_BYTES: u32 =
-    (3 * LONG_CHUNK + 4 * LONG_CHUNK / 32 + 4 * LONG_CHUNK / 16 + 4 + 4 * 128) as u32;
+/// Workgroup memory of that staging beside the chunk: the workgroup's sum
+/// of squares and its subgroups' partials (`wgsl/workgroup_sum.wgsl`).
+const STAGING_FIXED_BYTES: usize = 4 + 4 * 128;
+
+/// The elements of x a byte-activation GEMV stages at a time (`X_CHUNK` of
+/// `wgsl/gemv.wgsl`), for rows (a slot sum: all its slots' columns) of
+/// `staged` elements: 4096, or, with the staging by `subgroups`, for rows
+/// of more than two such chunks (the down projections: measured), as much
+/// of the row as the adapter's workgroup memory holds, in multiples of 256
+/// (14336 in 48 KiB). Rows of two chunks come with many-row products (the
+/// gate/up of models 5120-8192 wide), for which more workgroup memory means
+/// fewer workgroups in flight (an 8192-element chunk took the 8B shape's
+/// gate/up from 37 to 49 us on the H200), so they stay in chunks of 4096.
+pub fn x_chunk(gpu: &Gpu, subgroups: bool, staged: usize) -> usize {
+    if !subgroups || staged <= 2 * X_CHUNK {
+        return X_CHUNK;
+    }
+    let memory = gpu.limits.max_compute_workgroup_storage_size as usize;
+    let fits = memory.saturating_sub(STAGING_FIXED_BYTES) * 8 / STAGED_BYTES_PER_8 / 256 * 256;
+    fits.clamp(X_CHUNK, staged.next_multiple_of(256))
+}
 
 /// Lanes of one block of 32 activations in the byte-activation staging
 /// by subgroup shuffles (a quad each).
@@ -392,22 +409,18 @@ impl Gemv {
             s.rows_per_workgroup
         };
         let unroll = s.unroll_for(spec, int8);
-        // Rows of more than two chunks staged at once, where the subgroups'
-        // staging leaves room for it: the down projections, measured. Rows
-        // of two chunks come with many-row products (the gate/up of models
-        // 5120-8192 wide), for which a larger workgroup memory means fewer
-        // workgroups in flight (an 8192-element chunk took the 8B shape's
-        // gate/up from 37 to 49 us on the H200), so they stay in chunks.
-        let staged = match spec.rows {
-            Rows::Sum { top_k, .. } => top_k * w.cols,
-            _ => w.cols,
-        };
-        if int8
-            && subgroups
-            && staged > 2 * X_CHUNK
-            && gpu.limits.max_compute_workgroup_storage_size >= LONG_ROWS_BYTES
-        {
-            flags.push(LONG_ROWS);
+        if int8 {
+            let staged = match spec.rows {
+                Rows::Sum { top_k, .. } => top_k * w.cols,
+                _ => w.cols,
+            };
+            let chunk = x_chunk(gpu, subgroups, staged);
+            constants.extend([
+                ("X_CHUNK", chunk as f64),
+                ("X_RUNS", (chunk / 16) as f64),
+                ("X_BLOCKS", (chunk / 32) as f64),
+                ("X_QUADS", (chunk / 4) as f64),
+            ]);
         }
         constants.extend([
             ("ROWS_PER_WG", groups as f64),
@@ -449,9 +462,6 @@ fn has_units(format: WeightFormat) -> bool {
 /// Rows dotted with activations quantized to bytes, on the integer dot units.
 const INT8_DOTS: &str = "INT8_DOTS";
 
-/// Byte-activation builds that stage rows of up to 14336 columns at once.
-const LONG_ROWS: &str = "LONG_ROWS";
-
 /// The formats `weights.wgsl` defines `unit_dots` against byte activations for.
 pub fn has_int8_units(format: WeightFormat) -> bool {
     use WeightFormat::*;
@@ -487,12 +497,9 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
                 for read in &reads {
                     out.push([form, &weights, read].concat());
                 }
-                // The byte-activation staging by shuffles, in chunks and
-                // in one.
+                // The byte-activation staging by shuffles.
                 if has_int8_units(format) {
-                    let subgroups = [INT8_DOTS, super::SUBGROUPS, SUBGROUP_SUM];
-                    out.push([form, &weights, &subgroups].concat());
-                    out.push([form, &weights, &subgroups, &[LONG_ROWS]].concat());
+                    out.push([form, &weights, &[INT8_DOTS, super::SUBGROUPS, SUBGROUP_SUM]].concat());
                 }
             }
         }
