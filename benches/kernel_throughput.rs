@@ -3,7 +3,8 @@
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
 //! time by depth and cache format. `cargo bench --bench kernel_throughput`
 //! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`) one of them,
-//! `-- quantized Q4_K Q8_0` some formats, `-- attention chunk` prompt chunks alone.
+//! `-- quantized Q4_K Q8_0` some formats (`-- gemm 28672x4096 Q8_0` a shape
+//! and formats), `-- attention chunk` prompt chunks alone.
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{
@@ -225,9 +226,10 @@ fn main() {
         }
     }
 
-    // GEMM: each kernel the device runs, bf16 and Q4_K weights, on 512
-    // and 4096 tokens: the 8B shape's projections and head, Qwen3-30B-A3B's
-    // expert gate/up, the 1B shape's q/k/v and down projections.
+    // GEMM: each kernel the device runs, bf16 and Q4_K weights (or the
+    // formats named: `gemm 28672x4096 Q8_0 Q6_K`), on 512 and 4096 tokens:
+    // the 8B shape's projections and head, Qwen3-30B-A3B's expert gate/up,
+    // the 1B shape's q/k/v and down projections.
     let gemm_sizes: &[(usize, usize)] = if cpu {
         &[(1536, 576)]
     } else {
@@ -262,8 +264,11 @@ fn main() {
         .filter_map(|a| a.split_once('x').and_then(|(r, c)| Some((r.parse().ok()?, c.parse().ok()?))))
         .collect();
     let gemm_sizes = if picked.is_empty() { gemm_sizes.to_vec() } else { picked };
+    let named: Vec<WeightFormat> =
+        WeightFormat::ALL.into_iter().filter(|f| section_args.contains(&f.to_string())).collect();
+    let gemm_formats = if named.is_empty() { vec![WeightFormat::Bf16, WeightFormat::Q4K] } else { named };
     for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
-        for format in [WeightFormat::Bf16, WeightFormat::Q4K] {
+        for &format in &gemm_formats {
             let w = random_tensor(&gpu, format, rows, cols);
             for tokens in if cpu { vec![16u32] } else { vec![512, 4096] } {
                 let x = gpu.storage_buffer_init("x", &vec![0.01f32; tokens as usize * cols]);

@@ -5,7 +5,8 @@
 // formats are whole quads of words). A build with WEIGHT_FORMAT reads one
 // of the formats below (W_F16, W_F32, W_Q4_0, ... W_Q6_K) through
 //   weights4(row_word, e): elements e .. e + 3 (e % 4 == 0) of the row
-//                          whose first word is row_word,
+//                          whose first word is row_word (or the same in
+//                          two steps, load4 and decode4: below),
 //   BLOCK_ELEMS, BLOCK_WORDS: a row of n elements is row_words(n) words,
 //                          ceil(n / BLOCK_ELEMS) blocks of BLOCK_WORDS
 //                          (a partial block only in FP8, zero-padded).
@@ -67,92 +68,150 @@ fn block_byte(at: u32, b: u32) -> u32 {
     return byte_of(weight_word(at + b / 4u), b % 4u);
 }
 
+// Each format reads elements e .. e + 3 (e % 4 == 0) of the row whose first
+// word is `row` in two steps: load4(row, e) issues the loads of the words
+// they need (a Raw4) and nothing that waits for them, and decode4(raw, e)
+// computes their values from those words. weights4 is both at once; a
+// kernel that loads a step ahead of using it (gemm_coop.wgsl) holds the
+// next step's raw words (Raw8, runs of eight: below) while it multiplies,
+// so that the decoding, which waits for the loads, runs after the
+// products rather than before them.
+#if WEIGHT_FORMAT
+fn weights4(row: u32, e: u32) -> vec4<f32> {
+    return decode4(load4(row, e), e);
+}
+#endif
+
 #if W_F32
 const BLOCK_ELEMS: u32 = 1u;
 const BLOCK_WORDS: u32 = 1u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+struct Raw4 {
+    q: vec4<u32>,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
     // One load of the quad (four loads of words measured twice as slow).
-    return bitcast<vec4<f32>>(weight_quad((row + e) / 4u));
+    return Raw4(weight_quad((row + e) / 4u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(r.q);
 }
 #endif
 
 #if W_F16
 const BLOCK_ELEMS: u32 = 2u;
 const BLOCK_WORDS: u32 = 1u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
-    let a = weight_word(row + e / 2u);
-    let b = weight_word(row + e / 2u + 1u);
-    return vec4<f32>(f16_lo(a), f16_hi(a), f16_lo(b), f16_hi(b));
+struct Raw4 {
+    a: u32,
+    b: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    return Raw4(weight_word(row + e / 2u), weight_word(row + e / 2u + 1u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return vec4<f32>(f16_lo(r.a), f16_hi(r.a), f16_lo(r.b), f16_hi(r.b));
 }
 #endif
+
+// The Raw4 of F8_E4M3, Q4_0, Q4_1 and Q8_0: the block's scale word and the
+// word of quants that holds elements e .. e + 3.
+struct ScaledWord {
+    scale: u32,
+    q: u32,
+}
 
 #if W_F8_E4M3
 const BLOCK_ELEMS: u32 = 128u;
 const BLOCK_WORDS: u32 = 33u;
+alias Raw4 = ScaledWord;
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 128u) * 33u;
+    return Raw4(weight_word(b), weight_word(b + 1u + (e % 128u) / 4u));
+}
 // F8_E4M3 (float8_e4m3fn): [scale f32][128 bytes]: scale v. Each byte's
 // exponent and mantissa move into an f16's (bias 15 rather than 7: a factor
 // 2^8 taken back exactly), subnormals included; 0x7f and 0xff are NaN.
-fn weights4(row: u32, e: u32) -> vec4<f32> {
-    let b = row + (e / 128u) * 33u;
-    let q = fields4(weight_word(b + 1u + (e % 128u) / 4u), 0u, 255u);
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let q = fields4(r.q, 0u, 255u);
     let h = ((q & vec4<u32>(0x7fu)) << vec4<u32>(7u)) | ((q & vec4<u32>(0x80u)) << vec4<u32>(8u));
     let v = vec4<f32>(f16_lo(h.x | (h.y << 16u)), f16_hi(h.x | (h.y << 16u)), f16_lo(h.z | (h.w << 16u)), f16_hi(h.z | (h.w << 16u)));
     let nan = (q & vec4<u32>(0x7fu)) == vec4<u32>(0x7fu);
-    return select(bitcast<f32>(weight_word(b)) * 256.0 * v, vec4<f32>(bitcast<f32>(0x7fc00000u)), nan);
+    return select(bitcast<f32>(r.scale) * 256.0 * v, vec4<f32>(bitcast<f32>(0x7fc00000u)), nan);
 }
 #endif
 
-// Q4_0: [d f16, pad][16 bytes: element j low nibble, j + 16 high]: d (q - 8).
+// The 4-bit quants of Q4_0 .. Q5_1: element j of a block is the low nibble
+// of byte j when j < 16, else the high nibble of byte j - 16 (bytes from
+// word `qs` of the block).
+fn load_nibbles(b: u32, qs: u32, e: u32) -> u32 {
+    return weight_word(b + qs + (e % 16u) / 4u);
+}
+fn nibbles4(q: u32, e: u32) -> vec4<u32> {
+    return fields4(q, select(0u, 4u, e % 32u >= 16u), 15u);
+}
+
+// Q4_0: [d f16, pad][16 bytes of nibbles]: d (q - 8).
 #if W_Q4_0
 const BLOCK_ELEMS: u32 = 32u;
 const BLOCK_WORDS: u32 = 5u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+alias Raw4 = ScaledWord;
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 32u) * 5u;
-    let j = e % 32u;
-    let q = fields4(weight_word(b + 1u + (j % 16u) / 4u), select(0u, 4u, j >= 16u), 15u);
-    return f16_lo(weight_word(b)) * uint_f32(q, 8.0);
+    return Raw4(weight_word(b), load_nibbles(b, 1u, e));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return f16_lo(r.scale) * uint_f32(nibbles4(r.q, e), 8.0);
 }
 #endif
 
-// Q4_1: [d f16, m f16][16 bytes as Q4_0]: d q + m.
+// Q4_1: [d f16, m f16][16 bytes of nibbles]: d q + m.
 #if W_Q4_1
 const BLOCK_ELEMS: u32 = 32u;
 const BLOCK_WORDS: u32 = 5u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+alias Raw4 = ScaledWord;
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 32u) * 5u;
-    let j = e % 32u;
-    let q = fields4(weight_word(b + 1u + (j % 16u) / 4u), select(0u, 4u, j >= 16u), 15u);
-    let dm = weight_word(b);
-    return f16_lo(dm) * uint_f32(q, 0.0) + f16_hi(dm);
+    return Raw4(weight_word(b), load_nibbles(b, 1u, e));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return f16_lo(r.scale) * uint_f32(nibbles4(r.q, e), 0.0) + f16_hi(r.scale);
 }
 #endif
 
 // Q5_0 / Q5_1: [d f16, pad or m f16][qh: bit j is element j's fifth bit]
-// [16 bytes as Q4_0]: d (q - 16), or d q + m.
+// [16 bytes of nibbles]: d (q - 16), or d q + m.
+struct Q5Raw4 {
+    scale: u32,
+    qh: u32,
+    q: u32,
+}
+fn q5_load4(row: u32, e: u32) -> Q5Raw4 {
+    let b = row + (e / 32u) * 6u;
+    return Q5Raw4(weight_word(b), weight_word(b + 1u), load_nibbles(b, 2u, e));
+}
+fn q5_quants(r: Q5Raw4, e: u32) -> vec4<f32> {
+    let high = (vec4<u32>(r.qh) >> (vec4<u32>(0u, 1u, 2u, 3u) + e % 32u)) & vec4<u32>(1u);
+    return uint_f32(nibbles4(r.q, e) | (high << vec4<u32>(4u)), 0.0);
+}
 #if W_Q5_0
 const BLOCK_ELEMS: u32 = 32u;
 const BLOCK_WORDS: u32 = 6u;
+alias Raw4 = Q5Raw4;
+fn load4(row: u32, e: u32) -> Raw4 {
+    return q5_load4(row, e);
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return f16_lo(r.scale) * (q5_quants(r, e) - 16.0);
+}
 #endif
 #if W_Q5_1
 const BLOCK_ELEMS: u32 = 32u;
 const BLOCK_WORDS: u32 = 6u;
-#endif
-fn q5_quants(b: u32, j: u32) -> vec4<f32> {
-    let low = fields4(weight_word(b + 2u + (j % 16u) / 4u), select(0u, 4u, j >= 16u), 15u);
-    let high = (vec4<u32>(weight_word(b + 1u)) >> (vec4<u32>(0u, 1u, 2u, 3u) + j)) & vec4<u32>(1u);
-    return uint_f32(low | (high << vec4<u32>(4u)), 0.0);
+alias Raw4 = Q5Raw4;
+fn load4(row: u32, e: u32) -> Raw4 {
+    return q5_load4(row, e);
 }
-#if W_Q5_0
-fn weights4(row: u32, e: u32) -> vec4<f32> {
-    let b = row + (e / 32u) * 6u;
-    return f16_lo(weight_word(b)) * (q5_quants(b, e % 32u) - 16.0);
-}
-#endif
-#if W_Q5_1
-fn weights4(row: u32, e: u32) -> vec4<f32> {
-    let b = row + (e / 32u) * 6u;
-    let dm = weight_word(b);
-    return f16_lo(dm) * q5_quants(b, e % 32u) + f16_hi(dm);
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return f16_lo(r.scale) * q5_quants(r, e) + f16_hi(r.scale);
 }
 #endif
 
@@ -160,18 +219,25 @@ fn weights4(row: u32, e: u32) -> vec4<f32> {
 #if W_Q8_0
 const BLOCK_ELEMS: u32 = 32u;
 const BLOCK_WORDS: u32 = 9u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+alias Raw4 = ScaledWord;
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 32u) * 9u;
-    let w = weight_word(b + 1u + (e % 32u) / 4u);
+    return Raw4(weight_word(b), weight_word(b + 1u + (e % 32u) / 4u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     // Signed bytes, biased by 128 to unsigned.
-    return f16_lo(weight_word(b)) * uint_f32(fields4(w ^ 0x80808080u, 0u, 255u), 128.0);
+    return f16_lo(r.scale) * uint_f32(fields4(r.q ^ 0x80808080u, 0u, 255u), 128.0);
 }
 #endif
 
-// The 2-bit quants of Q2_K / Q3_K: element e (of 256) is bits 2 (e % 128) / 32
-// of byte 32 (e / 128) + e % 32 of the 64 bytes at word `qs`.
-fn quants2(qs: u32, e: u32) -> vec4<u32> {
-    return fields4(weight_word(qs + (32u * (e / 128u) + e % 32u) / 4u), 2u * ((e % 128u) / 32u), 3u);
+// The 2-bit quants of Q2_K / Q3_K: element i (of 256) is bits 2 (i % 128) / 32
+// of byte 32 (i / 128) + i % 32 of the 64 bytes at word `qs`; the word
+// holding elements i .. i + 3, and their fields.
+fn quants2_word(qs: u32, i: u32) -> u32 {
+    return weight_word(qs + (32u * (i / 128u) + i % 32u) / 4u);
+}
+fn quants2(q: u32, i: u32) -> vec4<u32> {
+    return fields4(q, 2u * ((i % 128u) / 32u), 3u);
 }
 
 // Q2_K: [16 scale bytes: low nibble scale, high nibble min, per 16
@@ -179,88 +245,203 @@ fn quants2(qs: u32, e: u32) -> vec4<u32> {
 #if W_Q2_K
 const BLOCK_ELEMS: u32 = 256u;
 const BLOCK_WORDS: u32 = 21u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+struct Raw4 {
+    scales: u32,
+    dm: u32,
+    q: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 256u) * 21u;
     let i = e % 256u;
-    let sc = block_byte(b, i / 16u);
-    let dm = weight_word(b + 20u);
-    return f16_lo(dm) * small_uint_f32(sc & 15u) * uint_f32(quants2(b + 4u, i), 0.0) - f16_hi(dm) * small_uint_f32(sc >> 4u);
+    return Raw4(weight_word(b + i / 64u), weight_word(b + 20u), quants2_word(b + 4u, i));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let i = e % 256u;
+    let sc = byte_of(r.scales, (i / 16u) % 4u);
+    return f16_lo(r.dm) * small_uint_f32(sc & 15u) * uint_f32(quants2(r.q, i), 0.0) - f16_hi(r.dm) * small_uint_f32(sc >> 4u);
 }
 #endif
 
-// Q3_K: [32 bytes hmask: bit e / 32 of byte e % 32 set means no -4]
+// Q3_K: [32 bytes hmask: bit i / 32 of byte i % 32 set means no -4]
 // [64 quant bytes][12 bytes of sixteen 6-bit scales][d f16, pad]:
 // d (sc - 32) (q - 4 (1 - h)).
 #if W_Q3_K
 const BLOCK_ELEMS: u32 = 256u;
 const BLOCK_WORDS: u32 = 28u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+struct Raw4 {
+    scales: vec2<u32>,
+    h: u32,
+    q: u32,
+    d: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 256u) * 28u;
     let i = e % 256u;
-    let sc = q3_scale(b, i / 16u);
-    let h = fields4(weight_word(b + (i % 32u) / 4u), i / 32u, 1u);
-    let q = uint_f32(quants2(b + 8u, i) | (h << vec4<u32>(2u)), 4.0);
-    return f16_lo(weight_word(b + 27u)) * sc * q;
+    return Raw4(q3_scale_words(b, i / 16u), weight_word(b + (i % 32u) / 4u), quants2_word(b + 8u, i), weight_word(b + 27u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let i = e % 256u;
+    let h = fields4(r.h, i / 32u, 1u);
+    let q = uint_f32(quants2(r.q, i) | (h << vec4<u32>(2u)), 4.0);
+    return f16_lo(r.d) * q3_scale_of(r.scales, i / 16u) * q;
 }
 #endif
 
 // Q4_K / Q5_K: [d f16, dmin f16][12 bytes of eight 6-bit (scale, min)
-// pairs, one per 32 elements](Q5_K: [32 bytes qh: bit e / 32 of byte
-// e % 32 is the fifth bit])[128 bytes: element e is the low nibble of byte
-// 32 (e / 64) + e % 32 when e % 64 < 32, else its high nibble]:
-// d sc q - dmin m.
+// pairs, one per 32 elements](Q5_K: [32 bytes qh: bit i / 32 of byte
+// i % 32 is the fifth bit])[128 bytes: element i is the low nibble of byte
+// 32 (i / 64) + i % 32 when i % 64 < 32, else its high nibble]:
+// d sc q - dmin m. Raw: the block's first quad (d, dmin and the scales),
+// the quant word and Q5_K's qh word.
+struct K4Raw4 {
+    head: vec4<u32>,
+    qh: u32,
+    q: u32,
+}
+// The word of the block's quants (from word qs) holding elements i .. i + 3.
+fn k4_quant_word(qs: u32, i: u32) -> u32 {
+    return weight_word(qs + (32u * (i / 64u) + i % 32u) / 4u);
+}
+// The 6-bit scale and min of elements i .. of the block whose head is
+// `head` (by a branch, as in the kernels that decode four at a time the
+// lanes read blocks in step).
+fn k4_scale_min_at(head: vec4<u32>, i: u32) -> vec2<u32> {
+    let j = i / 32u;
+    if (j < 4u) {
+        return vec2<u32>(byte_of(head.y, j) & 63u, byte_of(head.z, j) & 63u);
+    }
+    let w = byte_of(head.w, j - 4u);
+    return vec2<u32>((w & 15u) | ((byte_of(head.y, j - 4u) >> 6u) << 4u), (w >> 4u) | ((byte_of(head.z, j - 4u) >> 6u) << 4u));
+}
+// Elements i .. i + 3 of the block of head `head` from their quant word q,
+// with scale and min sm; `high` adds Q5_K's fifth bits.
+fn k4_values(head: vec4<u32>, sm: vec2<u32>, q: u32, i: u32, high: vec4<u32>) -> vec4<f32> {
+    let low = fields4(q, select(0u, 4u, i % 64u >= 32u), 15u);
+    return f16_lo(head.x) * small_uint_f32(sm.x) * uint_f32(low | high, 0.0) - f16_hi(head.x) * small_uint_f32(sm.y);
+}
+fn k4_decode4(r: K4Raw4, i: u32, high: vec4<u32>) -> vec4<f32> {
+    return k4_values(r.head, k4_scale_min_at(r.head, i), r.q, i, high);
+}
 #if W_Q4_K
 const BLOCK_ELEMS: u32 = 256u;
 const BLOCK_WORDS: u32 = 36u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+alias Raw4 = K4Raw4;
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 256u) * 36u;
-    return k4_weights(b, e % 256u, b + 4u, vec4<u32>(0u));
+    return Raw4(weight_quad(b / 4u), 0u, k4_quant_word(b + 4u, e % 256u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return k4_decode4(r, e % 256u, vec4<u32>(0u));
 }
 #endif
 #if W_Q5_K
 const BLOCK_ELEMS: u32 = 256u;
 const BLOCK_WORDS: u32 = 44u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+alias Raw4 = K4Raw4;
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 256u) * 44u;
     let i = e % 256u;
-    let high = fields4(weight_word(b + 4u + (i % 32u) / 4u), i / 32u, 1u);
-    return k4_weights(b, i, b + 12u, high << vec4<u32>(4u));
+    return Raw4(weight_quad(b / 4u), weight_word(b + 4u + (i % 32u) / 4u), k4_quant_word(b + 12u, i));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let i = e % 256u;
+    return k4_decode4(r, i, fields4(r.qh, i / 32u, 1u) << vec4<u32>(4u));
 }
 #endif
-// Elements i .. i + 3 of the Q4_K / Q5_K block at word b, whose 128 nibble
-// bytes start at word qs; `high` adds Q5_K's fifth bits.
-fn k4_weights(b: u32, i: u32, qs: u32, high: vec4<u32>) -> vec4<f32> {
-    let j = i / 32u;
-    var sc: u32;
-    var m: u32;
-    if (j < 4u) {
-        sc = block_byte(b + 1u, j) & 63u;
-        m = block_byte(b + 1u, j + 4u) & 63u;
-    } else {
-        sc = (block_byte(b + 1u, j + 4u) & 15u) | ((block_byte(b + 1u, j - 4u) >> 6u) << 4u);
-        m = (block_byte(b + 1u, j + 4u) >> 4u) | ((block_byte(b + 1u, j) >> 6u) << 4u);
-    }
-    let low = fields4(weight_word(qs + (32u * (i / 64u) + i % 32u) / 4u), select(0u, 4u, i % 64u >= 32u), 15u);
-    let dm = weight_word(b);
-    return f16_lo(dm) * small_uint_f32(sc) * uint_f32(low | high, 0.0) - f16_hi(dm) * small_uint_f32(m);
+
+// Runs of eight of Q4_K / Q5_K for the cooperative GEMM (below): both
+// halves share the block's head, held once.
+struct K4Raw8 {
+    head: vec4<u32>,
+    qh: vec2<u32>,
+    q: vec2<u32>,
 }
+fn k4_decode8(r: K4Raw8, i: u32, high: array<vec4<u32>, 2>) -> array<vec4<f32>, 2> {
+    let sm = k4_scale_min_at(r.head, i);
+    return array(k4_values(r.head, sm, r.q.x, i, high[0]), k4_values(r.head, sm, r.q.y, i + 4u, high[1]));
+}
+#if W_Q4_K
+alias Raw8 = K4Raw8;
+fn load8(row: u32, e: u32, cols: u32) -> Raw8 {
+    let b = row + (e / 256u) * 36u;
+    let i = e % 256u;
+    return Raw8(weight_quad(b / 4u), vec2<u32>(0u), vec2<u32>(k4_quant_word(b + 4u, i), k4_quant_word(b + 4u, i + 4u)));
+}
+fn decode8(r: Raw8, e: u32) -> array<vec4<f32>, 2> {
+    return k4_decode8(r, e % 256u, array(vec4<u32>(0u), vec4<u32>(0u)));
+}
+#endif
+#if W_Q5_K
+alias Raw8 = K4Raw8;
+fn load8(row: u32, e: u32, cols: u32) -> Raw8 {
+    let b = row + (e / 256u) * 44u;
+    let i = e % 256u;
+    let qh = b + 4u + (i % 32u) / 4u;
+    return Raw8(weight_quad(b / 4u), vec2<u32>(weight_word(qh), weight_word(qh + 1u)),
+        vec2<u32>(k4_quant_word(b + 12u, i), k4_quant_word(b + 12u, i + 4u)));
+}
+fn decode8(r: Raw8, e: u32) -> array<vec4<f32>, 2> {
+    let i = e % 256u;
+    let high = array(fields4(r.qh.x, i / 32u, 1u) << vec4<u32>(4u), fields4(r.qh.y, i / 32u, 1u) << vec4<u32>(4u));
+    return k4_decode8(r, i, high);
+}
+#endif
 
 // Q6_K: [128 bytes: low 4 bits][64 bytes: high 2 bits][16 signed scales,
 // one per 16 elements][d f16, pad]: d sc (q - 32).
 #if W_Q6_K
 const BLOCK_ELEMS: u32 = 256u;
 const BLOCK_WORDS: u32 = 53u;
-fn weights4(row: u32, e: u32) -> vec4<f32> {
+struct Raw4 {
+    low: u32,
+    high: u32,
+    scales: u32,
+    d: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 256u) * 53u;
     let i = e % 256u;
-    let half = i / 128u;
     let r = i % 128u;
-    let low = fields4(weight_word(b + (64u * half + r % 64u) / 4u), select(0u, 4u, r >= 64u), 15u);
-    let high = fields4(weight_word(b + 32u + (32u * half + r % 32u) / 4u), 2u * (r / 32u), 3u);
-    let sc = q6_scale(b, i / 16u);
-    let q = uint_f32(low | (high << vec4<u32>(4u)), 32.0);
-    return f16_lo(weight_word(b + 52u)) * sc * q;
+    return Raw4(
+        weight_word(b + (64u * (i / 128u) + r % 64u) / 4u),
+        weight_word(b + 32u + (32u * (i / 128u) + r % 32u) / 4u),
+        weight_word(b + 48u + i / 64u),
+        weight_word(b + 52u),
+    );
 }
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let i = e % 256u;
+    let low = fields4(r.low, select(0u, 4u, i % 128u >= 64u), 15u);
+    let high = fields4(r.high, 2u * ((i % 128u) / 32u), 3u);
+    let q = uint_f32(low | (high << vec4<u32>(4u)), 32.0);
+    return f16_lo(r.d) * q6_scale_of(r.scales, i / 16u) * q;
+}
+#endif
+
+// Runs of eight elements e .. e + 7 (e % 8 == 0; a row of `cols` may end
+// after the first four) for the cooperative GEMM's staging, in the same
+// two steps: load8 issues the loads, decode8 decodes them. Two Raw4s, but
+// for Q4_K / Q5_K (above).
+#if WEIGHT_FORMAT
+#if !W_Q4_K
+#if !W_Q5_K
+struct Raw8 {
+    a: Raw4,
+    b: Raw4,
+}
+fn load8(row: u32, e: u32, cols: u32) -> Raw8 {
+    // All-zero words decode to zeros in every format.
+    var r = Raw8(load4(row, e), Raw4());
+    if (e + 4u < cols) {
+        r.b = load4(row, e + 4u);
+    }
+    return r;
+}
+fn decode8(r: Raw8, e: u32) -> array<vec4<f32>, 2> {
+    return array(decode4(r.a, e), decode4(r.b, e + 4u));
+}
+#endif
+#endif
 #endif
 
 // Words i .. i + 3 of the bound weight part.
@@ -281,14 +462,25 @@ fn k4_scale_min(head: vec4<u32>, n: u32) -> vec2<f32> {
 }
 // Q3_K's scale n (of 16, 6 bits, less 32) of the block at word b.
 fn q3_scale(b: u32, n: u32) -> f32 {
-    let low = (block_byte(b + 24u, n % 8u) >> (4u * (n / 8u))) & 15u;
-    let high = (block_byte(b + 26u, n % 4u) >> (2u * (n / 4u))) & 3u;
+    return q3_scale_of(q3_scale_words(b, n), n);
+}
+// The two words that hold Q3_K's scale n of the block at word b, and the scale from them.
+fn q3_scale_words(b: u32, n: u32) -> vec2<u32> {
+    return vec2<u32>(weight_word(b + 24u + (n % 8u) / 4u), weight_word(b + 26u));
+}
+fn q3_scale_of(w: vec2<u32>, n: u32) -> f32 {
+    let low = (byte_of(w.x, n % 4u) >> (4u * (n / 8u))) & 15u;
+    let high = (byte_of(w.y, n % 4u) >> (2u * (n / 4u))) & 3u;
     return small_uint_f32(low | (high << 4u)) - 32.0;
 }
 // Q6_K's scale n (signed byte) of the block at word b.
 fn q6_scale(b: u32, n: u32) -> f32 {
+    return q6_scale_of(weight_word(b + 48u + n / 4u), n);
+}
+// Q6_K's scale n from the word that holds it.
+fn q6_scale_of(w: u32, n: u32) -> f32 {
     // The byte biased by 128 to unsigned.
-    return small_uint_f32(byte_of(weight_word(b + 48u + n / 4u) ^ 0x80808080u, n % 4u)) - 128.0;
+    return small_uint_f32(byte_of(w ^ 0x80808080u, n % 4u)) - 128.0;
 }
 #if WEIGHT_FORMAT
 // Words of a row of n elements.
