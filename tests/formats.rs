@@ -244,7 +244,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
         let mut rng = Rng::new(12);
         // Past the longest chunk this adapter's workgroup memory holds
         // (14336 in 48 KiB, 9472 in 32 KiB), ending mid-chunk.
-        let (rows, cols, tokens) = (6, x_chunk(gpu, true, 1 << 20) + 2048 + 256, 2);
+        let (rows, cols, tokens) = (6, x_chunk(gpu, true, 1 << 20, false) + 2048 + 256, 2);
         let shapes = [
             GemvShape::for_gpu(gpu),
             GemvShape::ONE_PER_INVOCATION,
@@ -356,10 +356,11 @@ fn int8_expert_product(
 /// that straddle binding parts (each part adds the rows it holds), a slot
 /// whose expert is elsewhere (skipped) and a token all of whose slots are
 /// elsewhere (left as it is), in the adapter's shape and one output per
-/// invocation.
+/// invocation; the slots' 6144 columns are more than one chunk of 4096
+/// (with subgroups, one long chunk).
 #[test]
 fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
-    let (experts, expert_rows, cols, top_k, tokens) = (4, 3, 512, 3, 3);
+    let (experts, expert_rows, cols, top_k, tokens) = (4, 3, 2048, 3, 3);
     let ids: Vec<u32> =
         vec![2, 0, EXPERT_ELSEWHERE, 3, 1, 2, EXPERT_ELSEWHERE, EXPERT_ELSEWHERE, EXPERT_ELSEWHERE];
     for backend in common::backends() {

@@ -97,9 +97,13 @@ const STAGING_FIXED_BYTES: usize = 4 + 4 * 128;
 /// (14336 in 48 KiB). Rows of two chunks come with many-row products (the
 /// gate/up of models 5120-8192 wide), for which more workgroup memory means
 /// fewer workgroups in flight (an 8192-element chunk took the 8B shape's
-/// gate/up from 37 to 49 us on the H200), so they stay in chunks of 4096.
-pub fn x_chunk(gpu: &Gpu, subgroups: bool, staged: usize) -> usize {
-    if !subgroups || staged <= 2 * X_CHUNK {
+/// gate/up from 37 to 49 us on the H200), so they stay in chunks of 4096;
+/// a `slot_sum` (a MoE layer's down projections) has the model's width in
+/// rows, a workgroup or less per multiprocessor, and takes one long chunk
+/// from anything past one.
+pub fn x_chunk(gpu: &Gpu, subgroups: bool, staged: usize, slot_sum: bool) -> usize {
+    let long = if slot_sum { X_CHUNK } else { 2 * X_CHUNK };
+    if !subgroups || staged <= long {
         return X_CHUNK;
     }
     let memory = gpu.limits.max_compute_workgroup_storage_size as usize;
@@ -410,11 +414,11 @@ impl Gemv {
         };
         let unroll = s.unroll_for(spec, int8);
         if int8 {
-            let staged = match spec.rows {
-                Rows::Sum { top_k, .. } => top_k * w.cols,
-                _ => w.cols,
+            let (staged, slot_sum) = match spec.rows {
+                Rows::Sum { top_k, .. } => (top_k * w.cols, true),
+                _ => (w.cols, false),
             };
-            let chunk = x_chunk(gpu, subgroups, staged);
+            let chunk = x_chunk(gpu, subgroups, staged, slot_sum);
             constants.extend([
                 ("X_CHUNK", chunk as f64),
                 ("X_RUNS", (chunk / 16) as f64),
