@@ -12,7 +12,7 @@ use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
-use wgspark::kernels::gemm::Epilogue;
+use wgspark::kernels::gemm::{Epilogue, GemmKernel};
 use wgspark::kernels::gemv::{
     EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units, x_chunk,
 };
@@ -234,7 +234,7 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
 }
 
 /// The byte-activation GEMV stages x in chunks of 4096, or for rows of
-/// more than two such chunks, with subgroups, in chunks of as much as
+/// more than two such chunks (a slot sum: one), with subgroups, in chunks of as much as
 /// workgroup memory holds: rows wider than one chunk of either, ending
 /// mid-chunk, in every format it reads, plain, normed (the norm's sum of
 /// squares over every chunk) and summed over experts.
@@ -244,7 +244,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
         let mut rng = Rng::new(12);
         // Past the longest chunk this adapter's workgroup memory holds
         // (14336 in 48 KiB, 9472 in 32 KiB), ending mid-chunk.
-        let (rows, cols, tokens) = (6, x_chunk(gpu, true, 1 << 20, false) + 2048 + 256, 2);
+        let (rows, cols, tokens) = (6, x_chunk(gpu, true, 1 << 20, &Rows::Dense) + 2048 + 256, 2);
         let shapes = [
             GemvShape::for_gpu(gpu),
             GemvShape::ONE_PER_INVOCATION,
@@ -356,11 +356,11 @@ fn int8_expert_product(
 /// that straddle binding parts (each part adds the rows it holds), a slot
 /// whose expert is elsewhere (skipped) and a token all of whose slots are
 /// elsewhere (left as it is), in the adapter's shape and one output per
-/// invocation; the slots' 6144 columns are more than one chunk of 4096
-/// (with subgroups, one long chunk).
+/// invocation; the slots' 6912 columns are more than one chunk of 4096
+/// (with subgroups, one long chunk; else the second slot straddles two).
 #[test]
 fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
-    let (experts, expert_rows, cols, top_k, tokens) = (4, 3, 2048, 3, 3);
+    let (experts, expert_rows, cols, top_k, tokens) = (4, 3, 2304, 3, 3);
     let ids: Vec<u32> =
         vec![2, 0, EXPERT_ELSEWHERE, 3, 1, 2, EXPERT_ELSEWHERE, EXPERT_ELSEWHERE, EXPERT_ELSEWHERE];
     for backend in common::backends() {
@@ -464,17 +464,31 @@ fn int8_gemv_keeps_activations_that_are_not_numbers_visible() {
 
 /// The prefill GEMM decodes the weights as it stages them: the formats
 /// take the device's kernels and tilings in turn (each build compiles
-/// slowly on CPU rasterisers), with a token count that ends mid-tile.
+/// slowly on CPU rasterisers), and where there are cooperative matrices
+/// each format also runs their default kernels, with and without split
+/// operands; a token count that ends mid-tile.
 #[test]
 fn gemm_in_every_format_matches_the_cpu_product_of_its_values() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(12);
         let kernels = Gemm::kernels(gpu);
-        for (i, c) in cases().into_iter().enumerate() {
-            let kernel = kernels[i % kernels.len()];
+        let cases = cases();
+        let cases_and_kernels = cases.iter().enumerate().flat_map(|(i, c)| {
+            let mut picked = vec![kernels[i % kernels.len()]];
+            if gpu.caps.cooperative_matrix {
+                for split in [false, true] {
+                    let default = GemmKernel::Cooperative { split, tile: None };
+                    if !picked.contains(&default) {
+                        picked.push(default);
+                    }
+                }
+            }
+            picked.into_iter().map(move |kernel| (c, kernel))
+        });
+        for (c, kernel) in cases_and_kernels {
             let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
             let (rows, cols, tokens) = (c.rows, c.cols, 70);
-            let weight = upload(gpu, &c);
+            let weight = upload(gpu, c);
             let x = rng.vec(tokens * cols, 1.0);
             let xb = gpu.storage_buffer_init("x", &x);
             let yb = gpu.storage_buffer("y", tokens * rows).unwrap();

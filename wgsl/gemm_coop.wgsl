@@ -194,12 +194,13 @@ fn sources(t: Tile, li: u32) -> Sources {
 // The staged values of one k step, in registers: eight consecutive k of
 // each round's row.
 // With WEIGHT_FORMAT, the weights' words as loaded (weights.wgsl's Raw8),
-// decoded when they are stored: decoded where they were loaded, the next
-// step's decoding waited there for its loads before this step's products
-// could start. On the H200, 28672 x 4096 at 512 / 4096 tokens, TFLOP/s:
-// Q8_0 84 / 96 -> 94 / 109, Q6_K 81 / 93 -> 85 / 100, Q4_K 77 / 89 ->
-// 79 / 92 (with the block's head held once per run of eight; once per
-// half, the registers took it to 63 / 73), Q5_K 70 / 84 -> 69 / 80.
+// decoded when they are stored: decoding them right after their loads
+// made each step wait for the next step's loads before its products. On
+// the H200, 28672 x 4096 at 512 / 4096 tokens, TFLOP/s, decoded as loaded
+// and as stored: Q8_0 84 / 96 and 94 / 109, Q6_K 81 / 93 and 85 / 100,
+// Q4_K 77 / 89 and 83 / 96 (the block's head held once per run of eight;
+// held once per half, the registers took it to 63 / 73), Q5_K 70 / 84
+// and 71 / 83 (README has the calls).
 struct Staged {
     x: array<array<vec4<f32>, 2>, 4>,
 #if WEIGHT_FORMAT
@@ -209,9 +210,14 @@ struct Staged {
 #endif
 }
 
+// The k of this invocation's run of eight in the step at k0.
+fn run_k(k0: u32, li: u32) -> u32 {
+    return k0 + 8u * (li % RUNS_PER_ROW);
+}
+
 fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
     var st: Staged;
-    let k = k0 + 8u * (li % RUNS_PER_ROW);
+    let k = run_k(k0, li);
     for (var r = 0u; r < X_ROUNDS; r++) {
         for (var h = 0u; h < 2u; h++) {
             st.x[r][h] = vec4<f32>(0.0);
@@ -249,7 +255,6 @@ fn minus8(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> array<vec4<f32>, 2>
 }
 
 fn store_step(st: Staged, k0: u32, li: u32) {
-    let k = k0 + 8u * (li % RUNS_PER_ROW);
     for (var r = 0u; r < X_ROUNDS; r++) {
         let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
         if (local < TILE_M) {
@@ -269,7 +274,7 @@ fn store_step(st: Staged, k0: u32, li: u32) {
     for (var r = 0u; r < W_ROUNDS; r++) {
         let at = (ROUND_ROWS * r + li / RUNS_PER_ROW) * ROW + 2u * (li % RUNS_PER_ROW);
 #if WEIGHT_FORMAT
-        let w = decode8(st.w[r], k);
+        let w = decode8(st.w[r], run_k(k0, li));
 #if W_SPLIT
         let hi = high8(w);
         let lo = minus8(w, hi);

@@ -88,8 +88,8 @@ fn weight_quad(q: u32) -> vec4<u32> {
 // fixtures' logits).
 // X_CHUNK is set by the host (kernels::gemv::x_chunk): 4096, or with
 // SUBGROUPS (whose staging needs no per-quad arrays beside the chunk), for
-// rows of more than two such chunks, as much of the row as workgroup
-// memory holds (14336 in NVIDIA's 48 KiB), staged once rather than in four
+// rows of more than two such chunks (SUM: past one), as much of the row as
+// workgroup memory holds (14336 in NVIDIA's 48 KiB), staged once rather than in four
 // chunks, each of which drained the weight loads: with the staging by
 // shuffles, the H200's 4096 x 14336 Q4_K down projection (timed alone)
 // took 29.6-29.8 us against 33.9-34.5 in four chunks of three passes.

@@ -140,10 +140,11 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 #endif
 
 // The 4-bit quants of Q4_0 .. Q5_1: element j of a block is the low nibble
-// of byte j when j < 16, else the high nibble of byte j - 16 (bytes from
-// word `qs` of the block).
-fn load_nibbles(b: u32, qs: u32, e: u32) -> u32 {
-    return weight_word(b + qs + (e % 16u) / 4u);
+// of byte j when j < 16, else the high nibble of byte j - 16 of its 16
+// bytes of nibbles from word qs; the word holding elements e .. e + 3, and
+// their nibbles.
+fn nibble_word(qs: u32, e: u32) -> u32 {
+    return weight_word(qs + (e % 16u) / 4u);
 }
 fn nibbles4(q: u32, e: u32) -> vec4<u32> {
     return fields4(q, select(0u, 4u, e % 32u >= 16u), 15u);
@@ -156,7 +157,7 @@ const BLOCK_WORDS: u32 = 5u;
 alias Raw4 = ScaledWord;
 fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 32u) * 5u;
-    return Raw4(weight_word(b), load_nibbles(b, 1u, e));
+    return Raw4(weight_word(b), nibble_word(b + 1u, e));
 }
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     return f16_lo(r.scale) * uint_f32(nibbles4(r.q, e), 8.0);
@@ -170,7 +171,7 @@ const BLOCK_WORDS: u32 = 5u;
 alias Raw4 = ScaledWord;
 fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 32u) * 5u;
-    return Raw4(weight_word(b), load_nibbles(b, 1u, e));
+    return Raw4(weight_word(b), nibble_word(b + 1u, e));
 }
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     return f16_lo(r.scale) * uint_f32(nibbles4(r.q, e), 0.0) + f16_hi(r.scale);
@@ -186,7 +187,7 @@ struct Q5Raw4 {
 }
 fn q5_load4(row: u32, e: u32) -> Q5Raw4 {
     let b = row + (e / 32u) * 6u;
-    return Q5Raw4(weight_word(b), weight_word(b + 1u), load_nibbles(b, 2u, e));
+    return Q5Raw4(weight_word(b), weight_word(b + 1u), nibble_word(b + 2u, e));
 }
 fn q5_quants(r: Q5Raw4, e: u32) -> vec4<f32> {
     let high = (vec4<u32>(r.qh) >> (vec4<u32>(0u, 1u, 2u, 3u) + e % 32u)) & vec4<u32>(1u);
@@ -292,7 +293,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 // i % 32 is the fifth bit])[128 bytes: element i is the low nibble of byte
 // 32 (i / 64) + i % 32 when i % 64 < 32, else its high nibble]:
 // d sc q - dmin m. Raw: the block's first quad (d, dmin and the scales),
-// the quant word and Q5_K's qh word.
+// the quant word and Q5_K's qh word (zero for Q4_K).
 struct K4Raw4 {
     head: vec4<u32>,
     qh: u32,
@@ -302,10 +303,11 @@ struct K4Raw4 {
 fn k4_quant_word(qs: u32, i: u32) -> u32 {
     return weight_word(qs + (32u * (i / 64u) + i % 32u) / 4u);
 }
-// The 6-bit scale and min of elements i .. of the block whose head is
-// `head` (by a branch, as in the kernels that decode four at a time the
-// lanes read blocks in step).
-fn k4_scale_min_at(head: vec4<u32>, i: u32) -> vec2<u32> {
+// The 6-bit scale and min (as integers) of element i of the block whose
+// first quad is `head`, by a branch: the GEMMs' lanes decode the same 32
+// elements of a block together. (k4_scale_min, below, gives them by scale
+// number as floats without branching, for lanes on different scales.)
+fn k4_scale_min_bits(head: vec4<u32>, i: u32) -> vec2<u32> {
     let j = i / 32u;
     if (j < 4u) {
         return vec2<u32>(byte_of(head.y, j) & 63u, byte_of(head.z, j) & 63u);
@@ -320,7 +322,7 @@ fn k4_values(head: vec4<u32>, sm: vec2<u32>, q: u32, i: u32, high: vec4<u32>) ->
     return f16_lo(head.x) * small_uint_f32(sm.x) * uint_f32(low | high, 0.0) - f16_hi(head.x) * small_uint_f32(sm.y);
 }
 fn k4_decode4(r: K4Raw4, i: u32, high: vec4<u32>) -> vec4<f32> {
-    return k4_values(r.head, k4_scale_min_at(r.head, i), r.q, i, high);
+    return k4_values(r.head, k4_scale_min_bits(r.head, i), r.q, i, high);
 }
 #if W_Q4_K
 const BLOCK_ELEMS: u32 = 256u;
@@ -350,14 +352,15 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 #endif
 
 // Runs of eight of Q4_K / Q5_K for the cooperative GEMM (below): both
-// halves share the block's head, held once.
+// halves share the block's head, held once. Their rows are whole blocks
+// of 256, so a run never ends after four (`cols` is not needed).
 struct K4Raw8 {
     head: vec4<u32>,
     qh: vec2<u32>,
     q: vec2<u32>,
 }
 fn k4_decode8(r: K4Raw8, i: u32, high: array<vec4<u32>, 2>) -> array<vec4<f32>, 2> {
-    let sm = k4_scale_min_at(r.head, i);
+    let sm = k4_scale_min_bits(r.head, i);
     return array(k4_values(r.head, sm, r.q.x, i, high[0]), k4_values(r.head, sm, r.q.y, i + 4u, high[1]));
 }
 #if W_Q4_K

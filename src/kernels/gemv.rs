@@ -77,7 +77,8 @@ pub struct GemvShape {
 const INT8_WORKGROUP: u32 = 512;
 
 /// Elements of x a byte-activation build stages at a time, unless its
-/// rows are longer than two such chunks (see [`x_chunk`]).
+/// rows are longer than two such chunks, or a slot sum's longer than one
+/// (see [`x_chunk`]).
 const X_CHUNK: usize = 4096;
 
 /// Workgroup memory of the byte-activation staging by subgroup shuffles
@@ -90,19 +91,22 @@ const STAGED_BYTES_PER_8: usize = 3 * 8 + 1 + 2;
 const STAGING_FIXED_BYTES: usize = 4 + 4 * 128;
 
 /// The elements of x a byte-activation GEMV stages at a time (`X_CHUNK` of
-/// `wgsl/gemv.wgsl`), for rows (a slot sum: all its slots' columns) of
-/// `staged` elements: 4096, or, with the staging by `subgroups`, for rows
+/// `wgsl/gemv.wgsl`) for `rows` of `cols` columns (a slot sum: all its
+/// slots' columns): 4096, or, with the staging by `subgroups`, for rows
 /// of more than two such chunks (the down projections: measured), as much
 /// of the row as the adapter's workgroup memory holds, in multiples of 256
 /// (14336 in 48 KiB). Rows of two chunks come with many-row products (the
 /// gate/up of models 5120-8192 wide), for which more workgroup memory means
 /// fewer workgroups in flight (an 8192-element chunk took the 8B shape's
-/// gate/up from 37 to 49 us on the H200), so they stay in chunks of 4096;
-/// a `slot_sum` (a MoE layer's down projections) has the model's width in
-/// rows, a workgroup or less per multiprocessor, and takes one long chunk
-/// from anything past one.
-pub fn x_chunk(gpu: &Gpu, subgroups: bool, staged: usize, slot_sum: bool) -> usize {
-    let long = if slot_sum { X_CHUNK } else { 2 * X_CHUNK };
+/// gate/up from 37 to 49 us on the H200), so they stay in chunks of 4096.
+/// A slot sum (a MoE layer's down projections) has the model's width in
+/// rows, a workgroup or less per multiprocessor, and takes chunks as long
+/// as workgroup memory holds once its slots pass one chunk of 4096.
+pub fn x_chunk(gpu: &Gpu, subgroups: bool, cols: usize, rows: &Rows<'_>) -> usize {
+    let (staged, long) = match rows {
+        Rows::Sum { top_k, .. } => (top_k * cols, X_CHUNK),
+        _ => (cols, 2 * X_CHUNK),
+    };
     if !subgroups || staged <= long {
         return X_CHUNK;
     }
@@ -414,11 +418,7 @@ impl Gemv {
         };
         let unroll = s.unroll_for(spec, int8);
         if int8 {
-            let (staged, slot_sum) = match spec.rows {
-                Rows::Sum { top_k, .. } => (top_k * w.cols, true),
-                _ => (w.cols, false),
-            };
-            let chunk = x_chunk(gpu, subgroups, staged, slot_sum);
+            let chunk = x_chunk(gpu, subgroups, w.cols, &spec.rows);
             constants.extend([
                 ("X_CHUNK", chunk as f64),
                 ("X_RUNS", (chunk / 16) as f64),
