@@ -100,7 +100,7 @@ struct Args {
     /// Print per-phase time and each MoE layer's router histogram.
     #[arg(long)]
     stats: bool,
-    /// Prompt tokens per prefill submission (default 2048).
+    /// Prompt tokens per prefill submission (default 4096).
     #[arg(long)]
     prefill_chunk: Option<usize>,
     /// How prefill on cooperative matrices (tensor cores) rounds the

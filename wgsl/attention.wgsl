@@ -989,16 +989,23 @@ fn attend_lanes(
 // subgroup barriers order them. The probabilities are taken against a
 // reference maximum that moves only when a row's scores exceed it by
 // RESCALE_MARGIN, so P stays below e^RESCALE_MARGIN and O is rescaled
-// (through memory) only then: rarely after a row's first keys; the
-// subgroups agree on it through one workgroup-uniform load per tile, as
-// the matrix operations must stay in uniform control flow.
+// (through memory) only then: rarely after a row's first keys. Whether a
+// subgroup rescales is the subgroup's own decision (subgroupAny): a
+// branch uniform over the subgroup, the scope of the matrix operations.
+// naga's uniformity analysis holds matrix operations in a branch to
+// workgroup-uniform control flow (which would take a workgroup-uniform
+// load, two barriers, a tile); the attribute on the entry point turns
+// that check off.
 // On the H200 (8B shape, 2048 tokens ending at 4096), eight subgroups
 // (one K/V tile for 128 rows) ran in 1.20 ms against 1.86 for four, rows
 // of 36 scores against 1.56 for rows of 32; a second K/V buffer, stored
 // while the other is multiplied, gained nothing, and staging from a view
 // of the caches as f16s (no conversions) ran slower: 1.79 ms. Two
 // barriers a tile rather than three (K and V stored together before the
-// scores) took it from 1.06 to 1.01 ms.
+// scores) took it from 1.06 to 1.01 ms; the rescale decided per subgroup
+// rather than through a workgroup-uniform load, 0.98 to 0.95-0.96 ms.
+// Slower: q k^T in four chains of products (0.98 ms), no next tile held
+// in registers (1.23).
 // The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
 // stores, strides in vec4s).
 // Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
@@ -1033,8 +1040,6 @@ var<workgroup> sc_sh: array<f32, SC_LEN>;
 override PC_LEN: u32 = C_SUBGROUPS * P_LEN;
 var<workgroup> pc_sh: array<vec4<f16>, PC_LEN>;
 var<workgroup> alpha_sh: array<f32, C_ROWS>;
-// Per subgroup (of at most 8), whether its O needs rescaling.
-var<workgroup> rescale_sg: array<u32, 8>;
 
 // An invocation's share of a tile: its quads of K and V.
 struct TileLoads {
@@ -1174,6 +1179,7 @@ fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: 
 
 // Fragments are named rather than indexed: drivers may not index arrays
 // of cooperative matrices. Those past HD_FRAGS are loaded but unused.
+@diagnostic(off, derivative_uniformity)
 @compute @workgroup_size(C_WG)
 fn attend_coop(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -1188,9 +1194,6 @@ fn attend_coop(
     let rows = n_tok * GROUP;
     let start = first_key(step.pos0 + t0);
     let end = step.pos0 + t0 + n_tok;
-    if (l < 8u) {
-        rescale_sg[l] = 0u;
-    }
     // The first tile's loads are in flight while q is staged.
     var tile = load_coop_tile(start, end, g, l);
     let q01 = q_pair(false, 0u, t0, g, rows, sg, lane);
@@ -1233,10 +1236,10 @@ fn attend_coop(
         tile = load_coop_tile(start + C_KEYS, end, g, l);
     }
     workgroupBarrier();
-    // Two barriers a tile: once every subgroup has its scores (the
-    // rescale flags' load), the next tile's K goes over this one's; once
-    // every subgroup has added P V, its V over this one's. `tile` holds
-    // the next tile's loads until both are stored.
+    // Two barriers a tile: once every subgroup has its scores, the next
+    // tile's K goes over this one's; once every subgroup has added P V,
+    // its V over this one's. `tile` holds the next tile's loads until both
+    // are stored.
     for (var k0 = start; k0 < end; k0 += C_KEYS) {
         let n = min(C_KEYS, end - k0);
         let more = k0 + C_KEYS < end;
@@ -1307,18 +1310,16 @@ fn attend_coop(
         if (half == 0u) {
             alpha_sh[row] = alpha;
         }
-        let any_grows = subgroupAny(grows);
-        if (lane == 0u) {
-            rescale_sg[sg] = select(0u, 1u, any_grows);
-        }
-        // (Its barrier also orders P and alpha_sh before their reads, and
-        // ends every subgroup's reads of this tile's K.)
-        let flags = workgroupUniformLoad(&rescale_sg);
-        let rescales = flags[0] + flags[1] + flags[2] + flags[3] + flags[4] + flags[5] + flags[6] + flags[7];
+        let rescales = subgroupAny(grows);
+        // Orders P and alpha_sh before their reads, and the reads of the
+        // scores before the rescale's stores over them.
+        subgroupBarrier();
+        // Ends every subgroup's reads of this tile's K.
+        workgroupBarrier();
         if (more) {
             store_coop_tile(tile, false, l);
         }
-        if (rescales > 0u) {
+        if (rescales) {
             o0 = rescale(o0, sg, lane);
             if (HD_FRAGS > 1u) { o1 = rescale(o1, sg, lane); }
             if (HD_FRAGS > 2u) { o2 = rescale(o2, sg, lane); }

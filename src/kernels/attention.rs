@@ -67,10 +67,9 @@ impl CoopLayout {
 
     /// Workgroup memory: the kernel's `kv_sh` (a tile of 32 keys, K and V,
     /// in rows of 136 f16s), and per subgroup `sc_sh` (16 rows of 36 f32s),
-    /// `pc_sh` (16 rows of 40 f16s) and `alpha_sh` (16 f32s), and
-    /// `rescale_sg` (8 u32s).
+    /// `pc_sh` (16 rows of 40 f16s) and `alpha_sh` (16 f32s).
     pub fn workgroup_bytes(&self) -> usize {
-        2176 * 8 + self.subgroups * (16 * 36 * 4 + 160 * 8 + 16 * 4) + 8 * 4
+        2176 * 8 + self.subgroups * (16 * 36 * 4 + 160 * 8 + 16 * 4)
     }
 
     /// The layouts whose memory and invocations `gpu` offers, preferred
