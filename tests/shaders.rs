@@ -92,7 +92,7 @@ fn cooperative_builds_translate_to_spirv_under_the_vulkan_memory_model() {
         let (entry, shapes): (_, Vec<Vec<(&str, f64)>>) = match b.family {
             "gemm_coop" => {
                 let tiles = Tile::ALL.into_iter().filter(|t| t.fits(&b.flags));
-                ("main", tiles.map(|t| t.constants().to_vec()).collect())
+                ("main", tiles.map(|t| t.constants(&b.flags).to_vec()).collect())
             }
             _ => (
                 "attend_coop",

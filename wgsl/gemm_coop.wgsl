@@ -65,6 +65,10 @@ override RUNS_PER_ROW: u32 = TILE_K / 8u;
 override ROUND_ROWS: u32 = WG / RUNS_PER_ROW;
 override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
 override W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
+// K steps whose loads are in flight while a step multiplies: 1, or 2 (a
+// second step's values in registers, a loop of its own) where that
+// measured faster (kernels::gemm_coop::Tile::ahead).
+override AHEAD: u32 = 1u;
 
 @group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
@@ -360,6 +364,31 @@ fn slice_row(a_at: u32, b: FragsB, b_lo: FragsB, c0: ptr<function, Acc>, c1: ptr
 #endif
 }
 
+// The products of one staged k step into the subgroup's accumulators
+// (rows of A fragments c0*, c1*, and with FRAGS_M 4 c2*, c3*).
+fn multiply_step(
+    a_at: u32, b_at: u32,
+    c00: ptr<function, Acc>, c01: ptr<function, Acc>, c02: ptr<function, Acc>, c03: ptr<function, Acc>,
+    c10: ptr<function, Acc>, c11: ptr<function, Acc>, c12: ptr<function, Acc>, c13: ptr<function, Acc>,
+    c20: ptr<function, Acc>, c21: ptr<function, Acc>, c22: ptr<function, Acc>, c23: ptr<function, Acc>,
+    c30: ptr<function, Acc>, c31: ptr<function, Acc>, c32: ptr<function, Acc>, c33: ptr<function, Acc>,
+) {
+    for (var kk = 0u; kk < TILE_K / 4u; kk += 4u) {
+        let b = frags_b(b_at + kk);
+#if W_SPLIT
+        let b_lo = frags_b_lo(b_at + kk);
+#else
+        let b_lo = b;
+#endif
+        slice_row(a_at + kk, b, b_lo, c00, c01, c02, c03);
+        slice_row(a_at + 16u * ROW + kk, b, b_lo, c10, c11, c12, c13);
+        if (FRAGS_M > 2u) {
+            slice_row(a_at + 32u * ROW + kk, b, b_lo, c20, c21, c22, c23);
+            slice_row(a_at + 48u * ROW + kk, b, b_lo, c30, c31, c32, c33);
+        }
+    }
+}
+
 // Writes subgroup `warp`'s accumulator for tokens m_first .. + 15 and tile
 // rows n_first .. + 15 through its own part of out_tile: only its own
 // lanes meet there, so subgroup barriers order it (which the Vulkan
@@ -456,28 +485,40 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     // double-buffered staging needs) ran the 128 x 256 tile at 125 TFLOP/s
     // against 180 (512 tokens of 28672 x 4096), and its double-buffered
     // tiles no faster than this.
-    var st = load_step(s, 0u, li);
-    for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
-        store_step(st, k0, li);
-        workgroupBarrier();
-        if (k0 + TILE_K < p.cols) {
-            st = load_step(s, k0 + TILE_K, li);
-        }
-        for (var kk = 0u; kk < TILE_K / 4u; kk += 4u) {
-            let b = frags_b(b_at + kk);
-#if W_SPLIT
-            let b_lo = frags_b_lo(b_at + kk);
-#else
-            let b_lo = b;
-#endif
-            slice_row(a_at + kk, b, b_lo, &c00, &c01, &c02, &c03);
-            slice_row(a_at + 16u * ROW + kk, b, b_lo, &c10, &c11, &c12, &c13);
-            if (FRAGS_M > 2u) {
-                slice_row(a_at + 32u * ROW + kk, b, b_lo, &c20, &c21, &c22, &c23);
-                slice_row(a_at + 48u * ROW + kk, b, b_lo, &c30, &c31, &c32, &c33);
+    if (AHEAD > 1u) {
+        // Two sets of registers in turn, st_a (steps k0) and st_b (k0 +
+        // TILE_K), each loaded two steps before it is stored.
+        var st_a = load_step(s, 0u, li);
+        var st_b = load_step(s, TILE_K, li);
+        for (var k0 = 0u; k0 < p.cols; k0 += 2u * TILE_K) {
+            store_step(st_a, k0, li);
+            workgroupBarrier();
+            if (k0 + 2u * TILE_K < p.cols) {
+                st_a = load_step(s, k0 + 2u * TILE_K, li);
+            }
+            multiply_step(a_at, b_at, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
+            workgroupBarrier();
+            if (k0 + TILE_K < p.cols) {
+                store_step(st_b, k0 + TILE_K, li);
+                workgroupBarrier();
+                if (k0 + 3u * TILE_K < p.cols) {
+                    st_b = load_step(s, k0 + 3u * TILE_K, li);
+                }
+                multiply_step(a_at, b_at, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
+                workgroupBarrier();
             }
         }
-        workgroupBarrier();
+    } else {
+        var st = load_step(s, 0u, li);
+        for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
+            store_step(st, k0, li);
+            workgroupBarrier();
+            if (k0 + TILE_K < p.cols) {
+                st = load_step(s, k0 + TILE_K, li);
+            }
+            multiply_step(a_at, b_at, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
+            workgroupBarrier();
+        }
     }
 
     let m_first = t.m0 + wm * WARP_M;

@@ -260,7 +260,7 @@ impl Gemm {
                 let tile = tile
                     .filter(|t| t.fits(&flags))
                     .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags));
-                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &tile.constants())?;
+                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &tile.constants(&flags))?;
                 (pipeline, tile.tokens, tile.rows)
             }
         };
