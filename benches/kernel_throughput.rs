@@ -427,6 +427,9 @@ fn main() {
                 let groups = threads / default_shape.threads_per_row;
                 shapes.push((name, GemvShape { int8_rows_per_workgroup: groups, ..default_shape }));
             }
+            for (name, sum_unroll) in [("unroll 1", 1), ("unroll 2", 2), ("unroll 8", 8)] {
+                shapes.push((name, GemvShape { sum_unroll, ..default_shape }));
+            }
         } else {
             shapes.truncate(1);
         }

@@ -403,7 +403,10 @@ fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
                     y
                 })
                 .collect();
-            let shapes = [GemvShape::for_gpu(&gpu), GemvShape::ONE_PER_INVOCATION];
+            // The adapter's shape, one whose lanes walk the slots' units three at a time, one
+            // output per invocation.
+            let odd_unroll = GemvShape { sum_unroll: 3, ..GemvShape::for_gpu(&gpu) };
+            let shapes = [GemvShape::for_gpu(&gpu), odd_unroll, GemvShape::ONE_PER_INVOCATION];
             for shape in shapes.into_iter().chain(GemvShape::on_subgroups(&gpu)) {
                 let yb = gpu.storage_buffer_init("y", &residual);
                 let spec = GemvSpec {

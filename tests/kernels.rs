@@ -54,6 +54,7 @@ fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
             threads_per_row: 16,
             unroll: 3,
             norm_unroll: 2,
+            sum_unroll: 3,
             units: true,
             int8: true,
             int8_rows_per_workgroup: 4,

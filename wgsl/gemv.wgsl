@@ -351,10 +351,15 @@ fn product(live: vec2<bool>, row: u32, xb: u32, lane: u32, li: u32, staged: bool
 // slot's x times its route weight, staged chunk by chunk, so that the
 // workgroup stages once for all its slots (a block of 32 never straddles
 // two: cols is a whole number of weight blocks). Each slot's units meet
-// the rows of its expert, where this part holds them.
+// the rows of its expert, where this part holds them. The lanes walk the
+// chunk's units across its slots, UNROLL at a time, so that a round's
+// loads are in flight together whichever slots they fall in (a
+// Qwen3-30B-A3B slot of 768 columns is 24 units: walked slot by slot, a
+// round of 32 lanes left 8 idle, and each slot waited on its own loads).
 fn slots_product(o: u32, t: u32, lane: u32, li: u32) -> vec2<f32> {
     let long = p.top_k * p.cols;
     let slot_units = p.cols / UNIT_ELEMS;
+    let words_per_row = row_words(p.cols);
     let first_pair = t * p.top_k;
     var d = vec2<f32>(0.0);
     for (var c0 = 0u; c0 < long; c0 += X_CHUNK) {
@@ -363,23 +368,27 @@ fn slots_product(o: u32, t: u32, lane: u32, li: u32) -> vec2<f32> {
         workgroupBarrier();
         stage_x(first_pair * p.cols / 4u, c0, n, li);
         workgroupBarrier();
-        let lo = c0 / UNIT_ELEMS;
-        let hi = (c0 + n) / UNIT_ELEMS;
-        for (var j = lo / slot_units; j < p.top_k && j * slot_units < hi; j++) {
+        let end = (c0 + n) / UNIT_ELEMS;
+        for (var u0 = c0 / UNIT_ELEMS + lane; u0 < end; u0 += THREADS_PER_ROW * UNROLL) {
+          for (var i = 0u; i < UNROLL; i++) {
+            // Units past the end read the last one and are not counted
+            // (no branch: the round's loads are all issued together).
+            let f = u0 + i * THREADS_PER_ROW;
+            let u = min(f, end - 1u);
+            let j = u / slot_units;
             let id = ids[first_pair + j];
             // Wraps to a huge value (not live) when the row is before this part.
             let row = id * p.expert_rows + o - p.first_row;
-            let live = pair_live(o, row) & vec2<bool>(id != EXPERT_ELSEWHERE);
-            if (any(live)) {
-                let rows = live_rows(live, row);
-                let base = j * slot_units;
-                // The chunk's first run counted from the slot's (wrapping
-                // when the chunk starts before the slot: unit_dots' runs
-                // are the same either way).
-                let r0 = c0 / 16u - j * (p.cols / 16u);
-                let c = chunk_dots(rows.x, rows.y, lane, max(lo, base) - base, min(hi, base + slot_units) - base, r0);
-                d += select(vec2<f32>(0.0), c, live);
-            }
+            let live = pair_live(o, row) & vec2<bool>(id != EXPERT_ELSEWHERE && f < end);
+            // A pair with no live row reads row 0 of the part.
+            let rows = select(vec2<u32>(0u), live_rows(live, row), any(live));
+            // The chunk's first run counted from the slot's (wrapping when
+            // the chunk starts before the slot: unit_dots' runs are the
+            // same either way).
+            let r0 = c0 / 16u - j * (p.cols / 16u);
+            let c = unit_dots(rows.x * words_per_row, rows.y * words_per_row, u - j * slot_units, r0);
+            d += select(vec2<f32>(0.0), c, live);
+          }
         }
     }
     return d;

@@ -53,6 +53,9 @@ pub struct GemvShape {
     /// against 63 % with 2, a 28672-row one at 92 % against 80 %; the
     /// gate/up with its SwiGLU at 80 % either way.
     pub norm_unroll: u32,
+    /// `unroll` of a byte-activation sum over slots (a MoE layer's down
+    /// projections), whose lanes walk all the slots' units at once.
+    pub sum_unroll: u32,
     /// Whether rows in the 256-element block formats are read by units
     /// (`unit_dots` in `weights.wgsl`) rather than four weights at a time.
     pub units: bool,
@@ -141,6 +144,7 @@ impl GemvShape {
         threads_per_row: 1,
         unroll: 1,
         norm_unroll: 1,
+        sum_unroll: 1,
         units: true,
         int8: true,
         int8_rows_per_workgroup: 64,
@@ -166,6 +170,7 @@ impl GemvShape {
             threads_per_row: lanes,
             unroll: 2,
             norm_unroll: 4,
+            sum_unroll: 4,
             units: true,
             int8: true,
             int8_rows_per_workgroup: (INT8_WORKGROUP.min(gpu.limits.max_compute_invocations_per_workgroup)
@@ -182,10 +187,7 @@ impl GemvShape {
         let norm = matches!(spec.input, Input::RmsNorm { .. });
         let swiglu = matches!(spec.output, Output::Swiglu);
         if int8 && matches!(spec.rows, Rows::Sum { .. }) {
-            // A byte-activation sum over slots walks each slot's few units
-            // in turn: a lane's second unit of a round would mostly lie
-            // past the slot and be read for nothing.
-            1
+            self.sum_unroll
         } else if norm && !swiglu && !int8 {
             self.norm_unroll
         } else {
