@@ -171,11 +171,12 @@ impl Tile {
     ];
 
     /// K steps a build with `flags` loads ahead of the one it multiplies:
-    /// two for Q8_0 weights in tiles of 16 subgroups, one otherwise. On the
-    /// H200, two ahead (through a loop unrolled by two that every build
-    /// ran) took Q8_0 in those tiles 2-6 % faster at 512 tokens and 4-13 %
-    /// at 4096 (28672 x 4096: 93.9 / 107.9 -> 98.8 / 118.1 TFLOP/s); Q4_K
-    /// ran no faster in any tile and bf16 slower.
+    /// two for Q8_0 weights in tiles of 16 subgroups (a loop of their own),
+    /// one otherwise. On the H200, two ahead took Q8_0 in those tiles from
+    /// 93.8 / 108.3 to 100.1 / 118.4 TFLOP/s (28672 x 4096 at 512 / 4096
+    /// tokens); Q4_K ran no faster in any tile and bf16 slower, and a loop
+    /// unrolled by two for every build slowed the builds loading one step
+    /// ahead (bf16 28672 x 4096 at 4096 tokens 202 -> 188).
     pub fn ahead(self, flags: &[&str]) -> u32 {
         let q8_0 = crate::format::WeightFormat::Q8_0.flag().is_some_and(|f| flags.contains(&f));
         if q8_0 && !flags.contains(&X_SPLIT) && self.warps == 16 { 2 } else { 1 }

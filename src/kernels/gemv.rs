@@ -54,7 +54,10 @@ pub struct GemvShape {
     /// gate/up with its SwiGLU at 80 % either way.
     pub norm_unroll: u32,
     /// `unroll` of a byte-activation sum over slots (a MoE layer's down
-    /// projections), whose lanes walk all the slots' units at once.
+    /// projections), whose lanes walk all the slots' units at once. On
+    /// the H200 (`kernel_throughput -- experts`, Qwen3-30B-A3B's 8 slots of
+    /// 768) 1 and 2 timed alike and 8 slower; GPUs take 4, with which
+    /// the whole decode was measured.
     pub sum_unroll: u32,
     /// Whether rows in the 256-element block formats are read by units
     /// (`unit_dots` in `weights.wgsl`) rather than four weights at a time.
