@@ -505,19 +505,63 @@ fn gemm_in_every_format_matches_the_cpu_product_of_its_values() {
                 .flat_map(|t| reference::gemv(&c.values, rows, cols, &x[t * cols..(t + 1) * cols]))
                 .collect();
             let got = gpu.read_buffer(&yb, want.len()).unwrap();
-            // Each product's operands are rounded (the weights too where f16
-            // does not hold them): an output's error grows with the root of
-            // the sum of its squared products, which the formats' scales
-            // make large (Q5_K's and Q6_K's values reach 150).
-            let norm = (0..tokens)
-                .flat_map(|t| (0..rows).map(move |r| (t, r)))
-                .map(|(t, r)| {
-                    let (x, w) = (&x[t * cols..(t + 1) * cols], &c.values[r * cols..(r + 1) * cols]);
-                    x.iter().zip(w).map(|(a, b)| (a * b).powi(2)).sum::<f32>().sqrt()
-                })
-                .fold(0.0, f32::max);
-            let tolerance = (4.0 * kernel.activation_rounding() * norm).max(1e-5 * (cols as f32).sqrt());
+            let tolerance = product_tolerance(kernel, &c.values, &x, rows, cols);
             assert_close(&got, &want, tolerance, &format!("{} {kernel:?}", c.format));
+        }
+    });
+}
+
+/// The error a GEMM kernel may make on `rows` x `cols` weight `values`
+/// times activations `x` (tokens of `cols`): each product's operands are
+/// rounded (the weights too where f16 does not hold them), so an output's
+/// error grows with the root of the sum of its squared products, which the
+/// formats' scales make large (Q5_K's and Q6_K's values reach 150).
+fn product_tolerance(kernel: GemmKernel, values: &[f32], x: &[f32], rows: usize, cols: usize) -> f32 {
+    let norm = x
+        .chunks_exact(cols)
+        .flat_map(|x| values.chunks_exact(cols).take(rows).map(move |w| (x, w)))
+        .map(|(x, w)| x.iter().zip(w).map(|(a, b)| (a * b).powi(2)).sum::<f32>().sqrt())
+        .fold(0.0, f32::max);
+    (4.0 * kernel.activation_rounding() * norm).max(1e-5 * (cols as f32).sqrt())
+}
+
+/// Q8_0 in cooperative tiles of 16 subgroups loads two k steps ahead, in a
+/// loop of its own: products of one, two, three and five steps (the loop's
+/// last round whole or half), with ragged row and token tiles, match the
+/// CPU product of the values. Runs where the adapter has cooperative
+/// matrices (the H200: CPU rasterisers have none, and the default tiles
+/// of the test above do not load two steps ahead).
+#[test]
+fn q8_0_loading_two_steps_ahead_matches_the_cpu_product_at_every_loop_length() {
+    use wgspark::kernels::gemm_coop::{Tile, flags};
+    on_each_backend(|gpu| {
+        if !gpu.caps.cooperative_matrix {
+            return;
+        }
+        let format = WeightFormat::Q8_0;
+        let tile = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
+        let build = flags(gpu, format, false);
+        assert!(tile.fits(&build) && tile.ahead(&build) == 2, "the tile this test is for");
+        let kernel = GemmKernel::Cooperative { split: false, tile: Some(tile) };
+        let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
+        let mut rng = Rng::new(15);
+        let (rows, tokens) = (300, 70);
+        for cols in [32, 64, 96, 160] {
+            let bytes = random_blocks(&mut rng, format, rows, cols);
+            let values = format.dequantize(&bytes, cols);
+            let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
+            weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+            let x = rng.vec(tokens * cols, 1.0);
+            let xb = gpu.storage_buffer_init("x", &x);
+            let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+            let step = step_buffer(gpu, 0, tokens, 1);
+            let d = gemm.plan(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap();
+            run(gpu, &d, tokens as u32);
+            let want: Vec<f32> =
+                x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+            let tolerance = product_tolerance(kernel, &values, &x, rows, cols);
+            let got = gpu.read_buffer(&yb, want.len()).unwrap();
+            assert_close(&got, &want, tolerance, &format!("{cols} columns, {} steps", cols / 32));
         }
     });
 }

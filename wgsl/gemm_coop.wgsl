@@ -7,8 +7,8 @@ enable wgpu_cooperative_matrix;
 // A workgroup of WARPS subgroups of 32 computes TILE_M tokens x TILE_N weight
 // rows, k in steps of TILE_K: the step's X (f32) and W (bf16, or with
 // WEIGHT_FORMAT any format of weights.wgsl, decoded) are converted to f16
-// as they are staged into workgroup memory, the next step's loaded into
-// registers while this one multiplies. Each subgroup owns WARP_M tokens x
+// as they are staged into workgroup memory, the next step's (AHEAD: or the
+// next two steps') loaded into registers while this one multiplies. Each subgroup owns WARP_M tokens x
 // WARP_N rows as 16 x 16 f32 accumulators (up to 4 x 4) fed by 16 x 16 x 16
 // f16 products; a subgroup loads each of its B fragments once per k slice
 // and meets them with its A fragments one row at a time.
@@ -480,9 +480,10 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     var c32 = Acc();
     var c33 = Acc();
 
-    // Store, barrier, load the next step, multiply, barrier: on the H200 a
-    // loop ordered multiply, barrier, store, load, barrier (the order a
-    // double-buffered staging needs) ran the 128 x 256 tile at 125 TFLOP/s
+    // Store, barrier, load the step after (AHEAD 2: two after), multiply,
+    // barrier: on the H200 a loop ordered multiply, barrier, store, load,
+    // barrier (the order a double-buffered staging needs) ran the 128 x 256
+    // tile at 125 TFLOP/s
     // against 180 (512 tokens of 28672 x 4096), and its double-buffered
     // tiles no faster than this.
     if (AHEAD > 1u) {
