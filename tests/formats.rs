@@ -233,6 +233,20 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
     bytes
 }
 
+/// A `rows` x `cols` tensor of [`random_blocks`] on `gpu`, and its values.
+fn random_weight(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+) -> (GpuTensor, Vec<f32>) {
+    let bytes = random_blocks(rng, format, rows, cols);
+    let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
+    weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+    (weight, format.dequantize(&bytes, cols))
+}
+
 /// The byte-activation GEMV stages x in chunks of 4096, or for rows of
 /// more than two such chunks (a slot sum: one), with subgroups, in chunks of as much as
 /// workgroup memory holds: rows wider than one chunk of either, ending
@@ -254,10 +268,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
             let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
             for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
                 let what = format!("{format} {shape:?}");
-                let bytes = random_blocks(&mut rng, format, rows, cols);
-                let values = format.dequantize(&bytes, cols);
-                let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
-                weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
                 let x = rng.vec(tokens * cols, 1.0);
                 let xb = gpu.storage_buffer_init("x", &x);
                 let tol = 1e-5 * (cols as f32).sqrt();
@@ -371,11 +382,8 @@ fn int8_expert_sum_spans_binding_parts_and_skips_experts_elsewhere() {
                 Gpu::new(&GpuOptions { backend, max_storage_binding: Some(limit), ..Default::default() })
                     .unwrap();
             let mut rng = Rng::new(14);
-            let bytes = random_blocks(&mut rng, format, experts * expert_rows, cols);
-            let values = format.dequantize(&bytes, cols);
-            let weight = GpuTensor::alloc_in(&gpu, "w", format, experts * expert_rows, cols, 1).unwrap();
+            let (weight, values) = random_weight(&gpu, &mut rng, format, experts * expert_rows, cols);
             assert!(weight.parts.len() > 2, "{} parts", weight.parts.len());
-            weight.write_rows(&gpu, 0, &format.to_gpu_layout(&bytes));
             let route: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform()).collect();
             let x = rng.vec(tokens * top_k * cols, 1.0);
             let residual = rng.vec(tokens * expert_rows, 1.0);
@@ -446,9 +454,7 @@ fn int8_gemv_keeps_activations_that_are_not_numbers_visible() {
             shapes.iter().flat_map(|s| [WeightFormat::Q8_0, WeightFormat::Q4K].map(|f| (*s, f)))
         {
             let gemv = Gemv::with_shape(gpu, shape);
-            let bytes = random_blocks(&mut rng, format, rows, cols);
-            let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
-            weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+            let (weight, _) = random_weight(gpu, &mut rng, format, rows, cols);
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 // Token 0 is clean, token 1 has one bad value.
                 let mut x = rng.vec(2 * cols, 1.0);
@@ -547,10 +553,7 @@ fn q8_0_loading_two_steps_ahead_matches_the_cpu_product_at_every_loop_length() {
         let mut rng = Rng::new(15);
         let (rows, tokens) = (300, 70);
         for cols in [32, 64, 96, 160] {
-            let bytes = random_blocks(&mut rng, format, rows, cols);
-            let values = format.dequantize(&bytes, cols);
-            let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
-            weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
+            let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
             let x = rng.vec(tokens * cols, 1.0);
             let xb = gpu.storage_buffer_init("x", &x);
             let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
