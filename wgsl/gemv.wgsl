@@ -206,8 +206,18 @@ fn block_scale(largest: f32) -> f32 {
 }
 
 #if SUBGROUPS
+// Quads of x each invocation loads before staging any of them: set by
+// the host (kernels::gemv) to the quads each stages, at most
+// MAX_STAGE_BATCH (the size of the arrays that hold them), so that a
+// chunk of 4096 (two quads an invocation of 512) has all its loads in
+// flight together, and a 14336-column row its seven in two rounds rather
+// than seven, each of which waited for its load.
+const MAX_STAGE_BATCH: u32 = 4u;
+override STAGE_BATCH: u32 = 1u;
+
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
-// first quad is xq, one quad per invocation at a time: the eight
+// first quad is xq, one quad per invocation at a time (STAGE_BATCH of
+// them loaded first): the eight
 // invocations of a block (lanes 8k .. 8k + 7 of a subgroup: subgroups of
 // at least 8 lanes numbered in order of local index, as SUBGROUP_SUM's
 // builds arrange them) agree on its largest magnitude, and the four of a
@@ -221,31 +231,47 @@ fn block_scale(largest: f32) -> f32 {
 fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {
     let quads = n / 4u;
     var squares = 0.0;
-    for (var q0 = 0u; q0 < quads; q0 += WG) {
-        let q = q0 + li;
-        let live = q < quads;
-        let a = chunk_quad(xq, c0, min(q, quads - 1u));
+    for (var q0 = 0u; q0 < quads; q0 += STAGE_BATCH * WG) {
+        // The batch's loads all issued before any of them is waited for.
+        var a: array<vec4<f32>, MAX_STAGE_BATCH>;
 #if NORM
-        let raw = x[xq + c0 / 4u + min(q, quads - 1u)];
-        squares += select(0.0, dot(raw, raw), live);
+        var raw: array<vec4<f32>, MAX_STAGE_BATCH>;
 #endif
-        var largest = quad_largest(a);
-        for (var o = 1u; o < 8u; o <<= 1u) {
-            largest = max(largest, subgroupShuffleXor(largest, o));
+        for (var i = 0u; i < STAGE_BATCH; i++) {
+            let q = min(q0 + i * WG + li, quads - 1u);
+            a[i] = chunk_quad(xq, c0, q);
+#if NORM
+            raw[i] = x[xq + c0 / 4u + q];
+#endif
         }
-        let inv = select(0.0, STEPS / largest, largest > 0.0);
-        var steps = 0.0;
-        if (live) {
-            steps = stage_digits(a, inv, q);
-        }
-        // The run's four quads' steps, summed in their order.
-        let run_steps = ((steps + subgroupShuffleXor(steps, 1u)) + subgroupShuffleXor(steps, 2u)) + subgroupShuffleXor(steps, 3u);
-        let scale = block_scale(largest);
-        if (live && q % 8u == 0u) {
-            x_scale[q / 8u] = scale;
-        }
-        if (live && q % 4u == 0u) {
-            x_sums[q / 4u] = run_steps * scale;
+        for (var i = 0u; i < STAGE_BATCH; i++) {
+            // Uniform: the whole workgroup leaves together.
+            if (q0 + i * WG >= quads) {
+                break;
+            }
+            let q = q0 + i * WG + li;
+            let live = q < quads;
+#if NORM
+            squares += select(0.0, dot(raw[i], raw[i]), live);
+#endif
+            var largest = quad_largest(a[i]);
+            for (var o = 1u; o < 8u; o <<= 1u) {
+                largest = max(largest, subgroupShuffleXor(largest, o));
+            }
+            let inv = select(0.0, STEPS / largest, largest > 0.0);
+            var steps = 0.0;
+            if (live) {
+                steps = stage_digits(a[i], inv, q);
+            }
+            // The run's four quads' steps, summed in their order.
+            let run_steps = ((steps + subgroupShuffleXor(steps, 1u)) + subgroupShuffleXor(steps, 2u)) + subgroupShuffleXor(steps, 3u);
+            let scale = block_scale(largest);
+            if (live && q % 8u == 0u) {
+                x_scale[q / 8u] = scale;
+            }
+            if (live && q % 4u == 0u) {
+                x_sums[q / 4u] = run_steps * scale;
+            }
         }
     }
     return squares;
