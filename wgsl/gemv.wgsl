@@ -206,14 +206,20 @@ fn block_scale(largest: f32) -> f32 {
 }
 
 #if SUBGROUPS
-// Quads of x each invocation loads before staging any of them: set by
-// the host (kernels::gemv) to the quads each stages, at most
-// MAX_STAGE_BATCH (the size of the arrays that hold them), so that a
-// chunk of 4096 (two quads an invocation of 512) has all its loads in
-// flight together, and a 14336-column row its seven in two rounds rather
-// than seven, each of which waited for its load.
+// Quads of x each invocation loads before staging any of them: all
+// that it stages of a chunk (STAGED_QUADS, set by the host for dense
+// products; expert products keep one), at most MAX_STAGE_BATCH (the
+// size of the arrays that hold them). A chunk of 4096 (two quads an
+// invocation of 512) has all its loads in flight together, a
+// 14336-column row its seven in two rounds rather than seven, each of
+// which waited for its load: on the H200 the 8B Q8_0 decode went from
+// 281.0 to 286.4 tok/s, Q4_K_M from 330.0 to 332.9. Four for every
+// product, expert ones included, took the Q8_0 decode to 284.1 but
+// `qwen3-30b-a3b-16l` Q4_K_M from 663 to 638, whose expert products
+// stage one quad an invocation (three, the slot sum).
 const MAX_STAGE_BATCH: u32 = 4u;
-override STAGE_BATCH: u32 = 1u;
+override STAGED_QUADS: u32 = 1u;
+override STAGE_BATCH: u32 = min(STAGED_QUADS, MAX_STAGE_BATCH);
 
 // Stages elements c0 .. c0 + n (n a multiple of 32) of the vector whose
 // first quad is xq, one quad per invocation at a time (STAGE_BATCH of

@@ -125,17 +125,6 @@ pub fn x_chunk(gpu: &Gpu, subgroups: bool, cols: usize, rows: &Rows<'_>) -> usiz
 /// by subgroup shuffles (a quad each).
 const STAGING_LANES: u32 = 8;
 
-/// Most quads of x an invocation of the byte-activation staging by
-/// subgroup shuffles loads before staging any (`STAGE_BATCH` of
-/// `wgsl/gemv.wgsl`; no more than its `MAX_STAGE_BATCH`, the size of the
-/// arrays that hold them). Dense products load all the quads each
-/// invocation stages, up to this: on the H200 the 8B Q8_0 decode went
-/// from 281.0 to 286.4 tok/s, Q4_K_M from 330.0 to 332.9. Expert products
-/// load one at a time: four for every product took the 8B Q8_0 decode to
-/// 284.1 but `qwen3-30b-a3b-16l` Q4_K_M from 663 to 638, whose expert
-/// products stage one quad an invocation (or three, the slot sum).
-const MAX_STAGE_BATCH: u32 = 4;
-
 /// Workgroups of the byte-activation builds on GPUs: a few per
 /// multiprocessor of a large GPU.
 const INT8_WORKGROUPS: u32 = 528;
@@ -435,11 +424,12 @@ impl Gemv {
         let unroll = s.unroll_for(spec, int8);
         if int8 {
             let chunk = x_chunk(gpu, subgroups, w.cols, &spec.rows);
+            // Dense products' staging loads every quad an invocation stages
+            // before staging any (the kernel caps them; expert products
+            // keep one at a time: `STAGE_BATCH` in `wgsl/gemv.wgsl`).
             if subgroups && matches!(spec.rows, Rows::Dense | Rows::DenseApart { .. }) {
-                // The quads each invocation stages of a chunk.
                 let quads = (chunk.min(w.cols) / 4) as u32;
-                let batch = quads.div_ceil(groups * s.threads_per_row).min(MAX_STAGE_BATCH);
-                constants.push(("STAGE_BATCH", batch as f64));
+                constants.push(("STAGED_QUADS", quads.div_ceil(groups * s.threads_per_row) as f64));
             }
             constants.extend([
                 ("X_CHUNK", chunk as f64),
