@@ -187,7 +187,9 @@ impl<'m> Session<'m> {
         let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
         let values_apart =
             model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
-        let activations = Activations::new(gpu, c, chunk, context_len, (values_apart, gemm.is_some()))?;
+        let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
+        let activations =
+            Activations::new(gpu, c, chunk, context_len, (values_apart, gemm.is_some(), half_copies))?;
         let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, &kv)?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);

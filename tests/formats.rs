@@ -12,7 +12,7 @@ use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
-use wgspark::kernels::gemm::{Epilogue, GemmKernel};
+use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies};
 use wgspark::kernels::gemv::{
     EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units, x_chunk,
 };
@@ -569,6 +569,89 @@ fn q8_0_loading_two_steps_ahead_matches_the_cpu_product_at_every_loop_length() {
     });
 }
 
+/// On cooperative matrices in f16, a product large enough for the tile that
+/// reads f16 copies of the activations reads them rather than the f32 rows
+/// (zeros here), and a SwiGLU product writes its outputs as f16 too (the
+/// f32 outputs rounded): in every format with ragged row and token tiles.
+/// Elsewhere no kernel takes f16 copies, and asking for an f16 output is a
+/// typed error.
+#[test]
+fn large_products_read_and_write_f16_copies_of_the_activations() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(18);
+        // 8 x 12 tiles of 256 rows and 128 tokens: the fewest the tile takes.
+        let (rows, tokens, cols) = (2000, 1500, 256);
+        let step = step_buffer(gpu, 0, tokens, 1);
+        // Small enough that the gated products of Q6_K's large values (up
+        // to 150) stay within f16's range.
+        let x: Vec<f32> =
+            rng.vec(tokens * cols, 1.0 / 32.0).iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+        let zeros = gpu.storage_buffer("x", tokens * cols).unwrap();
+        let xb16 = gpu.storage_buffer_bytes("x16", (tokens * cols * 2) as u64).unwrap();
+        gpu.queue.write_buffer(&xb16, 0, bytemuck::cast_slice(&x16));
+        let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+        let yb16 = gpu.storage_buffer_bytes("y16", (tokens * rows) as u64).unwrap();
+        let chosen_tiles = Gemm::kernels(gpu)
+            .into_iter()
+            .filter(|k| !matches!(k, GemmKernel::Cooperative { tile: Some(_), .. }));
+        for kernel in chosen_tiles {
+            let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
+            for format in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+                let (weight, values) = match format {
+                    WeightFormat::Bf16 => {
+                        let values = common::bf16_round(&rng.vec(rows * cols, 1.0));
+                        let weight = GpuTensor::alloc(gpu, "w", rows, cols).unwrap();
+                        weight.write_rows(gpu, 0, &common::bf16_bytes(&values));
+                        (weight, values)
+                    }
+                    _ => random_weight(gpu, &mut rng, format, rows, cols),
+                };
+                let what = format!("{format} {kernel:?}");
+                let swiglu = HalfCopies { x: Some(&xb16), y: Some(&yb16) };
+                let gated = gemm.plan_apart(
+                    gpu,
+                    &weight,
+                    Epilogue::Swiglu,
+                    tokens,
+                    &step,
+                    &zeros,
+                    (&yb, None),
+                    swiglu,
+                );
+                if !gemm.takes_half_copies(&weight) {
+                    assert!(matches!(gated, Err(wgspark::Error::Unsupported { .. })), "{what}");
+                    continue;
+                }
+                let plain = HalfCopies { x: Some(&xb16), y: None };
+                let d =
+                    gemm.plan_apart(gpu, &weight, Epilogue::Plain, tokens, &step, &zeros, (&yb, None), plain);
+                run(gpu, &d.unwrap(), tokens as u32);
+                let want: Vec<f32> =
+                    x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+                let tolerance = product_tolerance(kernel, &values, &x, rows, cols);
+                assert_close(&gpu.read_buffer(&yb, want.len()).unwrap(), &want, tolerance, &what);
+
+                run(gpu, &gated.unwrap(), tokens as u32);
+                // silu(g) u moves by at most 1.1 |u| for a unit of g and |g|
+                // for a unit of u.
+                let gated_tolerance = want
+                    .chunks_exact(2)
+                    .map(|gu| tolerance * (1.1 * gu[1].abs() + gu[0].abs()))
+                    .fold(1e-5, f32::max);
+                let want: Vec<f32> = want.chunks_exact(2).map(|gu| reference::silu(gu[0]) * gu[1]).collect();
+                let y = gpu.read_buffer(&yb, want.len()).unwrap();
+                assert_close(&y, &want, gated_tolerance, &format!("{what} swiglu"));
+                let words: Vec<u32> = gpu.read_buffer(&yb16, want.len().div_ceil(2)).unwrap();
+                let got16: Vec<u16> =
+                    words.iter().flat_map(|w| [*w as u16, (w >> 16) as u16]).take(y.len()).collect();
+                let want16: Vec<u16> = y.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                assert_eq!(got16, want16, "{what}: f16 copy of the gated outputs");
+            }
+        }
+    });
+}
+
 /// Formats other than bf16 are read four values at a time.
 #[test]
 fn a_width_that_is_not_whole_quads_is_a_typed_error() {
@@ -651,6 +734,7 @@ fn rows_apart_go_to_their_own_buffer() {
                 &step,
                 &xb,
                 (&yb, Some((head, &tail_b))),
+                HalfCopies::default(),
             );
             run(gpu, &plan.unwrap(), tokens as u32);
             // As in gemm_in_every_format_matches_the_cpu_product_of_its_values.

@@ -691,12 +691,21 @@ fn residual_add_then_norm_matches_cpu() {
                 gpu.storage_buffer_init("s", &steer),
             );
             let hb = gpu.storage_buffer("h", tokens * n).unwrap();
+            let hb16 = gpu.storage_buffer_bytes("h16", (tokens * n * 2) as u64).unwrap();
             let weight = GpuTensor::vector_f32(gpu, "norm", &w).unwrap();
             let eps = 1e-5;
             for steered in [false, true] {
                 let output = LayerOutput { steer: steered.then_some(&sb), capture: None };
                 gpu.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&x));
-                let d = rms_norm.plan_after_add(gpu, &weight, eps, &yb, &xb, &hb, &output).unwrap();
+                let d = rms_norm.plan_after_add(gpu, &weight, eps, &yb, &xb, (&hb, Some(&hb16)), &output);
+                let (d, copied) = match d {
+                    Ok(d) => (d, true),
+                    Err(e) => {
+                        assert!(!has_f16(gpu), "{e}");
+                        let d = rms_norm.plan_after_add(gpu, &weight, eps, &yb, &xb, (&hb, None), &output);
+                        (d.unwrap(), false)
+                    }
+                };
                 run(gpu, &[d], tokens as u32);
                 let added: Vec<f32> =
                     (0..tokens * n).map(|e| x[e] + y[e] + if steered { steer[e % n] } else { 0.0 }).collect();
@@ -704,14 +713,57 @@ fn residual_add_then_norm_matches_cpu() {
                     added.chunks(n).flat_map(|row| reference::rms_norm(row, &w, eps)).collect();
                 let what = format!("{tokens} rows of {n}, steered {steered}");
                 assert_close(&gpu.read_buffer(&xb, added.len()).unwrap(), &added, 1e-6, &what);
-                assert_close(
-                    &gpu.read_buffer(&hb, want_h.len()).unwrap(),
-                    &want_h,
-                    1e-5,
-                    &format!("{what}: norm"),
-                );
+                let h = gpu.read_buffer(&hb, want_h.len()).unwrap();
+                assert_close(&h, &want_h, 1e-5, &format!("{what}: norm"));
+                if copied {
+                    assert_eq!(read_f16(gpu, &hb16, h.len()), as_f16(&h), "{what}: f16 copy");
+                }
             }
         }
+    });
+}
+
+fn has_f16(gpu: &Gpu) -> bool {
+    gpu.device.features().contains(wgpu::Features::SHADER_F16)
+}
+
+/// `values` rounded to f16 (to nearest, ties to even, as the GPU's
+/// conversion), as bits.
+fn as_f16(values: &[f32]) -> Vec<u16> {
+    values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()
+}
+
+fn read_f16(gpu: &Gpu, buffer: &wgpu::Buffer, len: usize) -> Vec<u16> {
+    let words: Vec<u32> = gpu.read_buffer(buffer, len.div_ceil(2)).unwrap();
+    words.iter().flat_map(|w| [*w as u16, (w >> 16) as u16]).take(len).collect()
+}
+
+/// The RMSNorm of rows of the hidden state also writes them as f16 where
+/// asked (for the products that read f16 copies): the f32 rows rounded;
+/// devices without f16 in shaders refuse.
+#[test]
+fn rms_norm_writes_an_f16_copy_of_its_rows() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(17);
+        let rms_norm = RmsNorm::new(gpu).unwrap();
+        let (n, tokens) = (2500, 3);
+        let x = rng.vec(tokens * n, 4.0);
+        let w = rng.vec(n, 1.0);
+        let xb = gpu.storage_buffer_init("x", &x);
+        let hb = gpu.storage_buffer("h", tokens * n).unwrap();
+        let hb16 = gpu.storage_buffer_bytes("h16", (tokens * n * 2) as u64).unwrap();
+        let weight = GpuTensor::vector_f32(gpu, "norm", &w).unwrap();
+        let rows = wgspark::kernels::rms_norm::Rows::vector(n);
+        let d = rms_norm.plan_with_copy(gpu, &weight, 1e-5, &xb, (&hb, Some(&hb16)), rows);
+        if !has_f16(gpu) {
+            assert!(matches!(d, Err(wgspark::Error::Unsupported { .. })), "{}", gpu.info.name);
+            return;
+        }
+        run(gpu, &[d.unwrap()], tokens as u32);
+        let want: Vec<f32> = x.chunks(n).flat_map(|row| reference::rms_norm(row, &w, 1e-5)).collect();
+        let h = gpu.read_buffer(&hb, want.len()).unwrap();
+        assert_close(&h, &want, 1e-5, "norm");
+        assert_eq!(read_f16(gpu, &hb16, h.len()), as_f16(&h), "f16 copy");
     });
 }
 

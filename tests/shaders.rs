@@ -1,6 +1,6 @@
 //! Every specialisation of every kernel family (each flag set the flow
 //! may build) parses and validates with naga, without optional
-//! capabilities unless it uses subgroups (or cooperative matrices), and
+//! capabilities unless it uses subgroups, f16 (or cooperative matrices), and
 //! every entry point translates to MSL, HLSL and SPIR-V (cooperative
 //! matrices: MSL and SPIR-V, the backends that offer them): a shader that
 //! would break Metal or DX12 fails here.
@@ -18,6 +18,7 @@ fn sources() -> Vec<(String, String, Capabilities)> {
             let mut caps = Capabilities::empty();
             caps.set(Capabilities::SUBGROUP, b.uses_subgroups());
             caps.set(Capabilities::SHADER_FLOAT16_IN_FLOAT32, b.uses_f16_in_f32());
+            caps.set(Capabilities::SHADER_FLOAT16, b.uses_f16());
             if b.uses_cooperative_matrix() {
                 caps |= Capabilities::COOPERATIVE_MATRIX
                     | Capabilities::SHADER_FLOAT16

@@ -21,6 +21,15 @@ enable wgpu_cooperative_matrix;
 // mantissa) and x_lo = f16(x - x_hi), both multiplied: the activations keep
 // 22 bits of mantissa instead of 11, at twice the matrix work. bf16 weights are exact
 // in f16 (within its range: weights of magnitude below 2^-14 lose bits).
+// X_F16: X is read as the f16 copy of the activations that the kernel
+// before wrote beside them (x16, eight values a 16-byte load), the values
+// the f32 rows would be rounded to here, in half the bytes: on the H200,
+// 4096 tokens of 28672 x 4096 in bf16 (128 x 256 tiles of 16 subgroups)
+// at 214 TFLOP/s against 201 from f32 rows, Q8_0 133 against 117. Its
+// staging must take one round (TILE_M <= ROUND_ROWS): in two rounds the
+// same kernel ran at 22-31 TFLOP/s (kernels::gemm_coop::Tile::reads_f16).
+// Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
+// product after it to read with X_F16.
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
@@ -77,7 +86,14 @@ override AHEAD: u32 = 1u;
 #else
 @group(0) @binding(2) var<storage, read> weight: array<vec4<u32>>;
 #endif
+#if X_F16
+@group(0) @binding(3) var<storage, read> x: array<vec4<u32>>;
+#else
 @group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
+#endif
+#if Y_F16
+@group(0) @binding(7) var<storage, read_write> y16: array<f16>;
+#endif
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
 @group(0) @binding(5) var<storage, read> groups: array<u32>;
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
@@ -179,7 +195,11 @@ fn sources(t: Tile, li: u32) -> Sources {
         if (t.grouped && s.x_ok[r]) {
             xrow = pairs[t.first_pair + m] / p.x_div;
         }
+#if X_F16
+        s.x_base[r] = xrow * (p.cols / 8u);
+#else
         s.x_base[r] = xrow * (p.cols / 4u);
+#endif
     }
 #if WEIGHT_FORMAT
     let row_stride = row_words(p.cols);
@@ -206,7 +226,11 @@ fn sources(t: Tile, li: u32) -> Sources {
 // held once per half, the registers took it to 63 / 73), Q5_K 70 / 84
 // and 71 / 83 (README has the calls).
 struct Staged {
+#if X_F16
+    x: array<vec4<u32>, 4>,
+#else
     x: array<array<vec4<f32>, 2>, 4>,
+#endif
 #if WEIGHT_FORMAT
     w: array<Raw8, 8>,
 #else
@@ -222,6 +246,14 @@ fn run_k(k0: u32, li: u32) -> u32 {
 fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
     var st: Staged;
     let k = run_k(k0, li);
+#if X_F16
+    for (var r = 0u; r < X_ROUNDS; r++) {
+        st.x[r] = vec4<u32>(0u);
+        if (s.x_ok[r] && k < p.cols) {
+            st.x[r] = x[s.x_base[r] + k / 8u];
+        }
+    }
+#else
     for (var r = 0u; r < X_ROUNDS; r++) {
         for (var h = 0u; h < 2u; h++) {
             st.x[r][h] = vec4<f32>(0.0);
@@ -230,6 +262,7 @@ fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
             }
         }
     }
+#endif
     for (var r = 0u; r < W_ROUNDS; r++) {
 #if WEIGHT_FORMAT
         // All-zero words decode to zeros in every format.
@@ -271,8 +304,13 @@ fn store_step(st: Staged, k0: u32, li: u32) {
 #else
             let hi = st.x[r];
 #endif
+#if X_F16
+            xs[at] = vec4<f16>(vec4<f32>(unpack2x16float(hi.x), unpack2x16float(hi.y)));
+            xs[at + 1u] = vec4<f16>(vec4<f32>(unpack2x16float(hi.z), unpack2x16float(hi.w)));
+#else
             xs[at] = vec4<f16>(hi[0]);
             xs[at + 1u] = vec4<f16>(hi[1]);
+#endif
         }
     }
     for (var r = 0u; r < W_ROUNDS; r++) {
@@ -412,7 +450,11 @@ fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) 
             }
             let v = out_tile[warp * 256u + e];
 #if SWIGLU
-            y[yrow * p.y_stride + col / 2u] = swiglu(v, out_tile[warp * 256u + e + 1u]);
+            let gated = swiglu(v, out_tile[warp * 256u + e + 1u]);
+            y[yrow * p.y_stride + col / 2u] = gated;
+#if Y_F16
+            y16[yrow * p.y_stride + col / 2u] = f16(gated);
+#endif
 #else
             y[yrow * p.y_stride + col] = v;
 #endif

@@ -13,7 +13,12 @@
 // a chunk's projection (steered and captured at a layer's output,
 // common.wgsl), so that the add and the next projection's norm are one
 // dispatch.
+// OUT_F16 (RMSNorm): each value of out also goes to out16 as f16, for the
+// products on cooperative matrices that read their activations so.
 // w (and b): f32 [n]. One workgroup per row; WG must be a power of two.
+#if OUT_F16
+enable f16;
+#endif
 
 override WG: u32 = 64u;
 
@@ -26,6 +31,9 @@ override WG: u32 = 64u;
 #endif
 #if ADD
 @group(0) @binding(5) var<storage, read> y: array<f32>;
+#endif
+#if OUT_F16
+@group(0) @binding(6) var<storage, read_write> out16: array<f16>;
 #endif
 
 @compute @workgroup_size(WG)
@@ -60,7 +68,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     }
     let scale = inverseSqrt(workgroup_sum(squares, lid.x) / n + p.eps);
     for (var i = lid.x; i < p.n; i += WG) {
-        out[row + i] = w[i] * (x[row + i] * scale);
+        let v = w[i] * (x[row + i] * scale);
+        out[row + i] = v;
+#if OUT_F16
+        out16[row + i] = f16(v);
+#endif
     }
 #endif
 }

@@ -39,6 +39,10 @@ pub struct Activations {
     pub attn_split_max_sum: wgpu::Buffer,
     /// Most key splits of one token's attention.
     pub max_splits: usize,
+    /// `h` and `ffn_act` as f16 too, where a chunk's GEMMs run on
+    /// cooperative matrices in f16 (`kernels::gemm::HalfCopies`).
+    pub h16: Option<wgpu::Buffer>,
+    pub ffn_act16: Option<wgpu::Buffer>,
     /// Outputs of a chunk's GEMMs before their residual add.
     pub attn_out: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
@@ -103,17 +107,21 @@ impl Activations {
     }
 
     /// `values_apart`: some layer writes its value rows apart; `chunk_gemm`:
-    /// a GEMM runs the chunks' projections (not the GEMV).
+    /// a GEMM runs the chunks' projections (not the GEMV); `half_copies`:
+    /// that GEMM reads f16 copies of its activations.
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
         max_tokens: usize,
         context_len: usize,
-        (values_apart, chunk_gemm): (bool, bool),
+        (values_apart, chunk_gemm, half_copies): (bool, bool, bool),
     ) -> Result<Self> {
         let t = max_tokens;
         let splits = Attention::max_splits(context_len, c.heads.kv);
         let buf = |name: &str, width: usize| gpu.storage_buffer(name, t * width);
+        let half = |name: &str, width: usize| {
+            half_copies.then(|| gpu.storage_buffer_bytes(name, (t * width * 2) as u64)).transpose()
+        };
         let moe = match &c.moe {
             Some(m) => Some(MoeActivations {
                 top_k: m.top_k,
@@ -162,6 +170,8 @@ impl Activations {
             attn_split_acc: gpu.storage_buffer("attn_split_acc", c.heads.q * splits * c.heads.dim)?,
             attn_split_max_sum: gpu.storage_buffer("attn_split_max_sum", c.heads.q * splits * 2)?,
             max_splits: splits,
+            h16: half("h16", c.hidden)?,
+            ffn_act16: half("ffn_act16", c.intermediate)?,
             attn_out: buf("attn_out", c.hidden)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
             ffn_out: buf("ffn_out", c.hidden)?,

@@ -48,7 +48,7 @@ use crate::gpu::{Dispatch, Gpu, GpuTensor};
 use crate::kernels::attention::{
     AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
 };
-use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
+use crate::kernels::gemm::{Epilogue, Gemm, HalfCopies, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
@@ -224,27 +224,39 @@ impl<'a> Builder<'a> {
         };
         let gemv = self.gemv(GemvSpec { input, rows, ..GemvSpec::plain(weight, x, y) })?;
         let tail = apart.map(|a| (a.row, a.gemm));
+        let half = HalfCopies { x: act.h16.as_ref(), y: None };
         let chunk = self.chunk(|gemm, tokens| {
-            gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail))
+            gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail), half)
         })?;
         Ok(Projection { gemv, chunk })
     }
 
-    /// A chunk's `act.h = rms_norm(act.x)` where no add before it wrote
-    /// it; `None` where chunks run the GEMV (which normalises `x` itself).
-    fn input_norm(&self, norm: &GpuTensor) -> Option<Dispatch> {
+    /// A chunk's `act.h = rms_norm(act.x)` (and `act.h16`) where no add
+    /// before it wrote it; `None` where chunks run the GEMV (which
+    /// normalises `x` itself).
+    fn input_norm(&self, norm: &GpuTensor) -> Result<Option<Dispatch>> {
         let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
         let rows = NormRows::vector(act.hidden);
-        self.gemm.map(|_| k.rms_norm.plan(gpu, norm, self.model.config.rms_eps, &act.x, &act.h, rows))
+        let out = (&act.h, act.h16.as_ref());
+        let eps = self.model.config.rms_eps;
+        self.gemm.map(|_| k.rms_norm.plan_with_copy(gpu, norm, eps, &act.x, out, rows)).transpose()
     }
 
-    /// `x = layer_output(x + W a)`; a chunk's GEMM goes through `scratch`,
-    /// and with `then_norm` its add also writes `act.h = rms_norm(x)` for
-    /// the projection after it.
+    /// Where a dense FFN's gate/up writes its outputs as f16 too (and its
+    /// down projection reads them): where its product takes them.
+    fn ffn_act16(&self, gate_up: &GpuTensor) -> Option<&'a wgpu::Buffer> {
+        let takes = self.gemm.is_some_and(|g| g.takes_half_copies(gate_up));
+        self.act.ffn_act16.as_ref().filter(|_| takes)
+    }
+
+    /// `x = layer_output(x + W a)` (a chunk's GEMM reading `a16`, an f16
+    /// copy of `a`, where given); a chunk's GEMM goes through `scratch`,
+    /// and with `then_norm` its add also writes `act.h = rms_norm(x)` (and
+    /// `act.h16`) for the projection after it.
     fn add_into(
         &self,
         weight: &GpuTensor,
-        a: &wgpu::Buffer,
+        (a, a16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         (x, scratch): (&wgpu::Buffer, &wgpu::Buffer),
         output: &LayerOutput<'_>,
         then_norm: Option<&GpuTensor>,
@@ -252,8 +264,10 @@ impl<'a> Builder<'a> {
         let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
+        let half = HalfCopies { x: a16, y: None };
         let chunk = self.chunk(|gemm, tokens| {
-            let mut d = gemm.plan(gpu, weight, Epilogue::Plain, tokens, &act.step, a, scratch)?;
+            let mut d =
+                gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, a, (scratch, None), half)?;
             d.push(match then_norm {
                 Some(norm) => k.rms_norm.plan_after_add(
                     gpu,
@@ -261,7 +275,7 @@ impl<'a> Builder<'a> {
                     self.model.config.rms_eps,
                     scratch,
                     x,
-                    &act.h,
+                    (&act.h, act.h16.as_ref()),
                     output,
                 )?,
                 None => k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?,
@@ -277,7 +291,11 @@ impl<'a> Builder<'a> {
     fn down(&self, layer: usize, down: &GpuTensor, output: &LayerOutput<'_>) -> Result<Projection> {
         let (w, act) = (&self.model.weights, self.act);
         let next_norm = w.layers.get(layer + 1).map(|next| &next.attn_norm);
-        self.add_into(down, &act.ffn_act, (&act.x, &act.ffn_out), output, next_norm)
+        let act16 = match &w.layers[layer].ffn {
+            FfnWeights::Dense { gate_up, .. } => self.ffn_act16(gate_up),
+            FfnWeights::Moe(_) => None,
+        };
+        self.add_into(down, (&act.ffn_act, act16), (&act.x, &act.ffn_out), output, next_norm)
     }
 
     /// `act = silu(h W_gate) * (h W_up)`, h = rms_norm(x), W gate/up
@@ -294,8 +312,10 @@ impl<'a> Builder<'a> {
         let input = Input::RmsNorm { weight: norm, eps };
         let gemv =
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
-        let chunk = self
-            .chunk(|gemm, tokens| gemm.plan(gpu, weight, Epilogue::Swiglu, tokens, &act.step, &act.h, out))?;
+        let half = HalfCopies { x: act.h16.as_ref(), y: self.ffn_act16(weight) };
+        let chunk = self.chunk(|gemm, tokens| {
+            gemm.plan_apart(gpu, weight, Epilogue::Swiglu, tokens, &act.step, &act.h, (out, None), half)
+        })?;
         Ok(Projection { gemv, chunk })
     }
 
@@ -548,11 +568,11 @@ impl AttentionPlan {
         let ffn_norm = matches!(lw.ffn, FfnWeights::Dense { .. }).then_some(&lw.ffn_norm);
         let o_out = (&act.x, &act.attn_out);
         Ok(AttentionPlan {
-            input_norm: b.input_norm(&lw.attn_norm),
+            input_norm: b.input_norm(&lw.attn_norm)?,
             qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, (&act.qkv, apart))?,
             decode: k.attention.plan_decode(gpu, &shape, &decode_bindings, &scratch)?,
             chunk: k.attention.plan_chunk(gpu, &shape, &chunk_bindings)?,
-            o_proj: b.add_into(&lw.o_proj, &act.attn, o_out, &LayerOutput::default(), ffn_norm)?,
+            o_proj: b.add_into(&lw.o_proj, (&act.attn, None), o_out, &LayerOutput::default(), ffn_norm)?,
         })
     }
 

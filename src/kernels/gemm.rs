@@ -40,6 +40,18 @@ pub enum Tiling {
 /// (measured on an NVIDIA H200: below it the GPU runs short of workgroups).
 pub const WIDE_MIN_WORKGROUPS: usize = 128;
 
+/// A chunk's activations in f16 beside their f32 rows (packed the same,
+/// two bytes a value), where the flow keeps them for the products on
+/// cooperative matrices that round their operands to f16: such a product
+/// reads `x` instead of its f32 input where its tile reads f16 copies well
+/// ([`gemm_coop::Tile::reads_f16`]), and a SwiGLU product writes `y` beside
+/// its f32 outputs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HalfCopies<'a> {
+    pub x: Option<&'a wgpu::Buffer>,
+    pub y: Option<&'a wgpu::Buffer>,
+}
+
 /// The buffers of a grouped (MoE prefill) product.
 pub struct GroupedBuffers<'a> {
     pub x: &'a wgpu::Buffer,
@@ -201,6 +213,18 @@ impl Gemm {
         self.kernel
     }
 
+    /// Whether products read and write [`HalfCopies`]: on cooperative
+    /// matrices in f16.
+    pub fn keeps_half_copies(&self) -> bool {
+        matches!(self.kernel, GemmKernel::Cooperative { split: false, .. })
+    }
+
+    /// Whether `weight`'s products read and write [`HalfCopies`]: they keep
+    /// them, and take its format and width.
+    pub fn takes_half_copies(&self, weight: &GpuTensor) -> bool {
+        self.keeps_half_copies() && weight.parts.iter().all(|p| gemm_coop::takes(p.format, weight.cols))
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &self,
@@ -210,10 +234,12 @@ impl Gemm {
         params: GemmParams,
         shape: Shape,
         b: [&wgpu::Buffer; 5],
+        half: HalfCopies<'_>,
     ) -> Result<Dispatch> {
         // Tiles are chosen for the whole product, all experts' rows.
         let (n_rows, max_tokens) = (shape.rows * shape.experts.max(1), shape.tokens);
-        let [step, x, y, groups, pairs] = b;
+        let [step, mut x, y, groups, pairs] = b;
+        let mut extra = vec![];
         let mut flags = super::weight_flags(gpu, part.format);
         if !flags.is_empty() && !weight.cols.is_multiple_of(4) {
             return Err(crate::Error::Unsupported {
@@ -241,6 +267,12 @@ impl Gemm {
             }
             kernel => kernel,
         };
+        if half.y.is_some() && !(epilogue == Epilogue::Swiglu && self.takes_half_copies(weight)) {
+            return Err(crate::Error::Unsupported {
+                what: "f16 copy of a GEMM's outputs (SwiGLU products on cooperative matrices in f16)",
+                value: format!("{}: {epilogue:?} on {kernel:?}", weight.name),
+            });
+        }
         let (pipeline, tile_tokens, tile_rows) = match kernel {
             GemmKernel::Alu(tiling) => {
                 let wide = match tiling {
@@ -257,16 +289,32 @@ impl Gemm {
                 if epilogue == Epilogue::Swiglu {
                     flags.push(SWIGLU);
                 }
-                let tile = tile
-                    .filter(|t| t.fits(&flags))
-                    .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags));
+                let half_tile = half
+                    .x
+                    .filter(|_| tile.is_none())
+                    .and_then(|x16| gemm_coop::Tile::reads_f16(n_rows, max_tokens, &flags).map(|t| (x16, t)));
+                if let Some(y16) = half.y {
+                    flags.push(gemm_coop::Y_F16);
+                    extra.push(y16);
+                }
+                let tile = match half_tile {
+                    Some((x16, tile)) => {
+                        flags.push(gemm_coop::X_F16);
+                        x = x16;
+                        tile
+                    }
+                    None => tile
+                        .filter(|t| t.fits(&flags))
+                        .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags)),
+                };
                 let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &tile.constants(&flags))?;
                 (pipeline, tile.tokens, tile.rows)
             }
         };
+        let buffers = [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &extra].concat();
         Ok(Dispatch {
             label: "gemm",
-            bind_group: gpu.bind("gemm", &pipeline, &[&params.0, step, &part.buffer, x, y, groups, pairs]),
+            bind_group: gpu.bind("gemm", &pipeline, &buffers),
             pipeline,
             workgroups: shape.grid(gpu, &weight.name, tile_rows)?,
             tokens_per_workgroup: tile_tokens,
@@ -287,12 +335,13 @@ impl Gemm {
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        self.plan_apart(gpu, weight, epilogue, max_tokens, step, x, (y, None))
+        self.plan_apart(gpu, weight, epilogue, max_tokens, step, x, (y, None), HalfCopies::default())
     }
 
     /// [`Self::plan`], with `apart = Some((from_row, tail))` the rows from
     /// `from_row` (where a part starts) on written to `tail` instead, packed
-    /// `[tokens, W.rows - from_row]` (as the GEMV's `Rows::DenseApart`).
+    /// `[tokens, W.rows - from_row]` (as the GEMV's `Rows::DenseApart`), and
+    /// the activations' f16 copies read or written where `half` has them.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_apart(
         &self,
@@ -303,7 +352,14 @@ impl Gemm {
         step: &wgpu::Buffer,
         x: &wgpu::Buffer,
         (y, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
+        half: HalfCopies<'_>,
     ) -> Result<Vec<Dispatch>> {
+        if half.y.is_some() && apart.is_some() {
+            return Err(crate::Error::Unsupported {
+                what: "f16 copy of a GEMM's outputs written apart",
+                value: weight.name.clone(),
+            });
+        }
         let outputs = |rows: usize| match epilogue {
             Epilogue::Plain => rows,
             Epilogue::Swiglu => rows / 2,
@@ -336,7 +392,7 @@ impl Gemm {
                 };
                 let g = &self.no_groups;
                 let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0 };
-                self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g])
+                self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g], half)
             })
             .collect()
     }
@@ -382,7 +438,7 @@ impl Gemm {
                 };
                 let shape = Shape { rows: expert_rows, tokens: tokens_per_expert, experts: end - first };
                 let b = [step, b.x, b.y, b.groups, b.pairs];
-                self.dispatch(gpu, (weight, part), epilogue, params, shape, b)
+                self.dispatch(gpu, (weight, part), epilogue, params, shape, b, HalfCopies::default())
             })
             .collect()
     }

@@ -7,6 +7,10 @@
 pub const X_SPLIT: &str = "X_SPLIT";
 /// Staged weights as two f16s, for formats whose values f16 does not hold.
 pub const W_SPLIT: &str = "W_SPLIT";
+/// Activations read from their f16 copy (see [`Tile::reads_f16`]).
+pub const X_F16: &str = "X_F16";
+/// A SwiGLU product's outputs also written as f16, for the next to read.
+pub const Y_F16: &str = "Y_F16";
 
 /// The kernel's subgroups: of 32 invocations, 8 or 16 to a workgroup
 /// ([`Tile::warps`]), each computing a part of the workgroup's tile.
@@ -170,6 +174,31 @@ impl Tile {
         Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
     ];
 
+    /// Whether the build stages a step's activations in one round (each
+    /// invocation one run of eight of one token).
+    pub fn stages_x_in_one_round(self) -> bool {
+        self.tokens <= self.warps * SUBGROUP_SIZE / (self.k / 8)
+    }
+
+    /// The tile of a product of `n_rows` rows over `max_tokens` tokens
+    /// that reads its activations from their f16 copy ([`X_F16`]; `flags`
+    /// without it), or `None` where it should read the f32 rows: 128 x 256
+    /// in 16 subgroups, where it fits and gives [`MIN_WORKGROUPS`]. On the
+    /// H200, 4096 tokens, f16 copies against f32 rows in the tiles chosen
+    /// for those: bf16 28672 x 4096 214 against 201 TFLOP/s, 4096 x 4096
+    /// 201 against 190; Q8_0 133 against 117 and 131 against 113; at 512
+    /// tokens bf16 28672 x 4096 182 against 179. Smaller tiles read less
+    /// well from f16 copies than from f32 rows in their own tiles (4096 x
+    /// 4096 bf16: 120-139 in 64 tokens x 128 or 256 rows), and a staging
+    /// of two rounds (128 tokens in 8 subgroups) ran at 22-31.
+    pub fn reads_f16(n_rows: usize, max_tokens: usize, flags: &[&str]) -> Option<Tile> {
+        let tile = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
+        let workgroups = n_rows.div_ceil(tile.rows as usize) * max_tokens.div_ceil(tile.tokens as usize);
+        let with_x16 = [flags, &[X_F16, Y_F16]].concat();
+        let usable = tile.fits(&with_x16) && tile.stages_x_in_one_round() && !flags.contains(&X_SPLIT);
+        (usable && max_tokens >= tile.tokens as usize && workgroups >= MIN_WORKGROUPS).then_some(tile)
+    }
+
     /// K steps a build with `flags` loads ahead of the one it multiplies:
     /// two for Q8_0 weights in tiles of 16 subgroups (a loop of their own),
     /// one otherwise. On the H200, two ahead took Q8_0 in those tiles from
@@ -203,9 +232,16 @@ impl Tile {
 pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and
-/// without splits, plain and with SwiGLU.
+/// without splits, plain and with SwiGLU; unsplit, also reading f16
+/// copies (and with SwiGLU writing them).
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
-    super::gemm::with_epilogues(precision_flag_sets())
+    let mut out = super::gemm::with_epilogues(precision_flag_sets());
+    for flags in super::weight_flag_sets() {
+        out.push([flags.clone(), vec![X_F16]].concat());
+        out.push([flags.clone(), vec![X_F16, super::gemm::SWIGLU, Y_F16]].concat());
+        out.push([flags, vec![super::gemm::SWIGLU, Y_F16]].concat());
+    }
+    out
 }
 
 fn precision_flag_sets() -> Vec<Vec<&'static str>> {
@@ -298,6 +334,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn only_large_unsplit_products_read_f16_copies_in_tiles_staged_in_one_round() {
+        let sixteen = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
+        assert!(sixteen.stages_x_in_one_round());
+        assert!(!Tile { warps: 8, ..sixteen }.stages_x_in_one_round());
+        assert!(Tile { tokens: 64, rows: 128, k: 32, warps: 8 }.stages_x_in_one_round());
+        assert!(!Tile { tokens: 64, rows: 128, k: 64, warps: 8 }.stages_x_in_one_round());
+        for flags in [&[][..], &["WEIGHT_FORMAT", "W_Q8_0"], &["WEIGHT_FORMAT", "W_Q4_K", "SWIGLU"]] {
+            // The 8B shape's projections at 4096 and 512 tokens.
+            assert_eq!(Tile::reads_f16(28672, 4096, flags), Some(sixteen));
+            assert_eq!(Tile::reads_f16(4096, 4096, flags), Some(sixteen));
+            assert_eq!(Tile::reads_f16(6144, 512, flags), Some(sixteen));
+            // Too few tiles of 128 x 256: the f32 rows in smaller tiles.
+            assert_eq!(Tile::reads_f16(4096, 512, flags), None);
+            assert_eq!(Tile::reads_f16(2048, 512, flags), None);
+            assert_eq!(Tile::reads_f16(1 << 20, 100, flags), None);
+        }
+        assert_eq!(Tile::reads_f16(28672, 4096, &[X_SPLIT]), None);
     }
 
     #[test]

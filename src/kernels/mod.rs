@@ -211,6 +211,11 @@ impl Build {
         self.family == "gemm_coop" || self.flags.contains(&attention::COOP)
     }
 
+    /// Uses f16 values (needs the adapter's SHADER_F16).
+    pub fn uses_f16(&self) -> bool {
+        self.uses_cooperative_matrix() || self.flags.contains(&rms_norm::OUT_F16)
+    }
+
     /// Uses `pack2x16float` / `unpack2x16float` (needs the adapter's
     /// SHADER_F16_IN_F32 downlevel flag).
     pub fn uses_f16_in_f32(&self) -> bool {

@@ -46,9 +46,35 @@ pub const LAYER_NORM: &str = "LAYER_NORM";
 /// The flag of builds that add a row into x before normalising it.
 pub const ADD: &str = "ADD";
 
+/// The flag of builds that also write the normalised rows as f16.
+pub const OUT_F16: &str = "OUT_F16";
+
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let after_add = LayerOutput::flag_sets().into_iter().map(|layer| [&[ADD][..], &layer].concat());
-    [vec![], vec![LAYER_NORM]].into_iter().chain(after_add).collect()
+    let norms: Vec<Vec<&str>> = [vec![], vec![LAYER_NORM]].into_iter().chain(after_add).collect();
+    let with_copies =
+        norms.iter().filter(|f| !f.contains(&LAYER_NORM)).map(|f| [f.as_slice(), &[OUT_F16]].concat());
+    norms.clone().into_iter().chain(with_copies).collect()
+}
+
+/// `flags` and the f16 copy's binding where `out16` asks for one: devices
+/// without f16 in shaders have none to write.
+fn with_copy<'a>(
+    gpu: &Gpu,
+    flags: &mut Vec<&'static str>,
+    buffers: &mut Vec<(u32, wgpu::BufferBinding<'a>)>,
+    out16: Option<&'a wgpu::Buffer>,
+) -> Result<()> {
+    let Some(out16) = out16 else { return Ok(()) };
+    if !gpu.device.features().contains(wgpu::Features::SHADER_F16) {
+        return Err(crate::Error::Unsupported {
+            what: "f16 copy of normalised rows (a device with f16 in shaders)",
+            value: gpu.info.name.clone(),
+        });
+    }
+    flags.push(OUT_F16);
+    buffers.push((6, out16.as_entire_buffer_binding()));
+    Ok(())
 }
 
 #[derive(Debug)]
@@ -77,6 +103,39 @@ impl RmsNorm {
         )
     }
 
+    /// [`Self::plan`] writing the rows also as f16 to `out16` where given
+    /// (see `kernels::gemm::HalfCopies`).
+    pub fn plan_with_copy(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        eps: f32,
+        x: &wgpu::Buffer,
+        (out, out16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+        rows: Rows,
+    ) -> Result<Dispatch> {
+        if out16.is_none() {
+            return Ok(self.plan(gpu, weight, eps, x, out, rows));
+        }
+        let params = Self::params(gpu, eps, rows);
+        let mut flags = vec![];
+        let mut buffers = vec![
+            (0, params.0.as_entire_buffer_binding()),
+            (1, weight.parts[0].buffer.as_entire_buffer_binding()),
+            (2, x.as_entire_buffer_binding()),
+            (3, out.as_entire_buffer_binding()),
+        ];
+        with_copy(gpu, &mut flags, &mut buffers, out16)?;
+        let pipeline = super::pipeline(gpu, "rms_norm", "main", &flags, &[("WG", self.wg)])?;
+        Ok(Dispatch {
+            label: "rms_norm",
+            bind_group: gpu.bind_ranges("rms_norm", &pipeline, &buffers),
+            pipeline,
+            workgroups: [rows.heads as u32, 1, 1],
+            tokens_per_workgroup: 1,
+        })
+    }
+
     /// `out = w * x * rsqrt(mean(x^2) + eps)` per row; `x` and `out` may be
     /// the same buffer (the rows are then normalised in place, at the same
     /// offsets).
@@ -101,8 +160,9 @@ impl RmsNorm {
 
     /// `x[t] = output(x[t] + y[t])` (the residual add, steered and
     /// captured at a layer's output), then `out[t]` = the RMSNorm of the
-    /// new `x[t]` (times `weight`), rows of `weight.cols` packed per token:
-    /// a chunk's add and the next projection's norm in one dispatch.
+    /// new `x[t]` (times `weight`), rows of `weight.cols` packed per token
+    /// (also as f16 to `out16` where given): a chunk's add and the next
+    /// projection's norm in one dispatch.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_after_add(
         &self,
@@ -111,7 +171,7 @@ impl RmsNorm {
         eps: f32,
         y: &wgpu::Buffer,
         x: &wgpu::Buffer,
-        out: &wgpu::Buffer,
+        (out, out16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
         let mut flags = vec![ADD];
@@ -124,6 +184,7 @@ impl RmsNorm {
             (3, out.as_entire_buffer_binding()),
             (5, y.as_entire_buffer_binding()),
         ];
+        with_copy(gpu, &mut flags, &mut buffers, out16)?;
         output.bind(&mut flags, &mut buffers, &mut constants);
         let pipeline = super::pipeline(gpu, "rms_norm", "main", &flags, &constants)?;
         Ok(Dispatch {
