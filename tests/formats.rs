@@ -586,7 +586,7 @@ fn large_products_read_and_write_f16_copies_of_the_activations() {
         // to 150) stay within f16's range.
         let x: Vec<f32> =
             rng.vec(tokens * cols, 1.0 / 32.0).iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
-        let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+        let x16 = common::f16_bits(&x);
         let zeros = gpu.storage_buffer("x", tokens * cols).unwrap();
         let xb16 = gpu.storage_buffer_bytes("x16", (tokens * cols * 2) as u64).unwrap();
         gpu.queue.write_buffer(&xb16, 0, bytemuck::cast_slice(&x16));
@@ -642,11 +642,8 @@ fn large_products_read_and_write_f16_copies_of_the_activations() {
                 let want: Vec<f32> = want.chunks_exact(2).map(|gu| reference::silu(gu[0]) * gu[1]).collect();
                 let y = gpu.read_buffer(&yb, want.len()).unwrap();
                 assert_close(&y, &want, gated_tolerance, &format!("{what} swiglu"));
-                let words: Vec<u32> = gpu.read_buffer(&yb16, want.len().div_ceil(2)).unwrap();
-                let got16: Vec<u16> =
-                    words.iter().flat_map(|w| [*w as u16, (w >> 16) as u16]).take(y.len()).collect();
-                let want16: Vec<u16> = y.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-                assert_eq!(got16, want16, "{what}: f16 copy of the gated outputs");
+                let copy = common::read_f16(gpu, &yb16, y.len());
+                assert_eq!(copy, common::f16_bits(&y), "{what}: f16 copy of the gated outputs");
             }
         }
     });

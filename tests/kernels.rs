@@ -716,7 +716,11 @@ fn residual_add_then_norm_matches_cpu() {
                 let h = gpu.read_buffer(&hb, want_h.len()).unwrap();
                 assert_close(&h, &want_h, 1e-5, &format!("{what}: norm"));
                 if copied {
-                    assert_eq!(read_f16(gpu, &hb16, h.len()), as_f16(&h), "{what}: f16 copy");
+                    assert_eq!(
+                        common::read_f16(gpu, &hb16, h.len()),
+                        common::f16_bits(&h),
+                        "{what}: f16 copy"
+                    );
                 }
             }
         }
@@ -725,17 +729,6 @@ fn residual_add_then_norm_matches_cpu() {
 
 fn has_f16(gpu: &Gpu) -> bool {
     gpu.device.features().contains(wgpu::Features::SHADER_F16)
-}
-
-/// `values` rounded to f16 (to nearest, ties to even, as the GPU's
-/// conversion), as bits.
-fn as_f16(values: &[f32]) -> Vec<u16> {
-    values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()
-}
-
-fn read_f16(gpu: &Gpu, buffer: &wgpu::Buffer, len: usize) -> Vec<u16> {
-    let words: Vec<u32> = gpu.read_buffer(buffer, len.div_ceil(2)).unwrap();
-    words.iter().flat_map(|w| [*w as u16, (w >> 16) as u16]).take(len).collect()
 }
 
 /// The RMSNorm of rows of the hidden state also writes them as f16 where
@@ -763,7 +756,7 @@ fn rms_norm_writes_an_f16_copy_of_its_rows() {
         let want: Vec<f32> = x.chunks(n).flat_map(|row| reference::rms_norm(row, &w, 1e-5)).collect();
         let h = gpu.read_buffer(&hb, want.len()).unwrap();
         assert_close(&h, &want, 1e-5, "norm");
-        assert_eq!(read_f16(gpu, &hb16, h.len()), as_f16(&h), "f16 copy");
+        assert_eq!(common::read_f16(gpu, &hb16, h.len()), common::f16_bits(&h), "f16 copy");
     });
 }
 

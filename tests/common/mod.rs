@@ -85,6 +85,18 @@ pub fn bf16_round(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
 }
 
+/// `values` rounded to f16 (to nearest, ties to even, as GPUs convert),
+/// as bits.
+pub fn f16_bits(values: &[f32]) -> Vec<u16> {
+    values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()
+}
+
+/// The first `len` f16s of `buffer`, as bits.
+pub fn read_f16(gpu: &Gpu, buffer: &wgpu::Buffer, len: usize) -> Vec<u16> {
+    let words: Vec<u32> = gpu.read_buffer(buffer, len.div_ceil(2)).unwrap();
+    words.iter().flat_map(|w| [*w as u16, (w >> 16) as u16]).take(len).collect()
+}
+
 pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()
 }
