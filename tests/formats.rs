@@ -572,9 +572,10 @@ fn q8_0_loading_two_steps_ahead_matches_the_cpu_product_at_every_loop_length() {
 /// On cooperative matrices in f16, a product large enough for the tile that
 /// reads f16 copies of the activations reads them rather than the f32 rows
 /// (zeros here), and a SwiGLU product writes its outputs as f16 too (the
-/// f32 outputs rounded): in every format with ragged row and token tiles.
-/// Elsewhere no kernel takes f16 copies, and asking for an f16 output is a
-/// typed error.
+/// f32 outputs rounded): in every format with ragged row and token tiles;
+/// rows that are not whole loads of eight f16s read the f32 rows. Elsewhere
+/// no kernel takes f16 copies, and asking for an f16 output is a typed
+/// error.
 #[test]
 fn large_products_read_and_write_f16_copies_of_the_activations() {
     on_each_backend(|gpu| {
@@ -645,8 +646,34 @@ fn large_products_read_and_write_f16_copies_of_the_activations() {
                 let copy = common::read_f16(gpu, &yb16, y.len());
                 assert_eq!(copy, common::f16_bits(&y), "{what}: f16 copy of the gated outputs");
             }
+            // Rows that are not whole loads of eight f16s read the f32 rows
+            // (beside a copy of zeros).
+            if gemm.takes_half_copies(&upload_f16(gpu, &[0.0; 4], 1, 4)) {
+                let cols = 260;
+                let values: Vec<f32> = common::bf16_round(&rng.vec(rows * cols, 1.0));
+                let weight = upload_f16(gpu, &values, rows, cols);
+                let x = rng.vec(tokens * cols, 1.0 / 32.0);
+                let xb = gpu.storage_buffer_init("x", &x);
+                let x16 = gpu.storage_buffer_bytes("x16", (tokens * cols * 2) as u64).unwrap();
+                let half = HalfCopies { x: Some(&x16), y: None };
+                let d = gemm.plan_apart(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, (&yb, None), half);
+                run(gpu, &d.unwrap(), tokens as u32);
+                let want: Vec<f32> =
+                    x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+                let tolerance = product_tolerance(kernel, &values, &x, rows, cols);
+                let got = gpu.read_buffer(&yb, want.len()).unwrap();
+                assert_close(&got, &want, tolerance, &format!("F16 rows of {cols}, {kernel:?}"));
+            }
         }
     });
+}
+
+/// A `rows` x `cols` tensor of f16 weights holding `values`.
+fn upload_f16(gpu: &Gpu, values: &[f32], rows: usize, cols: usize) -> GpuTensor {
+    let bytes: Vec<u8> = values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+    let weight = GpuTensor::alloc_in(gpu, "w", WeightFormat::F16, rows, cols, 1).unwrap();
+    weight.write_rows(gpu, 0, &WeightFormat::F16.to_gpu_layout(&bytes));
+    weight
 }
 
 /// Formats other than bf16 are read four values at a time.

@@ -289,10 +289,9 @@ impl Gemm {
                 if epilogue == Epilogue::Swiglu {
                     flags.push(SWIGLU);
                 }
-                let half_tile = half
-                    .x
-                    .filter(|_| tile.is_none())
-                    .and_then(|x16| gemm_coop::Tile::reads_f16(n_rows, max_tokens, &flags).map(|t| (x16, t)));
+                let half_tile = half.x.filter(|_| tile.is_none()).and_then(|x16| {
+                    gemm_coop::Tile::reads_f16(n_rows, weight.cols, max_tokens, &flags).map(|t| (x16, t))
+                });
                 if let Some(y16) = half.y {
                     flags.push(gemm_coop::Y_F16);
                     extra.push(y16);

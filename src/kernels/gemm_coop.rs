@@ -180,10 +180,11 @@ impl Tile {
         self.tokens <= self.warps * SUBGROUP_SIZE / (self.k / 8)
     }
 
-    /// The tile of a product of `n_rows` rows over `max_tokens` tokens
-    /// that reads its activations from their f16 copy ([`X_F16`]; `flags`
-    /// without it), or `None` where it should read the f32 rows: 128 x 256
-    /// in 16 subgroups, where it fits and gives [`MIN_WORKGROUPS`]. On the
+    /// The tile of a product of `n_rows` rows of `cols` over `max_tokens`
+    /// tokens that reads its activations from their f16 copy ([`X_F16`],
+    /// eight values a load: rows of a multiple of 8; `flags` without it),
+    /// or `None` where it should read the f32 rows: 128 x 256 in 16
+    /// subgroups, where it fits and gives [`MIN_WORKGROUPS`]. On the
     /// H200, 4096 tokens, f16 copies against f32 rows in the tiles chosen
     /// for those: bf16 28672 x 4096 214 against 201 TFLOP/s, 4096 x 4096
     /// 201 against 190; Q8_0 133 against 117 and 131 against 113; at 512
@@ -191,11 +192,14 @@ impl Tile {
     /// well from f16 copies than from f32 rows in their own tiles (4096 x
     /// 4096 bf16: 120-139 in 64 tokens x 128 or 256 rows), and a staging
     /// of two rounds (128 tokens in 8 subgroups) ran at 22-31.
-    pub fn reads_f16(n_rows: usize, max_tokens: usize, flags: &[&str]) -> Option<Tile> {
+    pub fn reads_f16(n_rows: usize, cols: usize, max_tokens: usize, flags: &[&str]) -> Option<Tile> {
         let tile = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
         let workgroups = n_rows.div_ceil(tile.rows as usize) * max_tokens.div_ceil(tile.tokens as usize);
         let with_x16 = [flags, &[X_F16, Y_F16]].concat();
-        let usable = tile.fits(&with_x16) && tile.stages_x_in_one_round() && !flags.contains(&X_SPLIT);
+        let usable = tile.fits(&with_x16)
+            && tile.stages_x_in_one_round()
+            && !flags.contains(&X_SPLIT)
+            && cols.is_multiple_of(8);
         (usable && max_tokens >= tile.tokens as usize && workgroups >= MIN_WORKGROUPS).then_some(tile)
     }
 
@@ -345,15 +349,17 @@ mod tests {
         assert!(!Tile { tokens: 64, rows: 128, k: 64, warps: 8 }.stages_x_in_one_round());
         for flags in [&[][..], &["WEIGHT_FORMAT", "W_Q8_0"], &["WEIGHT_FORMAT", "W_Q4_K", "SWIGLU"]] {
             // The 8B shape's projections at 4096 and 512 tokens.
-            assert_eq!(Tile::reads_f16(28672, 4096, flags), Some(sixteen));
-            assert_eq!(Tile::reads_f16(4096, 4096, flags), Some(sixteen));
-            assert_eq!(Tile::reads_f16(6144, 512, flags), Some(sixteen));
+            assert_eq!(Tile::reads_f16(28672, 4096, 4096, flags), Some(sixteen));
+            assert_eq!(Tile::reads_f16(4096, 14336, 4096, flags), Some(sixteen));
+            assert_eq!(Tile::reads_f16(6144, 4096, 512, flags), Some(sixteen));
             // Too few tiles of 128 x 256: the f32 rows in smaller tiles.
-            assert_eq!(Tile::reads_f16(4096, 512, flags), None);
-            assert_eq!(Tile::reads_f16(2048, 512, flags), None);
-            assert_eq!(Tile::reads_f16(1 << 20, 100, flags), None);
+            assert_eq!(Tile::reads_f16(4096, 4096, 512, flags), None);
+            assert_eq!(Tile::reads_f16(2048, 8192, 512, flags), None);
+            assert_eq!(Tile::reads_f16(1 << 20, 4096, 100, flags), None);
         }
-        assert_eq!(Tile::reads_f16(28672, 4096, &[X_SPLIT]), None);
+        assert_eq!(Tile::reads_f16(28672, 4096, 4096, &[X_SPLIT]), None);
+        // Rows that are not whole loads of eight f16s.
+        assert_eq!(Tile::reads_f16(28672, 4100, 4096, &["WEIGHT_FORMAT", "W_F16"]), None);
     }
 
     #[test]
