@@ -233,7 +233,8 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
     bytes
 }
 
-/// A `rows` x `cols` tensor of [`random_blocks`] on `gpu`, and its values.
+/// A `rows` x `cols` tensor of [`random_blocks`] (bf16: of values in -1 ..
+/// 1) on `gpu`, and its values.
 fn random_weight(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -241,6 +242,12 @@ fn random_weight(
     rows: usize,
     cols: usize,
 ) -> (GpuTensor, Vec<f32>) {
+    if format == WeightFormat::Bf16 {
+        let values = common::bf16_round(&rng.vec(rows * cols, 1.0));
+        let weight = GpuTensor::alloc(gpu, "w", rows, cols).unwrap();
+        weight.write_rows(gpu, 0, &common::bf16_bytes(&values));
+        return (weight, values);
+    }
     let bytes = random_blocks(rng, format, rows, cols);
     let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
     weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
@@ -572,10 +579,11 @@ fn q8_0_loading_two_steps_ahead_matches_the_cpu_product_at_every_loop_length() {
 /// On cooperative matrices in f16, a product large enough for the tile that
 /// reads f16 copies of the activations reads them rather than the f32 rows
 /// (zeros here), and a SwiGLU product writes its outputs as f16 too (the
-/// f32 outputs rounded): in every format with ragged row and token tiles;
+/// f32 outputs rounded): in bf16 and llama.cpp's Q8_0, Q4_K and Q6_K, with
+/// ragged row and token tiles;
 /// rows that are not whole loads of eight f16s read the f32 rows. Elsewhere
-/// no kernel takes f16 copies, and asking for an f16 output is a typed
-/// error.
+/// no kernel takes f16 copies: they read the f32 rows beside them, and
+/// asking for an f16 output is a typed error.
 #[test]
 fn large_products_read_and_write_f16_copies_of_the_activations() {
     on_each_backend(|gpu| {
@@ -599,15 +607,7 @@ fn large_products_read_and_write_f16_copies_of_the_activations() {
         for kernel in chosen_tiles {
             let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
             for format in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
-                let (weight, values) = match format {
-                    WeightFormat::Bf16 => {
-                        let values = common::bf16_round(&rng.vec(rows * cols, 1.0));
-                        let weight = GpuTensor::alloc(gpu, "w", rows, cols).unwrap();
-                        weight.write_rows(gpu, 0, &common::bf16_bytes(&values));
-                        (weight, values)
-                    }
-                    _ => random_weight(gpu, &mut rng, format, rows, cols),
-                };
+                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
                 let what = format!("{format} {kernel:?}");
                 let swiglu = HalfCopies { x: Some(&xb16), y: Some(&yb16) };
                 let gated = gemm.plan_apart(
@@ -622,6 +622,7 @@ fn large_products_read_and_write_f16_copies_of_the_activations() {
                 );
                 if !gemm.takes_half_copies(&weight) {
                     assert!(matches!(gated, Err(wgspark::Error::Unsupported { .. })), "{what}");
+                    reads_the_f32_rows_beside_a_copy(gpu, &gemm, &mut rng, format, &what);
                     continue;
                 }
                 let plain = HalfCopies { x: Some(&xb16), y: None };
@@ -666,6 +667,29 @@ fn large_products_read_and_write_f16_copies_of_the_activations() {
             }
         }
     });
+}
+
+/// A product of a kernel that takes no f16 copies, given one (of zeros)
+/// beside its f32 rows, reads the rows (a few tiles: CPU rasterisers run it).
+fn reads_the_f32_rows_beside_a_copy(gpu: &Gpu, gemm: &Gemm, rng: &mut Rng, format: WeightFormat, what: &str) {
+    let (rows, tokens, cols) = (130, 70, 256);
+    let (weight, values) = random_weight(gpu, rng, format, rows, cols);
+    let x = rng.vec(tokens * cols, 1.0 / 32.0);
+    let xb = gpu.storage_buffer_init("x", &x);
+    let x16 = gpu.storage_buffer_bytes("x16", (tokens * cols * 2) as u64).unwrap();
+    let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+    let step = step_buffer(gpu, 0, tokens, 1);
+    let half = HalfCopies { x: Some(&x16), y: None };
+    let d = gemm.plan_apart(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, (&yb, None), half).unwrap();
+    run(gpu, &d, tokens as u32);
+    let want: Vec<f32> = x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+    let tolerance = product_tolerance(gemm.kernel(), &values, &x, rows, cols);
+    assert_close(
+        &gpu.read_buffer(&yb, want.len()).unwrap(),
+        &want,
+        tolerance,
+        &format!("{what} beside a copy"),
+    );
 }
 
 /// A `rows` x `cols` tensor of f16 weights holding `values`.

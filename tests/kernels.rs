@@ -672,7 +672,7 @@ fn residual_adds_scaled() {
 
 /// The add at the end of a chunk's projection also writes the RMSNorm of
 /// the new rows for the next projection: of the steered rows, at a layer's
-/// output.
+/// output; and its f16 copy (the rows rounded) where the device has f16.
 #[test]
 fn residual_add_then_norm_matches_cpu() {
     on_each_backend(|gpu| {

@@ -64,8 +64,9 @@ fn every_chunk_size_matches_the_fixture() {
 /// On cooperative matrices in f16 (the default where a GPU has them), a
 /// chunk long enough for the products that read f16 copies of their
 /// activations (`kernels::gemm::HalfCopies`: the q/k/v, gate/up and down
-/// projections of a model 2048 wide, at least 96 tiles of 128 tokens x 256
-/// rows each) gives the last position's logits of the f32 GEMV run token by
+/// projections of a model 2048 wide, at least 128 tiles of 128 tokens x 256
+/// rows each, which the tile rule is checked to take) gives the last
+/// position's logits of the f32 GEMV run token by
 /// token, within the bound the conformance suite holds f16 prefill to (0.4
 /// % of the row's largest logit), and those of the same chunk with split
 /// operands (no copies). Runs where the adapter has cooperative matrices
@@ -73,6 +74,7 @@ fn every_chunk_size_matches_the_fixture() {
 #[test]
 fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
     use wgspark::PrefillPrecision;
+    use wgspark::kernels::gemm_coop::Tile;
     use wgspark::model::ModelConfig;
     let config = r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 2048,
       "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
@@ -84,7 +86,12 @@ fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
         }
         let config = ModelConfig::parse(config, std::path::Path::new("config.json")).unwrap();
         let model = Model::synthetic(config, gpu, 7).unwrap();
-        let prompt: Vec<u32> = (0..1536u32).map(|i| (i * 7919 + 13) % 1024).collect();
+        let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % 1024).collect();
+        // q/k/v, gate/up and down (bf16 weights: no format flags).
+        for rows in [3072, 4096, 2048] {
+            let tile = Tile::reads_f16(rows, 2048, prompt.len(), &[]);
+            assert!(tile.is_some(), "{rows} x 2048 over {} tokens reads f16 copies", prompt.len());
+        }
         let logits = |chunk_matmul, prefill_precision| {
             let options = SessionOptions {
                 prefill_chunk: Some(prompt.len()),

@@ -2,7 +2,8 @@ enable f16;
 enable wgpu_cooperative_matrix;
 
 // The chunk product of gemm.wgsl (same parameters, bindings, dense and
-// grouped modes, SWIGLU) on cooperative matrices (tensor cores):
+// grouped modes, SWIGLU; X_F16 and Y_F16 below are its own) on cooperative
+// matrices (tensor cores):
 //   Y[yrow(m), col(n)] = sum_k X[xrow(m), k] * W[wrow(n), k]
 // A workgroup of WARPS subgroups of 32 computes TILE_M tokens x TILE_N weight
 // rows, k in steps of TILE_K: the step's X (f32) and W (bf16, or with
@@ -33,7 +34,8 @@ enable wgpu_cooperative_matrix;
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
-// Needs cols % 8 == 0 for bf16 weights, cols % 4 == 0 otherwise.
+// Needs cols % 8 == 0 for bf16 weights and with X_F16, cols % 4 == 0
+// otherwise.
 // Grid: dense: x = row tiles (folded into z), y = token tiles, walked
 // token tiles first (consecutive workgroups share a weight tile, read once
 // from memory while it sits in the cache); grouped: x = row tiles, y =

@@ -32,6 +32,9 @@
 //! it writes), attention is
 //! `rope_store` + `attend` (or `attend_coop`); MoE layers group the chunk's
 //! tokens by expert (on the GPU, or on the host from the routing read back).
+//! On cooperative matrices in f16, `h` and the SwiGLU's outputs are also
+//! written as f16, which the large GEMMs read instead
+//! (`kernels::gemm::HalfCopies`).
 
 mod buffers;
 pub(crate) mod moe;
@@ -206,8 +209,9 @@ impl<'a> Builder<'a> {
         self.model.kernels.gemv.plan(&self.model.gpu, &spec)
     }
 
-    /// `y = W rms_norm(x)`; a chunk's GEMM reads `act.h`, the rows
-    /// normalised before it (by the add before it, or [`Self::input_norm`]).
+    /// `y = W rms_norm(x)`; a chunk's GEMM reads `act.h` (or `act.h16`),
+    /// the rows normalised before it (by the add before it, or
+    /// [`Self::input_norm`]).
     /// With `apart`, the rows from its `row` on go to its buffers.
     fn normed(
         &self,
@@ -299,7 +303,8 @@ impl<'a> Builder<'a> {
     }
 
     /// `act = silu(h W_gate) * (h W_up)`, h = rms_norm(x), W gate/up
-    /// interleaved; a chunk's GEMM reads `act.h` (see [`Self::normed`]).
+    /// interleaved; a chunk's GEMM reads `act.h` or `act.h16` (see
+    /// [`Self::normed`]) and writes `out` (and `act.ffn_act16`).
     fn gated(
         &self,
         weight: &GpuTensor,
@@ -576,7 +581,8 @@ impl AttentionPlan {
         })
     }
 
-    /// `h_ready`: a chunk's normalised input is in `act.h` already.
+    /// `h_ready`: a chunk's normalised input is in `act.h` (and `act.h16`)
+    /// already.
     fn encode(&self, rec: &mut Recorder<'_>, step: &Step, h_ready: bool) {
         let n = step.n_tokens;
         if let Some(norm) = self.input_norm.as_ref().filter(|_| n > 1 && !h_ready) {

@@ -91,7 +91,8 @@ pub struct Tile {
     /// 32 or 64.
     pub k: u32,
     /// Subgroups of 32: 8, or 16 where decoding weights (see
-    /// [`Self::PREFERRED`]); each computes 32 or 64 tokens x 16 to 64 rows.
+    /// [`Self::PREFERRED`]) or reading f16 copies of the activations (see
+    /// [`Self::reads_f16`]); each computes 32 or 64 tokens x 16 to 64 rows.
     pub warps: u32,
 }
 
