@@ -52,9 +52,12 @@ pub const OUT_F16: &str = "OUT_F16";
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let after_add = LayerOutput::flag_sets().into_iter().map(|layer| [&[ADD][..], &layer].concat());
     let norms: Vec<Vec<&str>> = [vec![], vec![LAYER_NORM]].into_iter().chain(after_add).collect();
-    let with_copies =
-        norms.iter().filter(|f| !f.contains(&LAYER_NORM)).map(|f| [f.as_slice(), &[OUT_F16]].concat());
-    norms.clone().into_iter().chain(with_copies).collect()
+    let with_copies: Vec<Vec<&str>> = norms
+        .iter()
+        .filter(|f| !f.contains(&LAYER_NORM))
+        .map(|f| [f.as_slice(), &[OUT_F16]].concat())
+        .collect();
+    norms.into_iter().chain(with_copies).collect()
 }
 
 /// `flags` and the f16 copy's binding where `out16` asks for one: devices
