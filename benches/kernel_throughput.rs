@@ -299,6 +299,23 @@ fn main() {
                             flops / secs / 1e12
                         );
                     }
+                    // As partial sums over k, where a residual add's
+                    // product would split (Gemm::plan_summed).
+                    let parts = gemm.summed_splits(&gpu, &w, tokens as usize);
+                    if chosen && parts > 1 {
+                        let partial = gpu.storage_buffer("partial", parts * tokens as usize * rows).unwrap();
+                        let (d, _) = gemm
+                            .plan_summed(&gpu, &w, tokens as usize, &s, (&x, Some(&x16)), &partial)
+                            .unwrap();
+                        time(&gpu, &d, None, tokens, 1);
+                        let secs = time(&gpu, &d, None, tokens, 5);
+                        let label = format!("{kernel:?} f16 copies, k in {parts}");
+                        println!(
+                            "gemm {format:<5} {tokens:>4} x {rows:>6} x {cols:>5} {label:<47}: {:8.3} ms, {:6.2} TFLOP/s",
+                            secs * 1e3,
+                            2.0 * (rows * cols) as f64 * tokens as f64 / secs / 1e12
+                        );
+                    }
                 }
             }
         }

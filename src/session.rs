@@ -188,8 +188,9 @@ impl<'m> Session<'m> {
         let values_apart =
             model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
         let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
-        let activations =
-            Activations::new(gpu, c, chunk, context_len, (values_apart, gemm.is_some(), half_copies))?;
+        let summed_rows = crate::flow::summed_rows(model, gemm.as_ref(), chunk);
+        let layout = (values_apart, gemm.is_some(), half_copies);
+        let activations = Activations::new(gpu, c, (chunk, summed_rows), context_len, layout)?;
         let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, &kv)?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);

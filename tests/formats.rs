@@ -692,6 +692,53 @@ fn reads_the_f32_rows_beside_a_copy(gpu: &Gpu, gemm: &Gemm, rng: &mut Rng, forma
     );
 }
 
+/// A product with too few of the tiles that read f16 copies runs, on
+/// cooperative matrices in f16, as partial sums over ranges of k
+/// (`Gemm::plan_summed`, for the residual add to sum) that add up to it:
+/// bf16, and Q8_0, Q4_K and Q6_K (whose blocks each range holds whole),
+/// with ragged row and token tiles. Every other kernel writes the whole
+/// product as one part.
+#[test]
+fn products_of_few_tiles_sum_partial_products_over_k() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(19);
+        let chosen_tiles = Gemm::kernels(gpu)
+            .into_iter()
+            .filter(|k| !matches!(k, GemmKernel::Cooperative { tile: Some(_), .. }));
+        for kernel in chosen_tiles {
+            let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
+            let splits = matches!(kernel, GemmKernel::Cooperative { split: false, .. });
+            // 8 x 4 tiles of 256 rows and 128 tokens: three ranges of 512
+            // columns; elsewhere a product of a few tiles.
+            let (rows, tokens, cols) = if splits { (2000, 500, 1536) } else { (130, 70, 512) };
+            let x: Vec<f32> =
+                rng.vec(tokens * cols, 1.0 / 32.0).iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+            let xb = gpu.storage_buffer_init("x", &x);
+            let xb16 = gpu.storage_buffer_bytes("x16", (tokens * cols * 2) as u64).unwrap();
+            gpu.queue.write_buffer(&xb16, 0, bytemuck::cast_slice(&common::f16_bits(&x)));
+            let step = step_buffer(gpu, 0, tokens, 1);
+            for format in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
+                let what = format!("{format} {kernel:?}");
+                let parts_wanted = if splits && gemm.takes_half_copies(&weight) { 3 } else { 1 };
+                let yb = gpu.storage_buffer("y", tokens * parts_wanted * rows).unwrap();
+                let (d, parts) =
+                    gemm.plan_summed(gpu, &weight, tokens, &step, (&xb, Some(&xb16)), &yb).unwrap();
+                assert_eq!(parts, parts_wanted, "{what}");
+                run(gpu, &d, tokens as u32);
+                let y: Vec<f32> = gpu.read_buffer(&yb, tokens * parts * rows).unwrap();
+                let summed: Vec<f32> = (0..tokens * rows)
+                    .map(|e| (0..parts).map(|j| y[((e / rows) * parts + j) * rows + e % rows]).sum())
+                    .collect();
+                let want: Vec<f32> =
+                    x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+                let tolerance = product_tolerance(kernel, &values, &x, rows, cols);
+                assert_close(&summed, &want, tolerance, &format!("{what}, {parts} parts"));
+            }
+        }
+    });
+}
+
 /// A `rows` x `cols` tensor of f16 weights holding `values`.
 fn upload_f16(gpu: &Gpu, values: &[f32], rows: usize, cols: usize) -> GpuTensor {
     let bytes: Vec<u8> = values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();

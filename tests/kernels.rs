@@ -642,47 +642,51 @@ fn bias_then_activation_matches_cpu() {
     });
 }
 
+/// The residual add of a product, or of its partial sums over k side by
+/// side (`Gemm::plan_summed`), scaled.
 #[test]
-fn residual_adds_scaled() {
+fn residual_adds_scaled_sums_of_parts() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(8);
         // Rows shorter than a workgroup's elements, and rows of several
         // workgroups with a ragged last one.
-        for (n, tokens) in [(77, 2), (2500, 3)] {
+        for (n, tokens, parts) in [(77, 2, 1), (2500, 3, 1), (77, 3, 4), (2500, 2, 3)] {
             let x = rng.vec(tokens * n, 1.0);
-            let y = rng.vec(tokens * n, 1.0);
+            let y = rng.vec(tokens * parts * n, 1.0);
             let xb = gpu.storage_buffer_init("x", &x);
             let yb = gpu.storage_buffer_init("y", &y);
             let residual = Residual::new();
             run(
                 gpu,
-                &[residual.plan(gpu, n, 0.5, &yb, &xb, &LayerOutput::default()).unwrap()],
+                &[residual.plan(gpu, n, 0.5, (&yb, parts), &xb, &LayerOutput::default()).unwrap()],
                 tokens as u32,
             );
-            let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + 0.5 * b).collect();
-            assert_close(
-                &gpu.read_buffer(&xb, want.len()).unwrap(),
-                &want,
-                1e-6,
-                &format!("residual of {n}"),
-            );
+            let want: Vec<f32> = (0..tokens * n)
+                .map(|e| {
+                    let (t, i) = (e / n, e % n);
+                    x[e] + 0.5 * (0..parts).map(|j| y[(t * parts + j) * n + i]).sum::<f32>()
+                })
+                .collect();
+            let what = format!("residual of {n} in {parts} parts");
+            assert_close(&gpu.read_buffer(&xb, want.len()).unwrap(), &want, 1e-6, &what);
         }
     });
 }
 
-/// The add at the end of a chunk's projection also writes the RMSNorm of
-/// the new rows for the next projection: of the steered rows, at a layer's
-/// output; and its f16 copy (the rows rounded) where the device has f16.
+/// The add at the end of a chunk's projection (of its partial sums over k,
+/// where it has them) also writes the RMSNorm of the new rows for the next
+/// projection: of the steered rows, at a layer's output; and its f16 copy
+/// (the rows rounded) where the device has f16.
 #[test]
 fn residual_add_then_norm_matches_cpu() {
     on_each_backend(|gpu| {
         let mut rng = Rng::new(16);
         let rms_norm = RmsNorm::new(gpu).unwrap();
         // A row shorter than a workgroup, and rows of several strides with a
-        // ragged last one.
-        for (n, tokens) in [(77, 2), (2500, 3)] {
+        // ragged last one; whole products and partial sums.
+        for (n, tokens, parts) in [(77, 2, 1), (2500, 3, 1), (77, 3, 2), (2500, 2, 4)] {
             let x = rng.vec(tokens * n, 1.0);
-            let y = rng.vec(tokens * n, 1.0);
+            let y = rng.vec(tokens * parts * n, 1.0);
             let w = rng.vec(n, 1.0);
             let steer = rng.vec(n, 1.0);
             let (xb, yb, sb) = (
@@ -697,21 +701,28 @@ fn residual_add_then_norm_matches_cpu() {
             for steered in [false, true] {
                 let output = LayerOutput { steer: steered.then_some(&sb), capture: None };
                 gpu.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&x));
-                let d = rms_norm.plan_after_add(gpu, &weight, eps, &yb, &xb, (&hb, Some(&hb16)), &output);
+                let y_parts = (&yb, parts);
+                let d = rms_norm.plan_after_add(gpu, &weight, eps, y_parts, &xb, (&hb, Some(&hb16)), &output);
                 let (d, copied) = match d {
                     Ok(d) => (d, true),
                     Err(e) => {
                         assert!(!has_f16(gpu), "{e}");
-                        let d = rms_norm.plan_after_add(gpu, &weight, eps, &yb, &xb, (&hb, None), &output);
+                        let d =
+                            rms_norm.plan_after_add(gpu, &weight, eps, y_parts, &xb, (&hb, None), &output);
                         (d.unwrap(), false)
                     }
                 };
                 run(gpu, &[d], tokens as u32);
-                let added: Vec<f32> =
-                    (0..tokens * n).map(|e| x[e] + y[e] + if steered { steer[e % n] } else { 0.0 }).collect();
+                let added: Vec<f32> = (0..tokens * n)
+                    .map(|e| {
+                        let (t, i) = (e / n, e % n);
+                        let product: f32 = (0..parts).map(|j| y[(t * parts + j) * n + i]).sum();
+                        x[e] + product + if steered { steer[i] } else { 0.0 }
+                    })
+                    .collect();
                 let want_h: Vec<f32> =
                     added.chunks(n).flat_map(|row| reference::rms_norm(row, &w, eps)).collect();
-                let what = format!("{tokens} rows of {n}, steered {steered}");
+                let what = format!("{tokens} rows of {n} in {parts} parts, steered {steered}");
                 assert_close(&gpu.read_buffer(&xb, added.len()).unwrap(), &added, 1e-6, &what);
                 let h = gpu.read_buffer(&hb, want_h.len()).unwrap();
                 assert_close(&h, &want_h, 1e-5, &format!("{what}: norm"));
@@ -794,7 +805,7 @@ fn residual_at_a_layer_output_steers_and_captures() {
             let d = if weighted {
                 residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, &output)
             } else {
-                residual.plan(gpu, n, 1.0, &yb, &xb, &output)
+                residual.plan(gpu, n, 1.0, (&yb, 1), &xb, &output)
             };
             run(gpu, &[d.unwrap()], tokens as u32);
             let want: Vec<f32> = (0..tokens * n)

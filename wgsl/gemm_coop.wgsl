@@ -31,6 +31,12 @@ enable wgpu_cooperative_matrix;
 // same kernel ran at 22-31 TFLOP/s (kernels::gemm_coop::Tile::reads_f16).
 // Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
 // product after it to read with X_F16.
+// K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
+// summing one of K_SPLITS consecutive ranges of k, and write their partial
+// sums side by side, y packed [tokens, K_SPLITS, y_stride], for the
+// residual add after the product to sum: a product of few tiles (the down
+// projection of a short chunk) then fills the GPU in the tile that reads
+// f16 copies (kernels::gemm_coop::Tile::k_splits).
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
@@ -80,6 +86,9 @@ override W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
 // second step's values in registers, a loop of its own) where that
 // measured faster (kernels::gemm_coop::Tile::ahead).
 override AHEAD: u32 = 1u;
+#if K_SPLIT
+override K_SPLITS: u32 = 2u;
+#endif
 
 @group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
@@ -149,6 +158,10 @@ struct Tile {
     m0: u32,
     n0: u32,
     expert: u32,
+#if K_SPLIT
+    // Which range of k the workgroup sums.
+    split: u32,
+#endif
 }
 
 // The tile's token count: the chunk's, or its expert's (grouped). Read
@@ -161,11 +174,23 @@ fn tile_count(wid: vec3<u32>) -> u32 {
     return step.n_tokens;
 }
 
+// Row tiles of a dense product (K_SPLIT: of each split; the grid walks
+// the splits one after another).
+fn dense_row_tiles() -> u32 {
+    return (p.rows + TILE_N - 1u) / TILE_N;
+}
+
 fn tile_of(wid: vec3<u32>, nwg: vec3<u32>) -> Tile {
     // Dense: the dispatch order's index d walks the token tiles of a row
     // tile before the next row tile.
     let d = wid.x + nwg.x * (wid.y + nwg.y * wid.z);
+#if K_SPLIT
+    let r = d / nwg.y;
+    let row_tiles = dense_row_tiles();
+    var t = Tile(false, step.n_tokens, 0u, p.rows, (d % nwg.y) * TILE_M, (r % row_tiles) * TILE_N, 0u, r / row_tiles);
+#else
     var t = Tile(false, step.n_tokens, 0u, p.rows, (d % nwg.y) * TILE_M, (d / nwg.y) * TILE_N, 0u);
+#endif
     if (p.expert_rows > 0u) {
         t.grouped = true;
         t.expert = p.expert + wid.z;
@@ -458,7 +483,11 @@ fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) 
             y16[yrow * p.y_stride + col / 2u] = f16(gated);
 #endif
 #else
+#if K_SPLIT
+            y[(yrow * K_SPLITS + t.split) * p.y_stride + col] = v;
+#else
             y[yrow * p.y_stride + col] = v;
+#endif
 #endif
         }
     }
@@ -491,7 +520,11 @@ fn main(
     // control flow that the compiler sees is uniform.
     var live = wid.y * TILE_M < tile_count(wid);
     if (p.expert_rows == 0u) {
+#if K_SPLIT
+        live = (wid.x + nwg.x * (wid.y + nwg.y * wid.z)) / nwg.y < dense_row_tiles() * K_SPLITS;
+#else
         live = (wid.x + nwg.x * (wid.y + nwg.y * wid.z)) / nwg.y * TILE_N < p.rows;
+#endif
     }
     if (live) {
         product(tile_of(wid, nwg), li, warp, lane);
@@ -524,6 +557,16 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     var c32 = Acc();
     var c33 = Acc();
 
+    // The range of k summed: all of it, or (K_SPLIT) the tile's split.
+#if K_SPLIT
+    let k_len = p.cols / K_SPLITS;
+    let k_begin = t.split * k_len;
+#else
+    let k_len = p.cols;
+    let k_begin = 0u;
+#endif
+    let k_end = k_begin + k_len;
+
     // Store, barrier, load the step after (AHEAD 2: two after), multiply,
     // barrier: on the H200 a loop ordered multiply, barrier, store, load,
     // barrier (the order a double-buffered staging needs) ran the 128 x 256
@@ -533,20 +576,20 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     if (AHEAD > 1u) {
         // Two sets of registers in turn, st_a (steps k0) and st_b (k0 +
         // TILE_K), each loaded two steps before it is stored.
-        var st_a = load_step(s, 0u, li);
-        var st_b = load_step(s, TILE_K, li);
-        for (var k0 = 0u; k0 < p.cols; k0 += 2u * TILE_K) {
+        var st_a = load_step(s, k_begin, li);
+        var st_b = load_step(s, k_begin + TILE_K, li);
+        for (var k0 = k_begin; k0 < k_end; k0 += 2u * TILE_K) {
             store_step(st_a, k0, li);
             workgroupBarrier();
-            if (k0 + 2u * TILE_K < p.cols) {
+            if (k0 + 2u * TILE_K < k_end) {
                 st_a = load_step(s, k0 + 2u * TILE_K, li);
             }
             multiply_step(a_at, b_at, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
             workgroupBarrier();
-            if (k0 + TILE_K < p.cols) {
+            if (k0 + TILE_K < k_end) {
                 store_step(st_b, k0 + TILE_K, li);
                 workgroupBarrier();
-                if (k0 + 3u * TILE_K < p.cols) {
+                if (k0 + 3u * TILE_K < k_end) {
                     st_b = load_step(s, k0 + 3u * TILE_K, li);
                 }
                 multiply_step(a_at, b_at, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);
@@ -554,11 +597,11 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
             }
         }
     } else {
-        var st = load_step(s, 0u, li);
-        for (var k0 = 0u; k0 < p.cols; k0 += TILE_K) {
+        var st = load_step(s, k_begin, li);
+        for (var k0 = k_begin; k0 < k_end; k0 += TILE_K) {
             store_step(st, k0, li);
             workgroupBarrier();
-            if (k0 + TILE_K < p.cols) {
+            if (k0 + TILE_K < k_end) {
                 st = load_step(s, k0 + TILE_K, li);
             }
             multiply_step(a_at, b_at, &c00, &c01, &c02, &c03, &c10, &c11, &c12, &c13, &c20, &c21, &c22, &c23, &c30, &c31, &c32, &c33);

@@ -9,10 +9,11 @@
 // x and out may be the same buffer (in-place): each invocation rewrites only
 // the elements it read.
 // ADD (RMSNorm of rows of the hidden state): first x[r, i] =
-// layer_output(t, i, n, x[r, i] + y[r, i]), the residual add at the end of
-// a chunk's projection (steered and captured at a layer's output,
-// common.wgsl), so that the add and the next projection's norm are one
-// dispatch.
+// layer_output(t, i, n, x[r, i] + sum_j y[t, j, i]), the residual add at
+// the end of a chunk's projection (steered and captured at a layer's
+// output, common.wgsl), so that the add and the next projection's norm are
+// one dispatch; y holds the product, or ADD_PARTS partial sums of it over
+// k side by side ([tokens, ADD_PARTS, n]: the GEMM's K_SPLIT).
 // OUT_F16 (RMSNorm): each value of out also goes to out16 as f16, for the
 // products on cooperative matrices that read their activations so.
 // w (and b): f32 [n]. One workgroup per row; WG must be a power of two.
@@ -31,6 +32,17 @@ override WG: u32 = 64u;
 #endif
 #if ADD
 @group(0) @binding(5) var<storage, read> y: array<f32>;
+override ADD_PARTS: u32 = 1u;
+
+// Element i of token t's product: its partial sums added in order. ADD
+// rows are whole vectors (offset 0, token_stride n).
+fn added(t: u32, i: u32) -> f32 {
+    var sum = y[t * ADD_PARTS * p.n + i];
+    for (var j = 1u; j < ADD_PARTS; j++) {
+        sum += y[(t * ADD_PARTS + j) * p.n + i];
+    }
+    return sum;
+}
 #endif
 #if OUT_F16
 @group(0) @binding(6) var<storage, read_write> out16: array<f16>;
@@ -59,7 +71,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     var squares = 0.0;
     for (var i = lid.x; i < p.n; i += WG) {
 #if ADD
-        let v = layer_output(wid.y, i, p.n, x[row + i] + y[row + i]);
+        let v = layer_output(wid.y, i, p.n, x[row + i] + added(wid.y, i));
         x[row + i] = v;
 #else
         let v = x[row + i];

@@ -43,7 +43,8 @@ pub struct Activations {
     /// cooperative matrices in f16 (`kernels::gemm::HalfCopies`).
     pub h16: Option<wgpu::Buffer>,
     pub ffn_act16: Option<wgpu::Buffer>,
-    /// Outputs of a chunk's GEMMs before their residual add.
+    /// Outputs of a chunk's GEMMs before their residual add (`ffn_out`:
+    /// `[summed_rows, hidden]`, see `flow::summed_rows`).
     pub attn_out: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
     pub ffn_out: wgpu::Buffer,
@@ -108,11 +109,12 @@ impl Activations {
 
     /// `values_apart`: some layer writes its value rows apart; `chunk_gemm`:
     /// a GEMM runs the chunks' projections (not the GEMV); `half_copies`:
-    /// that GEMM reads f16 copies of its activations.
+    /// that GEMM reads f16 copies of its activations; `summed_rows`: the
+    /// rows of the down projection's outputs (`flow::summed_rows`).
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
-        max_tokens: usize,
+        (max_tokens, summed_rows): (usize, usize),
         context_len: usize,
         (values_apart, chunk_gemm, half_copies): (bool, bool, bool),
     ) -> Result<Self> {
@@ -174,7 +176,7 @@ impl Activations {
             ffn_act16: half("ffn_act16", c.intermediate)?,
             attn_out: buf("attn_out", c.hidden)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
-            ffn_out: buf("ffn_out", c.hidden)?,
+            ffn_out: gpu.storage_buffer("ffn_out", summed_rows * c.hidden)?,
             logits: gpu.storage_buffer("logits", c.vocab)?,
             sample: SampleScratch::new(gpu, c.vocab)?,
             moe,

@@ -145,9 +145,7 @@ impl ChunkPlans {
     ) -> Result<Self> {
         let Some(gemm) = gemm else { return Ok(Self::default()) };
         let mut classes: Vec<(usize, Vec<Dispatch>)> = Vec::new();
-        let ends =
-            std::iter::successors(Some(Self::SHORTEST), |&n| Some(2 * n)).take_while(|&n| n < max_tokens);
-        for most in ends.chain([max_tokens]) {
+        for most in Self::ends(max_tokens) {
             let dispatches = plan(gemm, most)?;
             match classes.last_mut() {
                 Some((end, last)) if same_kernels(last, &dispatches) => *end = most,
@@ -157,11 +155,36 @@ impl ChunkPlans {
         Ok(Self(classes))
     }
 
+    /// Each class's longest chunk, shortest first.
+    fn ends(max_tokens: usize) -> impl Iterator<Item = usize> {
+        let below = std::iter::successors(Some(Self::SHORTEST), |&n| Some(2 * n))
+            .take_while(move |&n| n < max_tokens);
+        below.chain([max_tokens])
+    }
+
     /// The sequence for a chunk of `n_tokens` (at most the longest chunk).
     fn for_tokens(&self, n_tokens: usize) -> Option<&[Dispatch]> {
         let class = self.0.iter().find(|(most, _)| n_tokens <= *most).or(self.0.last());
         class.map(|(_, dispatches)| dispatches.as_slice())
     }
+}
+
+/// Rows of `Activations::ffn_out`, where a chunk's dense down projection
+/// writes its product for the residual add: the longest chunk's tokens, or
+/// more where a class of chunks runs it as partial sums over k
+/// (`Gemm::plan_summed`, reading the f16 copy of its input that the
+/// gate/up writes where it takes them), a row per token and part. (The
+/// o-projection reads f32 rows, which do not split.)
+pub fn summed_rows(model: &Model, gemm: Option<&Gemm>, max_tokens: usize) -> usize {
+    let Some(gemm) = gemm else { return max_tokens };
+    let downs = model.weights.layers.iter().filter_map(|l| match &l.ffn {
+        FfnWeights::Dense { gate_up, down } if gemm.takes_half_copies(gate_up) => Some(down),
+        _ => None,
+    });
+    let rows = |w: &GpuTensor, most: usize| most * gemm.summed_splits(&model.gpu, w, most);
+    downs
+        .flat_map(|w| ChunkPlans::ends(max_tokens).map(move |most| rows(w, most)))
+        .fold(max_tokens, usize::max)
 }
 
 /// Whether two sequences run the same pipelines over the same grids.
@@ -254,8 +277,9 @@ impl<'a> Builder<'a> {
     }
 
     /// `x = layer_output(x + W a)` (a chunk's GEMM reading `a16`, an f16
-    /// copy of `a`, where given); a chunk's GEMM goes through `scratch`,
-    /// and with `then_norm` its add also writes `act.h = rms_norm(x)` (and
+    /// copy of `a`, where given); a chunk's GEMM goes through `scratch` (as
+    /// partial sums over k where it has few tiles: the add sums them), and
+    /// with `then_norm` its add also writes `act.h = rms_norm(x)` (and
     /// `act.h16`) for the projection after it.
     fn add_into(
         &self,
@@ -268,21 +292,19 @@ impl<'a> Builder<'a> {
         let (gpu, k, act) = (&self.model.gpu, &self.model.kernels, self.act);
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
-        let half = HalfCopies { x: a16, y: None };
         let chunk = self.chunk(|gemm, tokens| {
-            let mut d =
-                gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, a, (scratch, None), half)?;
+            let (mut d, parts) = gemm.plan_summed(gpu, weight, tokens, &act.step, (a, a16), scratch)?;
             d.push(match then_norm {
                 Some(norm) => k.rms_norm.plan_after_add(
                     gpu,
                     norm,
                     self.model.config.rms_eps,
-                    scratch,
+                    (scratch, parts),
                     x,
                     (&act.h, act.h16.as_ref()),
                     output,
                 )?,
-                None => k.residual.plan(gpu, weight.rows, 1.0, scratch, x, output)?,
+                None => k.residual.plan(gpu, weight.rows, 1.0, (scratch, parts), x, output)?,
             });
             Ok(d)
         })?;

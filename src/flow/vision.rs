@@ -181,7 +181,7 @@ impl Pass<'_> {
     }
 
     fn add(&mut self, n: usize, tokens: usize, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Result<()> {
-        let d = self.kernels.residual.plan(self.gpu, n, 1.0, y, x, &LayerOutput::default())?;
+        let d = self.kernels.residual.plan(self.gpu, n, 1.0, (y, 1), x, &LayerOutput::default())?;
         self.push(d, tokens);
         Ok(())
     }

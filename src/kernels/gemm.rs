@@ -64,19 +64,21 @@ pub struct GroupedBuffers<'a> {
 
 /// A product's extent: `rows` weight rows for `tokens` tokens (at most,
 /// or on average per expert), for `experts` experts side by side (0: a
-/// dense product).
+/// dense product), over `k_splits` ranges of k (dense; 1: all of k).
 struct Shape {
     rows: usize,
     tokens: usize,
     experts: usize,
+    k_splits: usize,
 }
 
 impl Shape {
-    /// Row tiles along x (folded into z when dense), experts along z.
+    /// Row tiles along x (each range of k's in turn, folded into z when
+    /// dense), experts along z.
     fn grid(&self, gpu: &Gpu, name: &str, tile_rows: u32) -> Result<[u32; 3]> {
         let tiles = (self.rows as u32).div_ceil(tile_rows);
         if self.experts == 0 {
-            return Ok(gpu.fold_grid(tiles));
+            return Ok(gpu.fold_grid(tiles * self.k_splits as u32));
         }
         let max = gpu.caps.max_workgroups_per_dim as usize;
         if tiles as usize > max || self.experts > max {
@@ -289,9 +291,12 @@ impl Gemm {
                 if epilogue == Epilogue::Swiglu {
                     flags.push(SWIGLU);
                 }
-                let half_tile = half.x.filter(|_| tile.is_none()).and_then(|x16| {
-                    gemm_coop::Tile::reads_f16(n_rows, weight.cols, max_tokens, &flags).map(|t| (x16, t))
-                });
+                let copy_tile = match shape.k_splits {
+                    1 => gemm_coop::Tile::reads_f16(n_rows, weight.cols, max_tokens, &flags),
+                    // Self::summed_splits found the product suits the tile.
+                    _ => Some(gemm_coop::Tile::COPIES),
+                };
+                let half_tile = half.x.filter(|_| tile.is_none()).zip(copy_tile);
                 if let Some(y16) = half.y {
                     flags.push(gemm_coop::Y_F16);
                     extra.push(y16);
@@ -306,7 +311,12 @@ impl Gemm {
                         .filter(|t| t.fits(&flags))
                         .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags)),
                 };
-                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &tile.constants(&flags))?;
+                let mut constants = tile.constants(&flags).to_vec();
+                if shape.k_splits > 1 {
+                    flags.push(gemm_coop::K_SPLIT);
+                    constants.push(("K_SPLITS", shape.k_splits as f64));
+                }
+                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &constants)?;
                 (pipeline, tile.tokens, tile.rows)
             }
         };
@@ -390,10 +400,66 @@ impl Gemm {
                     y_stride: outputs(weight.rows - first_row) as u32,
                 };
                 let g = &self.no_groups;
-                let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0 };
+                let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits: 1 };
                 self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g], half)
             })
             .collect()
+    }
+
+    /// The ranges of k [`Self::plan_summed`] splits `weight`'s product over
+    /// `max_tokens` tokens into (reading f16 copies: see
+    /// [`gemm_coop::Tile::k_splits`]): 1 for a product that does not split,
+    /// or a tensor of several parts.
+    pub fn summed_splits(&self, gpu: &Gpu, weight: &GpuTensor, max_tokens: usize) -> usize {
+        let (GemmKernel::Cooperative { split: false, tile: None }, [part]) = (self.kernel, &weight.parts[..])
+        else {
+            return 1;
+        };
+        if !self.takes_half_copies(weight) {
+            return 1;
+        }
+        let flags = gemm_coop::flags(gpu, part.format, false);
+        gemm_coop::Tile::k_splits(weight.rows, weight.cols, max_tokens, &flags)
+    }
+
+    /// `y = W x` as [`Self::plan`] (reading `x16`, the f16 copy of `x`,
+    /// where given and the tile reads it) for a consumer that sums partial
+    /// products: y packed `[tokens, splits, W.rows]`, the product over
+    /// consecutive ranges of k, [`Self::summed_splits`] of them (returned
+    /// beside the dispatches; 1: y is the whole product).
+    pub fn plan_summed(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        max_tokens: usize,
+        step: &wgpu::Buffer,
+        (x, x16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+        y: &wgpu::Buffer,
+    ) -> Result<(Vec<Dispatch>, usize)> {
+        let half = HalfCopies { x: x16, y: None };
+        let splits = match x16 {
+            Some(_) => self.summed_splits(gpu, weight, max_tokens),
+            None => 1,
+        };
+        if splits == 1 {
+            let d = self.plan_apart(gpu, weight, Epilogue::Plain, max_tokens, step, x, (y, None), half)?;
+            return Ok((d, 1));
+        }
+        let part = &weight.parts[0];
+        let params = GemmParams {
+            rows: part.rows as u32,
+            cols: weight.cols as u32,
+            first_row: 0,
+            expert_rows: 0,
+            expert: 0,
+            x_div: 1,
+            y_stride: weight.rows as u32,
+        };
+        let g = &self.no_groups;
+        let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits: splits };
+        let d =
+            self.dispatch(gpu, (weight, part), Epilogue::Plain, params, shape, [step, x, y, g, g], half)?;
+        Ok((vec![d], splits))
     }
 
     /// For the experts `experts` of a stacked `weight` (`expert_rows` rows
@@ -435,7 +501,8 @@ impl Gemm {
                         Epilogue::Swiglu => (expert_rows / 2) as u32,
                     },
                 };
-                let shape = Shape { rows: expert_rows, tokens: tokens_per_expert, experts: end - first };
+                let shape =
+                    Shape { rows: expert_rows, tokens: tokens_per_expert, experts: end - first, k_splits: 1 };
                 let b = [step, b.x, b.y, b.groups, b.pairs];
                 self.dispatch(gpu, (weight, part), epilogue, params, shape, b, HalfCopies::default())
             })

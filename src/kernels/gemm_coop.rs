@@ -11,6 +11,15 @@ pub const W_SPLIT: &str = "W_SPLIT";
 pub const X_F16: &str = "X_F16";
 /// A SwiGLU product's outputs also written as f16, for the next to read.
 pub const Y_F16: &str = "Y_F16";
+/// A plain product as partial sums over ranges of k (see [`Tile::k_splits`]).
+pub const K_SPLIT: &str = "K_SPLIT";
+
+/// Most ranges of k a product is split into.
+const MAX_K_SPLITS: usize = 4;
+
+/// Columns in each range of k a split product sums: a multiple of every
+/// weight format's block and of every tile's steps.
+const K_SPLIT_COLUMNS: usize = 256;
 
 /// The kernel's subgroups: of 32 invocations, 8 or 16 to a workgroup
 /// ([`Tile::warps`]), each computing a part of the workgroup's tile.
@@ -181,6 +190,10 @@ impl Tile {
         self.tokens <= self.warps * SUBGROUP_SIZE / (self.k / 8)
     }
 
+    /// The tile that reads f16 copies: 128 tokens x 256 rows in steps of 32,
+    /// 16 subgroups.
+    pub const COPIES: Tile = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
+
     /// The tile of a product of `n_rows` rows of `cols` over `max_tokens`
     /// tokens that reads its activations from their f16 copy ([`X_F16`],
     /// eight values a load: rows of a multiple of 8; `flags` without it),
@@ -194,14 +207,44 @@ impl Tile {
     /// 4096 bf16: 120-139 in 64 tokens x 128 or 256 rows), and a staging
     /// of two rounds (128 tokens in 8 subgroups) ran at 22-31.
     pub fn reads_f16(n_rows: usize, cols: usize, max_tokens: usize, flags: &[&str]) -> Option<Tile> {
-        let tile = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
+        Self::copy_tile(n_rows, cols, max_tokens, flags)
+            .filter(|&(_, workgroups)| workgroups >= MIN_WORKGROUPS)
+            .map(|(tile, _)| tile)
+    }
+
+    /// The tile of [`Self::reads_f16`] and its workgroups for the product,
+    /// where the build and the product suit it, however few the workgroups.
+    fn copy_tile(n_rows: usize, cols: usize, max_tokens: usize, flags: &[&str]) -> Option<(Tile, usize)> {
+        let tile = Self::COPIES;
         let workgroups = n_rows.div_ceil(tile.rows as usize) * max_tokens.div_ceil(tile.tokens as usize);
         let with_x16 = [flags, &[X_F16, Y_F16]].concat();
         let usable = tile.fits(&with_x16)
             && tile.stages_x_in_one_round()
             && !flags.contains(&X_SPLIT)
             && cols.is_multiple_of(8);
-        (usable && max_tokens >= tile.tokens as usize && workgroups >= MIN_WORKGROUPS).then_some(tile)
+        (usable && max_tokens >= tile.tokens as usize).then_some((tile, workgroups))
+    }
+
+    /// The ranges of k ([`K_SPLIT`]) a plain product whose partial sums a
+    /// residual add sums should run in: where the tile of
+    /// [`Self::reads_f16`] gives the product too few workgroups, the fewest
+    /// ranges (at most four, each a multiple of 256 columns) that give it
+    /// [`MIN_WORKGROUPS`]; otherwise (or where none do) 1, the whole
+    /// product in one. On the H200, the down projections of 512 tokens
+    /// (64 and 32 such tiles) in partial sums against whole in the tile
+    /// [`Self::choose`] gives them, TFLOP/s: Llama-3.1-8B's 4096 x 14336 in
+    /// two ranges, bf16 218 against 174, Q8_0 131 against 116, Q4_K 104
+    /// against 71, Q6_K 108 against 72; Llama-3.2-1B's 2048 x 8192 in four,
+    /// bf16 187 against 116, Q8_0 127 against 49, Q4_K 98 against 54, Q6_K
+    /// 85 against 43.
+    pub fn k_splits(n_rows: usize, cols: usize, max_tokens: usize, flags: &[&str]) -> usize {
+        let Some((_, workgroups)) = Self::copy_tile(n_rows, cols, max_tokens, flags) else { return 1 };
+        if workgroups >= MIN_WORKGROUPS {
+            return 1;
+        }
+        (2..=MAX_K_SPLITS)
+            .find(|&n| cols.is_multiple_of(n * K_SPLIT_COLUMNS) && workgroups * n >= MIN_WORKGROUPS)
+            .unwrap_or(1)
     }
 
     /// K steps a build with `flags` loads ahead of the one it multiplies:
@@ -238,11 +281,12 @@ pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and
 /// without splits, plain and with SwiGLU; unsplit, also reading f16
-/// copies (and with SwiGLU writing them).
+/// copies (plain, also split over k; with SwiGLU writing them).
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = super::gemm::with_epilogues(precision_flag_sets());
     for flags in super::weight_flag_sets() {
         out.push([flags.clone(), vec![X_F16]].concat());
+        out.push([flags.clone(), vec![X_F16, K_SPLIT]].concat());
         out.push([flags.clone(), vec![X_F16, super::gemm::SWIGLU, Y_F16]].concat());
         out.push([flags, vec![super::gemm::SWIGLU, Y_F16]].concat());
     }
@@ -361,6 +405,26 @@ mod tests {
         assert_eq!(Tile::reads_f16(28672, 4096, 4096, &[X_SPLIT]), None);
         // Rows that are not whole loads of eight f16s.
         assert_eq!(Tile::reads_f16(28672, 4100, 4096, &["WEIGHT_FORMAT", "W_F16"]), None);
+    }
+
+    #[test]
+    fn products_of_too_few_copy_tiles_split_over_k_until_they_have_enough() {
+        for flags in [&[][..], &["WEIGHT_FORMAT", "W_Q8_0"]] {
+            // Down projections at 512 tokens: the 8B shape's 64 tiles in
+            // two ranges of 7168 columns, the 1B shape's 32 in four of 2048
+            // (three do not divide 8192 into whole 256s).
+            assert_eq!(Tile::k_splits(4096, 14336, 512, flags), 2);
+            assert_eq!(Tile::k_splits(2048, 8192, 512, flags), 4);
+            assert_eq!(Tile::k_splits(2000, 1536, 500, flags), 3);
+            // Enough tiles already, or whole.
+            assert_eq!(Tile::k_splits(4096, 14336, 4096, flags), 1);
+            assert_eq!(Tile::k_splits(6144, 4096, 512, flags), 1);
+            // Too few even in four, no range of whole 256s, no copy tile.
+            assert_eq!(Tile::k_splits(2048, 8192, 128, flags), 1);
+            assert_eq!(Tile::k_splits(4096, 4000, 512, flags), 1);
+            assert_eq!(Tile::k_splits(4096, 14336, 100, flags), 1);
+        }
+        assert_eq!(Tile::k_splits(4096, 14336, 512, &[X_SPLIT]), 1);
     }
 
     #[test]

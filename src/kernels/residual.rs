@@ -109,17 +109,20 @@ impl Residual {
         })
     }
 
-    /// `x[t] = layer_output(x[t] + scale * y[t])`, both packed `[tokens, n]`.
+    /// `x[t] = layer_output(x[t] + scale * sum_j y[t, j])`, x packed
+    /// `[tokens, n]`, y `[tokens, parts, n]`: a product and its partial
+    /// sums over k (`kernels::gemm::Gemm::plan_summed`; one part: y is
+    /// the product).
     pub fn plan(
         &self,
         gpu: &Gpu,
         n: usize,
         scale: f32,
-        y: &wgpu::Buffer,
+        (y, parts): (&wgpu::Buffer, usize),
         x: &wgpu::Buffer,
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
-        let params = ResidualParams { n: n as u32, k: 1, scale, ..Default::default() };
+        let params = ResidualParams { n: n as u32, k: parts as u32, scale, ..Default::default() };
         self.dispatch(gpu, params, y, x, None, output)
     }
 

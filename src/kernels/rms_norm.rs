@@ -161,10 +161,12 @@ impl RmsNorm {
         }
     }
 
-    /// `x[t] = output(x[t] + y[t])` (the residual add, steered and
-    /// captured at a layer's output), then `out[t]` = the RMSNorm of the
-    /// new `x[t]` (times `weight`), rows of `weight.cols` packed per token
-    /// (also as f16 to `out16` where given): a chunk's add and the next
+    /// `x[t] = output(x[t] + sum_j y[t, j])` (the residual add of a
+    /// product, or of its partial sums over k, y packed `[tokens, parts,
+    /// n]`: see `kernels::gemm::Gemm::plan_summed`; steered and captured
+    /// at a layer's output), then `out[t]` = the RMSNorm of the new `x[t]`
+    /// (times `weight`), rows of `n = weight.cols` packed per token (also
+    /// as f16 to `out16` where given): a chunk's add and the next
     /// projection's norm in one dispatch.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_after_add(
@@ -172,13 +174,13 @@ impl RmsNorm {
         gpu: &Gpu,
         weight: &GpuTensor,
         eps: f32,
-        y: &wgpu::Buffer,
+        (y, parts): (&wgpu::Buffer, usize),
         x: &wgpu::Buffer,
         (out, out16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         output: &LayerOutput<'_>,
     ) -> Result<Dispatch> {
         let mut flags = vec![ADD];
-        let mut constants = vec![("WG", self.wg)];
+        let mut constants = vec![("WG", self.wg), ("ADD_PARTS", parts as f64)];
         let params = Self::params(gpu, eps, Rows::vector(weight.cols));
         let mut buffers = vec![
             (0, params.0.as_entire_buffer_binding()),
