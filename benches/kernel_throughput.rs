@@ -561,6 +561,7 @@ fn main() {
                     v_cache: &v_cache,
                     out: &out,
                     values: None,
+                    out16: None,
                 };
                 if tokens == 1 && ctx <= 4096 && format == KvFormat::F16 {
                     // How the time scales with the keys per split.

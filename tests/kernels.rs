@@ -371,7 +371,9 @@ fn cache_values(words: &[u32], format: KvFormat) -> Vec<f32> {
 /// then attend) and for one token (attend_lanes, or attend without
 /// subgroups, split over the keys, then combine): outputs and stored K/V
 /// against the CPU, in both cache formats, the value rows in qkv or in a
-/// buffer of their own.
+/// buffer of their own; a chunk on cooperative matrices in f16 also writes
+/// its rows as f16 (the f32 rows rounded) where asked, and elsewhere asking
+/// is a typed error.
 #[test]
 fn attention_matches_cpu_across_norms_rotations_windows_splits_and_formats() {
     on_each_backend(|gpu| {
@@ -534,7 +536,9 @@ fn check_attention(gpu: &Gpu) {
             v_cache: &v_b,
             out: &out,
             values: apart.then_some(&values_b),
+            out16: None,
         };
+        let out16 = gpu.storage_buffer_bytes("out16", (tokens * heads.q * hd * 2) as u64).unwrap();
         let what = format!("{what}, value rows apart {apart}");
         let tol = if format == F16 { 2e-3 } else { 1e-5 };
         // A chunk on cooperative matrices in both precisions and every
@@ -561,11 +565,25 @@ fn check_attention(gpu: &Gpu) {
                 gpu.queue.submit([encoder.finish()]);
             } else if all_keys {
                 run(gpu, &attention.plan_bidirectional(gpu, &shape, &b).unwrap(), tokens as u32);
+            } else if attention.chunk_writes_f16(&shape) {
+                let b16 = AttentionBindings { out16: Some(&out16), ..b };
+                run(gpu, &attention.plan_chunk(gpu, &shape, &b16).unwrap(), tokens as u32);
             } else {
+                let with_copy =
+                    attention.plan_chunk(gpu, &shape, &AttentionBindings { out16: Some(&out16), ..b });
+                assert!(matches!(with_copy, Err(wgspark::Error::Unsupported { .. })), "f16 copy asked");
                 run(gpu, &attention.plan_chunk(gpu, &shape, &b).unwrap(), tokens as u32);
             }
             let what = format!("attention {what} {chunk_precision:?} layout {layout}");
-            assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
+            let got = gpu.read_buffer(&out, want.len()).unwrap();
+            assert_close(&got, &want, tol, &what);
+            if tokens > 1 && !all_keys && attention.chunk_writes_f16(&shape) {
+                assert_eq!(
+                    common::read_f16(gpu, &out16, got.len()),
+                    common::f16_bits(&got),
+                    "{what}: f16 copy"
+                );
+            }
             if tokens == 1 || all_keys || !attention.coop_fits(&shape) {
                 break;
             }

@@ -69,9 +69,9 @@ fn every_chunk_size_matches_the_fixture() {
 /// position's logits of the f32 GEMV run token by
 /// token, within the bound the conformance suite holds f16 prefill to (0.4
 /// % of the row's largest logit), and those of the same chunk with split
-/// operands (no copies); so does a chunk of 512, whose down projection
-/// reads its copies as partial sums over k (`Gemm::plan_summed`) that
-/// the residual add sums. Runs where the adapter has cooperative matrices
+/// operands (no copies); so does a chunk of 512, whose o and down
+/// projections read their copies (the attention's and the SwiGLU's) as
+/// partial sums over k (`Gemm::plan_summed`) that the residual adds sum. Runs where the adapter has cooperative matrices
 /// (CPU rasterisers have none, and the chunk would take minutes there).
 #[test]
 fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
@@ -94,7 +94,7 @@ fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
             let tile = Tile::reads_f16(rows, 2048, long.len(), &[]);
             assert!(tile.is_some(), "{rows} x 2048 over {} tokens reads f16 copies", long.len());
         }
-        assert_eq!(Tile::k_splits(2048, 2048, 512, &[]), 4, "the down projection of 512 tokens");
+        assert_eq!(Tile::k_splits(2048, 2048, 512, &[]), 4, "the o and down projections of 512 tokens");
         for prompt in [&long[..], &long[..512]] {
             let logits = |chunk_matmul, prefill_precision| {
                 let options = SessionOptions {

@@ -18,7 +18,9 @@ enable wgpu_cooperative_matrix;
 // f32 words, or with KV_F16 as f16 pairs (pack2x16float
 // with F16_NATIVE, else the same conversion in integer arithmetic).
 // Entry points:
-//   attend_coop (COOP) the chunk's attention on cooperative matrices (below).
+//   attend_coop (COOP) the chunk's attention on cooperative matrices (below);
+//               OUT_F16: its rows also go to out16 as f16, for the
+//               o-projection's GEMM to read (kernels::gemm::HalfCopies).
 //   rope_store  (a chunk) one workgroup per (KV head, token): k heads
 //               normalised, rotated and stored, v heads copied, into the cache.
 //   attend      (BIDIRECTIONAL: every row sees every key of the cache up to
@@ -85,6 +87,9 @@ const NEG_BIG: f32 = -3.0e38;
 @group(0) @binding(10) var<storage, read> k_norm: array<f32>;
 #endif
 @group(0) @binding(11) var<storage, read> value_rows: array<f32>;
+#if OUT_F16
+@group(0) @binding(12) var<storage, read_write> out16: array<f16>;
+#endif
 
 // Element e (KV head * head_dim + dimension) of token t's value row.
 fn value_at(t: u32, e: u32) -> f32 {
@@ -1173,7 +1178,11 @@ fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: 
         if (row < rows) {
             let t = t0 + row / GROUP;
             let head = g * GROUP + row % GROUP;
-            out[t * p.out_stride + head * HEAD_DIM + 16u * i + e % 16u] = sc_sh[at + e] * alpha_sh[row];
+            let v = sc_sh[at + e] * alpha_sh[row];
+            out[t * p.out_stride + head * HEAD_DIM + 16u * i + e % 16u] = v;
+#if OUT_F16
+            out16[t * p.out_stride + head * HEAD_DIM + 16u * i + e % 16u] = f16(v);
+#endif
         }
     }
     subgroupBarrier();

@@ -39,12 +39,13 @@ pub struct Activations {
     pub attn_split_max_sum: wgpu::Buffer,
     /// Most key splits of one token's attention.
     pub max_splits: usize,
-    /// `h` and `ffn_act` as f16 too, where a chunk's GEMMs run on
+    /// `h`, `attn` and `ffn_act` as f16 too, where a chunk's GEMMs run on
     /// cooperative matrices in f16 (`kernels::gemm::HalfCopies`).
     pub h16: Option<wgpu::Buffer>,
+    pub attn16: Option<wgpu::Buffer>,
     pub ffn_act16: Option<wgpu::Buffer>,
-    /// Outputs of a chunk's GEMMs before their residual add (`ffn_out`:
-    /// `[summed_rows, hidden]`, see `flow::summed_rows`).
+    /// Outputs of a chunk's GEMMs before their residual add (`attn_out`
+    /// and `ffn_out`: `[summed_rows, hidden]`, see `flow::summed_rows`).
     pub attn_out: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
     pub ffn_out: wgpu::Buffer,
@@ -110,7 +111,7 @@ impl Activations {
     /// `values_apart`: some layer writes its value rows apart; `chunk_gemm`:
     /// a GEMM runs the chunks' projections (not the GEMV); `half_copies`:
     /// that GEMM reads f16 copies of its activations; `summed_rows`: the
-    /// rows of the down projection's outputs (`flow::summed_rows`).
+    /// rows of the o and down projections' outputs (`flow::summed_rows`).
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
@@ -173,8 +174,9 @@ impl Activations {
             attn_split_max_sum: gpu.storage_buffer("attn_split_max_sum", c.heads.q * splits * 2)?,
             max_splits: splits,
             h16: half("h16", c.hidden)?,
+            attn16: half("attn16", c.heads.q * c.heads.dim)?,
             ffn_act16: half("ffn_act16", c.intermediate)?,
-            attn_out: buf("attn_out", c.hidden)?,
+            attn_out: gpu.storage_buffer("attn_out", summed_rows * c.hidden)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
             ffn_out: gpu.storage_buffer("ffn_out", summed_rows * c.hidden)?,
             logits: gpu.storage_buffer("logits", c.vocab)?,

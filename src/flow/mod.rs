@@ -169,20 +169,22 @@ impl ChunkPlans {
     }
 }
 
-/// Rows of `Activations::ffn_out`, where a chunk's dense down projection
-/// writes its product for the residual add: the longest chunk's tokens, or
-/// more where a class of chunks runs it as partial sums over k
-/// (`Gemm::plan_summed`, reading the f16 copy of its input that the
-/// gate/up writes where it takes them), a row per token and part. (The
-/// o-projection reads f32 rows, which do not split.)
+/// Rows of `Activations::attn_out` and `ffn_out`, where a chunk's o and
+/// dense down projections write their products for the residual add: the
+/// longest chunk's tokens, or more where a class of chunks runs one as
+/// partial sums over k (`Gemm::plan_summed`, reading the f16 copy of its
+/// input where the kernel before it writes one), a row per token and part.
 pub fn summed_rows(model: &Model, gemm: Option<&Gemm>, max_tokens: usize) -> usize {
     let Some(gemm) = gemm else { return max_tokens };
-    let downs = model.weights.layers.iter().filter_map(|l| match &l.ffn {
-        FfnWeights::Dense { gate_up, down } if gemm.takes_half_copies(gate_up) => Some(down),
-        _ => None,
+    let projections = model.weights.layers.iter().flat_map(|l| {
+        let down = match &l.ffn {
+            FfnWeights::Dense { down, .. } => Some(down),
+            FfnWeights::Moe(_) => None,
+        };
+        std::iter::once(&l.o_proj).chain(down)
     });
     let rows = |w: &GpuTensor, most: usize| most * gemm.summed_splits(&model.gpu, w, most);
-    downs
+    projections
         .flat_map(|w| ChunkPlans::ends(max_tokens).map(move |most| rows(w, most)))
         .fold(max_tokens, usize::max)
 }
@@ -578,7 +580,10 @@ impl AttentionPlan {
             let values = act.values.as_ref().expect("buffers for value rows apart");
             RowsApart { row, gemv: values.decode(i), gemm: &values.chunk }
         });
-        let bindings = |values| AttentionBindings {
+        // The chunk's attention writes its rows as f16 too where the
+        // o-projection's GEMM reads such copies and the attention can.
+        let attn16 = act.attn16.as_ref().filter(|_| k.attention.chunk_writes_f16(&shape));
+        let bindings = |values, out16| AttentionBindings {
             step: &act.step,
             qkv: &act.qkv,
             cos_sin: &act.cos_sin,
@@ -586,9 +591,10 @@ impl AttentionPlan {
             v_cache: &kv.v[i],
             out: &act.attn,
             values,
+            out16,
         };
         let (decode_bindings, chunk_bindings) =
-            (bindings(apart.map(|a| a.gemv)), bindings(apart.map(|a| a.gemm)));
+            (bindings(apart.map(|a| a.gemv), None), bindings(apart.map(|a| a.gemm), attn16));
         let scratch = SplitScratch { acc: &act.attn_split_acc, max_sum: &act.attn_split_max_sum };
         // A dense FFN's gate/up reads the norm the o-projection's add
         // writes; a MoE layer normalises its own input.
@@ -599,7 +605,7 @@ impl AttentionPlan {
             qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, (&act.qkv, apart))?,
             decode: k.attention.plan_decode(gpu, &shape, &decode_bindings, &scratch)?,
             chunk: k.attention.plan_chunk(gpu, &shape, &chunk_bindings)?,
-            o_proj: b.add_into(&lw.o_proj, (&act.attn, None), o_out, &LayerOutput::default(), ffn_norm)?,
+            o_proj: b.add_into(&lw.o_proj, (&act.attn, attn16), o_out, &LayerOutput::default(), ffn_norm)?,
         })
     }
 

@@ -290,6 +290,7 @@ pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Re
         v_cache: &v_cache,
         out: &attended,
         values: None,
+        out16: None,
     };
     for (b, block) in w.blocks.iter().enumerate() {
         pass.layer_norm(&block.norm1, h, n, &x, &normed)?;

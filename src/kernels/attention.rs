@@ -46,6 +46,8 @@ pub const BIDIRECTIONAL: &str = "BIDIRECTIONAL";
 pub const COOP: &str = "COOP";
 /// `attend_coop` with its query rows in two f16 parts.
 pub const Q_SPLIT: &str = "Q_SPLIT";
+/// `attend_coop` writing its rows also as f16 (see [`AttentionBindings::out16`]).
+pub const OUT_F16: &str = "OUT_F16";
 /// How `attend_coop` is laid out: `subgroups` of 16 query rows each share
 /// one K/V tile (the kernel's `C_SUBGROUPS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +126,10 @@ pub struct AttentionBindings<'a> {
     /// The value rows, where the projection wrote them apart from `qkv`
     /// (`[tokens, kv heads x head_dim]`); `None`: in `qkv`, after the keys.
     pub values: Option<&'a wgpu::Buffer>,
+    /// Where a chunk's attention on cooperative matrices in f16 also
+    /// writes its rows as f16 (`kernels::gemm::HalfCopies`: the
+    /// o-projection reads them), where given.
+    pub out16: Option<&'a wgpu::Buffer>,
 }
 
 impl AttentionBindings<'_> {
@@ -183,8 +189,12 @@ enum Entry {
     TokenAttend,
     /// `attend_lanes`: one token on subgroup lanes.
     LanesAttend(LaneLayout),
-    /// `attend_coop`: a chunk on cooperative matrices.
-    CoopAttend(CoopLayout),
+    /// `attend_coop`: a chunk on cooperative matrices, with `f16_copy` its
+    /// rows also as f16 (binding 12).
+    CoopAttend {
+        layout: CoopLayout,
+        f16_copy: bool,
+    },
     Combine,
 }
 
@@ -194,7 +204,7 @@ impl Entry {
             Entry::RopeStore => "rope_store",
             Entry::ChunkAttend { .. } | Entry::TokenAttend => "attend",
             Entry::LanesAttend(_) => "attend_lanes",
-            Entry::CoopAttend(_) => "attend_coop",
+            Entry::CoopAttend { .. } => "attend_coop",
             Entry::Combine => "combine",
         }
     }
@@ -339,8 +349,11 @@ impl Attention {
         match entry {
             Entry::TokenAttend => flags.push("DECODE"),
             Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
-            Entry::CoopAttend(_) => {
+            Entry::CoopAttend { f16_copy, .. } => {
                 flags.push(COOP);
+                if f16_copy {
+                    flags.push(OUT_F16);
+                }
                 if shape.chunk_precision == PrefillPrecision::Split {
                     flags.push(Q_SPLIT);
                 }
@@ -354,7 +367,7 @@ impl Attention {
                 flags.push(super::F16_NATIVE);
             }
         }
-        match shape.qk_norm.map(|n| n.mode).filter(|_| !matches!(entry, Entry::CoopAttend(_))) {
+        match shape.qk_norm.map(|n| n.mode).filter(|_| !matches!(entry, Entry::CoopAttend { .. })) {
             None | Some(QkNorm::None) => {}
             Some(QkNorm::PerHead) => flags.push("QK_NORM"),
             Some(QkNorm::WholeProjection) => flags.extend(["QK_NORM", "QK_NORM_WHOLE"]),
@@ -380,7 +393,7 @@ impl Attention {
         let heads = vec![("HEAD_DIM", shape.heads.dim as f64), ("GROUP", shape.heads.group() as f64)];
         let layout = match entry {
             Entry::LanesAttend(layout) => layout.constants(),
-            Entry::CoopAttend(layout) => layout.constants(),
+            Entry::CoopAttend { layout, .. } => layout.constants(),
             _ => vec![],
         };
         let constants = [heads, layout].concat();
@@ -390,7 +403,7 @@ impl Attention {
             if entry == Entry::Combine { vec![] } else { vec![(0, &params.0)] };
         bound.extend_from_slice(buffers);
         // attend_coop reads its rows already normalised and rotated.
-        let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend(_));
+        let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend { .. });
         if let (true, Some(n)) = (rotates, shape.qk_norm.filter(|n| n.mode != QkNorm::None)) {
             bound.extend([(9, &n.q.parts[0].buffer), (10, &n.k.parts[0].buffer)]);
         }
@@ -455,13 +468,21 @@ impl Attention {
             [rope_groups as u32, 1, 1],
             1,
         )?;
+        let f16_copy = b.out16.is_some();
+        if f16_copy && !(coop.is_some() && shape.chunk_precision == PrefillPrecision::F16) {
+            return Err(crate::Error::Unsupported {
+                what: "f16 copy of a chunk's attention rows (on cooperative matrices in f16)",
+                value: format!("{:?} chunk attention, bidirectional {bidirectional}", shape.chunk_precision),
+            });
+        }
         let attend = if let Some(layout) = coop {
             // The rows come from `out`, already normalised and rotated.
-            let bound = [(1, b.step), (4, b.k_cache), (5, b.v_cache), (6, b.out)];
+            let mut bound = vec![(1, b.step), (4, b.k_cache), (5, b.v_cache), (6, b.out)];
+            bound.extend(b.out16.map(|out16| (12, out16)));
             self.dispatch(
                 gpu,
                 shape,
-                Entry::CoopAttend(layout),
+                Entry::CoopAttend { layout, f16_copy },
                 &params,
                 &bound,
                 [h.kv as u32, 1, 1],
@@ -479,6 +500,13 @@ impl Attention {
             )?
         };
         Ok(vec![rope, attend])
+    }
+
+    /// Whether a chunk's (causal) attention can write its rows as f16 too
+    /// ([`AttentionBindings::out16`]): it runs on cooperative matrices in
+    /// f16.
+    pub fn chunk_writes_f16(&self, shape: &AttentionShape<'_>) -> bool {
+        self.coop.is_some() && self.coop_fits(shape) && shape.chunk_precision == PrefillPrecision::F16
     }
 
     /// A chunk's attention runs on cooperative matrices: the device has
@@ -538,6 +566,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
             }
             if !kv.is_empty() && norm.is_empty() {
                 out.push([kv, &[COOP][..]].concat());
+                out.push([kv, &[COOP, OUT_F16][..]].concat());
                 out.push([kv, &[COOP, Q_SPLIT][..]].concat());
             }
             if norm.is_empty() {
