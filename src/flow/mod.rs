@@ -32,9 +32,11 @@
 //! it writes), attention is
 //! `rope_store` + `attend` (or `attend_coop`); MoE layers group the chunk's
 //! tokens by expert (on the GPU, or on the host from the routing read back).
-//! On cooperative matrices in f16, `h` and the SwiGLU's outputs are also
-//! written as f16, which the large GEMMs read instead
-//! (`kernels::gemm::HalfCopies`).
+//! On cooperative matrices in f16, `h`, `attend_coop`'s rows and the
+//! SwiGLU's outputs are also written as f16, which the large GEMMs read
+//! instead (`kernels::gemm::HalfCopies`); the o and down projections, where
+//! they have few tiles, as partial sums over k that their residual add
+//! sums (`Gemm::plan_summed`).
 
 mod buffers;
 pub(crate) mod moe;
