@@ -34,18 +34,18 @@ enable wgpu_cooperative_matrix;
 // K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
 // summing one of K_SPLITS consecutive ranges of k, and write their partial
 // sums side by side, y packed [tokens, K_SPLITS, y_stride], for the
-// residual add after the product to sum: a product of few tiles (the down
-// projection of a short chunk) then fills the GPU in the tile that reads
-// f16 copies (kernels::gemm_coop::Tile::k_splits).
+// residual add after the product to sum: a product of few tiles (the o and
+// down projections of a short chunk) then fills the GPU in the tile that
+// reads f16 copies (kernels::gemm_coop::Tile::k_splits).
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
 // Needs cols % 8 == 0 for bf16 weights and with X_F16, cols % 4 == 0
 // otherwise.
-// Grid: dense: x = row tiles (folded into z), y = token tiles, walked
-// token tiles first (consecutive workgroups share a weight tile, read once
-// from memory while it sits in the cache); grouped: x = row tiles, y =
-// token tiles, z = experts.
+// Grid: dense: x = row tiles (K_SPLIT: of each range of k in turn; folded
+// into z), y = token tiles, walked token tiles first (consecutive
+// workgroups share a weight tile, read once from memory while it sits in
+// the cache); grouped: x = row tiles, y = token tiles, z = experts.
 
 // Tokens per workgroup: 32, 64 or 128, weight rows: 128 or 256, and k per
 // step: 32 or 64 (pipeline constants, chosen per product by

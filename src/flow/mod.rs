@@ -173,9 +173,10 @@ impl ChunkPlans {
 
 /// Rows of `Activations::attn_out` and `ffn_out`, where a chunk's o and
 /// dense down projections write their products for the residual add: the
-/// longest chunk's tokens, or more where a class of chunks runs one as
-/// partial sums over k (`Gemm::plan_summed`, reading the f16 copy of its
-/// input where the kernel before it writes one), a row per token and part.
+/// longest chunk's tokens, or more where a class of chunks may run one as
+/// partial sums over k (`Gemm::plan_summed`, which splits only a product
+/// reading an f16 copy of its input), a row per token and part; the most
+/// either projection may need, for both buffers.
 pub fn summed_rows(model: &Model, gemm: Option<&Gemm>, max_tokens: usize) -> usize {
     let Some(gemm) = gemm else { return max_tokens };
     let projections = model.weights.layers.iter().flat_map(|l| {
@@ -583,8 +584,9 @@ impl AttentionPlan {
             RowsApart { row, gemv: values.decode(i), gemm: &values.chunk }
         });
         // The chunk's attention writes its rows as f16 too where the
-        // o-projection's GEMM reads such copies and the attention can.
-        let attn16 = act.attn16.as_ref().filter(|_| k.attention.chunk_writes_f16(&shape));
+        // o-projection's GEMM takes such copies and the attention can.
+        let takes = b.gemm.is_some_and(|g| g.takes_half_copies(&lw.o_proj));
+        let attn16 = act.attn16.as_ref().filter(|_| takes && k.attention.chunk_writes_f16(&shape));
         let bindings = |values, out16| AttentionBindings {
             step: &act.step,
             qkv: &act.qkv,
