@@ -363,6 +363,23 @@ impl Gemm {
         (y, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
         half: HalfCopies<'_>,
     ) -> Result<Vec<Dispatch>> {
+        self.plan_dense(gpu, weight, epilogue, (max_tokens, 1), step, x, (y, apart), half)
+    }
+
+    /// [`Self::plan_apart`] over `k_splits` ranges of k (see
+    /// [`Self::plan_summed`]; 1: the whole product).
+    #[allow(clippy::too_many_arguments)]
+    fn plan_dense(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        epilogue: Epilogue,
+        (max_tokens, k_splits): (usize, usize),
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        (y, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
+        half: HalfCopies<'_>,
+    ) -> Result<Vec<Dispatch>> {
         if half.y.is_some() && apart.is_some() {
             return Err(crate::Error::Unsupported {
                 what: "f16 copy of a GEMM's outputs written apart",
@@ -400,7 +417,7 @@ impl Gemm {
                     y_stride: outputs(weight.rows - first_row) as u32,
                 };
                 let g = &self.no_groups;
-                let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits: 1 };
+                let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits };
                 self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g], half)
             })
             .collect()
@@ -436,30 +453,14 @@ impl Gemm {
         (x, x16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         y: &wgpu::Buffer,
     ) -> Result<(Vec<Dispatch>, usize)> {
-        let half = HalfCopies { x: x16, y: None };
         let splits = match x16 {
             Some(_) => self.summed_splits(gpu, weight, max_tokens),
             None => 1,
         };
-        if splits == 1 {
-            let d = self.plan_apart(gpu, weight, Epilogue::Plain, max_tokens, step, x, (y, None), half)?;
-            return Ok((d, 1));
-        }
-        let part = &weight.parts[0];
-        let params = GemmParams {
-            rows: part.rows as u32,
-            cols: weight.cols as u32,
-            first_row: 0,
-            expert_rows: 0,
-            expert: 0,
-            x_div: 1,
-            y_stride: weight.rows as u32,
-        };
-        let g = &self.no_groups;
-        let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits: splits };
+        let half = HalfCopies { x: x16, y: None };
         let d =
-            self.dispatch(gpu, (weight, part), Epilogue::Plain, params, shape, [step, x, y, g, g], half)?;
-        Ok((vec![d], splits))
+            self.plan_dense(gpu, weight, Epilogue::Plain, (max_tokens, splits), step, x, (y, None), half)?;
+        Ok((d, splits))
     }
 
     /// For the experts `experts` of a stacked `weight` (`expert_rows` rows
