@@ -91,7 +91,7 @@ fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
         let long: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % 1024).collect();
         // q/k/v, gate/up and down (bf16 weights: no format flags).
         for rows in [3072, 4096, 2048] {
-            let tile = Tile::reads_f16(rows, 2048, long.len(), &[]);
+            let tile = Tile::reads_f16(rows, 2048, long.len(), &[], gpu.caps.multiprocessors);
             assert!(tile.is_some(), "{rows} x 2048 over {} tokens reads f16 copies", long.len());
         }
         assert_eq!(Tile::k_splits(2048, 2048, 512, &[]), 4, "the o and down projections of 512 tokens");

@@ -47,7 +47,7 @@ enable wgpu_cooperative_matrix;
 // workgroups share a weight tile, read once from memory while it sits in
 // the cache); grouped: x = row tiles, y = token tiles, z = experts.
 
-// Tokens per workgroup: 32, 64 or 128, weight rows: 128 or 256, and k per
+// Tokens per workgroup: 32, 64 or 128, weight rows: 128, 192 or 256, and k per
 // step: 32 or 64 (pipeline constants, chosen per product by
 // kernels::gemm_coop::Tile among those whose staged tiles fit).
 override TILE_M: u32 = 128u;
@@ -66,14 +66,14 @@ override XS_LEN: u32 = TILE_M * ROW;
 override WS_LEN: u32 = TILE_N * ROW;
 // Subgroups: 8 or 16 (a pipeline constant with the tile), WARPS_M
 // along the tokens x WARPS_N along the rows, each WARP_M x WARP_N: 32 or
-// 64 tokens, 16 to 64 rows.
+// 64 tokens, 16 to 64 rows (48 in tiles of 192).
 override WARPS: u32 = 8u;
 override WG: u32 = 32u * WARPS;
 override WARP_M: u32 = max(32u, TILE_M * TILE_N / (WARPS * 64u));
 override WARPS_M: u32 = TILE_M / WARP_M;
 override WARPS_N: u32 = WARPS / WARPS_M;
 override WARP_N: u32 = TILE_N / WARPS_N;
-// 16 x 16 accumulators per subgroup: FRAGS_M (2 or 4) x FRAGS_N (1, 2 or 4).
+// 16 x 16 accumulators per subgroup: FRAGS_M (2 or 4) x FRAGS_N (1 to 4).
 override FRAGS_M: u32 = WARP_M / 16u;
 override FRAGS_N: u32 = WARP_N / 16u;
 // Each invocation stages runs of eight k: TILE_K / 8 invocations cover a
@@ -81,7 +81,7 @@ override FRAGS_N: u32 = WARP_N / 16u;
 override RUNS_PER_ROW: u32 = TILE_K / 8u;
 override ROUND_ROWS: u32 = WG / RUNS_PER_ROW;
 override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
-override W_ROUNDS: u32 = TILE_N / ROUND_ROWS;
+override W_ROUNDS: u32 = (TILE_N + ROUND_ROWS - 1u) / ROUND_ROWS;
 // K steps whose loads are in flight while a step multiplies: 1, or 2 (a
 // second step's values in registers, a loop of its own) where that
 // measured faster (kernels::gemm_coop::Tile::ahead).
@@ -234,9 +234,10 @@ fn sources(t: Tile, li: u32) -> Sources {
     let row_stride = p.cols / 8u;
 #endif
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let n = t.n0 + ROUND_ROWS * r + li / RUNS_PER_ROW;
+        let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
+        let n = t.n0 + local;
         let w_row = part_row(t, n);
-        s.w_ok[r] = n < t.n_rows && w_row < p.rows;
+        s.w_ok[r] = local < TILE_N && n < t.n_rows && w_row < p.rows;
         s.w_base[r] = select(0u, w_row * row_stride, s.w_ok[r]);
     }
     return s;
@@ -341,7 +342,11 @@ fn store_step(st: Staged, k0: u32, li: u32) {
         }
     }
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let at = (ROUND_ROWS * r + li / RUNS_PER_ROW) * ROW + 2u * (li % RUNS_PER_ROW);
+        let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
+        if (local >= TILE_N) {
+            break;
+        }
+        let at = local * ROW + 2u * (li % RUNS_PER_ROW);
 #if WEIGHT_FORMAT
         let w = decode8(st.w[r], run_k(k0, li));
 #if W_SPLIT
@@ -384,6 +389,8 @@ fn frags_b(at: u32) -> FragsB {
     }
     if (FRAGS_N > 2u) {
         f.b2 = coopLoad<FragB>(&ws[at + 32u * ROW], ROW);
+    }
+    if (FRAGS_N > 3u) {
         f.b3 = coopLoad<FragB>(&ws[at + 48u * ROW], ROW);
     }
     return f;
@@ -398,6 +405,8 @@ fn frags_b_lo(at: u32) -> FragsB {
     }
     if (FRAGS_N > 2u) {
         f.b2 = coopLoad<FragB>(&ws_lo[at + 32u * ROW], ROW);
+    }
+    if (FRAGS_N > 3u) {
         f.b3 = coopLoad<FragB>(&ws_lo[at + 48u * ROW], ROW);
     }
     return f;
@@ -412,6 +421,8 @@ fn mma_row(a: FragA, b: FragsB, c0: ptr<function, Acc>, c1: ptr<function, Acc>, 
     }
     if (FRAGS_N > 2u) {
         *c2 = coopMultiplyAdd(a, b.b2, *c2);
+    }
+    if (FRAGS_N > 3u) {
         *c3 = coopMultiplyAdd(a, b.b3, *c3);
     }
 }
@@ -502,6 +513,8 @@ fn write_row(c0: Acc, c1: Acc, c2: Acc, c3: Acc, t: Tile, warp: u32, lane: u32, 
     }
     if (FRAGS_N > 2u) {
         write_out(c2, t, warp, lane, m_first, n_first + 32u);
+    }
+    if (FRAGS_N > 3u) {
         write_out(c3, t, warp, lane, m_first, n_first + 48u);
     }
 }

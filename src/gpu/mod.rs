@@ -3,6 +3,7 @@
 
 mod buffers;
 mod measure;
+mod multiprocessors;
 mod readback;
 mod tensor;
 mod upload_ring;
@@ -151,6 +152,8 @@ pub struct Caps {
     pub subgroup_min_size: u32,
     pub subgroup_max_size: u32,
     pub memory_budget: Option<u64>,
+    /// Multiprocessors (SMs, compute units), where the driver reports them.
+    pub multiprocessors: Option<u32>,
 }
 
 /// An open device: the adapter that was chosen, its queue, and what it can do.
@@ -311,6 +314,7 @@ impl Gpu {
             subgroup_min_size: info.subgroup_min_size,
             subgroup_max_size: info.subgroup_max_size,
             memory_budget: options.memory_budget,
+            multiprocessors: multiprocessors::count(&adapter),
         };
         Ok(Gpu { device, queue, info, features, limits, caps, errors, lost, pipelines: Arc::default() })
     }
@@ -333,7 +337,8 @@ impl Gpu {
     /// One line naming the adapter and backend, for logs.
     pub fn describe(&self) -> String {
         let matrices = if self.caps.cooperative_matrix { ", cooperative matrices" } else { "" };
-        format!("{} ({:?}, {:?}{matrices})", self.info.name, self.info.backend, self.info.device_type)
+        let units = self.caps.multiprocessors.map(|n| format!(", {n} multiprocessors")).unwrap_or_default();
+        format!("{} ({:?}, {:?}{matrices}{units})", self.info.name, self.info.backend, self.info.device_type)
     }
 
     /// Fails with `DeviceLost` once the device is lost.

@@ -292,7 +292,13 @@ impl Gemm {
                     flags.push(SWIGLU);
                 }
                 let copy_tile = match shape.k_splits {
-                    1 => gemm_coop::Tile::reads_f16(n_rows, weight.cols, max_tokens, &flags),
+                    1 => gemm_coop::Tile::reads_f16(
+                        n_rows,
+                        weight.cols,
+                        max_tokens,
+                        &flags,
+                        gpu.caps.multiprocessors,
+                    ),
                     // Self::summed_splits found the product suits the tile.
                     _ => Some(gemm_coop::Tile::COPIES),
                 };

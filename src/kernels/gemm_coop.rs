@@ -109,7 +109,7 @@ impl Tile {
     /// Every tile the kernel is built in, the most work per staged value
     /// first (a tile's staging is shared by tokens x rows products), each
     /// in steps of 32 before 64.
-    pub const ALL: [Tile; 13] = [
+    pub const ALL: [Tile; 14] = [
         Tile { tokens: 128, rows: 256, k: 32, warps: 8 },
         Tile { tokens: 128, rows: 256, k: 64, warps: 8 },
         Tile { tokens: 128, rows: 128, k: 32, warps: 8 },
@@ -123,6 +123,7 @@ impl Tile {
         Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
         Tile { tokens: 32, rows: 128, k: 64, warps: 8 },
         Tile { tokens: 128, rows: 256, k: 32, warps: 16 },
+        Tile { tokens: 128, rows: 192, k: 32, warps: 16 },
     ];
 
     /// Workgroup memory of a build with `flags` in this tile: the staged
@@ -194,6 +195,11 @@ impl Tile {
     /// 16 subgroups.
     pub const COPIES: Tile = Tile { tokens: 128, rows: 256, k: 32, warps: 16 };
 
+    /// The same in 192 rows (three 16-row fragments a subgroup rather than
+    /// four), for products whose tiles of 256 leave their last wave of
+    /// workgroups short (see [`Self::reads_f16`]).
+    pub const COPIES_NARROW: Tile = Tile { rows: 192, ..Self::COPIES };
+
     /// The tile of a product of `n_rows` rows of `cols` over `max_tokens`
     /// tokens that reads its activations from their f16 copy ([`X_F16`],
     /// eight values a load: rows of a multiple of 8; `flags` without it),
@@ -206,10 +212,30 @@ impl Tile {
     /// well from f16 copies than from f32 rows in their own tiles (4096 x
     /// 4096 bf16: 120-139 in 64 tokens x 128 or 256 rows), and a staging
     /// of two rounds (128 tokens in 8 subgroups) ran at 22-31.
-    pub fn reads_f16(n_rows: usize, cols: usize, max_tokens: usize, flags: &[&str]) -> Option<Tile> {
-        Self::copy_tile(n_rows, cols, max_tokens, flags)
-            .filter(|&(_, workgroups)| workgroups >= MIN_WORKGROUPS)
-            .map(|(tile, _)| tile)
+    /// Where the GPU's `multiprocessors` are known, the tile is the one of
+    /// 192 rows ([`Self::COPIES_NARROW`]) where it takes them less time in
+    /// all, counted in waves of workgroups: 512 tokens of bf16 6144 x 4096
+    /// on the H200's 132, one wave of 128 tiles of 192 rather than of 96
+    /// of 256, ran at 177 TFLOP/s against 159.
+    pub fn reads_f16(
+        n_rows: usize,
+        cols: usize,
+        max_tokens: usize,
+        flags: &[&str],
+        multiprocessors: Option<u32>,
+    ) -> Option<Tile> {
+        let (_, workgroups) = Self::copy_tile(n_rows, cols, max_tokens, flags)?;
+        if workgroups < MIN_WORKGROUPS {
+            return None;
+        }
+        let Some(multiprocessors) = multiprocessors else { return Some(Self::COPIES) };
+        // A multiprocessor's time: its waves of workgroups, each a tile's
+        // time, which shrinks with its rows only in part.
+        let time = |t: Tile| {
+            let workgroups = n_rows.div_ceil(t.rows as usize) * max_tokens.div_ceil(t.tokens as usize);
+            workgroups.div_ceil(multiprocessors as usize) * (t.rows + COPY_TILE_FIXED_ROWS) as usize
+        };
+        [Self::COPIES, Self::COPIES_NARROW].into_iter().min_by_key(|&t| time(t))
     }
 
     /// The tile of [`Self::reads_f16`] and its workgroups for the product,
@@ -271,6 +297,13 @@ impl Tile {
     }
 }
 
+/// The part of a copy tile's time that does not shrink with its rows
+/// (staging the tokens' activations, the barriers of each step), in rows'
+/// worth: on the H200, 4096 tokens of bf16 28672 x 4096 (28 and 37 waves
+/// of workgroups) took 157 us a wave in tiles of 256 rows and 139 in tiles
+/// of 192, t = 0.28 us (rows + 302).
+const COPY_TILE_FIXED_ROWS: u32 = 300;
+
 /// Fewest workgroups a product should have: about three quarters of the
 /// multiprocessors of a large GPU (an NVIDIA H200 has 132), the setting of
 /// README's prefill figures; larger tiles make up for the idle ones. With
@@ -328,21 +361,23 @@ mod tests {
     }
 
     /// The layout `wgsl/gemm_coop.wgsl` derives from a tile: subgroups of
-    /// 32 or 64 tokens x 16 to 64 rows covering it, and staging rounds
-    /// (rows of the tile staged by all invocations at once) within the
-    /// kernel's arrays of 4 for X and 8 for W.
+    /// 32 or 64 tokens x 16 to 64 rows (whole 16-row fragments) covering
+    /// it, and staging rounds (rows of the tile staged by all invocations
+    /// at once, the last maybe in part) within the kernel's arrays of 4 for
+    /// X and 8 for W.
     #[test]
     fn every_tile_has_a_layout_the_kernel_holds() {
         for t in Tile::ALL {
             let warp_m = 32.max(t.tokens * t.rows / (t.warps * 64));
             let warps_n = t.warps / (t.tokens / warp_m);
             let warp_n = t.rows / warps_n;
-            assert!(matches!(warp_m, 32 | 64) && matches!(warp_n, 16 | 32 | 64), "{t:?}");
+            assert!(matches!(warp_m, 32 | 64) && (16..=64).contains(&warp_n) && warp_n % 16 == 0, "{t:?}");
             assert_eq!((t.tokens / warp_m) * warps_n, t.warps, "{t:?}");
+            assert_eq!(warps_n * warp_n, t.rows, "{t:?}");
             let round_rows = t.warps * SUBGROUP_SIZE / (t.k / 8);
             let x_rounds = t.tokens.div_ceil(round_rows);
-            let w_rounds = t.rows / round_rows;
-            assert!(x_rounds <= 4 && (1..=8).contains(&w_rounds) && t.rows % round_rows == 0, "{t:?}");
+            let w_rounds = t.rows.div_ceil(round_rows);
+            assert!(x_rounds <= 4 && (1..=8).contains(&w_rounds), "{t:?}");
             assert!(t.warps <= MAX_WARPS);
         }
     }
@@ -394,17 +429,38 @@ mod tests {
         assert!(!Tile { tokens: 64, rows: 128, k: 64, warps: 8 }.stages_x_in_one_round());
         for flags in [&[][..], &["WEIGHT_FORMAT", "W_Q8_0"], &["WEIGHT_FORMAT", "W_Q4_K", "SWIGLU"]] {
             // The 8B shape's projections at 4096 and 512 tokens.
-            assert_eq!(Tile::reads_f16(28672, 4096, 4096, flags), Some(sixteen));
-            assert_eq!(Tile::reads_f16(4096, 14336, 4096, flags), Some(sixteen));
-            assert_eq!(Tile::reads_f16(6144, 4096, 512, flags), Some(sixteen));
+            assert_eq!(Tile::reads_f16(28672, 4096, 4096, flags, None), Some(sixteen));
+            assert_eq!(Tile::reads_f16(4096, 14336, 4096, flags, None), Some(sixteen));
+            assert_eq!(Tile::reads_f16(6144, 4096, 512, flags, None), Some(sixteen));
             // Too few tiles of 128 x 256: the f32 rows in smaller tiles.
-            assert_eq!(Tile::reads_f16(4096, 4096, 512, flags), None);
-            assert_eq!(Tile::reads_f16(2048, 8192, 512, flags), None);
-            assert_eq!(Tile::reads_f16(1 << 20, 4096, 100, flags), None);
+            assert_eq!(Tile::reads_f16(4096, 4096, 512, flags, None), None);
+            assert_eq!(Tile::reads_f16(2048, 8192, 512, flags, None), None);
+            assert_eq!(Tile::reads_f16(1 << 20, 4096, 100, flags, None), None);
         }
-        assert_eq!(Tile::reads_f16(28672, 4096, 4096, &[X_SPLIT]), None);
+        assert_eq!(Tile::reads_f16(28672, 4096, 4096, &[X_SPLIT], None), None);
         // Rows that are not whole loads of eight f16s.
-        assert_eq!(Tile::reads_f16(28672, 4100, 4096, &["WEIGHT_FORMAT", "W_F16"]), None);
+        assert_eq!(Tile::reads_f16(28672, 4100, 4096, &["WEIGHT_FORMAT", "W_F16"], None), None);
+    }
+
+    /// Where the GPU's multiprocessors are known, a product takes copy
+    /// tiles of 192 rows where their waves of workgroups take less time:
+    /// on an NVIDIA H200's 132, 512 tokens of the 8B shape's q/k/v in one
+    /// wave of 128 tiles of 192 rather than of 96 of 256; its gate/up keeps
+    /// four waves of 448 tiles of 256 (the last of 52) over five of 600 of
+    /// 192, and 4096 tokens of either keep 256 (six waves of 768 tiles of
+    /// the q/k/v against eight of 1024).
+    #[test]
+    fn copy_tiles_narrow_where_that_evens_the_last_wave() {
+        let (wide, narrow) = (Tile::COPIES, Tile::COPIES_NARROW);
+        let h200 = Some(132);
+        assert_eq!(Tile::reads_f16(6144, 4096, 512, &[], h200), Some(narrow));
+        assert_eq!(Tile::reads_f16(28672, 4096, 512, &[], h200), Some(wide));
+        assert_eq!(Tile::reads_f16(28672, 4096, 4096, &[], h200), Some(wide));
+        assert_eq!(Tile::reads_f16(6144, 4096, 4096, &[], h200), Some(wide));
+        assert_eq!(Tile::reads_f16(6144, 4096, 512, &[], Some(96)), Some(wide));
+        assert_eq!(Tile::reads_f16(6144, 4096, 512, &[], None), Some(wide));
+        assert_eq!(Tile::reads_f16(4096, 4096, 512, &[], h200), None);
+        assert!(narrow.fits(&[X_F16, "SWIGLU", Y_F16]) && narrow.stages_x_in_one_round());
     }
 
     #[test]
