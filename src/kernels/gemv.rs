@@ -125,8 +125,13 @@ pub fn x_chunk(gpu: &Gpu, subgroups: bool, cols: usize, rows: &Rows<'_>) -> usiz
 /// by subgroup shuffles (a quad each).
 const STAGING_LANES: u32 = 8;
 
-/// Workgroups of the byte-activation builds on GPUs: a few per
-/// multiprocessor of a large GPU.
+/// Workgroups of the byte-activation builds per multiprocessor, where the
+/// GPU reports how many it has (four of 512 invocations fill an NVIDIA
+/// multiprocessor's 2048).
+const INT8_WORKGROUPS_PER_MULTIPROCESSOR: u32 = 4;
+
+/// Workgroups of the byte-activation builds on GPUs that do not report
+/// their multiprocessors: four for each of a large GPU's (the H200's 132).
 const INT8_WORKGROUPS: u32 = 528;
 
 /// [`GemvShape::spread_below`] on GPUs. On the H200, a 128 x 2048 router
@@ -179,7 +184,7 @@ impl GemvShape {
             int8_rows_per_workgroup: (INT8_WORKGROUP.min(gpu.limits.max_compute_invocations_per_workgroup)
                 / lanes)
                 .max(1),
-            int8_workgroups: INT8_WORKGROUPS,
+            int8_workgroups: gpu.caps.multiprocessors.map_or(INT8_WORKGROUPS, |n| n * INT8_WORKGROUPS_PER_MULTIPROCESSOR),
             spread_below: SPREAD_BELOW,
         }
     }
