@@ -184,7 +184,10 @@ impl GemvShape {
             int8_rows_per_workgroup: (INT8_WORKGROUP.min(gpu.limits.max_compute_invocations_per_workgroup)
                 / lanes)
                 .max(1),
-            int8_workgroups: gpu.caps.multiprocessors.map_or(INT8_WORKGROUPS, |n| n * INT8_WORKGROUPS_PER_MULTIPROCESSOR),
+            int8_workgroups: gpu
+                .caps
+                .multiprocessors
+                .map_or(INT8_WORKGROUPS, |n| n * INT8_WORKGROUPS_PER_MULTIPROCESSOR),
             spread_below: SPREAD_BELOW,
         }
     }
