@@ -67,6 +67,25 @@ fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
     shapes
 }
 
+/// NVIDIA's and AMD's Vulkan drivers report the multiprocessors the chunk
+/// GEMM sizes its tiles by (the H200: 132); other backends report none
+/// (CPU rasterisers included), and those kernels then take their default
+/// sizes.
+#[test]
+fn the_multiprocessor_count_comes_from_the_vulkan_drivers_that_report_it() {
+    const NVIDIA: u32 = 0x10de;
+    const AMD: u32 = 0x1002;
+    on_each_backend(|gpu| {
+        let vulkan = gpu.info.backend == wgpu::Backend::Vulkan;
+        let nvidia_driver = gpu.info.vendor == NVIDIA && gpu.info.driver == "NVIDIA";
+        let reports = vulkan && (nvidia_driver || gpu.info.vendor == AMD);
+        match gpu.caps.multiprocessors {
+            Some(n) => assert!(vulkan && (1..=4096).contains(&n), "{}: {n}", gpu.describe()),
+            None => assert!(!reports, "{}: no count", gpu.describe()),
+        }
+    });
+}
+
 #[test]
 fn gemv_matches_cpu_in_every_shape() {
     on_each_backend(|gpu| {

@@ -1,7 +1,8 @@
 //! How many multiprocessors (NVIDIA's SMs, AMD's compute units) the
-//! adapter has: a product of few tiles leaves the rest idle, and the
-//! chunk GEMM sizes its tiles so that its last wave of workgroups fills
-//! the GPU ([`crate::kernels::gemm_coop::Tile`]). wgpu does not report it;
+//! adapter has: the chunk GEMM sizes its tiles by how its waves of
+//! workgroups fill them ([`crate::kernels::gemm_coop::Tile::reads_f16`]),
+//! the byte-activation GEMV its grid by their number
+//! ([`crate::kernels::gemv::GemvShape`]). wgpu does not report it;
 //! Vulkan drivers do through vendor extensions, read here through the
 //! adapter's Vulkan handles. `None` on other backends and drivers.
 
