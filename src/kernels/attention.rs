@@ -308,7 +308,7 @@ impl Attention {
     }
 
     /// Key splits for one token with `n_keys` keys in view: enough
-    /// workgroups to fill a large GPU, at least [`MIN_KEYS_PER_SPLIT`] keys
+    /// workgroups to fill a large GPU, at least `MIN_KEYS_PER_SPLIT` keys
     /// each, at most `max_splits`.
     pub fn decode_splits(n_keys: usize, kv_heads: usize, max_splits: usize) -> usize {
         n_keys.div_ceil(MIN_KEYS_PER_SPLIT).min(TARGET_WORKGROUPS.div_ceil(kv_heads)).clamp(1, max_splits)
@@ -512,7 +512,7 @@ impl Attention {
     /// A chunk's attention runs on cooperative matrices: the device has
     /// them (and workgroup memory for a layout), the cache is f16 (an f32
     /// cache is asked for its precision, which f16 tiles would lose), heads
-    /// are whole 16-wide fragments of at most [`COOP_MAX_HEAD_DIM`], and a
+    /// are whole 16-wide fragments of at most `COOP_MAX_HEAD_DIM`, and a
     /// group divides a subgroup's 16 rows.
     pub fn coop_fits(&self, shape: &AttentionShape<'_>) -> bool {
         let h = shape.heads;

@@ -1,5 +1,5 @@
 //! One Rust wrapper per `wgsl/*.wgsl` kernel family: typed parameters and
-//! the construction of [`Dispatch`]es with their bindings fixed at load.
+//! the construction of [`Dispatch`](crate::gpu::Dispatch)es with their bindings fixed at load.
 //!
 //! A family is specialised at pipeline creation, never by runtime flags:
 //! - **flags** select `#if NAME` / `#else` / `#endif` sections of its
@@ -11,7 +11,7 @@
 //! [`PipelineCache`], created once at load or when a session's plan asks
 //! for a new specialisation, never per token.
 //!
-//! Every parameter struct is declared once, in Rust, by [`wgsl_struct!`],
+//! Every parameter struct is declared once, in Rust, by [`wgsl_struct!`](crate::wgsl_struct),
 //! which also writes its WGSL declaration; [`shader_source`] prepends the
 //! declarations a family names, so the two sides cannot disagree.
 

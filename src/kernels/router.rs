@@ -43,7 +43,7 @@ pub struct Router {
 
 impl Router {
     /// One subgroup per token where the adapter's subgroups have one size,
-    /// else a workgroup of [`WORKGROUP`] with barriered reductions.
+    /// else a workgroup of `WORKGROUP` with barriered reductions.
     pub fn new(gpu: &Gpu) -> Result<Self> {
         let pipeline = match super::subgroup_width(gpu) {
             Some(width) => {

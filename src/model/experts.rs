@@ -242,7 +242,7 @@ impl ExpertStreaming {
     /// Puts `needed` (distinct experts of `layer`, at most [`Self::slots`])
     /// on the GPU: the missing ones are uploaded, together, into the slots
     /// that `needed` does not occupy holding the experts least in demand
-    /// ([`LayerSlots::victim`]). Returns each one's slot; the uploads run before anything submitted after this
+    /// (`LayerSlots::victim`). Returns each one's slot; the uploads run before anything submitted after this
     /// returns.
     pub fn place(
         &self,
