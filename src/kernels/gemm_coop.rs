@@ -122,8 +122,8 @@ impl Tile {
         Tile { tokens: 32, rows: 256, k: 64, warps: 8 },
         Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
         Tile { tokens: 32, rows: 128, k: 64, warps: 8 },
-        Tile { tokens: 128, rows: 256, k: 32, warps: 16 },
-        Tile { tokens: 128, rows: 192, k: 32, warps: 16 },
+        Self::COPIES,
+        Self::COPIES_NARROW,
     ];
 
     /// Workgroup memory of a build with `flags` in this tile: the staged
