@@ -65,13 +65,17 @@ struct Args {
     /// 0 means greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Sample from the K most likely tokens (needs --temperature).
     #[arg(long)]
     top_k: Option<usize>,
+    /// Sample from the most likely tokens whose probability reaches P
+    /// (needs --temperature).
     #[arg(long)]
     top_p: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Always take the most likely token (overrides --temperature).
+    /// Always take the most likely token (overrides --temperature, --top-k
+    /// and --top-p).
     #[arg(long)]
     greedy: bool,
     /// Keep generating past end-of-sequence tokens.
@@ -181,14 +185,32 @@ fn main() {
     }
 }
 
-fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let sampling = if args.greedy || args.temperature == 0.0 {
-        Sampling::Greedy
-    } else {
-        Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p }
-    };
-    // Before anything is loaded or printed.
+/// The sampling the flags ask for, validated. A top-k or top-p cut
+/// without a temperature would be ignored by greedy choice, so it is
+/// refused rather than dropped in silence.
+fn sampling(args: &Args) -> Result<Sampling, Box<dyn std::error::Error + Send + Sync>> {
+    if args.greedy {
+        return Ok(Sampling::Greedy);
+    }
+    if args.temperature == 0.0 {
+        if args.top_k.is_some() || args.top_p.is_some() {
+            return Err(
+                "--top-k and --top-p cut what is sampled: give a --temperature above 0 (or --greedy)".into(),
+            );
+        }
+        return Ok(Sampling::Greedy);
+    }
+    let sampling = Sampling::Random { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p };
     sampling.validate()?;
+    Ok(sampling)
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    // Before anything is loaded or printed.
+    let sampling = sampling(&args)?;
+    if args.max_new_tokens == Some(0) {
+        return Err("--max-new-tokens must be at least 1".into());
+    }
     let backend = match &args.backend {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,

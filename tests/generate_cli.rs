@@ -255,7 +255,11 @@ fn bad_input_exits_with_a_message() {
         (on_fixture(&["--chat"]), "cannot be used with"),
         (on_fixture(&["--gpu-memory", "0.5"]), "at least one byte"),
         (on_fixture(&["--gpu-memory", "18446744073709551615"]), "more bytes than a 64-bit count holds"),
-        (on_fixture(&["--max-new-tokens", "0"]), "max_tokens must be at least 1"),
+        (on_fixture(&["--max-new-tokens", "0"]), "--max-new-tokens must be at least 1"),
+        (on_fixture(&["--max-new-tokens", "0", "--json"]), "--max-new-tokens must be at least 1"),
+        // Greedy choice would ignore the cut.
+        (on_fixture(&["--top-p", "0.9"]), "give a --temperature above 0"),
+        (on_fixture(&["--top-k", "40"]), "give a --temperature above 0"),
         (on_fixture(&["--context", "1", "--prompt-ids", "1,2"]), "context overflow"),
     ] {
         let out = Command::new(&bin).args(&args).output().unwrap();
