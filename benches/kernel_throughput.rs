@@ -34,28 +34,47 @@ fn time(gpu: &Gpu, dispatches: &[Dispatch], split_grid: Option<u32>, n_tokens: u
     secs.as_secs_f64() / reps as f64
 }
 
+/// A xorshift generator: the benchmark's data, the same in every run.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn new() -> Self {
+        Xorshift(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in -0.5 .. 0.5.
+    fn centred(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+}
+
 /// A tensor of random values in `format` (quantized formats: random block
 /// bytes, whose values do not matter to the time).
 fn random_tensor(gpu: &Gpu, format: WeightFormat, rows: usize, cols: usize) -> GpuTensor {
     let t = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rng = Xorshift::new();
     let bytes: Vec<u8> = if format == WeightFormat::Bf16 {
-        (0..rows * cols)
-            .flat_map(|_| {
-                half::bf16::from_f32(((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05).to_le_bytes()
-            })
-            .collect()
+        (0..rows * cols).flat_map(|_| half::bf16::from_f32(rng.centred() * 0.05).to_le_bytes()).collect()
     } else {
-        (0..rows * format.gpu_row_bytes(cols)).map(|_| (next() >> 32) as u8).collect()
+        (0..rows * format.gpu_row_bytes(cols)).map(|_| (rng.next() >> 32) as u8).collect()
     };
     t.write_rows(gpu, 0, &bytes);
     t
+}
+
+/// `n` activations in -1 .. 1. Matrix units draw less power on constant
+/// or zero operands, and so may hold higher clocks than on a model's
+/// data: a product is timed on values like those it meets in the flow.
+fn random_activations(n: usize) -> Vec<f32> {
+    let mut rng = Xorshift::new();
+    (0..n).map(|_| 2.0 * rng.centred()).collect()
 }
 
 fn step(gpu: &Gpu, pos0: u32, n_tokens: u32, attn_splits: u32) -> wgpu::Buffer {
@@ -271,12 +290,14 @@ fn main() {
         for &format in &gemm_formats {
             let w = random_tensor(&gpu, format, rows, cols);
             for tokens in if cpu { vec![16u32] } else { vec![512, 4096] } {
-                let x = gpu.storage_buffer_init("x", &vec![0.01f32; tokens as usize * cols]);
+                let values = random_activations(tokens as usize * cols);
+                let x = gpu.storage_buffer_init("x", &values);
                 let y = gpu.storage_buffer("y", tokens as usize * rows).unwrap();
                 let s = step(&gpu, 0, tokens, 1);
                 // The chosen tile also reading f16 copies of the activations
                 // (where the product takes them: the flow's default).
-                let x16 = gpu.storage_buffer_bytes("x16", (tokens as usize * cols * 2) as u64).unwrap();
+                let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+                let x16 = gpu.storage_buffer_init("x16", &halves);
                 let copies = HalfCopies { x: Some(&x16), y: None };
                 for kernel in kernels.iter().filter(|k| builds(format, k)) {
                     let gemm = Gemm::with_kernel(&gpu, *kernel).unwrap();
