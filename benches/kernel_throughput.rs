@@ -545,9 +545,12 @@ fn main() {
         geometries.into_iter().filter(|g| runs("attention") && !(chunks_only && g.1 == KvFormat::F32))
     {
         for &ctx in depths {
-            let k_cache = gpu.storage_buffer_init("k_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
-            let v_cache = gpu.storage_buffer_init("v_cache", &vec![0x3c00_3c00u32; ctx * heads.kv_width()]);
-            let cos_sin = gpu.storage_buffer_init("cos_sin", &vec![0.5f32; ctx * heads.dim]);
+            // f16 values in -1 .. 1, two a word.
+            let cache: Vec<half::f16> =
+                random_activations(2 * ctx * heads.kv_width()).into_iter().map(half::f16::from_f32).collect();
+            let k_cache = gpu.storage_buffer_init("k_cache", &cache);
+            let v_cache = gpu.storage_buffer_init("v_cache", &cache);
+            let cos_sin = gpu.storage_buffer_init("cos_sin", &random_activations(ctx * heads.dim));
             let shape = AttentionShape {
                 heads,
                 rotary_dim: heads.dim,
@@ -568,7 +571,8 @@ fn main() {
             let token_counts = if cpu { vec![1u32, 8] } else { vec![1, 512, 2048] };
             for tokens in token_counts.into_iter().filter(|&t| t as usize <= ctx && !(chunks_only && t == 1))
             {
-                let qkv = gpu.storage_buffer_init("qkv", &vec![0.01f32; tokens as usize * heads.qkv_width()]);
+                let qkv =
+                    gpu.storage_buffer_init("qkv", &random_activations(tokens as usize * heads.qkv_width()));
                 let out = gpu.storage_buffer("out", tokens as usize * heads.q * heads.dim).unwrap();
                 let pos0 = ctx as u32 - tokens;
                 let splits =
