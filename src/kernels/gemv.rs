@@ -318,96 +318,89 @@ impl Gemv {
         rows_per_output: usize,
     ) -> Result<Dispatch> {
         let w = spec.weight;
-        let mut flags = super::weight_flags(gpu, part.format);
-        let int8 = self.shape.int8 && has_int8_units(part.format);
-        if int8 {
-            flags.push(INT8_DOTS);
-        } else if self.shape.units && has_units(part.format) {
-            flags.push(UNIT_DOTS);
-        }
-        // bf16 rows need few loads of x per weight: pairing rows to share
-        // them would only halve the groups in flight; with the norm's
-        // weight loaded beside x, pairs share twice the loads (on the
-        // H200 the 8B shape decoded at 181.4 tok/s against 179.5).
-        let swiglu = matches!(output, Output::Swiglu);
-        let norm = matches!(spec.input, Input::RmsNorm { .. });
-        let one_row = part.format == WeightFormat::Bf16 && !swiglu && !norm;
-        if one_row {
-            flags.push("ONE_ROW");
-        }
         if part.format != WeightFormat::Bf16 && !w.cols.is_multiple_of(4) {
             return Err(crate::Error::Unsupported {
                 what: "GEMV width (a multiple of 4 in formats other than bf16)",
                 value: format!("{}: {} columns of {}", w.name, w.cols, part.format),
             });
         }
-        let mut params = GemvParams {
-            rows: part.rows as u32,
-            cols: w.cols as u32,
-            first_row: part.first_row as u32,
-            top_k: 1,
-            ..Default::default()
+        let int8 = self.shape.int8 && has_int8_units(part.format);
+        // bf16 rows need few loads of x per weight: pairing rows to share
+        // them would only halve the groups in flight; with the norm's
+        // weight loaded beside x, pairs share twice the loads (on the
+        // H200 the 8B shape decoded at 181.4 tok/s against 179.5).
+        let swiglu = matches!(output, Output::Swiglu);
+        let one_row =
+            part.format == WeightFormat::Bf16 && !swiglu && !matches!(spec.input, Input::RmsNorm { .. });
+        let (y, y_first_row, y_rows) = dense_target(spec, part);
+        let mut b = Build {
+            flags: self.format_flags(gpu, part.format, int8, one_row),
+            constants: vec![],
+            buffers: vec![
+                (1, part.buffer.as_entire_buffer_binding()),
+                (2, spec.x.as_entire_buffer_binding()),
+                (3, y.as_entire_buffer_binding()),
+            ],
+            params: GemvParams {
+                rows: part.rows as u32,
+                cols: w.cols as u32,
+                first_row: part.first_row as u32,
+                top_k: 1,
+                ..Default::default()
+            },
         };
-        // Dense rows of y: the buffer, its first row and its rows.
-        let (y, y_first_row, y_rows) = match spec.rows {
-            Rows::DenseApart { from_row, tail } if part.first_row >= from_row => {
-                (tail, from_row, w.rows - from_row)
-            }
-            Rows::DenseApart { from_row, .. } => {
-                assert!(
-                    part.first_row + part.rows <= from_row,
-                    "{}: a part straddles row {from_row}",
-                    w.name
-                );
-                (spec.y, 0, w.rows)
-            }
-            _ => (spec.y, 0, w.rows),
-        };
-        let mut buffers: Vec<(u32, wgpu::BufferBinding<'_>)> = vec![
-            (1, part.buffer.as_entire_buffer_binding()),
-            (2, spec.x.as_entire_buffer_binding()),
-            (3, y.as_entire_buffer_binding()),
-        ];
-        if let Input::RmsNorm { weight, eps } = spec.input {
-            flags.push("NORM");
-            params.eps = eps;
-            buffers.push((4, weight.parts[0].buffer.as_entire_buffer_binding()));
+        b.input(spec.input);
+        b.output(&output);
+        let (outputs, grid_y) =
+            b.rows(spec.rows, &output, part.first_row - y_first_row, y_rows, rows_per_output);
+        // A group of lanes computes two rows (two outputs, or one SwiGLU)
+        // or one.
+        let outputs_per_group = if swiglu || one_row { 1 } else { 2 };
+        let groups = self.workgroup(gpu, spec, &mut b, int8, outputs.div_ceil(outputs_per_group));
+        let pipeline = super::pipeline(gpu, "gemv", "main", &b.flags, &b.constants)?;
+        let params = ParamsBuffer::new(gpu, "gemv.params", &b.params);
+        b.buffers.push((0, params.0.as_entire_buffer_binding()));
+        let mut blocks = outputs.div_ceil(groups * outputs_per_group);
+        if int8 && self.shape.int8_workgroups > 0 {
+            blocks = blocks.min(self.shape.int8_workgroups);
         }
-        let mut constants = vec![];
-        match &output {
-            Output::Store => {}
-            Output::Swiglu => flags.push("SWIGLU"),
-            Output::Add(layer) => {
-                flags.push("ADD");
-                layer.bind(&mut flags, &mut buffers, &mut constants);
-            }
+        let mut workgroups = gpu.fold_grid(blocks);
+        workgroups[1] = grid_y;
+        Ok(Dispatch {
+            label: "gemv",
+            bind_group: gpu.bind_ranges("gemv", &pipeline, &b.buffers),
+            pipeline,
+            workgroups,
+            tokens_per_workgroup: 1,
+        })
+    }
+
+    /// The build flags of a part in `format`: its decoding and the dot
+    /// products that read it.
+    fn format_flags(&self, gpu: &Gpu, format: WeightFormat, int8: bool, one_row: bool) -> Vec<&'static str> {
+        let mut flags = super::weight_flags(gpu, format);
+        if int8 {
+            flags.push(INT8_DOTS);
+        } else if self.shape.units && has_units(format) {
+            flags.push(UNIT_DOTS);
         }
-        let (outputs, grid_y) = match spec.rows {
-            Rows::Dense | Rows::DenseApart { .. } => {
-                params.out_offset = ((part.first_row - y_first_row) / rows_per_output) as u32;
-                params.y_stride = (y_rows / rows_per_output) as u32;
-                (part.rows / rows_per_output, 1)
-            }
-            Rows::Slots { ids, top_k, expert_rows } => {
-                flags.extend(["EXPERTS", "SLOTS"]);
-                buffers.push((5, ids.as_entire_buffer_binding()));
-                params.top_k = top_k as u32;
-                params.expert_rows = expert_rows as u32;
-                params.y_stride = (expert_rows / rows_per_output) as u32;
-                (expert_rows / rows_per_output, top_k as u32)
-            }
-            Rows::Sum { ids, weights, top_k, expert_rows } => {
-                assert!(matches!(output, Output::Add(_)), "a sum over slots adds into y");
-                flags.extend(["EXPERTS", "SUM"]);
-                buffers.push((5, ids.as_entire_buffer_binding()));
-                buffers.push((6, weights.as_entire_buffer_binding()));
-                params.top_k = top_k as u32;
-                params.expert_rows = expert_rows as u32;
-                params.y_stride = expert_rows as u32;
-                (expert_rows, 1)
-            }
-        };
-        params.outputs = outputs as u32;
+        if one_row {
+            flags.push("ONE_ROW");
+        }
+        flags
+    }
+
+    /// Sets the workgroup's constants (its groups of lanes, their
+    /// reductions, unroll and staging) for `groups_of_outputs` groups'
+    /// work, and returns the groups per workgroup.
+    fn workgroup(
+        &self,
+        gpu: &Gpu,
+        spec: &GemvSpec<'_>,
+        b: &mut Build<'_>,
+        int8: bool,
+        groups_of_outputs: u32,
+    ) -> u32 {
         let s = self.shape;
         // The byte-activation staging shuffles within the lanes of a block.
         let subgroups = self.subgroups && (!int8 || s.threads_per_row >= STAGING_LANES);
@@ -416,58 +409,126 @@ impl Gemv {
             // squares is its subgroups' sums (on the H200 the 8B Q4_K_M
             // shape decoded at 303.6 tok/s against 299.1 with a tree of
             // barriers).
-            flags.extend([super::SUBGROUPS, SUBGROUP_SUM]);
-            constants.push(("SUBGROUP_WIDTH", s.threads_per_row as f64));
+            b.flags.extend([super::SUBGROUPS, SUBGROUP_SUM]);
+            b.constants.push(("SUBGROUP_WIDTH", s.threads_per_row as f64));
         }
-        // A group of lanes computes two rows (two outputs, or one SwiGLU)
-        // or one.
-        let outputs_per_group = if swiglu || one_row { 1 } else { 2 };
         let groups = if int8 {
             s.int8_rows_per_workgroup
-        } else if (outputs as u32).div_ceil(outputs_per_group) < s.spread_below {
+        } else if groups_of_outputs < s.spread_below {
             1
         } else {
             s.rows_per_workgroup
         };
-        let unroll = s.unroll_for(spec, int8);
         if int8 {
-            let chunk = x_chunk(gpu, subgroups, w.cols, &spec.rows);
+            let cols = spec.weight.cols;
+            let chunk = x_chunk(gpu, subgroups, cols, &spec.rows);
             // Dense products' staging loads every quad an invocation stages
             // before staging any (the kernel caps them; expert products
             // keep one at a time: `STAGE_BATCH` in `wgsl/gemv.wgsl`).
             if subgroups && matches!(spec.rows, Rows::Dense | Rows::DenseApart { .. }) {
-                let quads = (chunk.min(w.cols) / 4) as u32;
-                constants.push(("STAGED_QUADS", quads.div_ceil(groups * s.threads_per_row) as f64));
+                let quads = (chunk.min(cols) / 4) as u32;
+                b.constants.push(("STAGED_QUADS", quads.div_ceil(groups * s.threads_per_row) as f64));
             }
-            constants.extend([
+            b.constants.extend([
                 ("X_CHUNK", chunk as f64),
                 ("X_RUNS", (chunk / 16) as f64),
                 ("X_BLOCKS", (chunk / 32) as f64),
                 ("X_QUADS", (chunk / 4) as f64),
             ]);
         }
-        constants.extend([
+        b.constants.extend([
             ("ROWS_PER_WG", groups as f64),
             ("THREADS_PER_ROW", s.threads_per_row as f64),
             ("WG", (groups * s.threads_per_row) as f64),
-            ("UNROLL", unroll as f64),
+            ("UNROLL", s.unroll_for(spec, int8) as f64),
         ]);
-        let pipeline = super::pipeline(gpu, "gemv", "main", &flags, &constants)?;
-        let params = ParamsBuffer::new(gpu, "gemv.params", &params);
-        buffers.push((0, params.0.as_entire_buffer_binding()));
-        let mut blocks = (outputs as u32).div_ceil(groups * outputs_per_group);
-        if int8 && s.int8_workgroups > 0 {
-            blocks = blocks.min(s.int8_workgroups);
+        groups
+    }
+}
+
+/// The buffer a part's dense rows of y go to, the row of the product
+/// where that buffer starts, and the product's rows it holds.
+fn dense_target<'b>(spec: &GemvSpec<'b>, part: &TensorPart) -> (&'b wgpu::Buffer, usize, usize) {
+    let w = spec.weight;
+    match spec.rows {
+        Rows::DenseApart { from_row, tail } if part.first_row >= from_row => {
+            (tail, from_row, w.rows - from_row)
         }
-        let mut workgroups = gpu.fold_grid(blocks);
-        workgroups[1] = grid_y;
-        Ok(Dispatch {
-            label: "gemv",
-            bind_group: gpu.bind_ranges("gemv", &pipeline, &buffers),
-            pipeline,
-            workgroups,
-            tokens_per_workgroup: 1,
-        })
+        Rows::DenseApart { from_row, .. } => {
+            assert!(part.first_row + part.rows <= from_row, "{}: a part straddles row {from_row}", w.name);
+            (spec.y, 0, w.rows)
+        }
+        _ => (spec.y, 0, w.rows),
+    }
+}
+
+/// A dispatch's build flags, override constants, bindings and parameters
+/// as [`Gemv::dispatch`] assembles them.
+struct Build<'b> {
+    flags: Vec<&'static str>,
+    constants: Vec<(&'static str, f64)>,
+    buffers: Vec<(u32, wgpu::BufferBinding<'b>)>,
+    params: GemvParams,
+}
+
+impl<'b> Build<'b> {
+    fn input(&mut self, input: Input<'b>) {
+        if let Input::RmsNorm { weight, eps } = input {
+            self.flags.push("NORM");
+            self.params.eps = eps;
+            self.buffers.push((4, weight.parts[0].buffer.as_entire_buffer_binding()));
+        }
+    }
+
+    fn output(&mut self, output: &Output<'b>) {
+        match output {
+            Output::Store => {}
+            Output::Swiglu => self.flags.push("SWIGLU"),
+            Output::Add(layer) => {
+                self.flags.push("ADD");
+                layer.bind(&mut self.flags, &mut self.buffers, &mut self.constants);
+            }
+        }
+    }
+
+    /// Binds which rows each token multiplies; returns the outputs per
+    /// token (per token and slot) and the grid's y. Dense rows: this
+    /// part's outputs start `offset` rows into a target of `target_rows`.
+    fn rows(
+        &mut self,
+        rows: Rows<'b>,
+        output: &Output<'_>,
+        offset: usize,
+        target_rows: usize,
+        rows_per_output: usize,
+    ) -> (u32, u32) {
+        let (outputs, grid_y) = match rows {
+            Rows::Dense | Rows::DenseApart { .. } => {
+                self.params.out_offset = (offset / rows_per_output) as u32;
+                self.params.y_stride = (target_rows / rows_per_output) as u32;
+                (self.params.rows as usize / rows_per_output, 1)
+            }
+            Rows::Slots { ids, top_k, expert_rows } => {
+                self.flags.extend(["EXPERTS", "SLOTS"]);
+                self.buffers.push((5, ids.as_entire_buffer_binding()));
+                self.params.top_k = top_k as u32;
+                self.params.expert_rows = expert_rows as u32;
+                self.params.y_stride = (expert_rows / rows_per_output) as u32;
+                (expert_rows / rows_per_output, top_k as u32)
+            }
+            Rows::Sum { ids, weights, top_k, expert_rows } => {
+                assert!(matches!(output, Output::Add(_)), "a sum over slots adds into y");
+                self.flags.extend(["EXPERTS", "SUM"]);
+                self.buffers.push((5, ids.as_entire_buffer_binding()));
+                self.buffers.push((6, weights.as_entire_buffer_binding()));
+                self.params.top_k = top_k as u32;
+                self.params.expert_rows = expert_rows as u32;
+                self.params.y_stride = expert_rows as u32;
+                (expert_rows, 1)
+            }
+        };
+        self.params.outputs = outputs as u32;
+        (outputs as u32, grid_y)
     }
 }
 
