@@ -319,85 +319,13 @@ impl ModelConfig {
             .or_else(|| raw.architectures.first().cloned())
             .ok_or_else(|| invalid("neither model_type nor architectures is given".into()))?;
         let family = family::for_model_type(&model_type)?;
-        // Every family's MLP is SwiGLU, its projections without biases: a
-        // config saying otherwise describes a model the flow would compute
-        // wrongly.
-        if let Some(act) = raw.hidden_act.as_deref().filter(|a| !matches!(*a, "silu" | "swish")) {
-            return Err(Error::Unsupported {
-                what: "hidden_act",
-                value: format!("{act} (the MLP is SwiGLU: silu)"),
-            });
-        }
-        for (name, set) in [("attention_bias", raw.attention_bias), ("mlp_bias", raw.mlp_bias)] {
-            if set == Some(true) {
-                return Err(Error::Unsupported {
-                    what: "projection biases",
-                    value: format!("{name} = true"),
-                });
-            }
-        }
-
-        let heads_q = raw.num_attention_heads;
-        let heads_kv = raw.num_key_value_heads.unwrap_or(heads_q);
-        // Checked before any width is a product of it.
-        if heads_q > MAX_HEADS {
-            return Err(invalid(format!(
-                "num_attention_heads {heads_q} is more than any model has (at most {MAX_HEADS})"
-            )));
-        }
-        if heads_q == 0 || heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
-            return Err(invalid(format!(
-                "num_attention_heads ({heads_q}) must be a positive multiple of num_key_value_heads ({heads_kv})"
-            )));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) => d,
-            None if raw.hidden_size.is_multiple_of(heads_q) => raw.hidden_size / heads_q,
-            None => {
-                return Err(invalid(format!(
-                    "hidden_size {} is not divisible by num_attention_heads {heads_q} and no head_dim is given",
-                    raw.hidden_size
-                )));
-            }
-        };
-        if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM {
-            return Err(invalid(format!(
-                "head_dim {head_dim} must be even and at most {}",
-                crate::kernels::attention::MAX_HEAD_DIM
-            )));
-        }
-        let group = heads_q / heads_kv;
-        if group > crate::kernels::attention::MAX_GROUP
-            || group * head_dim > crate::kernels::attention::MAX_GROUP_WIDTH
-        {
-            return Err(Error::Unsupported {
-                what: "attention geometry",
-                value: format!(
-                    "{group} query heads per KV head of width {head_dim} (at most {} heads and {} values per group)",
-                    crate::kernels::attention::MAX_GROUP,
-                    crate::kernels::attention::MAX_GROUP_WIDTH
-                ),
-            });
-        }
+        check_mlp(&raw)?;
+        let heads = parse_heads(&raw, path)?;
         let intermediate =
             raw.intermediate_size.ok_or_else(|| invalid("missing field `intermediate_size`".into()))?;
-        for (name, v) in [("hidden_size", raw.hidden_size), ("intermediate_size", intermediate)] {
-            if v == 0 || v % 2 != 0 {
-                return Err(invalid(format!("{name} {v} must be even and positive")));
-            }
-        }
-        if raw.num_hidden_layers == 0 || raw.vocab_size == 0 {
-            return Err(invalid("num_hidden_layers and vocab_size must be positive".into()));
-        }
-        // Checked before anything is sized by it.
-        if raw.num_hidden_layers > MAX_LAYERS {
-            return Err(invalid(format!(
-                "num_hidden_layers {} is more than any model has (at most {MAX_LAYERS})",
-                raw.num_hidden_layers
-            )));
-        }
+        check_sizes(&raw, intermediate).map_err(invalid)?;
 
-        let rope = parse_rope(&raw, head_dim).map_err(invalid)?;
+        let rope = parse_rope(&raw, heads.dim).map_err(invalid)?;
         let mrope_section = raw
             .rope_parameters
             .as_ref()
@@ -407,18 +335,7 @@ impl ModelConfig {
         let quantization =
             raw.quantization_config.as_ref().map(|q| parse_quantization(q, path)).transpose()?;
         let moe = parse_moe(&raw, family, intermediate, &invalid)?;
-        // Qwen's `use_sliding_window` switches windows on for some layers
-        // (`max_window_layers`); off, its `sliding_window` value is unused.
-        let sliding_window = match raw.use_sliding_window {
-            Some(true) => {
-                return Err(Error::Unsupported {
-                    what: "use_sliding_window",
-                    value: "per-layer sliding windows (use_sliding_window = true)".into(),
-                });
-            }
-            Some(false) => None,
-            None => raw.sliding_window.filter(|&w| w > 0),
-        };
+        let sliding_window = sliding_window(&raw)?;
         let rms_eps = raw.rms_norm_eps.unwrap_or(1e-6) as f32;
         if !(rms_eps > 0.0 && rms_eps.is_finite()) {
             let stated = raw.rms_norm_eps.unwrap_or(1e-6);
@@ -443,7 +360,7 @@ impl ModelConfig {
             hidden: raw.hidden_size,
             intermediate,
             layers: raw.num_hidden_layers,
-            heads: Heads { q: heads_q, kv: heads_kv, dim: head_dim },
+            heads,
             rms_eps,
             rope,
             vocab: raw.vocab_size,
@@ -587,6 +504,104 @@ fn eos_token_ids(value: Option<&serde_json::Value>) -> std::result::Result<Vec<u
         None | Some(serde_json::Value::Null) => Ok(Vec::new()),
         Some(serde_json::Value::Array(ids)) => ids.iter().map(id).collect(),
         Some(v) => id(v).map(|id| vec![id]),
+    }
+}
+
+/// Every family's MLP is SwiGLU, its projections without biases: a config
+/// saying otherwise describes a model the flow would compute wrongly.
+fn check_mlp(raw: &RawConfig) -> Result<()> {
+    if let Some(act) = raw.hidden_act.as_deref().filter(|a| !matches!(*a, "silu" | "swish")) {
+        return Err(Error::Unsupported {
+            what: "hidden_act",
+            value: format!("{act} (the MLP is SwiGLU: silu)"),
+        });
+    }
+    for (name, set) in [("attention_bias", raw.attention_bias), ("mlp_bias", raw.mlp_bias)] {
+        if set == Some(true) {
+            return Err(Error::Unsupported { what: "projection biases", value: format!("{name} = true") });
+        }
+    }
+    Ok(())
+}
+
+/// The attention heads, checked against what the attention kernels hold.
+fn parse_heads(raw: &RawConfig, path: &Path) -> Result<Heads> {
+    let invalid = |message: String| Error::InvalidConfig { path: path.to_path_buf(), message };
+    let heads_q = raw.num_attention_heads;
+    let heads_kv = raw.num_key_value_heads.unwrap_or(heads_q);
+    // Checked before any width is a product of it.
+    if heads_q > MAX_HEADS {
+        return Err(invalid(format!(
+            "num_attention_heads {heads_q} is more than any model has (at most {MAX_HEADS})"
+        )));
+    }
+    if heads_q == 0 || heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
+        return Err(invalid(format!(
+            "num_attention_heads ({heads_q}) must be a positive multiple of num_key_value_heads ({heads_kv})"
+        )));
+    }
+    let head_dim = match raw.head_dim {
+        Some(d) => d,
+        None if raw.hidden_size.is_multiple_of(heads_q) => raw.hidden_size / heads_q,
+        None => {
+            return Err(invalid(format!(
+                "hidden_size {} is not divisible by num_attention_heads {heads_q} and no head_dim is given",
+                raw.hidden_size
+            )));
+        }
+    };
+    if head_dim == 0 || head_dim % 2 != 0 || head_dim > crate::kernels::attention::MAX_HEAD_DIM {
+        return Err(invalid(format!(
+            "head_dim {head_dim} must be even and at most {}",
+            crate::kernels::attention::MAX_HEAD_DIM
+        )));
+    }
+    let group = heads_q / heads_kv;
+    if group > crate::kernels::attention::MAX_GROUP
+        || group * head_dim > crate::kernels::attention::MAX_GROUP_WIDTH
+    {
+        return Err(Error::Unsupported {
+            what: "attention geometry",
+            value: format!(
+                "{group} query heads per KV head of width {head_dim} (at most {} heads and {} values per group)",
+                crate::kernels::attention::MAX_GROUP,
+                crate::kernels::attention::MAX_GROUP_WIDTH
+            ),
+        });
+    }
+    Ok(Heads { q: heads_q, kv: heads_kv, dim: head_dim })
+}
+
+/// The widths are even and positive, the depth and vocabulary positive
+/// and the depth bounded (checked before anything is sized by it).
+fn check_sizes(raw: &RawConfig, intermediate: usize) -> std::result::Result<(), String> {
+    for (name, v) in [("hidden_size", raw.hidden_size), ("intermediate_size", intermediate)] {
+        if v == 0 || v % 2 != 0 {
+            return Err(format!("{name} {v} must be even and positive"));
+        }
+    }
+    if raw.num_hidden_layers == 0 || raw.vocab_size == 0 {
+        return Err("num_hidden_layers and vocab_size must be positive".into());
+    }
+    if raw.num_hidden_layers > MAX_LAYERS {
+        return Err(format!(
+            "num_hidden_layers {} is more than any model has (at most {MAX_LAYERS})",
+            raw.num_hidden_layers
+        ));
+    }
+    Ok(())
+}
+
+/// Qwen's `use_sliding_window` switches windows on for some layers
+/// (`max_window_layers`); off, its `sliding_window` value is unused.
+fn sliding_window(raw: &RawConfig) -> Result<Option<usize>> {
+    match raw.use_sliding_window {
+        Some(true) => Err(Error::Unsupported {
+            what: "use_sliding_window",
+            value: "per-layer sliding windows (use_sliding_window = true)".into(),
+        }),
+        Some(false) => Ok(None),
+        None => Ok(raw.sliding_window.filter(|&w| w > 0)),
     }
 }
 
