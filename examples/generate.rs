@@ -21,6 +21,7 @@ use std::time::Instant;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgspark::chat::{ChatTemplate, Message};
+use wgspark::model::vision::ImageTokens;
 use wgspark::progress::Progress;
 use wgspark::tokenizer::{Tokenizer, encode};
 use wgspark::vision::RgbImage;
@@ -29,6 +30,8 @@ use wgspark::{
     Model, PromptPart, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
     StopReason,
 };
+
+type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with wgspark", allow_negative_numbers = true)]
@@ -188,7 +191,7 @@ fn main() {
 /// The sampling the flags ask for, validated. A top-k or top-p cut
 /// without a temperature would be ignored by greedy choice, so it is
 /// refused rather than dropped in silence.
-fn sampling(args: &Args) -> Result<Sampling, Box<dyn std::error::Error + Send + Sync>> {
+fn sampling(args: &Args) -> CliResult<Sampling> {
     if args.greedy {
         return Ok(Sampling::Greedy);
     }
@@ -205,32 +208,15 @@ fn sampling(args: &Args) -> Result<Sampling, Box<dyn std::error::Error + Send + 
     Ok(sampling)
 }
 
-fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn run(args: Args) -> CliResult<()> {
     // Before anything is loaded or printed.
     let sampling = sampling(&args)?;
     if args.max_new_tokens == Some(0) {
         return Err("--max-new-tokens must be at least 1".into());
     }
-    let backend = match &args.backend {
-        Some(name) => name.parse()?,
-        None => Backend::from_env()?,
-    };
-    let cooperative_matrix = match &args.cooperative_matrix {
-        Some(name) => name.parse()?,
-        None => CooperativeMatrix::from_env()?,
-    };
-    let gpu = Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?;
+    let gpu = open_gpu(&args)?;
     eprintln!("adapter: {}", gpu.describe());
-
-    let mut reporter = Reporter::default();
-    let dir = match &args.model {
-        Some(dir) => dir.clone(),
-        None => wgspark::fetch::default_model(|p| reporter.report(p))?,
-    };
-    let load_start = Instant::now();
-    let load = wgspark::LoadOptions { gpu_memory: args.gpu_memory, expert_slots: args.expert_slots };
-    let model = Model::load_with(&dir, &gpu, &load, |p| reporter.report(p))?;
-    eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
+    let (dir, model) = load(&args, &gpu)?;
     let tokenizer = match args.prompt_ids {
         // Ids need no tokenizer, but one shows the text where there is one.
         Some(_) => model.tokenizer().ok().flatten(),
@@ -264,68 +250,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         (Some(ids), _) => ids.clone(),
         (None, _) if conversation => Vec::new(),
         (None, Some(tok)) => {
-            let prompt = args.prompt.clone().unwrap_or_else(|| "The capital of France is".to_string());
-            // A plain prompt gets what the tokenizer puts around a text (a
-            // BOS token, for most); a chat template writes its own.
-            match &template {
-                Some(template) => {
-                    let message = Message::with_images("user", images.len(), &prompt);
-                    encode(tok, &template.render(&[message], true)?, false)?
-                }
-                None => {
-                    let marked = |token: u32| {
-                        [image_tokens.start, Some(token), image_tokens.end]
-                            .into_iter()
-                            .flatten()
-                            .collect::<Vec<_>>()
-                    };
-                    let mut ids: Vec<u32> = image_token
-                        .map_or_else(Vec::new, |t| images.iter().flat_map(|_| marked(t)).collect());
-                    ids.extend(encode(tok, &prompt, true)?);
-                    ids
-                }
-            }
+            let prompt = args.prompt.as_deref().unwrap_or("The capital of France is");
+            let images = ImagesInPrompt { count: images.len(), token: image_token, marks: image_tokens };
+            text_prompt(tok, template.as_ref(), prompt, images)?
         }
         (None, None) => unreachable!("a missing tokenizer without --prompt-ids returned above"),
     };
     if let Some(path) = &args.capture {
         refuse_model_file(path, &dir)?;
     }
-    let mut session = model.session(&SessionOptions {
-        context_len: args.context,
-        routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
-        timing: args.stats,
-        prefill_chunk: args.prefill_chunk,
-        prefill_precision: args.prefill_precision,
-        kv_format: args.kv_cache,
-        ..Default::default()
-    })?;
-    let vectors = control_vectors(&args)?;
-    if !vectors.is_empty() {
-        let mut loaded = Vec::new();
-        for (path, strength) in vectors {
-            let vector = ControlVector::load(&path)?;
-            if let Some(hint) = vector.model_hint.as_deref().filter(|h| *h != model.config.model_type) {
-                eprintln!(
-                    "note: {} was made for {hint:?}, this model is {:?}",
-                    path.display(),
-                    model.config.model_type
-                );
-            }
-            loaded.push((vector, strength));
-        }
-        let range = args.control_vector_layer_range.as_ref().map(|r| r[0]..=r[1]);
-        let steering = Steering::new(&model.config, &loaded, range)?;
-        let layers: Vec<String> = steering.steered_layers().map(|l| l.to_string()).collect();
-        eprintln!("steering layers {}", layers.join(","));
-        session.set_steering(Some(&steering))?;
-    } else if args.control_vector_layer_range.is_some() {
-        return Err("--control-vector-layer-range needs --control-vector or --control-vector-scaled".into());
-    }
-    if args.capture.is_some() {
-        let prompt_rows = if args.capture_all_prompt { PromptRows::All } else { PromptRows::Last };
-        session.set_capture(Some(&CaptureOptions { layers: args.capture_layers.clone(), prompt_rows }))?;
-    }
+    let mut session = open_session(&args, &model)?;
     let eos: &[u32] = if args.ignore_eos { &[] } else { &model.config.eos_token_ids };
     let options = GenerateOptions {
         sampling,
@@ -383,6 +317,105 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     Ok(())
 }
 
+/// The device on the backend and with the matrix units the flags (or the
+/// environment) ask for.
+fn open_gpu(args: &Args) -> CliResult<Gpu> {
+    let backend = match &args.backend {
+        Some(name) => name.parse()?,
+        None => Backend::from_env()?,
+    };
+    let cooperative_matrix = match &args.cooperative_matrix {
+        Some(name) => name.parse()?,
+        None => CooperativeMatrix::from_env()?,
+    };
+    Ok(Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?)
+}
+
+/// The model of `--model` (by default SmolLM2, fetched on first use) and
+/// where it was loaded from, with progress shown as it loads.
+fn load(args: &Args, gpu: &Gpu) -> CliResult<(PathBuf, Model)> {
+    let mut reporter = Reporter::default();
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => wgspark::fetch::default_model(|p| reporter.report(p))?,
+    };
+    let load_start = Instant::now();
+    let load = wgspark::LoadOptions { gpu_memory: args.gpu_memory, expert_slots: args.expert_slots };
+    let model = Model::load_with(&dir, gpu, &load, |p| reporter.report(p))?;
+    eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
+    Ok((dir, model))
+}
+
+/// The images of a prompt: how many, their placeholder id, and the markers
+/// around each.
+struct ImagesInPrompt {
+    count: usize,
+    token: Option<u32>,
+    marks: ImageTokens,
+}
+
+/// The ids of a text prompt. A plain prompt gets what the tokenizer puts
+/// around a text (a BOS token, for most) after its images; a chat
+/// template writes its own, images included.
+fn text_prompt(
+    tok: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    prompt: &str,
+    images: ImagesInPrompt,
+) -> CliResult<Vec<u32>> {
+    if let Some(template) = template {
+        let message = Message::with_images("user", images.count, prompt);
+        return Ok(encode(tok, &template.render(&[message], true)?, false)?);
+    }
+    let marks = images.marks;
+    let marked = |token: u32| [marks.start, Some(token), marks.end].into_iter().flatten().collect::<Vec<_>>();
+    let mut ids: Vec<u32> =
+        images.token.map_or_else(Vec::new, |t| (0..images.count).flat_map(|_| marked(t)).collect());
+    ids.extend(encode(tok, prompt, true)?);
+    Ok(ids)
+}
+
+/// A session as the flags set it up: its cache, routing and prefill,
+/// steered by the control vectors given and capturing where asked.
+fn open_session<'m>(args: &Args, model: &'m Model) -> CliResult<Session<'m>> {
+    let mut session = model.session(&SessionOptions {
+        context_len: args.context,
+        routing: if args.device_routing { RoutingMode::DeviceResident } else { RoutingMode::Readback },
+        timing: args.stats,
+        prefill_chunk: args.prefill_chunk,
+        prefill_precision: args.prefill_precision,
+        kv_format: args.kv_cache,
+        ..Default::default()
+    })?;
+    let vectors = control_vectors(args)?;
+    if !vectors.is_empty() {
+        let mut loaded = Vec::new();
+        for (path, strength) in vectors {
+            let vector = ControlVector::load(&path)?;
+            if let Some(hint) = vector.model_hint.as_deref().filter(|h| *h != model.config.model_type) {
+                eprintln!(
+                    "note: {} was made for {hint:?}, this model is {:?}",
+                    path.display(),
+                    model.config.model_type
+                );
+            }
+            loaded.push((vector, strength));
+        }
+        let range = args.control_vector_layer_range.as_ref().map(|r| r[0]..=r[1]);
+        let steering = Steering::new(&model.config, &loaded, range)?;
+        let layers: Vec<String> = steering.steered_layers().map(|l| l.to_string()).collect();
+        eprintln!("steering layers {}", layers.join(","));
+        session.set_steering(Some(&steering))?;
+    } else if args.control_vector_layer_range.is_some() {
+        return Err("--control-vector-layer-range needs --control-vector or --control-vector-scaled".into());
+    }
+    if args.capture.is_some() {
+        let prompt_rows = if args.capture_all_prompt { PromptRows::All } else { PromptRows::Last };
+        session.set_capture(Some(&CaptureOptions { layers: args.capture_layers.clone(), prompt_rows }))?;
+    }
+    Ok(session)
+}
+
 /// Progress as a bar on a terminal, as one line per step otherwise.
 #[derive(Default)]
 struct Reporter {
@@ -428,7 +461,7 @@ impl Reporter {
 
 /// `--capture` must not overwrite the model: a file of the model folder, or
 /// the GGUF file itself or one beside it (a split set's other parts).
-fn refuse_model_file(capture: &Path, model: &Path) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn refuse_model_file(capture: &Path, model: &Path) -> CliResult<()> {
     // Where the file cannot be written, say so before generating.
     let folder = capture.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if capture.is_dir() || !folder.is_dir() {
@@ -449,10 +482,7 @@ fn refuse_model_file(capture: &Path, model: &Path) -> Result<(), Box<dyn std::er
 }
 
 /// Writes the captured rows where `--capture` says.
-fn finish_capture(
-    session: &mut Session<'_>,
-    args: &Args,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn finish_capture(session: &mut Session<'_>, args: &Args) -> CliResult<()> {
     if let Some(path) = &args.capture {
         let capture = session.take_capture().expect("capture was set");
         capture.write_safetensors(path)?;
@@ -485,7 +515,7 @@ fn stream(
     tokenizer: Option<&Tokenizer>,
     reply_only: bool,
     echo: Option<&str>,
-) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+) -> CliResult<Reply> {
     let start = Instant::now();
     let mut ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
@@ -541,12 +571,7 @@ fn print_new(printed: &mut String, text: &str) -> std::io::Result<()> {
 
 /// The text of generated `ids`, decoded whole so that multi-token
 /// characters come out whole; the token that stopped generation is not text.
-fn reply_text(
-    tok: &Tokenizer,
-    ids: &[u32],
-    stop_tokens: &[u32],
-    reply_only: bool,
-) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
+fn reply_text(tok: &Tokenizer, ids: &[u32], stop_tokens: &[u32], reply_only: bool) -> CliResult<String> {
     let text_ids = match ids.split_last() {
         Some((last, before)) if stop_tokens.contains(last) => before,
         _ => ids,
@@ -565,7 +590,7 @@ fn converse(
     template: &ChatTemplate,
     tok: &Tokenizer,
     options: &GenerateOptions,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> CliResult<()> {
     let stdin = std::io::stdin();
     let terminal = stdin.is_terminal();
     if terminal {
@@ -616,7 +641,7 @@ fn with_logits(
     seed: u64,
     max_tokens: usize,
     eos: &[u32],
-) -> Result<WithLogits, Box<dyn std::error::Error + Send + Sync>> {
+) -> CliResult<WithLogits> {
     let mut sampler = Sampler::new(sampling, seed)?;
     let prefill_start = Instant::now();
     let mut logits = session.prefill_multimodal(prompt)?;
