@@ -20,10 +20,13 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use wgspark::model::experts::ExpertCacheStats;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, ExpertPrefetch, GenerateOptions, Gpu, GpuOptions, KvFormat,
     Model, ModelConfig, PrefillPrecision, RoutingMode, Sampling, Session, SessionOptions, Steering,
 };
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// How long prefill runs before it is timed.
 const PREFILL_WARM_UP: Duration = Duration::from_secs(2);
@@ -190,7 +193,7 @@ fn main() {
     }
 }
 
-fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+fn run(args: Args) -> BenchResult<()> {
     let backend = match &args.backend {
         Some(name) => name.parse()?,
         None => Backend::from_env()?,
@@ -243,32 +246,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn measure(
-    args: &Args,
-    copy: f64,
-    round_trip: Duration,
-    name: &str,
-    model: &Model,
-) -> Result<(), Box<dyn std::error::Error>> {
+fn measure(args: &Args, copy: f64, round_trip: Duration, name: &str, model: &Model) -> BenchResult<()> {
     let c = &model.config;
     println!("\n{name}: {:.3} GB of weights, depth {}", model.weights.bytes() as f64 / 1e9, args.depth);
     if c.vision.is_some() && args.image_size > 0 {
         measure_vision_tower(args, model)?;
     }
-    let modes: &[RoutingMode] = match (c.moe.is_some(), args.routing.as_str()) {
-        // Streamed experts need the host to see the routing.
-        _ if model.experts.is_some() => &[RoutingMode::Readback],
-        (false, _) | (true, "readback") => &[RoutingMode::Readback],
-        (true, "device") => &[RoutingMode::DeviceResident],
-        (true, "both") => &[RoutingMode::DeviceResident, RoutingMode::Readback],
-        (true, other) => return Err(format!("--routing {other:?}: readback, device or both").into()),
-    };
-    let prefetches: &[ExpertPrefetch] = match (model.experts.is_some(), args.expert_prefetch.as_str()) {
-        (false, _) | (true, "off") => &[ExpertPrefetch::Off],
-        (true, "predicted") => &[ExpertPrefetch::Predicted],
-        (true, "both") => &[ExpertPrefetch::Off, ExpertPrefetch::Predicted],
-        (true, other) => return Err(format!("--expert-prefetch {other:?}: off, predicted or both").into()),
-    };
+    let (modes, prefetches) = session_modes(args, model)?;
     let mut decode_per_mode = Vec::new();
     for (routing, expert_prefetch) in modes.iter().flat_map(|&r| prefetches.iter().map(move |&p| (r, p))) {
         let options = SessionOptions {
@@ -295,98 +279,10 @@ fn measure(
             Ok(())
         };
         if args.prompt > 0 {
-            let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 104729 % c.vocab) as u32).collect();
-            // Warm up (pipelines compile on first use, and a GPU that has
-            // idled runs short prompts at a fraction of its clock: on the
-            // H200 the 1B shape's pp512 measured 13 763 tok/s after one
-            // warm-up prefill, 42 741 after 2 s of them), then best of reps.
-            let warm = Instant::now();
-            while warm.elapsed() < PREFILL_WARM_UP {
-                fill(&mut session)?;
-                session.prefill(&prompt)?;
-            }
-            let mut best = Duration::MAX;
-            for _ in 0..args.reps.max(1) {
-                fill(&mut session)?;
-                let start = Instant::now();
-                session.prefill(&prompt)?;
-                best = best.min(start.elapsed());
-            }
-            let secs = best.as_secs_f64();
-            println!(
-                "  prefill pp{}{mode}: {:.2} ms -> {:.0} tok/s, {:.2} TFLOP/s (chunk {})",
-                args.prompt,
-                secs * 1e3,
-                args.prompt as f64 / secs,
-                prefill_flops(c, args.depth, args.prompt) / secs / 1e12,
-                session.prefill_chunk()
-            );
-            if args.profile {
-                prefill_profile(model, &options, &fill, &prompt)?;
-            }
+            measure_prefill(args, model, &options, &mut session, &fill, &mode)?;
         }
         if args.decode > 0 {
-            let cache_before = session.stats().expert_cache;
-            let decode_start = Instant::now();
-            // With streamed experts, tokens drawn at temperature 1 from the
-            // random model's near-uniform logits: routing then changes
-            // every step (the worst case for the cache), where greedy
-            // decoding of random weights tends to repeat a token.
-            let sampling = match args.expert_budget.is_empty() {
-                true => Sampling::Greedy,
-                false => Sampling::Random { temperature: 1.0, top_k: None, top_p: None },
-            };
-            let per_token = best_decode(&mut session, &fill, args.decode, args.reps, c.vocab, sampling)?;
-            if let Some(experts) = &model.experts {
-                let mut cache = session.stats().expert_cache;
-                let secs = decode_start.elapsed().as_secs_f64();
-                let tokens = ((args.reps.max(1) + 1) * (args.decode + 1)) as f64;
-                cache.hits -= cache_before.hits;
-                cache.misses -= cache_before.misses;
-                cache.bytes_uploaded -= cache_before.bytes_uploaded;
-                cache.upload_time -= cache_before.upload_time;
-                cache.prefetched -= cache_before.prefetched;
-                cache.prefetch_hits -= cache_before.prefetch_hits;
-                println!(
-                    "  expert cache{mode}: {} of {} slots per layer, {:.1} % hits ({:.1} % prefetched), \
-                     {:.1} of {:.1} prefetched per token used, {:.1} MB uploaded per token, \
-                     {:.1} GB/s of uploads while decoding, {:.1} GB/s while uploading ({:.2} ms per token) \
-                     (staging ring {:.0} MB)",
-                    experts.slots,
-                    c.moe.as_ref().map_or(0, |m| m.experts),
-                    100.0 * cache.hits as f64 / (cache.hits + cache.misses).max(1) as f64,
-                    100.0 * cache.prefetch_hits as f64 / (cache.hits + cache.misses).max(1) as f64,
-                    cache.prefetch_hits as f64 / tokens,
-                    cache.prefetched as f64 / tokens,
-                    cache.bytes_uploaded as f64 / tokens / 1e6,
-                    cache.bytes_uploaded as f64 / secs / 1e9,
-                    cache.bytes_uploaded as f64 / cache.upload_time.as_secs_f64().max(1e-9) / 1e9,
-                    cache.upload_time.as_secs_f64() * 1e3 / tokens,
-                    experts.staging_bytes() as f64 / 1e6
-                );
-            }
-            let bytes = decode_bytes(model, args.depth + args.decode / 2, args.kv_cache);
-            let achieved = bytes as f64 / per_token;
-            let stats = session.stats();
-            println!(
-                "  decode tg{}{mode}: {:.3} ms/token -> {:.1} tok/s; {:.3} GB read per token -> {:.3} TB/s = {:.1}% \
-                 of copy bandwidth; {} dispatches per token",
-                args.decode,
-                per_token * 1e3,
-                1.0 / per_token,
-                bytes as f64 / 1e9,
-                achieved / 1e12,
-                100.0 * achieved / copy,
-                stats.decode_dispatches
-            );
-            if stats.routing_readbacks > 0 {
-                let per = |d: Duration| d.as_secs_f64() * 1e3 / stats.routing_readbacks as f64;
-                println!(
-                    "  host per routing readback: {:.3} ms waiting for the map, {:.3} ms in submissions",
-                    per(stats.routing_wait),
-                    per(stats.submit_time)
-                );
-            }
+            let per_token = measure_decode(args, copy, model, &mut session, &fill, &mode)?;
             gpu_time(args.profile, model, &options, &fill, c.vocab)?;
             decode_per_mode.push((routing, per_token));
         }
@@ -405,6 +301,160 @@ fn measure(
         );
     }
     Ok(())
+}
+
+/// The routing modes and expert prefetches `--routing` and
+/// `--expert-prefetch` ask to measure, of those `model` runs.
+fn session_modes(
+    args: &Args,
+    model: &Model,
+) -> BenchResult<(&'static [RoutingMode], &'static [ExpertPrefetch])> {
+    let modes: &[RoutingMode] = match (model.config.moe.is_some(), args.routing.as_str()) {
+        // Streamed experts need the host to see the routing.
+        _ if model.experts.is_some() => &[RoutingMode::Readback],
+        (false, _) | (true, "readback") => &[RoutingMode::Readback],
+        (true, "device") => &[RoutingMode::DeviceResident],
+        (true, "both") => &[RoutingMode::DeviceResident, RoutingMode::Readback],
+        (true, other) => return Err(format!("--routing {other:?}: readback, device or both").into()),
+    };
+    let prefetches: &[ExpertPrefetch] = match (model.experts.is_some(), args.expert_prefetch.as_str()) {
+        (false, _) | (true, "off") => &[ExpertPrefetch::Off],
+        (true, "predicted") => &[ExpertPrefetch::Predicted],
+        (true, "both") => &[ExpertPrefetch::Off, ExpertPrefetch::Predicted],
+        (true, other) => return Err(format!("--expert-prefetch {other:?}: off, predicted or both").into()),
+    };
+    Ok((modes, prefetches))
+}
+
+/// Prints the best of `--reps` prefills of `--prompt` tokens after the
+/// context, once the GPU is warm.
+fn measure_prefill(
+    args: &Args,
+    model: &Model,
+    options: &SessionOptions,
+    session: &mut Session<'_>,
+    fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
+    mode: &str,
+) -> wgspark::Result<()> {
+    let c = &model.config;
+    let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 104729 % c.vocab) as u32).collect();
+    // Warm up (pipelines compile on first use, and a GPU that has
+    // idled runs short prompts at a fraction of its clock: on the
+    // H200 the 1B shape's pp512 measured 13 763 tok/s after one
+    // warm-up prefill, 42 741 after 2 s of them), then best of reps.
+    let warm = Instant::now();
+    while warm.elapsed() < PREFILL_WARM_UP {
+        fill(session)?;
+        session.prefill(&prompt)?;
+    }
+    let mut best = Duration::MAX;
+    for _ in 0..args.reps.max(1) {
+        fill(session)?;
+        let start = Instant::now();
+        session.prefill(&prompt)?;
+        best = best.min(start.elapsed());
+    }
+    let secs = best.as_secs_f64();
+    println!(
+        "  prefill pp{}{mode}: {:.2} ms -> {:.0} tok/s, {:.2} TFLOP/s (chunk {})",
+        args.prompt,
+        secs * 1e3,
+        args.prompt as f64 / secs,
+        prefill_flops(c, args.depth, args.prompt) / secs / 1e12,
+        session.prefill_chunk()
+    );
+    if args.profile {
+        prefill_profile(model, options, fill, &prompt)?;
+    }
+    Ok(())
+}
+
+/// Prints the best of `--reps` decodes of `--decode` tokens after the
+/// context (and how the expert cache served them), as a share of the
+/// copy bandwidth; returns the seconds per token.
+fn measure_decode(
+    args: &Args,
+    copy: f64,
+    model: &Model,
+    session: &mut Session<'_>,
+    fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
+    mode: &str,
+) -> wgspark::Result<f64> {
+    let cache_before = session.stats().expert_cache;
+    let decode_start = Instant::now();
+    // With streamed experts, tokens drawn at temperature 1 from the
+    // random model's near-uniform logits: routing then changes
+    // every step (the worst case for the cache), where greedy
+    // decoding of random weights tends to repeat a token.
+    let sampling = match args.expert_budget.is_empty() {
+        true => Sampling::Greedy,
+        false => Sampling::Random { temperature: 1.0, top_k: None, top_p: None },
+    };
+    let per_token = best_decode(session, fill, args.decode, args.reps, model.config.vocab, sampling)?;
+    let tokens = ((args.reps.max(1) + 1) * (args.decode + 1)) as f64;
+    let secs = decode_start.elapsed().as_secs_f64();
+    print_expert_cache(model, &session.stats().expert_cache, &cache_before, tokens, secs, mode);
+    let bytes = decode_bytes(model, args.depth + args.decode / 2, args.kv_cache);
+    let achieved = bytes as f64 / per_token;
+    let stats = session.stats();
+    println!(
+        "  decode tg{}{mode}: {:.3} ms/token -> {:.1} tok/s; {:.3} GB read per token -> {:.3} TB/s = {:.1}% \
+         of copy bandwidth; {} dispatches per token",
+        args.decode,
+        per_token * 1e3,
+        1.0 / per_token,
+        bytes as f64 / 1e9,
+        achieved / 1e12,
+        100.0 * achieved / copy,
+        stats.decode_dispatches
+    );
+    if stats.routing_readbacks > 0 {
+        let per = |d: Duration| d.as_secs_f64() * 1e3 / stats.routing_readbacks as f64;
+        println!(
+            "  host per routing readback: {:.3} ms waiting for the map, {:.3} ms in submissions",
+            per(stats.routing_wait),
+            per(stats.submit_time)
+        );
+    }
+    Ok(per_token)
+}
+
+/// Where experts stream, how their cache served the `tokens` decoded in
+/// `secs`: the session's totals `now` less those `before` them.
+fn print_expert_cache(
+    model: &Model,
+    now: &ExpertCacheStats,
+    before: &ExpertCacheStats,
+    tokens: f64,
+    secs: f64,
+    mode: &str,
+) {
+    let Some(experts) = &model.experts else { return };
+    let cache = ExpertCacheStats {
+        hits: now.hits - before.hits,
+        misses: now.misses - before.misses,
+        bytes_uploaded: now.bytes_uploaded - before.bytes_uploaded,
+        upload_time: now.upload_time - before.upload_time,
+        prefetched: now.prefetched - before.prefetched,
+        prefetch_hits: now.prefetch_hits - before.prefetch_hits,
+    };
+    println!(
+        "  expert cache{mode}: {} of {} slots per layer, {:.1} % hits ({:.1} % prefetched), \
+         {:.1} of {:.1} prefetched per token used, {:.1} MB uploaded per token, \
+         {:.1} GB/s of uploads while decoding, {:.1} GB/s while uploading ({:.2} ms per token) \
+         (staging ring {:.0} MB)",
+        experts.slots,
+        model.config.moe.as_ref().map_or(0, |m| m.experts),
+        100.0 * cache.hits as f64 / (cache.hits + cache.misses).max(1) as f64,
+        100.0 * cache.prefetch_hits as f64 / (cache.hits + cache.misses).max(1) as f64,
+        cache.prefetch_hits as f64 / tokens,
+        cache.prefetched as f64 / tokens,
+        cache.bytes_uploaded as f64 / tokens / 1e6,
+        cache.bytes_uploaded as f64 / secs / 1e9,
+        cache.bytes_uploaded as f64 / cache.upload_time.as_secs_f64().max(1e-9) / 1e9,
+        cache.upload_time.as_secs_f64() * 1e3 / tokens,
+        experts.staging_bytes() as f64 / 1e6
+    );
 }
 
 /// Seconds per decoded token, best of `reps` generations of `n` tokens
@@ -521,7 +571,7 @@ fn steering_cost(
     fill: &dyn Fn(&mut Session<'_>) -> wgspark::Result<()>,
     n: usize,
     c: &ModelConfig,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> BenchResult<()> {
     let directions = (1..c.layers).map(|l| (l, vec![0.01 * (l % 3) as f32; c.hidden])).collect();
     let vector = ControlVector { path: "bench".into(), model_hint: None, directions };
     let steering = Steering::new(c, &[(vector, 1.0)], None)?;
@@ -591,7 +641,7 @@ fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
 /// The vision tower's time for one square image of random pixels, as
 /// Qwen3-VL's processor cuts it (16-pixel patches, 2 x 2 merged), best of
 /// `--reps` after a warm-up.
-fn measure_vision_tower(args: &Args, model: &Model) -> Result<(), Box<dyn std::error::Error>> {
+fn measure_vision_tower(args: &Args, model: &Model) -> BenchResult<()> {
     let gemm = wgspark::ChunkMatmul::Auto.gemm(&model.gpu, args.prefill_precision)?;
     let gemm = gemm.as_ref();
     let v = model.config.vision.as_ref().expect("a vision tower");
@@ -612,7 +662,7 @@ fn measure_vision_tower(args: &Args, model: &Model) -> Result<(), Box<dyn std::e
     let patches = processor.patches(&image, "random")?;
     let preprocess = start.elapsed();
     let [_, rows, cols] = patches.grid;
-    let encode = || -> Result<Duration, Box<dyn std::error::Error>> {
+    let encode = || -> BenchResult<Duration> {
         let start = Instant::now();
         let out = wgspark::flow::vision::encode_image(model, &patches, gemm)?;
         model.gpu.wait()?;
