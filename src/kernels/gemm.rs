@@ -5,6 +5,7 @@
 
 use super::gemm_coop;
 use crate::error::Result;
+use crate::format::WeightFormat;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
 
 crate::wgsl_struct! {
@@ -73,6 +74,12 @@ struct Shape {
 }
 
 impl Shape {
+    /// The rows tiles are chosen for (the whole product: all experts'
+    /// rows) and the most tokens.
+    fn whole(&self) -> (usize, usize) {
+        (self.rows * self.experts.max(1), self.tokens)
+    }
+
     /// Row tiles along x (each range of k's in turn, folded into z when
     /// dense), experts along z.
     fn grid(&self, gpu: &Gpu, name: &str, tile_rows: u32) -> Result<[u32; 3]> {
@@ -88,6 +95,112 @@ impl Shape {
             });
         }
         Ok([tiles, 1, self.experts as u32])
+    }
+}
+
+/// A product's width suits its format, and a SwiGLU's rows are whole
+/// gate/up pairs.
+fn check_product(weight: &GpuTensor, part: &TensorPart, epilogue: Epilogue, shape: &Shape) -> Result<()> {
+    if part.format != WeightFormat::Bf16 && !weight.cols.is_multiple_of(4) {
+        return Err(crate::Error::Unsupported {
+            what: "GEMM width (a multiple of 4 in formats other than bf16)",
+            value: format!("{}: {} columns of {}", weight.name, weight.cols, part.format),
+        });
+    }
+    // Pairs never straddle parts (GpuTensor keeps them together).
+    if epilogue == Epilogue::Swiglu && !(shape.rows.is_multiple_of(2) && part.first_row.is_multiple_of(2)) {
+        return Err(crate::Error::Unsupported {
+            what: "SwiGLU GEMM rows (gate/up pairs)",
+            value: format!("{}: {} rows of a part from row {}", weight.name, shape.rows, part.first_row),
+        });
+    }
+    Ok(())
+}
+
+/// A product's pipeline, its tile (tokens and rows), the f16 copy of the
+/// activations it reads instead of their f32 rows, and the bindings after
+/// the common ones.
+struct Build<'b> {
+    pipeline: wgpu::ComputePipeline,
+    tile_tokens: u32,
+    tile_rows: u32,
+    x16: Option<&'b wgpu::Buffer>,
+    extra: Vec<&'b wgpu::Buffer>,
+}
+
+impl<'b> Build<'b> {
+    /// `gemm.wgsl` in square tiles: 128 wide where a full chunk still
+    /// gives [`WIDE_MIN_WORKGROUPS`] of them (`Tiling::Auto`).
+    fn alu(
+        gpu: &Gpu,
+        format: WeightFormat,
+        epilogue: Epilogue,
+        tiling: Tiling,
+        shape: &Shape,
+    ) -> Result<Self> {
+        let (n_rows, max_tokens) = shape.whole();
+        let wide = match tiling {
+            Tiling::Narrow => false,
+            Tiling::Wide => true,
+            Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
+        };
+        let tile = if wide { 128 } else { 64 };
+        let mut flags = super::weight_flags(gpu, format);
+        if epilogue == Epilogue::Swiglu {
+            flags.push(SWIGLU);
+        }
+        let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
+        let pipeline = super::pipeline(gpu, "gemm", "main", &flags, &constants)?;
+        Ok(Build { pipeline, tile_tokens: tile, tile_rows: tile, x16: None, extra: vec![] })
+    }
+
+    /// `gemm_coop.wgsl` in `tile` where given and the build fits it, else
+    /// in the tile it reads f16 copies in (where `half` has them and the
+    /// product suits it), else in the tile [`gemm_coop::Tile::choose`]
+    /// picks; split over k where `shape` is.
+    fn cooperative(
+        gpu: &Gpu,
+        (weight, part): (&GpuTensor, &TensorPart),
+        epilogue: Epilogue,
+        (split, tile): (bool, Option<gemm_coop::Tile>),
+        shape: &Shape,
+        half: HalfCopies<'b>,
+    ) -> Result<Self> {
+        let (n_rows, max_tokens) = shape.whole();
+        let mut flags = gemm_coop::flags(gpu, part.format, split);
+        if epilogue == Epilogue::Swiglu {
+            flags.push(SWIGLU);
+        }
+        let copy_tile = match shape.k_splits {
+            1 => {
+                gemm_coop::Tile::reads_f16(n_rows, weight.cols, max_tokens, &flags, gpu.caps.multiprocessors)
+            }
+            // Gemm::summed_splits found the product suits the tile.
+            _ => Some(gemm_coop::Tile::COPIES),
+        };
+        let half_tile = half.x.filter(|_| tile.is_none()).zip(copy_tile);
+        let mut extra = vec![];
+        if let Some(y16) = half.y {
+            flags.push(gemm_coop::Y_F16);
+            extra.push(y16);
+        }
+        let (tile, x16) = match half_tile {
+            Some((x16, tile)) => {
+                flags.push(gemm_coop::X_F16);
+                (tile, Some(x16))
+            }
+            None => {
+                let fitting = tile.filter(|t| t.fits(&flags));
+                (fitting.unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags)), None)
+            }
+        };
+        let mut constants = tile.constants(&flags).to_vec();
+        if shape.k_splits > 1 {
+            flags.push(gemm_coop::K_SPLIT);
+            constants.push(("K_SPLITS", shape.k_splits as f64));
+        }
+        let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &constants)?;
+        Ok(Build { pipeline, tile_tokens: tile.tokens, tile_rows: tile.rows, x16, extra })
     }
 }
 
@@ -238,31 +351,7 @@ impl Gemm {
         b: [&wgpu::Buffer; 5],
         half: HalfCopies<'_>,
     ) -> Result<Dispatch> {
-        // Tiles are chosen for the whole product, all experts' rows.
-        let (n_rows, max_tokens) = (shape.rows * shape.experts.max(1), shape.tokens);
-        let [step, mut x, y, groups, pairs] = b;
-        let mut extra = vec![];
-        let mut flags = super::weight_flags(gpu, part.format);
-        if !flags.is_empty() && !weight.cols.is_multiple_of(4) {
-            return Err(crate::Error::Unsupported {
-                what: "GEMM width (a multiple of 4 in formats other than bf16)",
-                value: format!("{}: {} columns of {}", weight.name, weight.cols, part.format),
-            });
-        }
-        if epilogue == Epilogue::Swiglu {
-            // Pairs never straddle parts (GpuTensor keeps them together).
-            if !(shape.rows.is_multiple_of(2) && part.first_row.is_multiple_of(2)) {
-                return Err(crate::Error::Unsupported {
-                    what: "SwiGLU GEMM rows (gate/up pairs)",
-                    value: format!(
-                        "{}: {} rows of a part from row {}",
-                        weight.name, shape.rows, part.first_row
-                    ),
-                });
-            }
-            flags.push(SWIGLU);
-        }
-        let params = ParamsBuffer::new(gpu, "gemm.params", &params);
+        check_product(weight, part, epilogue, &shape)?;
         let kernel = match self.kernel {
             GemmKernel::Cooperative { .. } if !gemm_coop::takes(part.format, weight.cols) => {
                 GemmKernel::Alu(Tiling::Auto)
@@ -275,64 +364,23 @@ impl Gemm {
                 value: format!("{}: {epilogue:?} on {kernel:?}", weight.name),
             });
         }
-        let (pipeline, tile_tokens, tile_rows) = match kernel {
-            GemmKernel::Alu(tiling) => {
-                let wide = match tiling {
-                    Tiling::Narrow => false,
-                    Tiling::Wide => true,
-                    Tiling::Auto => n_rows.div_ceil(128) * max_tokens.div_ceil(128) >= WIDE_MIN_WORKGROUPS,
-                };
-                let tile = if wide { 128 } else { 64 };
-                let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
-                (super::pipeline(gpu, "gemm", "main", &flags, &constants)?, tile, tile)
-            }
+        let [step, x, y, groups, pairs] = b;
+        let build = match kernel {
+            GemmKernel::Alu(tiling) => Build::alu(gpu, part.format, epilogue, tiling, &shape)?,
             GemmKernel::Cooperative { split, tile } => {
-                let mut flags = gemm_coop::flags(gpu, part.format, split);
-                if epilogue == Epilogue::Swiglu {
-                    flags.push(SWIGLU);
-                }
-                let copy_tile = match shape.k_splits {
-                    1 => gemm_coop::Tile::reads_f16(
-                        n_rows,
-                        weight.cols,
-                        max_tokens,
-                        &flags,
-                        gpu.caps.multiprocessors,
-                    ),
-                    // Self::summed_splits found the product suits the tile.
-                    _ => Some(gemm_coop::Tile::COPIES),
-                };
-                let half_tile = half.x.filter(|_| tile.is_none()).zip(copy_tile);
-                if let Some(y16) = half.y {
-                    flags.push(gemm_coop::Y_F16);
-                    extra.push(y16);
-                }
-                let tile = match half_tile {
-                    Some((x16, tile)) => {
-                        flags.push(gemm_coop::X_F16);
-                        x = x16;
-                        tile
-                    }
-                    None => tile
-                        .filter(|t| t.fits(&flags))
-                        .unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags)),
-                };
-                let mut constants = tile.constants(&flags).to_vec();
-                if shape.k_splits > 1 {
-                    flags.push(gemm_coop::K_SPLIT);
-                    constants.push(("K_SPLITS", shape.k_splits as f64));
-                }
-                let pipeline = super::pipeline(gpu, "gemm_coop", "main", &flags, &constants)?;
-                (pipeline, tile.tokens, tile.rows)
+                Build::cooperative(gpu, (weight, part), epilogue, (split, tile), &shape, half)?
             }
         };
-        let buffers = [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &extra].concat();
+        let params = ParamsBuffer::new(gpu, "gemm.params", &params);
+        let x = build.x16.unwrap_or(x);
+        let buffers =
+            [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &build.extra].concat();
         Ok(Dispatch {
             label: "gemm",
-            bind_group: gpu.bind("gemm", &pipeline, &buffers),
-            pipeline,
-            workgroups: shape.grid(gpu, &weight.name, tile_rows)?,
-            tokens_per_workgroup: tile_tokens,
+            bind_group: gpu.bind("gemm", &build.pipeline, &buffers),
+            pipeline: build.pipeline,
+            workgroups: shape.grid(gpu, &weight.name, build.tile_rows)?,
+            tokens_per_workgroup: build.tile_tokens,
         })
     }
 
