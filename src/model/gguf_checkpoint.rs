@@ -198,40 +198,9 @@ impl GgufCheckpoint {
         if let Some(rot) = self.meta_int_opt("rope.dimension_count")? {
             fields.insert("rotary_dim".into(), json!(rot));
         }
-        match self.meta().meta_str_opt(&format!("{}.rope.scaling.type", self.arch))? {
-            None | Some("none") => {}
-            Some("linear") => {
-                let factor = self.meta_float("rope.scaling.factor")?;
-                fields.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
-            }
-            Some(other) => {
-                return Err(Error::Unsupported {
-                    what: "GGUF rope scaling",
-                    value: format!("{}.rope.scaling.type = {other}", self.arch),
-                });
-            }
-        }
+        self.insert_rope_scaling(fields)?;
         if experts > 0 {
-            let used = self.meta_int("expert_used_count")?;
-            fields.insert("num_local_experts".into(), json!(experts));
-            fields.insert("num_experts".into(), json!(experts));
-            fields.insert("num_experts_per_tok".into(), json!(used));
-            if let Some(ffn) = self.meta_int_opt("expert_feed_forward_length")? {
-                fields.insert("moe_intermediate_size".into(), json!(ffn));
-            }
-            fields.insert("norm_topk_prob".into(), json!(true));
-            // llama.cpp's gating functions: 1 softmax, 2 sigmoid.
-            let scoring = match self.meta_int_opt("expert_gating_func")? {
-                Some(1) => Some("softmax"),
-                Some(2) => Some("sigmoid"),
-                Some(other) => {
-                    return Err(self.meta().err(format!("expert_gating_func {other} is not 1 or 2")));
-                }
-                None => None,
-            };
-            if let Some(scoring) = scoring {
-                fields.insert("scoring_func".into(), json!(scoring));
-            }
+            self.insert_experts(fields, experts)?;
         }
         let path = self.meta().path().to_path_buf();
         let mut config = ModelConfig::parse(&config.to_string(), &path)?;
@@ -248,6 +217,48 @@ impl GgufCheckpoint {
             config.rope.scaling = RopeScaling::Divisors(factors);
         }
         Ok(config)
+    }
+
+    /// config.json's `rope_scaling` for the metadata's (linear, or none).
+    fn insert_rope_scaling(&self, fields: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+        match self.meta().meta_str_opt(&format!("{}.rope.scaling.type", self.arch))? {
+            None | Some("none") => Ok(()),
+            Some("linear") => {
+                let factor = self.meta_float("rope.scaling.factor")?;
+                fields.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+                Ok(())
+            }
+            Some(other) => Err(Error::Unsupported {
+                what: "GGUF rope scaling",
+                value: format!("{}.rope.scaling.type = {other}", self.arch),
+            }),
+        }
+    }
+
+    /// config.json's MoE fields for `experts` experts: how many each token
+    /// uses, their width and how they are scored (the top-k's weights
+    /// renormalised, as llama.cpp runs these architectures).
+    fn insert_experts(
+        &self,
+        fields: &mut serde_json::Map<String, serde_json::Value>,
+        experts: i64,
+    ) -> Result<()> {
+        let used = self.meta_int("expert_used_count")?;
+        fields.insert("num_local_experts".into(), json!(experts));
+        fields.insert("num_experts".into(), json!(experts));
+        fields.insert("num_experts_per_tok".into(), json!(used));
+        if let Some(ffn) = self.meta_int_opt("expert_feed_forward_length")? {
+            fields.insert("moe_intermediate_size".into(), json!(ffn));
+        }
+        fields.insert("norm_topk_prob".into(), json!(true));
+        // llama.cpp's gating functions: 1 softmax, 2 sigmoid.
+        match self.meta_int_opt("expert_gating_func")? {
+            Some(1) => fields.insert("scoring_func".into(), json!("softmax")),
+            Some(2) => fields.insert("scoring_func".into(), json!("sigmoid")),
+            Some(other) => return Err(self.meta().err(format!("expert_gating_func {other} is not 1 or 2"))),
+            None => None,
+        };
+        Ok(())
     }
 
     /// Bytes the tensors take on the GPU.
