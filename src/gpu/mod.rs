@@ -165,9 +165,9 @@ pub struct Gpu {
     pub features: wgpu::Features,
     pub limits: wgpu::Limits,
     pub caps: Caps,
-    errors: Arc<Mutex<Vec<wgpu::Error>>>,
+    errors: ErrorSink,
     /// Why the device was lost, once it is.
-    lost: Arc<Mutex<Option<String>>>,
+    lost: LostReason,
     /// Every specialised pipeline built on this device.
     pub(crate) pipelines: Arc<crate::kernels::PipelineCache>,
 }
@@ -194,6 +194,26 @@ fn device_type_rank(t: wgpu::DeviceType) -> u8 {
         wgpu::DeviceType::Other => 3,
         wgpu::DeviceType::Cpu => 4,
     }
+}
+
+/// A device's errors not yet reported.
+type ErrorSink = Arc<Mutex<Vec<wgpu::Error>>>;
+/// Why a device was lost, once it is.
+type LostReason = Arc<Mutex<Option<String>>>;
+
+/// Validation and out-of-memory errors are collected instead of
+/// panicking, and turned into `Error`s at the next checkpoint; a lost
+/// device's reason is kept for the same.
+fn collect_errors(device: &wgpu::Device) -> (ErrorSink, LostReason) {
+    let errors = ErrorSink::default();
+    let sink = errors.clone();
+    device.on_uncaptured_error(Arc::new(move |e| sink.lock().unwrap().push(e)));
+    let lost = LostReason::default();
+    let lost_reason = lost.clone();
+    device.set_device_lost_callback(move |reason, message| {
+        *lost_reason.lock().unwrap() = Some(format!("{reason:?}: {message}"));
+    });
+    (errors, lost)
 }
 
 /// What to do when a GL device will not open because of its context:
@@ -232,16 +252,7 @@ impl Gpu {
     }
 
     async fn open(options: &GpuOptions) -> Result<Self> {
-        let mut tried = vec![options.backend.wgpu_backends()];
-        let mut adapter = Self::best_adapter(options.backend.wgpu_backends()).await;
-        if adapter.is_none() && options.backend == Backend::Auto {
-            tried.push(wgpu::Backends::GL);
-            adapter = Self::best_adapter(wgpu::Backends::GL).await;
-        }
-        let adapter = adapter.ok_or_else(|| Error::NoAdapter {
-            tried: tried.iter().map(|b| format!("{b:?}")).collect::<Vec<_>>().join(", "),
-        })?;
-
+        let adapter = Self::adapter(options.backend).await?;
         let info = adapter.get_info();
         let downlevel = adapter.get_downlevel_capabilities().flags;
         let mut features = adapter.features() & WANTED_FEATURES;
@@ -286,16 +297,7 @@ impl Gpu {
                 Error::RequestDevice { adapter: info.name.clone(), message }
             })?;
 
-        // Validation and out-of-memory errors are collected instead of
-        // panicking, and turned into `Error`s at the next checkpoint.
-        let errors: Arc<Mutex<Vec<wgpu::Error>>> = Arc::default();
-        let sink = errors.clone();
-        device.on_uncaptured_error(Arc::new(move |e| sink.lock().unwrap().push(e)));
-        let lost: Arc<Mutex<Option<String>>> = Arc::default();
-        let lost_reason = lost.clone();
-        device.set_device_lost_callback(move |reason, message| {
-            *lost_reason.lock().unwrap() = Some(format!("{reason:?}: {message}"));
-        });
+        let (errors, lost) = collect_errors(&device);
 
         let mut max_storage_binding = limits.max_storage_buffer_binding_size;
         if let Some(cap) = options.max_storage_binding {
@@ -317,6 +319,20 @@ impl Gpu {
             multiprocessors: multiprocessors::count(&adapter),
         };
         Ok(Gpu { device, queue, info, features, limits, caps, errors, lost, pipelines: Arc::default() })
+    }
+
+    /// The best adapter of `backend`; with `Backend::Auto`, GL's where no
+    /// other backend has one.
+    async fn adapter(backend: Backend) -> Result<wgpu::Adapter> {
+        let mut tried = vec![backend.wgpu_backends()];
+        let mut adapter = Self::best_adapter(backend.wgpu_backends()).await;
+        if adapter.is_none() && backend == Backend::Auto {
+            tried.push(wgpu::Backends::GL);
+            adapter = Self::best_adapter(wgpu::Backends::GL).await;
+        }
+        adapter.ok_or_else(|| Error::NoAdapter {
+            tried: tried.iter().map(|b| format!("{b:?}")).collect::<Vec<_>>().join(", "),
+        })
     }
 
     async fn best_adapter(backends: wgpu::Backends) -> Option<wgpu::Adapter> {
