@@ -213,21 +213,33 @@ fn gemv_in_every_format_matches_the_cpu_product_of_its_values() {
     });
 }
 
-/// Random blocks of `format` whose f16 scales are small and finite.
+/// Random blocks of `format` whose scales are small and finite (FP8: and
+/// whose codes are numbers); the float formats' values in -1 .. 1.
 fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) -> Vec<u8> {
     use WeightFormat::*;
-    let scales: &[usize] = match format {
+    let values = |rng: &mut Rng| rng.vec(rows * cols, 1.0);
+    let f16_scales: &[usize] = match format {
+        F16 => return values(rng).iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        F32 => return values(rng).iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Bf16 => panic!("bf16 weights are values, not blocks"),
         Q8_0 | Q4_0 | Q5_0 => &[0],
         Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
+        Q2K => &[80, 82],
+        Q3K => &[108],
         Q6K => &[208],
-        other => panic!("no scale offsets for {other}"),
+        F8E4M3 => &[],
     };
     let block = format.file_block_bytes();
     let mut bytes: Vec<u8> = (0..format.file_row_bytes(cols) * rows).map(|_| rng.next_u32() as u8).collect();
     for b in bytes.chunks_exact_mut(block) {
-        for &at in scales {
+        for &at in f16_scales {
             let v = half::f16::from_f32(0.02 * rng.uniform());
             b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+        if format == F8E4M3 {
+            // [scale f32][codes]: 0x7f and 0xff are NaN.
+            b[..4].copy_from_slice(&(0.01 * rng.uniform()).to_le_bytes());
+            b[4..].iter_mut().filter(|q| **q & 0x7f == 0x7f).for_each(|q| *q = 0);
         }
     }
     bytes
@@ -252,6 +264,95 @@ fn random_weight(
     let weight = GpuTensor::alloc_in(gpu, "w", format, rows, cols, 1).unwrap();
     weight.write_rows(gpu, 0, &format.to_gpu_layout(&bytes));
     (weight, format.dequantize(&bytes, cols))
+}
+
+/// A random weight shape for `format`: 1 to 300 rows, and a width of
+/// whole blocks (the float formats: whole quads; FP8: whole quads, its
+/// last block partial), now and then past one staged chunk of x.
+fn random_shape(rng: &mut Rng, format: WeightFormat, widest: usize) -> (usize, usize) {
+    let rows = 1 + rng.below(300) as usize;
+    let step = match format {
+        WeightFormat::F8E4M3 => 4,
+        other => other.block_elements().max(4),
+    };
+    let widest = if rng.below(3) == 0 { widest } else { 1200 };
+    (rows, step * (1 + rng.below((widest / step) as u32) as usize))
+}
+
+/// Each output's error against its scale: the sum of its products'
+/// magnitudes (f32 accumulation in any order stays far within 1e-5 of
+/// it).
+fn worst_error(got: &[f32], want: &[f32], values: &[f32], x: &[f32], cols: usize) -> f32 {
+    let rows = values.len() / cols;
+    let scale = x.chunks_exact(cols).flat_map(|x| {
+        values.chunks_exact(cols).map(move |w| w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum::<f32>())
+    });
+    assert_eq!(got.len(), want.len());
+    assert_eq!(got.len(), rows * x.len() / cols);
+    got.iter().zip(want).zip(scale).map(|((g, w), s)| (g - w).abs() / s.max(1e-30)).fold(0.0, f32::max)
+}
+
+/// Every format's GEMV (in one of its builds, drawn) and GEMM (in one of
+/// the adapter's kernels, drawn) match the CPU product of its values on
+/// random shapes, two of each a format.
+#[test]
+fn every_format_multiplies_random_shapes() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(17);
+        let one_per_invocation = GemvShape::ONE_PER_INVOCATION;
+        let gemv_shapes: Vec<GemvShape> = [
+            one_per_invocation,
+            GemvShape { int8: false, ..one_per_invocation },
+            int8_in_turns(one_per_invocation),
+            GemvShape::lanes(gpu, 32),
+            GemvShape { int8: false, ..GemvShape::lanes(gpu, 32) },
+        ]
+        .into_iter()
+        .chain(GemvShape::on_subgroups(gpu))
+        .collect();
+        let kernels = Gemm::kernels(gpu);
+        for format in WeightFormat::ALL {
+            for _ in 0..2 {
+                let shape = gemv_shapes[rng.below(gemv_shapes.len() as u32) as usize];
+                let (rows, cols) = random_shape(&mut rng, format, 9000);
+                let tokens = 1 + rng.below(3) as usize;
+                let what = format!("GEMV {format} {rows} x {cols}, {tokens} tokens, {shape:?}");
+                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
+                let x = rng.vec(tokens * cols, 1.0);
+                let int8 = shape.int8 && has_int8_units(format);
+                let staged: Vec<f32> = match int8 {
+                    true => x.chunks_exact(cols).flat_map(reference::int8_activations).collect(),
+                    false => x.clone(),
+                };
+                let want: Vec<f32> =
+                    staged.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+                let (xb, yb) =
+                    (gpu.storage_buffer_init("x", &x), gpu.storage_buffer("y", tokens * rows).unwrap());
+                let gemv = Gemv::with_shape(gpu, shape);
+                run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);
+                let got = gpu.read_buffer(&yb, tokens * rows).unwrap();
+                let error = worst_error(&got, &want, &values, &staged, cols);
+                assert!(error <= 1e-5, "{what}: error {error} of the products' magnitudes");
+
+                let kernel = kernels[rng.below(kernels.len() as u32) as usize];
+                let (rows, cols) = random_shape(&mut rng, format, 2400);
+                let tokens = 1 + rng.below(70) as usize;
+                let what = format!("GEMM {format} {rows} x {cols}, {tokens} tokens, {kernel:?}");
+                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
+                let x = rng.vec(tokens * cols, 1.0);
+                let (xb, yb) =
+                    (gpu.storage_buffer_init("x", &x), gpu.storage_buffer("y", tokens * rows).unwrap());
+                let step = step_buffer(gpu, 0, tokens, 1);
+                let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
+                let plan = gemm.plan(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap();
+                run(gpu, &plan, tokens as u32);
+                let want: Vec<f32> =
+                    x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+                let got = gpu.read_buffer(&yb, tokens * rows).unwrap();
+                assert_close(&got, &want, product_tolerance(kernel, &values, &x, rows, cols), &what);
+            }
+        }
+    });
 }
 
 /// The byte-activation GEMV stages x in chunks of 4096, or for rows of
