@@ -314,45 +314,50 @@ fn every_format_multiplies_random_shapes() {
         for format in WeightFormat::ALL {
             for _ in 0..2 {
                 let shape = gemv_shapes[rng.below(gemv_shapes.len() as u32) as usize];
-                let (rows, cols) = random_shape(&mut rng, format, 9000);
-                let tokens = 1 + rng.below(3) as usize;
-                let what = format!("GEMV {format} {rows} x {cols}, {tokens} tokens, {shape:?}");
-                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
-                let x = rng.vec(tokens * cols, 1.0);
-                let int8 = shape.int8 && has_int8_units(format);
-                let staged: Vec<f32> = match int8 {
-                    true => x.chunks_exact(cols).flat_map(reference::int8_activations).collect(),
-                    false => x.clone(),
-                };
-                let want: Vec<f32> =
-                    staged.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
-                let (xb, yb) =
-                    (gpu.storage_buffer_init("x", &x), gpu.storage_buffer("y", tokens * rows).unwrap());
-                let gemv = Gemv::with_shape(gpu, shape);
-                run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);
-                let got = gpu.read_buffer(&yb, tokens * rows).unwrap();
-                let error = worst_error(&got, &want, &values, &staged, cols);
-                assert!(error <= 1e-5, "{what}: error {error} of the products' magnitudes");
-
+                check_random_gemv(gpu, &mut rng, format, shape);
                 let kernel = kernels[rng.below(kernels.len() as u32) as usize];
-                let (rows, cols) = random_shape(&mut rng, format, 2400);
-                let tokens = 1 + rng.below(70) as usize;
-                let what = format!("GEMM {format} {rows} x {cols}, {tokens} tokens, {kernel:?}");
-                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
-                let x = rng.vec(tokens * cols, 1.0);
-                let (xb, yb) =
-                    (gpu.storage_buffer_init("x", &x), gpu.storage_buffer("y", tokens * rows).unwrap());
-                let step = step_buffer(gpu, 0, tokens, 1);
-                let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
-                let plan = gemm.plan(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap();
-                run(gpu, &plan, tokens as u32);
-                let want: Vec<f32> =
-                    x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
-                let got = gpu.read_buffer(&yb, tokens * rows).unwrap();
-                assert_close(&got, &want, product_tolerance(kernel, &values, &x, rows, cols), &what);
+                check_random_gemm(gpu, &mut rng, format, kernel);
             }
         }
     });
+}
+
+/// A GEMV of `shape` on a random weight of `format` and 1 to 3 tokens.
+fn check_random_gemv(gpu: &Gpu, rng: &mut Rng, format: WeightFormat, shape: GemvShape) {
+    let (rows, cols) = random_shape(rng, format, 9000);
+    let tokens = 1 + rng.below(3) as usize;
+    let what = format!("GEMV {format} {rows} x {cols}, {tokens} tokens, {shape:?}");
+    let (weight, values) = random_weight(gpu, rng, format, rows, cols);
+    let x = rng.vec(tokens * cols, 1.0);
+    // The activations as the kernel multiplies them.
+    let staged: Vec<f32> = match shape.int8 && has_int8_units(format) {
+        true => x.chunks_exact(cols).flat_map(reference::int8_activations).collect(),
+        false => x.clone(),
+    };
+    let want: Vec<f32> =
+        staged.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+    let (xb, yb) = (gpu.storage_buffer_init("x", &x), gpu.storage_buffer("y", tokens * rows).unwrap());
+    let gemv = Gemv::with_shape(gpu, shape);
+    run(gpu, &gemv.plan(gpu, &GemvSpec::plain(&weight, &xb, &yb)).unwrap(), tokens as u32);
+    let got = gpu.read_buffer(&yb, tokens * rows).unwrap();
+    let error = worst_error(&got, &want, &values, &staged, cols);
+    assert!(error <= 1e-5, "{what}: error {error} of the products' magnitudes");
+}
+
+/// A GEMM in `kernel` on a random weight of `format` and 1 to 70 tokens.
+fn check_random_gemm(gpu: &Gpu, rng: &mut Rng, format: WeightFormat, kernel: GemmKernel) {
+    let (rows, cols) = random_shape(rng, format, 2400);
+    let tokens = 1 + rng.below(70) as usize;
+    let what = format!("GEMM {format} {rows} x {cols}, {tokens} tokens, {kernel:?}");
+    let (weight, values) = random_weight(gpu, rng, format, rows, cols);
+    let x = rng.vec(tokens * cols, 1.0);
+    let (xb, yb) = (gpu.storage_buffer_init("x", &x), gpu.storage_buffer("y", tokens * rows).unwrap());
+    let step = step_buffer(gpu, 0, tokens, 1);
+    let gemm = Gemm::with_kernel(gpu, kernel).unwrap();
+    run(gpu, &gemm.plan(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap(), tokens as u32);
+    let want: Vec<f32> = x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+    let got = gpu.read_buffer(&yb, tokens * rows).unwrap();
+    assert_close(&got, &want, product_tolerance(kernel, &values, &x, rows, cols), &what);
 }
 
 /// The byte-activation GEMV stages x in chunks of 4096, or for rows of
