@@ -56,6 +56,18 @@ def llama3_tied():
     )
 
 
+def llama_linear_rope():
+    # Llama 2's linear RoPE scaling in its legacy spelling (`type`, not
+    # `rope_type`): positions divided by the factor.
+    return "hub", dict(
+        architectures=["LlamaForCausalLM"], model_type="llama",
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=dict(type="linear", factor=4.0),
+        vocab_size=250, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+
+
 def mistral_window():
     # A sliding window shorter than prompt + generation, so it matters.
     return "hub", dict(
@@ -211,6 +223,9 @@ CASES = {
     ])),
     "llama3_tied": (llama3_tied, dict(prompt_len=12, steps=8, must_matter=[
         dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+    ])),
+    "llama_linear_rope": (llama_linear_rope, dict(prompt_len=12, steps=8, must_matter=[
+        dict(rope_scaling=None),
     ])),
     "mistral_window": (mistral_window, dict(prompt_len=12, steps=8, must_matter=[
         dict(sliding_window=None),

@@ -122,6 +122,20 @@ def fp8_partial_blocks():
     )
 
 
+def fp8_qwen3_moe():
+    # As Qwen3-30B-A3B-FP8 ships: one FP8 gate/up/down per expert, the
+    # router bf16; f16 scales; each expert 160 wide (blocks of 128 + 32).
+    return "hub", dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=150,
+        max_position_embeddings=128, tie_word_embeddings=False, use_sliding_window=False,
+    )
+
+
 # name -> (config builder, options). `scale_dtype` is the dtype of every
 # weight_scale_inv; `must_matter` as in make_fixtures.py.
 CASES = {
@@ -131,6 +145,9 @@ CASES = {
     "fp8_minimax_m2": (fp8_minimax_m2, dict(
         prompt_len=12, steps=8, quantization_config=MINIMAX_M2_FP8, scale_dtype=torch.bfloat16,
         must_matter=[dict(rotary_dim=64)], bias_scale=0.15)),
+    "fp8_qwen3_moe": (fp8_qwen3_moe, dict(
+        prompt_len=12, steps=8, quantization_config=QWEN3_FP8, scale_dtype=torch.float16,
+        must_matter=[dict(num_experts_per_tok=1)])),
     "fp8_partial_blocks": (fp8_partial_blocks, dict(
         prompt_len=12, steps=8, quantization_config=QWEN3_FP8, scale_dtype=torch.float32,
         must_matter=[dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0))])),
