@@ -19,6 +19,7 @@ kept, so f32 rounding cannot flip an id.
 """
 import argparse
 import json
+import math
 import subprocess
 import tempfile
 from pathlib import Path
@@ -59,6 +60,12 @@ CASES = {
     "gguf_mixtral_q5_1": ("llama", base(
         "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "Q5_1"),
     "gguf_llama_q4_1": ("llama", base("llama"), "Q4_1"),
+    # Llama 3.1's wavelength scaling, which llama.cpp's converter writes as
+    # per-frequency divisors (rope_freqs.weight); an original context of 16
+    # scales most frequencies at these positions.
+    "gguf_llama3_rope_freqs_q4_k_m": ("llama", base("llama", max_position_embeddings=256, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16)), "Q4_K_M"),
     "gguf_minimax_m2_q4_k_m": ("minimax-m2", base(
         "minimax_m2", intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, rotary_dim=32,
         scoring_func="sigmoid", use_routing_bias=True, rope_theta=5000000.0, rms_norm_eps=1e-6,
@@ -124,6 +131,30 @@ def take(sd, hf):
     return sd[hf]
 
 
+def rope_freqs(cfg):
+    """Llama 3's scaling as llama.cpp's converter writes it: the divisor of
+    each rotary frequency (1 for short wavelengths, `factor` for long ones,
+    smoothed between)."""
+    scaling = cfg["rope_scaling"]
+    dim = cfg["head_dim"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelen = old_context / scaling["low_freq_factor"]
+    high_wavelen = old_context / scaling["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old_context / wavelen - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_f32_gguf(path, arch, cfg, sd):
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -149,6 +180,8 @@ def write_f32_gguf(path, arch, cfg, sd):
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("none")
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", rope_freqs(cfg))
     for name, hf, heads in layout(arch, cfg):
         t = take(sd, hf)
         if heads:
@@ -202,6 +235,10 @@ def case(name, quantize):
             model.load_state_dict(new_sd, strict=True)
             data = (Path(q_path).read_bytes(), types)
         ok, expected = run(model, cfg_dict, seed)
+        if ok and cfg_dict.get("rope_scaling"):
+            effect = scaling_effect(model, cfg_dict, expected["prompt_ids"] + expected["generated_ids"])
+            assert effect > 1e-2, f"{name}: rope scaling moves the logits by only {effect}"
+            print(f"{name}: rope scaling moves the logits by {effect:.3f}")
         if ok:
             out = ROOT / "tests/fixtures" / name
             out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +248,18 @@ def case(name, quantize):
             print(f"{name}: seed {seed}, types {data[1]}, ids {expected['generated_ids']}")
             return
     raise SystemExit(f"{name}: no seed gives clear greedy choices")
+
+
+def scaling_effect(model, cfg, ids):
+    """How far the logits of `ids` move when the same weights run without
+    the config's rope scaling: proof that the fixture exercises it."""
+    plain_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "rope_scaling"})
+    plain = AutoModelForCausalLM.from_config(plain_cfg, attn_implementation="eager").float().eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        scaled = model(torch.tensor([ids])).logits
+        unscaled = plain(torch.tensor([ids])).logits
+    return (scaled - unscaled).abs().max().item()
 
 
 def run(model, cfg, seed, prompt_len=12, steps=8):
