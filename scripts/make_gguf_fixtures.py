@@ -6,9 +6,9 @@ llama.cpp's `llama-quantize`, and the logits transformers computes in f32
 from the quantized file's own dequantized weights (gguf's `dequantize`, q/k
 rows put back).
 
-Each case directory holds model.gguf and expected.json (prompt_ids,
-generated_ids, logits), which tests/conformance.rs checks like the other
-fixtures.
+Each case directory holds model.gguf (or a split set of them) and
+expected.json (prompt_ids, generated_ids, logits), which
+tests/conformance.rs checks like the other fixtures.
 
   python scripts/make_gguf_fixtures.py --quantize PATH/llama-quantize [CASE ...]
 
@@ -280,13 +280,51 @@ def run(model, cfg, seed, prompt_len=12, steps=8):
     return True, dict(prompt_ids=prompt, generated_ids=ids[prompt_len:], logits=rows)
 
 
+# name -> (the case it splits, tensors per file): the case's model as a
+# split set (`model-00001-of-0000N.gguf` ...) written by gguf-py's writer as
+# llama.cpp's converter splits with --split-max-tensors, its first file
+# metadata only (as --no-tensor-first-split leaves it); same expected.json.
+SPLITS = {
+    "gguf_llama_q2_k_split": ("gguf_llama_q2_k", 8),
+}
+
+
+def split_case(name):
+    source, max_tensors = SPLITS[name]
+    src, out = ROOT / "tests/fixtures" / source, ROOT / "tests/fixtures" / name
+    r = gguf.GGUFReader(str(src / "model.gguf"))
+    arch = r.fields["general.architecture"].contents()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.gguf"):
+        old.unlink()
+    w = gguf.GGUFWriter(str(out / "model.gguf"), arch, split_max_tensors=max_tensors, small_first_shard=True)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expected = json.loads((src / "expected.json").read_text())
+    expected.update(split_from=source, split_max_tensors=max_tensors)
+    (out / "expected.json").write_text(json.dumps(expected))
+    print(f"{name}: {source} in {len(list(out.glob('*.gguf')))} files")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quantize", required=True, help="llama.cpp's llama-quantize")
     ap.add_argument("cases", nargs="*")
     args = ap.parse_args()
-    for name in args.cases or CASES:
-        case(name, args.quantize)
+    for name in args.cases or [*CASES, *SPLITS]:
+        if name in SPLITS:
+            split_case(name)
+        else:
+            case(name, args.quantize)
 
 
 if __name__ == "__main__":

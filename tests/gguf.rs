@@ -234,6 +234,48 @@ fn bad_gguf_models_are_typed_errors() {
     assert!(err.to_string().contains("expert_gating_func 7"), "{err}");
 }
 
+/// A split set (gguf-py's writer, as llama.cpp's converter splits) loads
+/// from its folder or from any of its parts; a missing part is an error
+/// naming its file, and parts out of place (their `split.no`) or beside
+/// another model are errors too.
+#[test]
+fn split_gguf_sets_load_whole_or_are_typed_errors() {
+    let gpu = common::gpu(common::backends()[0]);
+    let load = |path: &std::path::Path| wgspark::Model::load(path, &gpu).map(|m| m.config.layers);
+    let fixture = common::checkpoint::fixture_dir("gguf_llama_q2_k_split");
+    let part = |dir: &std::path::Path, i: usize| dir.join(format!("model-0000{i}-of-00004.gguf"));
+    let copy = |name: &str| {
+        let dir = temp_dir(name);
+        for i in 1..=4 {
+            std::fs::copy(part(&fixture, i), part(&dir, i)).unwrap();
+        }
+        dir
+    };
+    assert_eq!(load(&fixture).unwrap(), 2);
+    assert_eq!(load(&part(&fixture, 3)).unwrap(), 2, "from its third part");
+
+    let missing = copy("gguf_split_missing");
+    std::fs::remove_file(part(&missing, 3)).unwrap();
+    let err = load(&missing).unwrap_err();
+    assert!(err.to_string().contains("model-00003-of-00004.gguf"), "{err}");
+
+    let swapped = copy("gguf_split_swapped");
+    std::fs::rename(part(&swapped, 2), swapped.join("x.tmp")).unwrap();
+    std::fs::rename(part(&swapped, 3), part(&swapped, 2)).unwrap();
+    std::fs::rename(swapped.join("x.tmp"), part(&swapped, 3)).unwrap();
+    let err = load(&swapped).unwrap_err();
+    assert!(err.to_string().contains("split.no 2 and split.count 4, where part 2 of 4"), "{err}");
+
+    let beside = copy("gguf_split_beside");
+    std::fs::copy(
+        common::checkpoint::fixture_dir("gguf_llama_q2_k").join("model.gguf"),
+        beside.join("other.gguf"),
+    )
+    .unwrap();
+    let err = load(&beside).unwrap_err();
+    assert!(err.to_string().contains("several GGUF models"), "{err}");
+}
+
 #[derive(serde::Deserialize)]
 struct SpmCase {
     text: String,

@@ -56,17 +56,18 @@ pub fn gguf_in(path: &Path) -> Result<Option<PathBuf>> {
     if !path.is_dir() || path.join("config.json").exists() {
         return Ok(None);
     }
-    let mut found: Vec<PathBuf> = std::fs::read_dir(path)
+    let found: Vec<PathBuf> = std::fs::read_dir(path)
         .map_err(|e| Error::io(path, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| is_gguf(p))
         .collect();
-    found.sort();
-    let firsts: Vec<&PathBuf> =
-        found.iter().filter(|p| split_files(p).is_ok_and(|set| set.len() == 1 || set[0] == **p)).collect();
-    match firsts.as_slice() {
+    // Each model once: a split set by its first part.
+    let mut models: Vec<PathBuf> = found.iter().map(|p| split_files(p).swap_remove(0)).collect();
+    models.sort();
+    models.dedup();
+    match models.as_slice() {
         [] => Ok(None),
-        [one] => Ok(Some((*one).clone())),
+        [one] => Ok(Some(one.clone())),
         _ => Err(Error::Unsupported {
             what: "a model folder with several GGUF models",
             value: format!("{}: name the file", path.display()),
@@ -74,27 +75,52 @@ pub fn gguf_in(path: &Path) -> Result<Option<PathBuf>> {
     }
 }
 
-/// The files of a split set given its first (`NAME-00001-of-0000N.gguf`),
-/// or the file itself.
-fn split_files(path: &Path) -> Result<Vec<PathBuf>> {
+/// The files of the split set `path` is a part of (`NAME-00002-of-00003.gguf`
+/// belongs to `NAME-00001-of-00003.gguf` .. `NAME-00003-of-00003.gguf`,
+/// named with the same width), or the file itself.
+fn split_files(path: &Path) -> Vec<PathBuf> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-    let Some(stem) = name.strip_suffix(".gguf") else { return Ok(vec![path.to_path_buf()]) };
+    let Some(stem) = name.strip_suffix(".gguf") else { return vec![path.to_path_buf()] };
     let parts: Vec<&str> = stem.rsplitn(4, '-').collect();
-    let (Some(count), Some("of"), Some(first), Some(base)) =
-        (parts.first().copied(), parts.get(1).copied(), parts.get(2).copied(), parts.get(3).copied())
-    else {
-        return Ok(vec![path.to_path_buf()]);
+    let [count, "of", index, base] = parts[..] else { return vec![path.to_path_buf()] };
+    let (Ok(n), Ok(i)) = (count.parse::<usize>(), index.parse::<usize>()) else {
+        return vec![path.to_path_buf()];
     };
-    let (Ok(n), Ok(1)) = (count.parse::<usize>(), first.parse::<usize>()) else {
-        return Ok(vec![path.to_path_buf()]);
-    };
+    if i == 0 || i > n || index.len() != count.len() {
+        return vec![path.to_path_buf()];
+    }
     let width = count.len();
-    Ok((1..=n).map(|i| path.with_file_name(format!("{base}-{i:0width$}-of-{count}.gguf"))).collect())
+    (1..=n).map(|i| path.with_file_name(format!("{base}-{i:0width$}-of-{count}.gguf"))).collect()
+}
+
+/// Each file of a split set says which part it is (`split.no`, from 0) of
+/// how many (`split.count`), as llama.cpp's and gguf-py's writers put it:
+/// a file out of place or from another set is an error, not a model with
+/// tensors missing.
+fn check_split(files: &[Gguf]) -> Result<()> {
+    let n = files.len();
+    if n == 1 {
+        return Ok(());
+    }
+    for (i, g) in files.iter().enumerate() {
+        let stated = g.meta_int_opt("split.no")?.zip(g.meta_int_opt("split.count")?);
+        if stated != Some((i as i64, n as i64)) {
+            let says = match stated {
+                Some((no, count)) => format!("split.no {no} and split.count {count}"),
+                None => "no split.no and split.count".to_string(),
+            };
+            return Err(
+                g.err(format!("{says}, where part {} of {n} says split.no {i} and split.count {n}", i + 1))
+            );
+        }
+    }
+    Ok(())
 }
 
 impl GgufCheckpoint {
     pub fn open(path: &Path) -> Result<Self> {
-        let files = split_files(path)?.iter().map(Gguf::open).collect::<Result<Vec<_>>>()?;
+        let files = split_files(path).iter().map(Gguf::open).collect::<Result<Vec<_>>>()?;
+        check_split(&files)?;
         let mut index = HashMap::new();
         for (f, g) in files.iter().enumerate() {
             for (i, t) in g.tensors.iter().enumerate() {
