@@ -276,6 +276,49 @@ fn split_gguf_sets_load_whole_or_are_typed_errors() {
     assert!(err.to_string().contains("several GGUF models"), "{err}");
 }
 
+/// llama.cpp's files from before April 2024 (Mixtral's as most were
+/// published) hold one tensor per expert (`blk.N.ffn_gate.E.weight`) where
+/// later ones stack them (`blk.N.ffn_gate_exps.weight`): the Mixtral
+/// fixture rewritten so gives the same logits.
+#[test]
+fn gguf_experts_one_tensor_each_load_as_stacked_ones() {
+    let gpu = common::gpu(common::backends()[0]);
+    let fixture = common::checkpoint::fixture_dir("gguf_mixtral_q5_1");
+    let source = Gguf::open(fixture.join("model.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    let mut keys: Vec<&String> = source.metadata.keys().collect();
+    keys.sort();
+    for key in keys {
+        w.meta(key, same(key, &source.metadata[key]).unwrap());
+    }
+    let mut per_expert = 0;
+    for t in &source.tensors {
+        let bytes = source.data(t);
+        match t.name.strip_suffix("_exps.weight") {
+            Some(stem) => {
+                let (experts, each) = (t.dims[2], bytes.len() / t.dims[2]);
+                for e in 0..experts {
+                    let slice = bytes[e * each..(e + 1) * each].to_vec();
+                    w.tensor_bytes(&format!("{stem}.{e}.weight"), &t.dims[..2], t.ty, slice);
+                    per_expert += 1;
+                }
+            }
+            None => {
+                w.tensor_bytes(&t.name, &t.dims, t.ty, bytes.to_vec());
+            }
+        }
+    }
+    assert!(per_expert > 0, "the fixture stacks its experts");
+    let path = temp_dir("gguf_per_expert").join("model.gguf");
+    w.write(&path).unwrap();
+    let expected =
+        common::fixtures::cases().into_iter().find(|c| c.name == "gguf_mixtral_q5_1").unwrap().expected;
+    let stacked =
+        common::fixtures::replay(&wgspark::Model::load(&fixture, &gpu).unwrap(), &expected).unwrap();
+    let separate = common::fixtures::replay(&wgspark::Model::load(&path, &gpu).unwrap(), &expected).unwrap();
+    assert_eq!(stacked, separate);
+}
+
 #[derive(serde::Deserialize)]
 struct SpmCase {
     text: String,

@@ -342,12 +342,19 @@ impl GgufCheckpoint {
                     part.strip_prefix("mlp.experts.").or(part.strip_prefix("block_sparse_moe.experts."))?;
                 let (e, which) = experts.split_once('.')?;
                 let which = match which {
-                    "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
-                    "up_proj.weight" | "w3.weight" => "ffn_up_exps",
-                    "down_proj.weight" | "w2.weight" => "ffn_down_exps",
+                    "gate_proj.weight" | "w1.weight" => "ffn_gate",
+                    "up_proj.weight" | "w3.weight" => "ffn_up",
+                    "down_proj.weight" | "w2.weight" => "ffn_down",
                     _ => return None,
                 };
-                return Some(Location { gguf_name: blk(which), expert: Some(e.parse().ok()?) });
+                let e: usize = e.parse().ok()?;
+                let merged = blk(&format!("{which}_exps"));
+                if self.tensor(&merged).is_some() {
+                    return Some(Location { gguf_name: merged, expert: Some(e) });
+                }
+                // llama.cpp's files from before April 2024 (Mixtral's among
+                // them) hold one tensor per expert.
+                return Some(Location { gguf_name: format!("blk.{layer}.{which}.{e}.weight"), expert: None });
             }
         };
         Some(Location { gguf_name: found, expert: None })
