@@ -260,12 +260,12 @@ fn run(args: Args) -> CliResult<()> {
         refuse_model_file(path, &dir)?;
     }
     let mut session = open_session(&args, &model)?;
-    let eos: &[u32] = if args.ignore_eos { &[] } else { &model.config.eos_token_ids };
+    let stop = stop_tokens(&args, &model, template.as_ref(), tokenizer)?;
     let options = GenerateOptions {
         sampling,
         seed: args.seed,
         max_tokens,
-        stop_tokens: eos.to_vec(),
+        stop_tokens: stop.clone(),
         in_flight: args.in_flight,
     };
     if let (true, Some(template), Some(tok)) = (conversation, &template, tokenizer) {
@@ -280,7 +280,7 @@ fn run(args: Args) -> CliResult<()> {
         None => vec![PromptPart::Text(&prompt_ids)],
     };
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
-        with_logits(&mut session, &parts, sampling, args.seed, max_tokens, eos)?
+        with_logits(&mut session, &parts, sampling, args.seed, max_tokens, &stop)?
     } else {
         let echo = match tokenizer.filter(|_| !args.chat) {
             Some(tok) => Some(tok.decode(&prompt_ids, false)?),
@@ -315,6 +315,25 @@ fn run(args: Args) -> CliResult<()> {
         println!("{out}");
     }
     Ok(())
+}
+
+/// Where a reply ends: the model's end-of-sequence ids and, in a chat, the
+/// token its template ends an assistant's turn with (nothing with
+/// --ignore-eos).
+fn stop_tokens(
+    args: &Args,
+    model: &Model,
+    template: Option<&ChatTemplate>,
+    tokenizer: Option<&Tokenizer>,
+) -> CliResult<Vec<u32>> {
+    if args.ignore_eos {
+        return Ok(Vec::new());
+    }
+    let mut stop = model.config.eos_token_ids.clone();
+    if let (Some(template), Some(tok)) = (template, tokenizer) {
+        stop.extend(template.end_of_turn(tok)?.filter(|id| !stop.contains(id)));
+    }
+    Ok(stop)
 }
 
 /// The device on the backend and with the matrix units the flags (or the

@@ -154,6 +154,29 @@ impl ChatTemplate {
     }
 }
 
+/// Text no template writes, standing for a reply while a template is read.
+const REPLY_MARK: &str = "wgspark-reply-7f3a";
+
+impl ChatTemplate {
+    /// The token that ends an assistant's turn in this template: the first
+    /// thing it writes after an assistant message's text (past whitespace),
+    /// where that is one of `tokenizer`'s special tokens (`<|eot_id|>`,
+    /// `<|im_end|>`, `<end_of_turn>`, `</s>` ...). A reply is over when the
+    /// model writes it, whatever the model's end-of-sequence ids say
+    /// (Llama 3 Instruct's config.json names `<|end_of_text|>` only).
+    /// `None` where the template writes no special token there, or cannot
+    /// render a user message and an assistant's reply.
+    pub fn end_of_turn(&self, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Option<u32>> {
+        let conversation = [Message::new("user", "Hi"), Message::new("assistant", REPLY_MARK)];
+        let Ok(text) = self.render(&conversation, false) else { return Ok(None) };
+        let Some(at) = text.rfind(REPLY_MARK) else { return Ok(None) };
+        let after = text[at + REPLY_MARK.len()..].trim_start();
+        let ids = crate::tokenizer::encode(tokenizer, after, false)?;
+        let special = |id: &u32| tokenizer.get_added_tokens_decoder().get(id).is_some_and(|t| t.special);
+        Ok(ids.first().copied().filter(special))
+    }
+}
+
 /// The `chat_template` of a JSON config: a string, or a list of named
 /// templates (`{"name", "template"}`) of which transformers renders the one
 /// named "default"; `None` where the key is absent or null.
@@ -215,6 +238,48 @@ mod tests {
         };
         let err = template.render(&[Message::new("user", "hi")], true).unwrap_err();
         assert!(matches!(&err, Error::ChatTemplate { message, .. } if message.contains("fuel")), "{err}");
+    }
+
+    fn template(source: &str, eos_token: &str) -> ChatTemplate {
+        ChatTemplate {
+            source: source.into(),
+            bos_token: String::new(),
+            eos_token: eos_token.into(),
+            origin: "test".into(),
+        }
+    }
+
+    /// A word-level tokenizer of a few words and three special tokens.
+    fn tokenizer() -> crate::tokenizer::Tokenizer {
+        let json = r#"{
+            "version": "1.0",
+            "added_tokens": [
+                {"id": 5, "content": "<|eot|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 6, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 7, "content": "<|start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+            ],
+            "pre_tokenizer": {"type": "Whitespace"},
+            "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "user": 1, "assistant": 2, "hi": 3, "no": 4}, "unk_token": "<unk>"}
+        }"#;
+        crate::tokenizer::Tokenizer::from_bytes(json).unwrap()
+    }
+
+    /// The end of an assistant's turn is the special token its template
+    /// writes after the reply (past whitespace: Llama 2's `' ' + eos_token`),
+    /// and nothing where the template writes plain text there.
+    #[test]
+    fn end_of_turn_is_the_special_token_after_a_reply() {
+        let tok = tokenizer();
+        let llama3 = "{% for m in messages %}<|start|>{{ m.role }}\n\n{{ m.content }}<|eot|>{% endfor %}\
+            {% if add_generation_prompt %}<|start|>assistant\n\n{% endif %}";
+        assert_eq!(template(llama3, "").end_of_turn(&tok).unwrap(), Some(5));
+        let llama2 = "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content.strip() }} [/INST]\
+            {% else %} {{ m.content.strip() }} {{ eos_token }}{% endif %}{% endfor %}";
+        assert_eq!(template(llama2, "</s>").end_of_turn(&tok).unwrap(), Some(6));
+        let plain = "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}";
+        assert_eq!(template(plain, "").end_of_turn(&tok).unwrap(), None);
+        let refusing = "{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no') }}{% endif %}{% endfor %}";
+        assert_eq!(template(refusing, "").end_of_turn(&tok).unwrap(), None);
     }
 
     /// Multimodal releases keep their template beside the tokenizer's

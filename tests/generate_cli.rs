@@ -327,6 +327,48 @@ fn chat_without_a_prompt_converses_line_by_line() {
     }
 }
 
+/// A chat reply ends at the token the template ends an assistant's turn
+/// with, also where the model's end-of-sequence id is another (as Llama 3
+/// Instruct's config names `<|end_of_text|>` and its template writes
+/// `<|eot_id|>`): the default model with its end-of-sequence id moved from
+/// `<|im_end|>` to `<|endoftext|>` still stops at `<|im_end|>`.
+#[test]
+fn chat_replies_end_at_the_templates_end_of_turn() {
+    let file = wgspark::fetch::default_model(|_| {}).unwrap_or_else(|e| panic!("no default model: {e}"));
+    let question = "What is the capital of France?";
+    let max_tokens = 48;
+    if let Some(&backend) = common::backends().first() {
+        let gpu = common::gpu(backend);
+        let model = Model::load(&file, &gpu).unwrap();
+        let tokenizer = model.tokenizer().unwrap().unwrap();
+        let end_of_turn = tokenizer.token_to_id("<|im_end|>").unwrap();
+        assert_eq!(model.config.eos_token_ids, [end_of_turn], "the default model ends on <|im_end|>");
+        let reply = chat_reply(&model, &[Message::new("user", question)], max_tokens);
+        assert!(reply.len() < max_tokens - 1, "the reply ends before the limit: {reply:?}");
+
+        // The same file, its tokenizer.ggml.eos_token_id (a u32 after its
+        // key and type) made <|endoftext|>.
+        let mut bytes = std::fs::read(&file).unwrap();
+        let key = b"tokenizer.ggml.eos_token_id";
+        let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+        assert_eq!(bytes[at..at + 4], 4u32.to_le_bytes(), "a u32 value");
+        let other_end = tokenizer.token_to_id("<|endoftext|>").unwrap();
+        bytes[at + 4..at + 8].copy_from_slice(&other_end.to_le_bytes());
+        let moved = common::checkpoint::temp_dir("eos_moved").join("model.gguf");
+        std::fs::write(&moved, bytes).unwrap();
+        assert_eq!(Model::load(&moved, &gpu).unwrap().config.eos_token_ids, [other_end]);
+
+        let out = Command::new(generate_bin())
+            .args(["--model", moved.to_str().unwrap(), "--chat", "--prompt", question])
+            .args(["--backend", &format!("{backend:?}"), "--max-new-tokens", &max_tokens.to_string()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let expected = tokenizer.decode(&reply, true).unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim_end(), expected.trim_end());
+    }
+}
+
 /// A reply whose characters take several tokens each (Chinese, from the
 /// default model) is printed as the tokenizer decodes the whole reply: a
 /// character is held back until its last byte has come, never printed as
