@@ -109,3 +109,23 @@ fn a_multimodal_config_reads_its_text_model() {
         assert!(err.contains("mrope_section"), "{bad}: {err}");
     }
 }
+
+/// A folder's generation_config.json adds its end-of-sequence ids to
+/// config.json's (Llama 3 Instruct names `<|eot_id|>` only there); a
+/// malformed one is an error naming it.
+#[test]
+fn generation_config_adds_its_end_of_sequence_ids() {
+    let dir = std::env::temp_dir().join(format!("wgspark-generation-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), format!(r#"{{ {BASE}, "eos_token_id": 98 }}"#)).unwrap();
+    assert_eq!(ModelConfig::load(&dir).unwrap().eos_token_ids, [98]);
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [98, 99], "do_sample": true}"#)
+        .unwrap();
+    assert_eq!(ModelConfig::load(&dir).unwrap().eos_token_ids, [98, 99]);
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "99"}"#).unwrap();
+    let err = ModelConfig::load(&dir).unwrap_err().to_string();
+    assert!(err.contains("generation_config.json") && err.contains("eos_token_id"), "{err}");
+    std::fs::write(dir.join("generation_config.json"), "{").unwrap();
+    assert!(ModelConfig::load(&dir).unwrap_err().to_string().contains("generation_config.json"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

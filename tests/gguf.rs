@@ -319,6 +319,27 @@ fn gguf_experts_one_tensor_each_load_as_stacked_ones() {
     assert_eq!(stacked, separate);
 }
 
+/// Generation ends where llama.cpp ends it: at the file's end of sequence,
+/// and at its end of a turn and of a message where it names them.
+#[test]
+fn gguf_end_of_turn_and_message_ids_end_generation() {
+    let gpu = common::gpu(common::backends()[0]);
+    let source = Gguf::open(common::checkpoint::fixture_dir("gguf_qwen3_q4_0").join("model.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (key, value) in &source.metadata {
+        w.meta(key, same(key, value).unwrap());
+    }
+    w.meta("tokenizer.ggml.eos_token_id", MetaValue::U32(1));
+    w.meta("tokenizer.ggml.eot_token_id", MetaValue::U32(7));
+    w.meta("tokenizer.ggml.eom_token_id", MetaValue::U32(1));
+    for t in &source.tensors {
+        w.tensor_bytes(&t.name, &t.dims, t.ty, source.data(t).to_vec());
+    }
+    let path = temp_dir("gguf_end_ids").join("model.gguf");
+    w.write(&path).unwrap();
+    assert_eq!(wgspark::Model::load(&path, &gpu).unwrap().config.eos_token_ids, [1, 7]);
+}
+
 #[derive(serde::Deserialize)]
 struct SpmCase {
     text: String,

@@ -295,11 +295,28 @@ impl ModelConfig {
         projection_bytes + 2 * (others + heads_and_embed + h) as u64 + vision
     }
 
-    /// Reads and validates `dir/config.json`.
+    /// Reads and validates `dir/config.json`, with the end-of-sequence ids
+    /// of `dir/generation_config.json` where there is one (transformers
+    /// stops generation at those: Llama 3 Instruct's config.json names
+    /// `<|end_of_text|>` alone, its generation config `<|eot_id|>` too).
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let text = crate::error::read_text(&path, crate::error::MAX_JSON_BYTES)?;
-        Self::parse(&text, &path)
+        let mut config = Self::parse(&text, &path)?;
+        let generation = dir.join("generation_config.json");
+        if generation.exists() {
+            let text = crate::error::read_text(&generation, crate::error::MAX_JSON_BYTES)?;
+            let value: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Json { path: generation.clone(), message: e.to_string() })?;
+            let ids = eos_token_ids(value.get("eos_token_id"))
+                .map_err(|message| Error::InvalidConfig { path: generation.clone(), message })?;
+            for id in ids {
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(config)
     }
 
     pub fn parse(text: &str, path: &Path) -> Result<Self> {

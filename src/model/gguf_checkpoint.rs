@@ -213,7 +213,7 @@ impl GgufCheckpoint {
             "max_position_embeddings": self.meta_int("context_length")?,
             "vocab_size": vocab,
             "tie_word_embeddings": self.tensor("output.weight").is_none(),
-            "eos_token_id": self.meta().meta_int_opt("tokenizer.ggml.eos_token_id")?,
+            "eos_token_id": self.end_of_generation()?,
             "bos_token_id": self.meta().meta_int_opt("tokenizer.ggml.bos_token_id")?,
             "torch_dtype": "gguf",
         });
@@ -243,6 +243,18 @@ impl GgufCheckpoint {
             config.rope.scaling = RopeScaling::Divisors(factors);
         }
         Ok(config)
+    }
+
+    /// The ids generation ends at, as llama.cpp ends it: the end of
+    /// sequence, and the end of a turn and of a message where the file
+    /// names them (Llama 3.1's `<|eot_id|>` and `<|eom_id|>`).
+    fn end_of_generation(&self) -> Result<Vec<i64>> {
+        let mut ids = Vec::new();
+        for key in ["eos", "eot", "eom"] {
+            let id = self.meta().meta_int_opt(&format!("tokenizer.ggml.{key}_token_id"))?;
+            ids.extend(id.filter(|id| !ids.contains(id)));
+        }
+        Ok(ids)
     }
 
     /// config.json's `rope_scaling` for the metadata's (linear, or none).
