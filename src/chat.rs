@@ -130,7 +130,12 @@ impl ChatTemplate {
             origin: self.origin.clone(),
             message: format!("{e:#}"),
         };
+        let source = generation_tags_as_blocks(&self.source);
         let mut env = minijinja::Environment::new();
+        // As transformers compiles a template (jinja2 with trim_blocks and
+        // lstrip_blocks): a line holding only a block tag writes nothing.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         // A template from a file may loop without end (nested ranges each
         // within minijinja's own limit): its steps are bounded.
         env.set_fuel(Some(TEMPLATE_FUEL));
@@ -141,7 +146,8 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template("chat", &self.source).map_err(error)?;
+        env.add_function("strftime_now", |format: String| strftime_now(&format));
+        env.add_template("chat", &source).map_err(error)?;
         let template = env.get_template("chat").map_err(error)?;
         template
             .render(minijinja::context! {
@@ -152,6 +158,107 @@ impl ChatTemplate {
             })
             .map_err(error)
     }
+}
+
+/// transformers' `{% generation %}` ... `{% endgeneration %}` (which marks
+/// the assistant's tokens for training and writes nothing of its own) as a
+/// block that writes what it holds, its whitespace control kept.
+fn generation_tags_as_blocks(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(open) = rest.find("{%") {
+        let Some(len) = rest[open..].find("%}") else { break };
+        let tag = &rest[open + 2..open + len];
+        let inner = tag.trim_start_matches(['-', '+']).trim_end_matches(['-', '+']);
+        let keyword = match inner.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        out.push_str(&rest[..open + 2]);
+        match keyword {
+            Some(keyword) => {
+                let (lead, trail) = (
+                    &tag[..tag.len() - tag.trim_start_matches(['-', '+']).len()],
+                    &tag[tag.trim_end_matches(['-', '+']).len()..],
+                );
+                out.push_str(&format!("{lead} {keyword} {trail}"));
+            }
+            None => out.push_str(tag),
+        }
+        out.push_str("%}");
+        rest = &rest[open + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// transformers' `strftime_now`: the time now (UTC here) in a C `strftime`
+/// format (Llama 3.2's template dates its system message with
+/// `%d %b %Y`); other specifiers are written as they stand.
+fn strftime_now(format: &str) -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    format_time(format, secs)
+}
+
+/// `format` for the UTC time `secs` after the Unix epoch.
+fn format_time(format: &str, secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
+    let days = (secs / 86_400) as i64;
+    // Days to a civil date (proleptic Gregorian), after Howard Hinnant.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (month_name, weekday) = (MONTHS[month as usize - 1], DAYS[days.rem_euclid(7) as usize]);
+    let time = secs % 86_400;
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('H') => out.push_str(&format!("{:02}", time / 3_600)),
+            Some('M') => out.push_str(&format!("{:02}", time / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", time % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
 }
 
 /// Text no template writes, standing for a reply while a template is read.
@@ -280,6 +387,20 @@ mod tests {
         assert_eq!(template(plain, "").end_of_turn(&tok).unwrap(), None);
         let refusing = "{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no') }}{% endif %}{% endfor %}";
         assert_eq!(template(refusing, "").end_of_turn(&tok).unwrap(), None);
+    }
+
+    /// transformers' `strftime_now` as Llama 3.2's template calls it, and
+    /// the other specifiers, at a known time (2024-07-26 13:20:00 UTC, a
+    /// Friday).
+    #[test]
+    fn strftime_formats_the_time_as_c_does() {
+        assert_eq!(format_time("%d %b %Y", 1_722_000_000), "26 Jul 2024");
+        assert_eq!(
+            format_time("%A %a %B %m/%d/%y %H:%M:%S %% %Q", 1_722_000_000),
+            "Friday Fri July 07/26/24 13:20:00 % %Q"
+        );
+        assert_eq!(format_time("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+        assert_eq!(format_time("%Y-%m-%d", 951_782_400), "2000-02-29");
     }
 
     /// Multimodal releases keep their template beside the tokenizer's
