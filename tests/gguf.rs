@@ -266,6 +266,12 @@ fn split_gguf_sets_load_whole_or_are_typed_errors() {
     let err = load(&swapped).unwrap_err();
     assert!(err.to_string().contains("split.no 2 and split.count 4, where part 2 of 4"), "{err}");
 
+    // A name promising more parts than any set has is a file of its own.
+    let promising =
+        temp_dir("gguf_split_promising").join("model-00000000000000000001-of-18446744073709551615.gguf");
+    std::fs::copy(common::checkpoint::fixture_dir("gguf_llama_q2_k").join("model.gguf"), &promising).unwrap();
+    assert_eq!(load(&promising).unwrap(), 2);
+
     let beside = copy("gguf_split_beside");
     std::fs::copy(
         common::checkpoint::fixture_dir("gguf_llama_q2_k").join("model.gguf"),

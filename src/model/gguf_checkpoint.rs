@@ -75,6 +75,9 @@ pub fn gguf_in(path: &Path) -> Result<Option<PathBuf>> {
     }
 }
 
+/// The most files a split set has: llama.cpp numbers them in five digits.
+const MAX_SPLIT_FILES: usize = 99_999;
+
 /// The files of the split set `path` is a part of (`NAME-00002-of-00003.gguf`
 /// belongs to `NAME-00001-of-00003.gguf` .. `NAME-00003-of-00003.gguf`,
 /// named with the same width), or the file itself.
@@ -86,7 +89,7 @@ fn split_files(path: &Path) -> Vec<PathBuf> {
     let (Ok(n), Ok(i)) = (count.parse::<usize>(), index.parse::<usize>()) else {
         return vec![path.to_path_buf()];
     };
-    if i == 0 || i > n || index.len() != count.len() {
+    if i == 0 || i > n || n > MAX_SPLIT_FILES || index.len() != count.len() {
         return vec![path.to_path_buf()];
     }
     let width = count.len();
