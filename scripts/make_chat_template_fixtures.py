@@ -2,7 +2,7 @@
 """Writes tests/fixtures/chat_templates/cases.json: chat templates that use
 what model templates use (block tags on lines of their own, macros,
 namespaces, slices, Python string methods, loop controls and neighbours,
-transformers' {% generation %} tags) and conversations, each with the text
+transformers' {% generation %} tags and tojson) and conversations, each with the text
 transformers renders (its own jinja2 environment, `apply_chat_template`'s),
 which tests/chat_templates.rs holds wgspark's rendering to.
 
@@ -95,13 +95,22 @@ LOOPS = """{% for m in messages %}
 {% if add_generation_prompt %}[ASSISTANT]{% endif %}
 """
 
-TEMPLATES = {"blocks": BLOCKS, "slices": SLICES, "generation": GENERATION, "loops": LOOPS}
+# transformers' tojson (json.dumps, ensure_ascii=False): its separators,
+# its indentation, no HTML escaping, keys in their order.
+TOJSON = """{%- for m in messages %}
+{{- {"role": m.role, "content": m.content, "turn": loop.index, "last": loop.last, "none": none} | tojson }}
+{{- '\n' }}
+{%- endfor %}
+{{- [1, 2.5, '<b>"quoted"</b>', {"z": [], "a": {}}] | tojson(indent=2) }}"""
+
+TEMPLATES = {"blocks": BLOCKS, "slices": SLICES, "generation": GENERATION, "loops": LOOPS, "tojson": TOJSON}
 
 CONVERSATIONS = [
     ([("user", "Hi there")], True),
     ([("system", "  Be brief.  "), ("user", "What is 2+2?")], True),
     ([("user", "Hi"), ("assistant", "<think>\nhmm\n</think>\n\nHello!"), ("user", "!stop"), ("assistant", "Bye")], False),
     ([("user", "Bye"), ("assistant", "  spaced  "), ("user", "again")], True),
+    ([("user", 'a <tag> & "quotes"\nand a line, é')], True),
 ]
 
 

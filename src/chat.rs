@@ -147,6 +147,7 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", |format: String| strftime_now(&format));
+        env.add_filter("tojson", tojson);
         env.add_template("chat", &source).map_err(error)?;
         let template = env.get_template("chat").map_err(error)?;
         template
@@ -191,6 +192,58 @@ fn generation_tags_as_blocks(source: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// transformers' `tojson` (Python's `json.dumps` with `ensure_ascii=False`):
+/// `", "` and `": "` between items, or lines indented by `indent`; no HTML
+/// escaping, keys in their order.
+fn tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    use serde::Serialize;
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let unit = vec![b' '; n];
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(&unit),
+            );
+            value.serialize(&mut ser)
+        }
+        None => value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, PythonJson)),
+    };
+    written
+        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(minijinja::Value::from_safe_string(String::from_utf8(out).expect("serde_json writes UTF-8")))
+}
+
+/// Python's `json.dumps` separators: `", "` between items, `": "` after keys.
+struct PythonJson;
+
+impl serde_json::ser::Formatter for PythonJson {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
 }
 
 /// transformers' `strftime_now`: the time now (UTC here) in a C `strftime`
