@@ -91,17 +91,13 @@ impl ChatTemplate {
     /// them holds one.
     pub fn from_folder(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join("tokenizer_config.json");
-        let json = |path: &Path| -> Result<serde_json::Value> {
-            let text = crate::error::read_text(path, crate::error::MAX_JSON_BYTES)?;
-            serde_json::from_str(&text)
-                .map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })
-        };
-        let config = if path.exists() { json(&path)? } else { serde_json::Value::Null };
+        let read_json = crate::error::read_json::<serde_json::Value>;
+        let config = if path.exists() { read_json(&path)? } else { serde_json::Value::Null };
         let (jinja, json_file) = (dir.join("chat_template.jinja"), dir.join("chat_template.json"));
         let (source, origin) = match template_source(&config, &path)? {
             Some(source) => (source, path.clone()),
             None if jinja.exists() => (crate::error::read_text(&jinja, crate::error::MAX_JSON_BYTES)?, jinja),
-            None if json_file.exists() => match template_source(&json(&json_file)?, &json_file)? {
+            None if json_file.exists() => match template_source(&read_json(&json_file)?, &json_file)? {
                 Some(source) => (source, json_file),
                 None => return Ok(None),
             },
@@ -224,13 +220,18 @@ fn tojson(
 /// Python's `json.dumps` separators: `", "` between items, `": "` after keys.
 struct PythonJson;
 
+/// `", "` before every item of an array or object but its first.
+fn item_separator<W: ?Sized + std::io::Write>(writer: &mut W, first: bool) -> std::io::Result<()> {
+    if first { Ok(()) } else { writer.write_all(b", ") }
+}
+
 impl serde_json::ser::Formatter for PythonJson {
     fn begin_array_value<W: ?Sized + std::io::Write>(
         &mut self,
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first { Ok(()) } else { writer.write_all(b", ") }
+        item_separator(writer, first)
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -238,7 +239,7 @@ impl serde_json::ser::Formatter for PythonJson {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first { Ok(()) } else { writer.write_all(b", ") }
+        item_separator(writer, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W) -> std::io::Result<()> {

@@ -165,6 +165,13 @@ pub(crate) fn read_text(path: &std::path::Path, limit: u64) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| Error::io(path, e))
 }
 
+/// A JSON side file (at most [`MAX_JSON_BYTES`]) parsed as `T`; malformed
+/// JSON, or JSON of another shape, is an error naming the file.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
+    let text = read_text(path, MAX_JSON_BYTES)?;
+    serde_json::from_str(&text).map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })
+}
+
 pub(crate) fn check_regular_file(path: &std::path::Path) -> Result<()> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if meta.is_file() {

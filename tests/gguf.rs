@@ -129,6 +129,25 @@ fn edited_fixture(
     meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
 ) -> std::path::PathBuf {
+    rewritten_fixture(source, name, meta, Vec::new(), |t, bytes| {
+        let (dims, ty, bytes) = tensor(&t.name).unwrap_or((t.dims.clone(), t.ty, bytes.to_vec()));
+        vec![(t.name.clone(), dims, ty, bytes)]
+    })
+}
+
+/// A tensor as the writer takes it: name, dims, type and bytes.
+type WrittenTensor = (String, Vec<usize>, GgmlType, Vec<u8>);
+
+/// A copy of fixture `source`'s model.gguf written to a folder of its own:
+/// its metadata through `meta` (None drops a key), then `extra` keys, and in
+/// place of each tensor (with its bytes) the tensors `tensors` gives.
+fn rewritten_fixture(
+    source: &str,
+    name: &str,
+    meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
+    extra: Vec<(&str, MetaValue)>,
+    tensors: impl Fn(&wgspark::gguf::TensorInfo, &[u8]) -> Vec<WrittenTensor>,
+) -> std::path::PathBuf {
     let source = Gguf::open(common::checkpoint::fixture_dir(source).join("model.gguf")).unwrap();
     let mut w = GgufWriter::new();
     let mut keys: Vec<&String> = source.metadata.keys().collect();
@@ -138,9 +157,13 @@ fn edited_fixture(
             w.meta(key, value);
         }
     }
+    for (key, value) in extra {
+        w.meta(key, value);
+    }
     for t in &source.tensors {
-        let (dims, ty, bytes) = tensor(&t.name).unwrap_or((t.dims.clone(), t.ty, source.data(t).to_vec()));
-        w.tensor_bytes(&t.name, &dims, ty, bytes);
+        for (name, dims, ty, bytes) in tensors(t, source.data(t)) {
+            w.tensor_bytes(&name, &dims, ty, bytes);
+        }
     }
     let path = temp_dir(name).join("model.gguf");
     w.write(&path).unwrap();
@@ -290,33 +313,24 @@ fn split_gguf_sets_load_whole_or_are_typed_errors() {
 fn gguf_experts_one_tensor_each_load_as_stacked_ones() {
     let gpu = common::gpu(common::backends()[0]);
     let fixture = common::checkpoint::fixture_dir("gguf_mixtral_q5_1");
-    let source = Gguf::open(fixture.join("model.gguf")).unwrap();
-    let mut w = GgufWriter::new();
-    let mut keys: Vec<&String> = source.metadata.keys().collect();
-    keys.sort();
-    for key in keys {
-        w.meta(key, same(key, &source.metadata[key]).unwrap());
-    }
-    let mut per_expert = 0;
-    for t in &source.tensors {
-        let bytes = source.data(t);
-        match t.name.strip_suffix("_exps.weight") {
-            Some(stem) => {
-                let (experts, each) = (t.dims[2], bytes.len() / t.dims[2]);
-                for e in 0..experts {
-                    let slice = bytes[e * each..(e + 1) * each].to_vec();
-                    w.tensor_bytes(&format!("{stem}.{e}.weight"), &t.dims[..2], t.ty, slice);
-                    per_expert += 1;
+    let per_expert = std::cell::Cell::new(0);
+    let path =
+        rewritten_fixture("gguf_mixtral_q5_1", "gguf_per_expert", same, Vec::new(), |t, bytes| {
+            match t.name.strip_suffix("_exps.weight") {
+                Some(stem) => {
+                    let (experts, each) = (t.dims[2], bytes.len() / t.dims[2]);
+                    per_expert.set(per_expert.get() + experts);
+                    (0..experts)
+                        .map(|e| {
+                            let slice = bytes[e * each..(e + 1) * each].to_vec();
+                            (format!("{stem}.{e}.weight"), t.dims[..2].to_vec(), t.ty, slice)
+                        })
+                        .collect()
                 }
+                None => vec![(t.name.clone(), t.dims.clone(), t.ty, bytes.to_vec())],
             }
-            None => {
-                w.tensor_bytes(&t.name, &t.dims, t.ty, bytes.to_vec());
-            }
-        }
-    }
-    assert!(per_expert > 0, "the fixture stacks its experts");
-    let path = temp_dir("gguf_per_expert").join("model.gguf");
-    w.write(&path).unwrap();
+        });
+    assert!(per_expert.get() > 0, "the fixture stacks its experts");
     let expected =
         common::fixtures::cases().into_iter().find(|c| c.name == "gguf_mixtral_q5_1").unwrap().expected;
     let stacked =
@@ -330,19 +344,14 @@ fn gguf_experts_one_tensor_each_load_as_stacked_ones() {
 #[test]
 fn gguf_end_of_turn_and_message_ids_end_generation() {
     let gpu = common::gpu(common::backends()[0]);
-    let source = Gguf::open(common::checkpoint::fixture_dir("gguf_qwen3_q4_0").join("model.gguf")).unwrap();
-    let mut w = GgufWriter::new();
-    for (key, value) in &source.metadata {
-        w.meta(key, same(key, value).unwrap());
-    }
-    w.meta("tokenizer.ggml.eos_token_id", MetaValue::U32(1));
-    w.meta("tokenizer.ggml.eot_token_id", MetaValue::U32(7));
-    w.meta("tokenizer.ggml.eom_token_id", MetaValue::U32(1));
-    for t in &source.tensors {
-        w.tensor_bytes(&t.name, &t.dims, t.ty, source.data(t).to_vec());
-    }
-    let path = temp_dir("gguf_end_ids").join("model.gguf");
-    w.write(&path).unwrap();
+    let extra = vec![
+        ("tokenizer.ggml.eos_token_id", MetaValue::U32(1)),
+        ("tokenizer.ggml.eot_token_id", MetaValue::U32(7)),
+        ("tokenizer.ggml.eom_token_id", MetaValue::U32(1)),
+    ];
+    let path = rewritten_fixture("gguf_qwen3_q4_0", "gguf_end_ids", same, extra, |t, bytes| {
+        vec![(t.name.clone(), t.dims.clone(), t.ty, bytes.to_vec())]
+    });
     assert_eq!(wgspark::Model::load(&path, &gpu).unwrap().config.eos_token_ids, [1, 7]);
 }
 

@@ -305,9 +305,7 @@ impl ModelConfig {
         let mut config = Self::parse(&text, &path)?;
         let generation = dir.join("generation_config.json");
         if generation.exists() {
-            let text = crate::error::read_text(&generation, crate::error::MAX_JSON_BYTES)?;
-            let value: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::Json { path: generation.clone(), message: e.to_string() })?;
+            let value: serde_json::Value = crate::error::read_json(&generation)?;
             let ids = eos_token_ids(value.get("eos_token_id"))
                 .map_err(|message| Error::InvalidConfig { path: generation.clone(), message })?;
             for id in ids {

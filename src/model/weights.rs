@@ -414,9 +414,7 @@ fn shard_list(index: &Path, dir: &Path) -> Result<Vec<String>> {
     struct Index {
         weight_map: HashMap<String, String>,
     }
-    let text = crate::error::read_text(index, crate::error::MAX_JSON_BYTES)?;
-    let parsed: Index = serde_json::from_str(&text)
-        .map_err(|e| Error::Json { path: index.to_path_buf(), message: e.to_string() })?;
+    let parsed: Index = crate::error::read_json(index)?;
     let mut shards: Vec<String> = parsed.weight_map.into_values().collect();
     shards.sort();
     shards.dedup();
