@@ -2,9 +2,10 @@
 """Writes tests/fixtures/chat_templates/cases.json: chat templates that use
 what model templates use (block tags on lines of their own, macros,
 namespaces, slices, Python string methods, loop controls and neighbours,
-transformers' {% generation %} tags and tojson) and conversations, each with the text
-transformers renders (its own jinja2 environment, `apply_chat_template`'s),
-which tests/chat_templates.rs holds wgspark's rendering to.
+transformers' {% generation %} tags and tojson, lengths of undefined
+values) and conversations, each with the text transformers renders (its
+own jinja2 environment, `apply_chat_template`'s), which
+tests/chat_templates.rs holds wgspark's rendering to.
 
   python scripts/make_chat_template_fixtures.py
 
@@ -103,7 +104,17 @@ TOJSON = """{%- for m in messages %}
 {%- endfor %}
 {{- [1, 2.5, '<b>"quoted"</b>', {"z": [], "a": {}}] | tojson(indent=2) }}"""
 
-TEMPLATES = {"blocks": BLOCKS, "slices": SLICES, "generation": GENERATION, "loops": LOOPS, "tojson": TOJSON}
+# Counting what is not there: jinja2's undefined has length 0 (templates
+# test `tools|length` and `message.tool_calls|length` with neither passed).
+UNDEFINED = """{%- if tools is not none and tools|length > 0 %}<|tools|>{{ tools|count }}
+{% endif %}
+{%- for m in messages %}
+<|{{ m.role }}|>{{ m.content }}
+    {%- if m.tool_calls|length > 0 %}<|calls|>{% endif %}
+{%- endfor %}"""
+
+TEMPLATES = {"blocks": BLOCKS, "slices": SLICES, "generation": GENERATION, "loops": LOOPS, "tojson": TOJSON,
+             "undefined": UNDEFINED}
 
 CONVERSATIONS = [
     ([("user", "Hi there")], True),

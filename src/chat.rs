@@ -144,6 +144,10 @@ impl ChatTemplate {
         );
         env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_filter("tojson", tojson);
+        // jinja2's undefined has length 0 (`tools|length` where no tools are
+        // passed); minijinja's refuses to count it.
+        env.add_filter("length", length);
+        env.add_filter("count", length);
         env.add_template("chat", &source).map_err(error)?;
         let template = env.get_template("chat").map_err(error)?;
         template
@@ -155,6 +159,11 @@ impl ChatTemplate {
             })
             .map_err(error)
     }
+}
+
+/// minijinja's `length`, with jinja2's length 0 for an undefined value.
+fn length(value: &minijinja::Value) -> std::result::Result<usize, minijinja::Error> {
+    if value.is_undefined() { Ok(0) } else { minijinja::filters::length(value) }
 }
 
 /// transformers' `{% generation %}` ... `{% endgeneration %}` (which marks

@@ -1,6 +1,7 @@
 //! Chat templates render as transformers renders them: its jinja2
 //! environment's whitespace rules (trim_blocks, lstrip_blocks), loop controls
-//! and neighbours, and its `{% generation %}` tags, over conversations whose
+//! and neighbours, its `{% generation %}` tags and its undefined values'
+//! length of 0, over conversations whose
 //! expected text transformers wrote
 //! (tests/fixtures/chat_templates/cases.json, from
 //! scripts/make_chat_template_fixtures.py).
