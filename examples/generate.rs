@@ -23,7 +23,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgspark::chat::{ChatTemplate, Message};
 use wgspark::model::vision::ImageTokens;
 use wgspark::progress::Progress;
-use wgspark::tokenizer::{Tokenizer, encode};
+use wgspark::tokenizer::{TextStream, Tokenizer, encode};
 use wgspark::vision::RgbImage;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
@@ -537,7 +537,7 @@ fn stream(
 ) -> CliResult<Reply> {
     let start = Instant::now();
     let mut ids: Vec<u32> = Vec::new();
-    let mut printed = String::new();
+    let mut text = tokenizer.map(|tok| TextStream::new(tok, reply_only));
     let mut first_id_at = None;
     let mut generation = session.generate_multimodal(prompt, options)?;
     // The prompt's text once the session has taken it (a bad prompt or
@@ -547,24 +547,20 @@ fn stream(
         std::io::stdout().flush()?;
     }
     for id in generation.by_ref() {
-        ids.push(id?);
+        let id = id?;
+        ids.push(id);
         first_id_at.get_or_insert_with(Instant::now);
-        match tokenizer {
-            Some(tok) => {
-                // A character split over tokens decodes as U+FFFD until its
-                // last byte comes: held back until then.
-                let text = reply_text(tok, &ids, &options.stop_tokens, reply_only)?;
-                print_new(&mut printed, text.trim_end_matches(char::REPLACEMENT_CHARACTER))?;
-            }
+        match &mut text {
+            // The token that stopped generation is not text.
+            Some(_) if options.stop_tokens.contains(&id) => {}
+            Some(text) => print!("{}", text.push(id)?),
             // Without a tokenizer the ids are the output.
-            None => {
-                print!("{}{}", if ids.len() > 1 { "," } else { "" }, ids[ids.len() - 1]);
-                std::io::stdout().flush()?;
-            }
+            None => print!("{}{id}", if ids.len() > 1 { "," } else { "" }),
         }
+        std::io::stdout().flush()?;
     }
-    if let Some(tok) = tokenizer {
-        print_new(&mut printed, &reply_text(tok, &ids, &options.stop_tokens, reply_only)?)?;
+    if let Some(text) = text {
+        print!("{}", text.finish()?);
     }
     println!();
     let stop = generation.stop_reason();
@@ -577,25 +573,14 @@ fn stream(
     Ok(Reply { ids, prefill_secs: (first - start).as_secs_f64(), decode_secs: first.elapsed().as_secs_f64() })
 }
 
-/// Prints what `text` adds to the `printed` text it extends (text whose
-/// start changed, which printing cannot take back, is left out).
-fn print_new(printed: &mut String, text: &str) -> std::io::Result<()> {
-    if let Some(new) = text.strip_prefix(printed.as_str()).filter(|new| !new.is_empty()) {
-        print!("{new}");
-        std::io::stdout().flush()?;
-        printed.push_str(new);
-    }
-    Ok(())
-}
-
-/// The text of generated `ids`, decoded whole so that multi-token
-/// characters come out whole; the token that stopped generation is not text.
-fn reply_text(tok: &Tokenizer, ids: &[u32], stop_tokens: &[u32], reply_only: bool) -> CliResult<String> {
+/// The text of a chat reply's `ids`, special tokens left out; the token
+/// that stopped generation is not text.
+fn reply_text(tok: &Tokenizer, ids: &[u32], stop_tokens: &[u32]) -> CliResult<String> {
     let text_ids = match ids.split_last() {
         Some((last, before)) if stop_tokens.contains(last) => before,
         _ => ids,
     };
-    tok.decode(text_ids, reply_only)
+    tok.decode(text_ids, true)
 }
 
 /// A multi-turn chat: each line of stdin is a user message, answered
@@ -644,7 +629,7 @@ fn converse(
         // The last id generated is not in the cache.
         cached.extend_from_slice(&ids[kept..]);
         cached.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);
-        messages.push(Message::new("assistant", &reply_text(tok, &reply.ids, &options.stop_tokens, true)?));
+        messages.push(Message::new("assistant", &reply_text(tok, &reply.ids, &options.stop_tokens)?));
     }
     Ok(())
 }

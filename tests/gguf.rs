@@ -8,6 +8,7 @@ mod common;
 use common::checkpoint::temp_dir;
 use wgspark::Error;
 use wgspark::gguf::{GgmlType, Gguf, GgufWriter, Meta, MetaValue};
+use wgspark::tokenizer::TextStream;
 
 #[test]
 fn writer_and_reader_round_trip() {
@@ -391,6 +392,45 @@ fn sentencepiece_gguf_tokenizer_encodes_as_sentencepiece_does() {
     // Chat templates write control tokens as text: they are read as tokens.
     let bos = tokenizer.encode("<s>", false).unwrap().get_ids().to_vec();
     assert_eq!(bos, [expected.bos_id]);
+}
+
+/// Generated text streamed id by id is the text of all the ids decoded
+/// whole, given out in pieces that never end inside a character (the
+/// fixture's byte-fallback ids split 日本語 and 🙂 into bytes), with the
+/// SentencePiece decoder's leading space kept where a piece starts.
+#[test]
+fn streamed_text_is_the_whole_decode_in_whole_characters() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers");
+    let expected: SpmExpected =
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/spm.json")).unwrap()).unwrap();
+    let tokenizer =
+        wgspark::tokenizer::from_gguf(&Gguf::open(format!("{dir}/spm.gguf")).unwrap()).unwrap().unwrap();
+    let all_ids: Vec<u32> = expected.cases.iter().flat_map(|c| c.ids.iter().copied()).collect();
+    // A lone first byte of 日 (an unfinished character) mid-text and at the end.
+    let unfinished = [vec![233, 362], vec![362, 233]];
+    let cases = expected
+        .cases
+        .iter()
+        .map(|c| [&[expected.bos_id][..], &c.ids].concat())
+        .chain([all_ids])
+        .chain(unfinished);
+    for ids in cases {
+        for skip_special in [false, true] {
+            let mut stream = TextStream::new(&tokenizer, skip_special);
+            let mut text = String::new();
+            for &id in &ids {
+                let piece = stream.push(id).unwrap();
+                assert!(!piece.ends_with(char::REPLACEMENT_CHARACTER), "{ids:?}: piece {piece:?}");
+                text.push_str(&piece);
+            }
+            text.push_str(&stream.finish().unwrap());
+            assert_eq!(
+                text,
+                tokenizer.decode(&ids, skip_special).unwrap(),
+                "{ids:?} (skip special: {skip_special})"
+            );
+        }
+    }
 }
 
 /// A byte-level BPE vocabulary (`tokenizer.ggml.model` = gpt2) splits text
