@@ -271,6 +271,9 @@ impl Gguf {
             });
         }
         let version = c.u32()?;
+        if (2..=3).contains(&version.swap_bytes()) {
+            return Err(c.err("a big-endian GGUF (llama.cpp's --bigendian): only little-endian files load"));
+        }
         if !(2..=3).contains(&version) {
             return Err(c.err(format!("unsupported GGUF version {version}")));
         }

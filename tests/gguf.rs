@@ -62,6 +62,8 @@ fn malformed_headers_are_rejected_with_the_file_named() {
     let valid = GgufWriter::new().meta("k", MetaValue::U32(1)).tensor_f32("t", &[4], &[1.0; 4]).to_bytes();
     let mut bad_version = valid.clone();
     bad_version[4] = 9;
+    let mut big_endian = valid.clone();
+    big_endian[4..8].copy_from_slice(&3u32.to_be_bytes());
     let mut bad_type = valid.clone();
     // The tensor's type id follows its name ("t"), dim count (1) and dim (4).
     let before_type = [&1u64.to_le_bytes()[..], b"t", &1u32.to_le_bytes(), &4u64.to_le_bytes()].concat();
@@ -84,6 +86,7 @@ fn malformed_headers_are_rejected_with_the_file_named() {
     for (name, bytes, needle) in [
         ("bad_magic", b"GGUX....".to_vec(), "bad magic"),
         ("bad_version", bad_version, "version 9"),
+        ("big_endian", big_endian, "big-endian GGUF"),
         ("unknown_type", bad_type, "unsupported ggml type 99"),
         ("duplicate_key", duplicate_key.to_bytes(), "appears twice"),
         ("duplicate_tensor", duplicate_tensor, "tensor t appears twice"),
