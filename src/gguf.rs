@@ -94,6 +94,33 @@ const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 20] = [
     (GgmlType::BF16, 30, "BF16", 1, 2),
 ];
 
+/// ggml's other type ids, named in the error that refuses a tensor of one:
+/// the i-quants, ternary and FP4 types, and the repacked ones llama.cpp
+/// no longer writes.
+const UNREAD_GGML_TYPES: [(u32, &str); 21] = [
+    (16, "IQ2_XXS"),
+    (17, "IQ2_XS"),
+    (18, "IQ3_XXS"),
+    (19, "IQ1_S"),
+    (20, "IQ4_NL"),
+    (21, "IQ3_S"),
+    (22, "IQ2_S"),
+    (23, "IQ4_XS"),
+    (29, "IQ1_M"),
+    (31, "Q4_0_4_4"),
+    (32, "Q4_0_4_8"),
+    (33, "Q4_0_8_8"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+    (36, "IQ4_NL_4_4"),
+    (37, "IQ4_NL_4_8"),
+    (38, "IQ4_NL_8_8"),
+    (39, "MXFP4"),
+    (40, "NVFP4"),
+    (41, "Q1_0"),
+    (42, "Q2_0"),
+];
+
 impl GgmlType {
     fn entry(self) -> &'static (GgmlType, u32, &'static str, usize, usize) {
         GGML_TYPES.iter().find(|e| e.0 == self).expect("every type has a row in GGML_TYPES")
@@ -298,8 +325,11 @@ impl Gguf {
             }
             let dims = (0..n_dims).map(|_| c.len()).collect::<Result<Vec<_>>>()?;
             let type_id = c.u32()?;
-            let ty = GgmlType::from_id(type_id)
-                .ok_or_else(|| c.err(format!("tensor {name}: unsupported ggml type {type_id}")))?;
+            let ty = GgmlType::from_id(type_id).ok_or_else(|| {
+                let known = UNREAD_GGML_TYPES.iter().find(|(id, _)| *id == type_id);
+                let type_name = known.map_or("an unknown type".to_string(), |(_, n)| n.to_string());
+                c.err(format!("tensor {name}: unsupported ggml type {type_id} ({type_name})"))
+            })?;
             let offset = c.len()?;
             let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
             let (block, block_bytes) = ty.block();
