@@ -358,6 +358,26 @@ const O200K_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\
 /// runs without the contractions, digits one by one.
 const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// DeepSeek LLM's splits, one after another (its tokenizer.json's `Split`
+/// stages): line breaks, runs of letters of the scripts with case, runs of
+/// ASCII and full-width punctuation, trailing whitespace, runs of CJK, numbers.
+/// The letter class ends ranges at code points that Unicode normalization
+/// replaces (U+1F7D, U+1FD3, U+1FDB, the Kelvin sign U+212A): an editor that
+/// normalizes this file breaks it (tests/gguf.rs checks it).
+const DEEPSEEK_LLM_SPLITS: [&str; 6] = [
+    r"[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+];
+
+/// DeepSeek Coder's splits: line breaks, letters, punctuation, CJK, digits
+/// one by one.
+const DEEPSEEK_CODER_SPLITS: [&str; 5] =
+    [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"];
+
 /// How a byte-level BPE vocabulary splits text before its merges, by
 /// llama.cpp's name for it (`tokenizer.ggml.pre`).
 struct PreTokenizer {
@@ -372,10 +392,12 @@ struct PreTokenizer {
 impl PreTokenizer {
     fn named(name: &str) -> Result<Self> {
         let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-        let split = |pattern: &str| {
-            json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
-                byte_level(false)]})
+        // Each pattern splits the pieces the ones before it left.
+        let splits = |patterns: &[&str]| {
+            let stages = patterns.iter().map(|pattern| {
+                json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
+            });
+            json!({"type": "Sequence", "pretokenizers": stages.chain([byte_level(false)]).collect::<Vec<_>>()})
         };
         let (stage, ignore_merges, adds_bos) = match name {
             "default" | "gpt2" | "gpt-2" => (byte_level(true), false, false),
@@ -386,15 +408,18 @@ impl PreTokenizer {
                 false,
                 false,
             ),
-            "llama3" | "llama-v3" | "llama-bpe" => (split(LLAMA3_SPLIT), true, true),
-            "qwen2" => (split(QWEN2_SPLIT), false, false),
-            "gpt-4o" | "minimax-m2" => (split(O200K_SPLIT), false, false),
-            "tekken" => (split(TEKKEN_SPLIT), true, true),
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" => (splits(&[LLAMA3_SPLIT]), true, true),
+            "smaug-bpe" => (splits(&[LLAMA3_SPLIT]), false, false),
+            "qwen2" => (splits(&[QWEN2_SPLIT]), false, false),
+            "gpt-4o" | "minimax-m2" => (splits(&[O200K_SPLIT]), false, false),
+            "tekken" => (splits(&[TEKKEN_SPLIT]), true, true),
+            "deepseek-llm" => (splits(&DEEPSEEK_LLM_SPLITS), false, false),
+            "deepseek-coder" => (splits(&DEEPSEEK_CODER_SPLITS), false, false),
             other => {
                 return Err(Error::Unsupported {
                     what: "GGUF pre-tokenizer (tokenizer.ggml.pre)",
                     value: format!(
-                        "{other} (known: default, gpt2, llama-bpe, qwen2, minimax-m2, gpt-4o, tekken, smollm, starcoder and their kin)"
+                        "{other} (known: default, gpt2, llama-bpe, qwen2, minimax-m2, gpt-4o, tekken, deepseek-llm, deepseek-coder, smollm, starcoder and their kin)"
                     ),
                 });
             }

@@ -445,11 +445,13 @@ fn streamed_text_is_the_whole_decode_in_whole_characters() {
 /// takes a word of the vocabulary whole and puts BOS first, Qwen2's cuts
 /// it into single digits, MiniMax-M2's (GPT-4o's) into runs of three,
 /// Mistral's tekken into single digits, taking a word whole and putting
-/// BOS first; a name it does not know is an error.
+/// BOS first, DeepSeek LLM's keeps a number whole and parts letters from
+/// punctuation, DeepSeek Coder's cuts digits one by one; a name it does not
+/// know is an error.
 #[test]
 fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
-    let tokens = ["1", "2", "3", "4", "5", "12", "34", "123", "45", "a", "b", "c", "abc", "<bos>"];
-    let merges = ["3 4", "1 2", "12 3", "4 5"];
+    let tokens = ["1", "2", "3", "4", "5", "12", "34", "123", "45", "a", "b", "c", "abc", "<bos>", "[", "a["];
+    let merges = ["3 4", "1 2", "12 3", "4 5", "a ["];
     let build = |pre: Option<&str>| {
         let mut w = GgufWriter::new();
         w.meta("general.architecture", MetaValue::Str("llama".into()));
@@ -483,6 +485,14 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     assert_eq!(encode(Some("minimax-m2"), "abc", false), ["a", "b", "c"].map(id));
     assert_eq!(encode(Some("tekken"), "12345", true), ["<bos>", "1", "2", "3", "4", "5"].map(id));
     assert_eq!(encode(Some("tekken"), "abc", false), [id("abc")]);
+    assert_eq!(encode(Some("falcon3"), "12345", true), [id("<bos>"), id("123"), id("45")]);
+    assert_eq!(encode(Some("smaug-bpe"), "12345", true), [id("123"), id("45")]);
+    assert_eq!(encode(Some("smaug-bpe"), "abc", false), ["a", "b", "c"].map(id));
+    // Its letter class (with such code points as U+1FD3 and the Kelvin sign
+    // U+212A, which text normalization would turn into an empty or an
+    // ASCII-wide range) leaves "[" out: "a[" is not merged.
+    assert_eq!(encode(Some("deepseek-llm"), "12345a[", false), ["12", "34", "5", "a", "["].map(id));
+    assert_eq!(encode(Some("deepseek-coder"), "12345a[", false), ["1", "2", "3", "4", "5", "a", "["].map(id));
     let err = build(Some("tekken-unknown")).unwrap_err();
     assert!(err.to_string().contains("tekken-unknown"), "{err}");
     // A string twice in the vocabulary is named with both ids.
