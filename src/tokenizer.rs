@@ -412,14 +412,15 @@ impl PreTokenizer {
             "smaug-bpe" => (splits(&[LLAMA3_SPLIT]), false, false),
             "qwen2" => (splits(&[QWEN2_SPLIT]), false, false),
             "gpt-4o" | "minimax-m2" => (splits(&[O200K_SPLIT]), false, false),
-            "tekken" => (splits(&[TEKKEN_SPLIT]), true, true),
+            // llama.cpp's converter names Mistral Small 3.1's tekken "pixtral".
+            "tekken" | "pixtral" => (splits(&[TEKKEN_SPLIT]), true, true),
             "deepseek-llm" => (splits(&DEEPSEEK_LLM_SPLITS), false, false),
             "deepseek-coder" => (splits(&DEEPSEEK_CODER_SPLITS), false, false),
             other => {
                 return Err(Error::Unsupported {
                     what: "GGUF pre-tokenizer (tokenizer.ggml.pre)",
                     value: format!(
-                        "{other} (known: default, gpt2, llama-bpe, qwen2, minimax-m2, gpt-4o, tekken, deepseek-llm, deepseek-coder, smollm, starcoder and their kin)"
+                        "{other} (known: default, gpt2, llama-bpe, qwen2, minimax-m2, gpt-4o, tekken, pixtral, deepseek-llm, deepseek-coder, smollm, starcoder and their kin)"
                     ),
                 });
             }

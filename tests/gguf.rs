@@ -444,8 +444,8 @@ fn streamed_text_is_the_whole_decode_in_whole_characters() {
 /// number whole, Llama 3's (`llama-bpe`) cuts it into runs of three digits,
 /// takes a word of the vocabulary whole and puts BOS first, Qwen2's cuts
 /// it into single digits, MiniMax-M2's (GPT-4o's) into runs of three,
-/// Mistral's tekken into single digits, taking a word whole and putting
-/// BOS first, DeepSeek LLM's keeps a number whole and parts letters from
+/// Mistral's tekken (also named pixtral) into single digits, taking a word
+/// whole and putting BOS first, DeepSeek LLM's keeps a number whole and parts letters from
 /// punctuation, DeepSeek Coder's cuts digits one by one; a name it does not
 /// know is an error.
 #[test]
@@ -485,6 +485,7 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     assert_eq!(encode(Some("minimax-m2"), "abc", false), ["a", "b", "c"].map(id));
     assert_eq!(encode(Some("tekken"), "12345", true), ["<bos>", "1", "2", "3", "4", "5"].map(id));
     assert_eq!(encode(Some("tekken"), "abc", false), [id("abc")]);
+    assert_eq!(encode(Some("pixtral"), "12345abc", true), ["<bos>", "1", "2", "3", "4", "5", "abc"].map(id));
     assert_eq!(encode(Some("falcon3"), "12345", true), [id("<bos>"), id("123"), id("45")]);
     assert_eq!(encode(Some("smaug-bpe"), "12345", true), [id("123"), id("45")]);
     assert_eq!(encode(Some("smaug-bpe"), "abc", false), ["a", "b", "c"].map(id));
