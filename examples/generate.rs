@@ -33,6 +33,9 @@ use wgspark::{
 
 type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// The text continued where no --prompt is given.
+const DEFAULT_PROMPT: &str = "The capital of France is";
+
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with wgspark", allow_negative_numbers = true)]
 struct Args {
@@ -250,7 +253,7 @@ fn run(args: Args) -> CliResult<()> {
         (Some(ids), _) => ids.clone(),
         (None, _) if conversation => Vec::new(),
         (None, Some(tok)) => {
-            let prompt = args.prompt.as_deref().unwrap_or("The capital of France is");
+            let prompt = args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT);
             let images = ImagesInPrompt { count: images.len(), token: image_token, marks: image_tokens };
             text_prompt(tok, template.as_ref(), prompt, images)?
         }
@@ -282,11 +285,16 @@ fn run(args: Args) -> CliResult<()> {
     let (generated, rows, prefill_secs, decode_secs) = if args.json {
         with_logits(&mut session, &parts, sampling, args.seed, max_tokens, &stop)?
     } else {
-        let echo = match tokenizer.filter(|_| !args.chat) {
-            Some(tok) => Some(tok.decode(&prompt_ids, false)?),
-            None => None,
+        // The prompt as typed (given as ids, its text), which the text
+        // generated continues.
+        let echo_text = match (tokenizer, &args.prompt_ids) {
+            _ if args.chat => None,
+            (Some(_), None) => Some(args.prompt.clone().unwrap_or_else(|| DEFAULT_PROMPT.to_string())),
+            (Some(tok), Some(ids)) => Some(tok.decode(ids, false)?),
+            (None, _) => None,
         };
-        let reply = stream(&mut session, &parts, &options, tokenizer, args.chat, echo.as_deref())?;
+        let echo = echo_text.as_deref().map(|text| Echo { text, ids: &prompt_ids });
+        let reply = stream(&mut session, &parts, &options, tokenizer, args.chat, echo)?;
         (reply.ids, Vec::new(), reply.prefill_secs, reply.decode_secs)
     };
     let prompt_ids = wgspark::multimodal::expanded_ids(&model, &parts)?;
@@ -522,28 +530,36 @@ struct Reply {
     decode_secs: f64,
 }
 
+/// A prompt printed before the text that continues it.
+struct Echo<'a> {
+    /// As the user typed it.
+    text: &'a str,
+    /// Its ids, which the generated text's first token follows.
+    ids: &'a [u32],
+}
+
 /// Generates from `prompt` (fed from the session's position), printing the
 /// text as it comes where there is a tokenizer (else the ids, as
-/// `--prompt-ids` takes them), after `echo` (the prompt's
-/// text) once the session has accepted the prompt; `reply_only` leaves out
-/// special tokens (a chat reply).
+/// `--prompt-ids` takes them), after `echo` once the session has accepted
+/// the prompt; `reply_only` leaves out special tokens (a chat reply).
 fn stream(
     session: &mut Session<'_>,
     prompt: &[PromptPart<'_>],
     options: &GenerateOptions,
     tokenizer: Option<&Tokenizer>,
     reply_only: bool,
-    echo: Option<&str>,
+    echo: Option<Echo<'_>>,
 ) -> CliResult<Reply> {
     let start = Instant::now();
     let mut ids: Vec<u32> = Vec::new();
-    let mut text = tokenizer.map(|tok| TextStream::new(tok, reply_only));
+    let context = echo.as_ref().map_or(&[][..], |e| e.ids);
+    let mut text = tokenizer.map(|tok| TextStream::after(tok, reply_only, context));
     let mut first_id_at = None;
     let mut generation = session.generate_multimodal(prompt, options)?;
     // The prompt's text once the session has taken it (a bad prompt or
     // option is reported alone).
-    if let Some(text) = echo {
-        print!("{text}");
+    if let Some(echo) = &echo {
+        print!("{}", echo.text);
         std::io::stdout().flush()?;
     }
     for id in generation.by_ref() {

@@ -108,9 +108,26 @@ pub struct TextStream<'t> {
     given: usize,
 }
 
+/// How many of a context's last ids a [`TextStream`] decodes with its
+/// first ids (more than the bytes of a character a byte-fallback
+/// vocabulary spells one by one).
+const CONTEXT_IDS: usize = 8;
+
 impl<'t> TextStream<'t> {
+    /// A text of its own (a chat reply): its first token decodes as the
+    /// start of a text, as a decode of the reply alone gives it.
     pub fn new(tokenizer: &'t Tokenizer, skip_special_tokens: bool) -> Self {
-        TextStream { tokenizer, skip_special_tokens, window: Vec::new(), given: 0 }
+        Self::after(tokenizer, skip_special_tokens, &[])
+    }
+
+    /// The text that continues `context` (a prompt's ids): its first token
+    /// decodes as it does after them, with the leading space a SentencePiece
+    /// decoder drops at the start of a text ("is" + " Paris", not "isParis").
+    pub fn after(tokenizer: &'t Tokenizer, skip_special_tokens: bool, context: &[u32]) -> Self {
+        // Only a text's first token decodes apart: the last few ids of the
+        // context (whole tokens among them, whatever bytes precede) will do.
+        let window = context[context.len().saturating_sub(CONTEXT_IDS)..].to_vec();
+        TextStream { tokenizer, skip_special_tokens, given: window.len(), window }
     }
 
     /// The text `id` adds: empty while the text ends inside a character.

@@ -403,7 +403,8 @@ fn sentencepiece_gguf_tokenizer_encodes_as_sentencepiece_does() {
 /// Generated text streamed id by id is the text of all the ids decoded
 /// whole, given out in pieces that never end inside a character (the
 /// fixture's byte-fallback ids split 日本語 and 🙂 into bytes), with the
-/// SentencePiece decoder's leading space kept where a piece starts.
+/// SentencePiece decoder's leading space kept where a piece starts and
+/// where the text continues a prompt.
 #[test]
 fn streamed_text_is_the_whole_decode_in_whole_characters() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers");
@@ -435,6 +436,25 @@ fn streamed_text_is_the_whole_decode_in_whole_characters() {
                 tokenizer.decode(&ids, skip_special).unwrap(),
                 "{ids:?} (skip special: {skip_special})"
             );
+        }
+    }
+    // Text that continues a prompt, cut after each of its ids: the prompt's
+    // text and the continuation's pieces are the whole text ("is" + " Paris",
+    // the space a decode of the continuation alone drops).
+    for case in &expected.cases {
+        let ids = [&[expected.bos_id][..], &case.ids].concat();
+        for cut in 1..ids.len() {
+            let (prompt, continuation) = ids.split_at(cut);
+            let mut stream = TextStream::after(&tokenizer, false, prompt);
+            let mut text = tokenizer.decode(prompt, false).unwrap();
+            if text.ends_with(char::REPLACEMENT_CHARACTER) {
+                continue; // no typed prompt ends inside a character
+            }
+            for &id in continuation {
+                text.push_str(&stream.push(id).unwrap());
+            }
+            text.push_str(&stream.finish().unwrap());
+            assert_eq!(text, tokenizer.decode(&ids, false).unwrap(), "{prompt:?} then {continuation:?}");
         }
     }
 }
