@@ -14,6 +14,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use wgspark::sampling::argmax;
+use wgspark::tokenizer::TextStream;
 use wgspark::{Backend, CaptureOptions, ControlVector, Gpu, GpuOptions, Model, SessionOptions, Steering};
 
 #[derive(Parser, Debug)]
@@ -125,7 +126,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             generated.push(next);
             logits = session.step(next, session.position())?;
         }
-        println!("strength {strength:+}: {}{}", args.prompt, tokenizer.decode(&generated, false)?);
+        // Decoded as the prompt's continuation (a SentencePiece vocabulary
+        // drops the leading space of a text decoded alone).
+        let mut text = TextStream::after(&tokenizer, false, &prompt);
+        let continuation = generated.iter().map(|&id| text.push(id)).collect::<Result<String, _>>()?;
+        println!("strength {strength:+}: {}{continuation}{}", args.prompt, text.finish()?);
         std::io::stdout().flush()?;
     }
     Ok(())
