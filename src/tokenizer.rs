@@ -427,7 +427,8 @@ impl PreTokenizer {
             ),
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" => (splits(&[LLAMA3_SPLIT]), true, true),
             "smaug-bpe" => (splits(&[LLAMA3_SPLIT]), false, false),
-            "qwen2" => (splits(&[QWEN2_SPLIT]), false, false),
+            // DeepSeek-R1's distills into Qwen models name Qwen2's split so.
+            "qwen2" | "deepseek-r1-qwen" => (splits(&[QWEN2_SPLIT]), false, false),
             "gpt-4o" | "minimax-m2" => (splits(&[O200K_SPLIT]), false, false),
             // llama.cpp's converter names Mistral Small 3.1's tekken "pixtral".
             "tekken" | "pixtral" => (splits(&[TEKKEN_SPLIT]), true, true),

@@ -500,6 +500,7 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     assert_eq!(encode(Some("llama-bpe"), "abc", false), [id("abc")]);
     assert_eq!(encode(Some("qwen2"), "12345", true), ["1", "2", "3", "4", "5"].map(id));
     assert_eq!(encode(Some("qwen2"), "abc", false), ["a", "b", "c"].map(id));
+    assert_eq!(encode(Some("deepseek-r1-qwen"), "12345", true), ["1", "2", "3", "4", "5"].map(id));
     // MiniMax-M2's (GPT-4o's): runs of three digits, merges as they come.
     assert_eq!(encode(Some("minimax-m2"), "12345", false), [id("123"), id("45")]);
     assert_eq!(encode(Some("minimax-m2"), "abc", false), ["a", "b", "c"].map(id));
