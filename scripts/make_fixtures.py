@@ -91,6 +91,21 @@ def qwen3_dense():
     )
 
 
+def qwen3_yarn():
+    # YaRN as Qwen3's long-context recipe writes it in the hub layout, with
+    # every optional parameter away from its default: betas 16 / 2, an
+    # untruncated ramp, the attention factor from mscale / mscale_all_dim.
+    return "hub", dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rms_norm_eps=1e-6, vocab_size=205, max_position_embeddings=256, rope_theta=1000000.0,
+        rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                          beta_fast=16.0, beta_slow=2.0, truncate=False, mscale=1.0, mscale_all_dim=0.5),
+        tie_word_embeddings=False,
+    )
+
+
 def mixtral_8x2():
     return "hub", dict(
         architectures=["MixtralForCausalLM"], model_type="mixtral",
@@ -233,6 +248,13 @@ CASES = {
     ])),
     "qwen3_dense": (qwen3_dense, dict(prompt_len=12, steps=8, must_matter=[
         dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ])),
+    "qwen3_yarn": (qwen3_yarn, dict(prompt_len=12, steps=8, must_matter=[
+        dict(rope_scaling=None),
+        dict(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                               beta_fast=16.0, beta_slow=2.0, truncate=True, mscale=1.0, mscale_all_dim=0.5)),
+        dict(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                               beta_fast=16.0, beta_slow=2.0, truncate=False)),
     ])),
     "mixtral_8x2": (mixtral_8x2, dict(prompt_len=12, steps=8, must_matter=[
         dict(num_experts_per_tok=1),

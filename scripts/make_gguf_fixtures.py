@@ -66,6 +66,11 @@ CASES = {
     "gguf_llama3_rope_freqs_q4_k_m": ("llama", base("llama", max_position_embeddings=256, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16)), "Q4_K_M"),
+    # Qwen3's YaRN for long contexts, with the keys llama.cpp's converter
+    # writes (type, factor, original context); an original context of 32 puts
+    # the ramp inside the 32 frequencies.
+    "gguf_qwen3_yarn_q8_0": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32)), "Q8_0"),
     "gguf_minimax_m2_q4_k_m": ("minimax-m2", base(
         "minimax_m2", intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, rotary_dim=32,
         scoring_func="sigmoid", use_routing_bias=True, rope_theta=5000000.0, rms_norm_eps=1e-6,
@@ -180,8 +185,13 @@ def write_f32_gguf(path, arch, cfg, sd):
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("none")
-    if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", rope_freqs(cfg))
+    if scaling.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     for name, hf, heads in layout(arch, cfg):
         t = take(sd, hf)
         if heads:

@@ -65,6 +65,62 @@ fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
     }
 }
 
+/// YaRN's parameters are completed as transformers completes them: the
+/// pretraining context from the config's own key, else the rope
+/// parameters', else max_position_embeddings; the factor from the two
+/// lengths where it is missing; betas 32 / 1 and a truncated ramp; the
+/// attention factor 0.1 ln(factor) + 1, or the ratio of mscale's and
+/// mscale_all_dim's, or as given. High frequencies are kept, low ones divided
+/// by the factor.
+#[test]
+fn yarn_parameters_are_completed_as_transformers_does() {
+    let yarn = |rope: &str, extra: &str| {
+        let c = parse(&format!(
+            r#"{{ {BASE}, "max_position_embeddings": 256, {extra} "rope_scaling": {{"rope_type": "yarn", {rope}}} }}"#
+        ));
+        match c.rope.scaling {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, attention_factor),
+            other => panic!("{other:?}"),
+        }
+    };
+    let mscale = |factor: f64, m: f64| 0.1 * m * factor.ln() + 1.0;
+    let given = yarn(r#""factor": 4.0, "original_max_position_embeddings": 32"#, "");
+    assert_eq!(given, (4.0, 32, 32.0, 1.0, true, mscale(4.0, 1.0)));
+    assert_eq!(yarn(r#""factor": 4.0"#, "").1, 256, "max_position_embeddings");
+    assert_eq!(
+        yarn(
+            r#""factor": 4.0, "original_max_position_embeddings": 32"#,
+            r#""original_max_position_embeddings": 64,"#
+        )
+        .1,
+        64
+    );
+    assert_eq!(yarn(r#""factor": null, "original_max_position_embeddings": 32"#, "").0, 8.0, "256 / 32");
+    let betas = yarn(r#""factor": 4.0, "beta_fast": 0, "beta_slow": 3.0, "truncate": false"#, "");
+    assert_eq!((betas.2, betas.3, betas.4), (32.0, 3.0, false));
+    let ratio = yarn(r#""factor": 4.0, "mscale": 2.0, "mscale_all_dim": 0.5"#, "").5;
+    assert_eq!(ratio, mscale(4.0, 2.0) / mscale(4.0, 0.5));
+    assert_eq!(
+        yarn(r#""factor": 4.0, "attention_factor": 1.25, "mscale": 2.0, "mscale_all_dim": 1.0"#, "").5,
+        1.25
+    );
+
+    let c = parse(&format!(
+        r#"{{ {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}} }}"#
+    ));
+    let (plain, scaled) = (parse(&format!("{{ {BASE} }}")).rope.inv_freq(), c.rope.inv_freq());
+    assert_eq!(plain[0], scaled[0], "the highest frequency is kept");
+    let last = plain.len() - 1;
+    assert!((scaled[last] - plain[last] / 4.0).abs() <= 1e-7 * plain[last], "the lowest is divided");
+}
+
 /// A multimodal config (Qwen3-VL) nests its language model in
 /// `text_config`: its keys describe the text model, the top level's the
 /// checkpoint (class, lm_head tying, dtype), as transformers reads them.

@@ -1068,7 +1068,8 @@ fn config_values_that_would_be_dropped_are_refused() {
 
 /// GGUF metadata the loader cannot use is an error naming the key, not a
 /// default in its place: a NaN or infinite rope base or epsilon, an
-/// end-of-sequence id of the wrong type, a rope scaling it does not apply.
+/// end-of-sequence id of the wrong type, a rope scaling it does not apply,
+/// YaRN parameters it does not apply or without those it needs.
 #[test]
 fn gguf_metadata_that_would_be_replaced_by_defaults() {
     let cases = [
@@ -1078,12 +1079,34 @@ fn gguf_metadata_that_would_be_replaced_by_defaults() {
         ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(f32::NAN)),
         ("tokenizer.ggml.eos_token_id", MetaValue::Str("2".into())),
         ("llama.attention.head_count_kv", MetaValue::Str("2".into())),
-        ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
+        ("llama.rope.scaling.type", MetaValue::Str("longrope".into())),
         ("llama.attention.value_length", MetaValue::U32(8)),
     ];
     for (key, value) in cases {
         let path = gguf_with("gguf_llama_q8_0_tied", |_| None, &[], &[(key, value.clone())]);
         let err = load_err(&path);
         assert!(err.to_string().contains(key), "{key} = {value:?}: {err}");
+    }
+    // YaRN's keys that would change the answer in ways not built, and its
+    // required ones left out.
+    let yarn = [
+        ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
+        ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
+        ("llama.rope.scaling.original_context_length", MetaValue::U32(32)),
+    ];
+    let refused = [
+        ("llama.rope.scaling.yarn_ext_factor", MetaValue::F32(0.5)),
+        ("llama.rope.scaling.yarn_log_multiplier", MetaValue::F32(0.1)),
+        ("llama.rope.scaling.attn_factor", MetaValue::F32(1.5)),
+    ];
+    for (key, value) in refused {
+        let path = gguf_with("gguf_llama_q8_0_tied", |_| None, &[], &[&yarn[..], &[(key, value)]].concat());
+        let err = load_err(&path);
+        assert!(err.to_string().contains(key), "{key}: {err}");
+    }
+    for missing in ["llama.rope.scaling.factor", "llama.rope.scaling.original_context_length"] {
+        let meta: Vec<_> = yarn.iter().filter(|(k, _)| *k != missing).cloned().collect();
+        let err = load_err(&gguf_with("gguf_llama_q8_0_tied", |_| None, &[], &meta));
+        assert!(err.to_string().contains(missing), "{missing}: {err}");
     }
 }

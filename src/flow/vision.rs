@@ -115,7 +115,7 @@ fn rotary_table(positions: &[(usize, usize)], v: &VisionConfig) -> Vec<f32> {
     let q = inv_freq.len();
     positions
         .iter()
-        .flat_map(|&(row, col)| rotary_row(&both, |f| (if f < q { row } else { col }) as u32))
+        .flat_map(|&(row, col)| rotary_row(&both, 1.0, |f| (if f < q { row } else { col }) as u32))
         .collect()
 }
 

@@ -38,6 +38,9 @@ struct RawConfig {
     rms_norm_eps: Option<f64>,
     vocab_size: usize,
     max_position_embeddings: Option<usize>,
+    /// The pretraining context, where a config keeps it outside its rope
+    /// parameters (transformers then prefers it).
+    original_max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     rope_theta: Option<f64>,
     rope_scaling: Option<RawRope>,
@@ -88,6 +91,13 @@ struct RawRope {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
+    // YaRN's.
+    beta_fast: Option<f64>,
+    beta_slow: Option<f64>,
+    attention_factor: Option<f64>,
+    mscale: Option<f64>,
+    mscale_all_dim: Option<f64>,
+    truncate: Option<bool>,
     partial_rotary_factor: Option<f64>,
     /// M-RoPE (Qwen3-VL): rotary frequencies per position axis (t, h, w).
     mrope_section: Option<Vec<usize>>,
@@ -111,6 +121,19 @@ pub enum RopeScaling {
     /// Frequency `i` divided by `divisors[i]` (how GGUF files carry Llama
     /// 3's scaling, as the `rope_freqs` tensor).
     Divisors(Vec<f32>),
+    /// YaRN (Qwen3's long contexts): frequencies that turn fewer than
+    /// `beta_slow` times over the pretraining context are divided by
+    /// `factor`, those that turn more than `beta_fast` times are kept, a
+    /// ramp between; cos and sin are multiplied by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// Whether the ramp's ends are rounded out to whole dimensions.
+        truncate: bool,
+        attention_factor: f64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -160,14 +183,58 @@ impl RopeConfig {
                     })
                     .collect()
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // The dimension whose frequency turns `rotations` times over
+                // the pretraining context, and the ramp between those of
+                // beta_fast and beta_slow turns (in f64, as Python's math).
+                let turns = |rotations: f64| {
+                    let len = *original_max_position_embeddings as f64;
+                    dim as f64 * (len / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * self.theta.ln())
+                };
+                let (mut low, mut high) = (turns(*beta_fast), turns(*beta_slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let factor = *factor as f32;
+                (0..dim / 2)
+                    .map(|i| {
+                        let pos_freq = base.powf((2 * i) as f32 / dim as f32);
+                        let (extrapolation, interpolation) = (1.0 / pos_freq, 1.0 / (factor * pos_freq));
+                        let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+                        let kept = 1.0 - ramp;
+                        interpolation * (1.0 - kept) + extrapolation * kept
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1
+    /// otherwise).
+    pub fn attention_factor(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::Yarn { attention_factor, .. } => attention_factor as f32,
+            _ => 1.0,
         }
     }
 
     /// cos and sin of `pos * inv_freq` for positions `0..positions`, laid
     /// out `[pos][cos(half) | sin(half)]` as `wgsl/rope.wgsl` reads them.
     pub fn cos_sin_table(&self, positions: usize) -> Vec<f32> {
-        let inv_freq = self.inv_freq();
-        (0..positions as u32).flat_map(|pos| rotary_row(&inv_freq, |_| pos)).collect()
+        let (inv_freq, scale) = (self.inv_freq(), self.attention_factor());
+        (0..positions as u32).flat_map(|pos| rotary_row(&inv_freq, scale, |_| pos)).collect()
     }
 }
 
@@ -251,17 +318,19 @@ impl ModelConfig {
             Some([_, _, w]) if f % 3 == 2 && f < 3 * w => 2,
             _ => 0,
         };
-        rotary_row(&self.rope.inv_freq(), |f| position[axis(f)])
+        rotary_row(&self.rope.inv_freq(), self.rope.attention_factor(), |f| position[axis(f)])
     }
 }
 
 /// A row of a rotary table as the attention kernels read it: the cosines,
 /// then the sines, of `inv_freq[f] * position(f)` for each frequency `f`
-/// (the angle rounded to f32 first, as transformers computes it).
-pub fn rotary_row(inv_freq: &[f32], position: impl Fn(usize) -> u32) -> Vec<f32> {
+/// (the angle rounded to f32 first, as transformers computes it), times
+/// `scale` (YaRN's attention factor).
+pub fn rotary_row(inv_freq: &[f32], scale: f32, position: impl Fn(usize) -> u32) -> Vec<f32> {
     let angles: Vec<f64> =
         inv_freq.iter().enumerate().map(|(f, &freq)| (freq * position(f) as f32) as f64).collect();
-    angles.iter().map(|a| a.cos() as f32).chain(angles.iter().map(|a| a.sin() as f32)).collect()
+    let (cos, sin) = (angles.iter().map(|a| a.cos() as f32), angles.iter().map(|a| a.sin() as f32));
+    cos.chain(sin).map(|v| v * scale).collect()
 }
 
 impl ModelConfig {
@@ -661,6 +730,15 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
         return Err("rope scaling gives a factor but no rope_type (linear, llama3, ...)".to_string());
     }
     let factor = || params.and_then(|p| p.factor).ok_or_else(|| format!("rope type {kind:?} needs `factor`"));
+    // The pretraining context: the config's own key first, as transformers
+    // reads it, else the rope parameters', else max_position_embeddings.
+    let original_len = || {
+        raw.original_max_position_embeddings
+            .or(params.and_then(|p| p.original_max_position_embeddings))
+            .or(raw.max_position_embeddings)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("rope type {kind:?} needs `original_max_position_embeddings`"))
+    };
     let scaling = match kind.as_str() {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
@@ -672,13 +750,14 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
                 factor: factor()?,
                 low_freq_factor: field(p.low_freq_factor, "low_freq_factor")?,
                 high_freq_factor: field(p.high_freq_factor, "high_freq_factor")?,
-                original_max_position_embeddings: p
-                    .original_max_position_embeddings
-                    .ok_or("llama3 rope scaling needs `original_max_position_embeddings`")?,
+                original_max_position_embeddings: original_len()?,
             }
         }
+        "yarn" => parse_yarn(params.expect("a rope type implies rope parameters"), original_len()?, raw)?,
         other => {
-            return Err(format!("unsupported rope type {other:?} (supported: default, linear, llama3)"));
+            return Err(format!(
+                "unsupported rope type {other:?} (supported: default, linear, llama3, yarn)"
+            ));
         }
     };
     let factors: &[(f64, &str)] = match &scaling {
@@ -689,6 +768,12 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
             (*low_freq_factor, "low_freq_factor"),
             (*high_freq_factor, "high_freq_factor"),
         ],
+        RopeScaling::Yarn { factor, beta_fast, beta_slow, attention_factor, .. } => &[
+            (*factor, "factor"),
+            (*beta_fast, "beta_fast"),
+            (*beta_slow, "beta_slow"),
+            (*attention_factor, "attention_factor"),
+        ],
     };
     for (value, name) in factors {
         if !(*value as f32 > 0.0 && (*value as f32).is_finite()) {
@@ -696,4 +781,32 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
         }
     }
     Ok(RopeConfig { theta, rotary_dim, scaling })
+}
+
+/// YaRN's parameters as transformers completes them: the factor from the
+/// context lengths where it is missing, beta_fast 32 and beta_slow 1 where
+/// missing or 0, the attention factor from `mscale` / `mscale_all_dim` or
+/// else the factor alone.
+fn parse_yarn(p: &RawRope, original_len: usize, raw: &RawConfig) -> std::result::Result<RopeScaling, String> {
+    let factor = match (p.factor, raw.max_position_embeddings) {
+        (Some(factor), _) => factor,
+        (None, Some(max)) => max as f64 / original_len as f64,
+        (None, None) => return Err("yarn rope scaling needs `factor`".into()),
+    };
+    // 0.1 * mscale * ln(factor) + 1, the paper's magnitude correction.
+    let mscale = |m: f64| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+    let attention_factor = match (p.attention_factor, p.mscale, p.mscale_all_dim) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+        _ => mscale(1.0),
+    };
+    let nonzero = |v: Option<f64>, default: f64| v.filter(|v| *v != 0.0).unwrap_or(default);
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original_len,
+        beta_fast: nonzero(p.beta_fast, 32.0),
+        beta_slow: nonzero(p.beta_slow, 1.0),
+        truncate: p.truncate.unwrap_or(true),
+        attention_factor,
+    })
 }

@@ -260,7 +260,8 @@ impl GgufCheckpoint {
         Ok(ids)
     }
 
-    /// config.json's `rope_scaling` for the metadata's (linear, or none).
+    /// config.json's `rope_scaling` for the metadata's (linear, YaRN, or
+    /// none).
     fn insert_rope_scaling(&self, fields: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
         match self.meta().meta_str_opt(&format!("{}.rope.scaling.type", self.arch))? {
             None | Some("none") => Ok(()),
@@ -269,11 +270,48 @@ impl GgufCheckpoint {
                 fields.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
                 Ok(())
             }
+            Some("yarn") => self.insert_yarn(fields),
             Some(other) => Err(Error::Unsupported {
                 what: "GGUF rope scaling",
                 value: format!("{}.rope.scaling.type = {other}", self.arch),
             }),
         }
+    }
+
+    /// YaRN as llama.cpp runs it from the metadata: the factor and the
+    /// pretraining context, beta_fast / beta_slow where given, and the
+    /// attention factor from the factor alone (llama.cpp sets aside
+    /// `yarn_attn_factor` for it). The keys for a partial ramp
+    /// (`yarn_ext_factor`), DeepSeek's log multiplier and an extra attention
+    /// factor would change the answer in ways not built here: refused.
+    fn insert_yarn(&self, fields: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+        let unsupported = |key: &str, value: f64| Error::Unsupported {
+            what: "GGUF YaRN parameter",
+            value: format!("{}.{key} = {value}", self.arch),
+        };
+        for (key, neutral) in [
+            ("rope.scaling.yarn_ext_factor", 1.0),
+            ("rope.scaling.yarn_log_multiplier", 0.0),
+            ("rope.scaling.attn_factor", 1.0),
+        ] {
+            if let Some(value) = self.meta_float_opt(key)?.filter(|v| *v != neutral) {
+                return Err(unsupported(key, value));
+            }
+        }
+        let mut yarn = json!({
+            "rope_type": "yarn",
+            "factor": self.meta_float("rope.scaling.factor")?,
+            "original_max_position_embeddings": self.meta_int("rope.scaling.original_context_length")?,
+        });
+        for (key, field) in
+            [("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")]
+        {
+            if let Some(value) = self.meta_float_opt(key)? {
+                yarn[field] = json!(value);
+            }
+        }
+        fields.insert("rope_scaling".into(), yarn);
+        Ok(())
     }
 
     /// config.json's MoE fields for `experts` experts: how many each token
