@@ -346,6 +346,46 @@ fn gguf_experts_one_tensor_each_load_as_stacked_ones() {
     assert_eq!(stacked, separate);
 }
 
+/// Mistral Small 3.1 and later as llama.cpp's converter writes them now
+/// (architecture `mistral3`: Llama's keys, tensors and q/k interleaving
+/// under that name) give a Llama file's logits; Ministral 3's attention
+/// temperature, which the attention does not apply, is refused by name.
+#[test]
+fn mistral3_gguf_models_load_as_llama_ones() {
+    let gpu = common::gpu(common::backends()[0]);
+    let source = "gguf_llama_q4_k_m";
+    let source_meta =
+        Gguf::open(common::checkpoint::fixture_dir(source).join("model.gguf")).unwrap().metadata;
+    let renamed: Vec<(String, MetaValue)> = source_meta
+        .iter()
+        .filter_map(|(k, v)| Some((format!("mistral3.{}", k.strip_prefix("llama.")?), same(k, v)?)))
+        .collect();
+    assert!(renamed.len() > 5, "the fixture has llama keys");
+    let mistral3 = |name: &str, extra: &[(&str, MetaValue)]| {
+        let keys =
+            renamed.iter().map(|(k, v)| (k.as_str(), v.clone())).chain(extra.iter().cloned()).collect();
+        let meta = |k: &str, v: &Meta| match k {
+            "general.architecture" => Some(MetaValue::Str("mistral3".into())),
+            _ if k.starts_with("llama.") => None,
+            _ => same(k, v),
+        };
+        rewritten_fixture(source, name, meta, keys, |t, bytes| {
+            vec![(t.name.clone(), t.dims.clone(), t.ty, bytes.to_vec())]
+        })
+    };
+    let expected = common::fixtures::cases().into_iter().find(|c| c.name == source).unwrap().expected;
+    let replay = |path: &std::path::Path| {
+        common::fixtures::replay(&wgspark::Model::load(path, &gpu).unwrap(), &expected).unwrap()
+    };
+    let llama = replay(&common::checkpoint::fixture_dir(source));
+    assert_eq!(replay(&mistral3("gguf_mistral3", &[])), llama);
+
+    let key = "mistral3.attention.temperature_scale";
+    let path = mistral3("gguf_mistral3_temperature", &[(key, MetaValue::F32(0.1))]);
+    let err = wgspark::Model::load(&path, &gpu).map(|_| ()).unwrap_err();
+    assert!(err.to_string().contains(key), "{err}");
+}
+
 /// Generation ends where llama.cpp ends it: at the file's end of sequence,
 /// and at its end of a turn and of a message where it names them.
 #[test]

@@ -21,9 +21,19 @@ use crate::error::{Error, Result};
 use crate::format::WeightFormat;
 use crate::gguf::{Gguf, TensorInfo};
 
-/// The architectures a GGUF model may have, with the model type they load as.
-const ARCHITECTURES: &[(&str, &str)] =
-    &[("llama", "llama"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe"), ("minimax-m2", "minimax_m2")];
+/// The architectures a GGUF model may have, with the model type they load
+/// as. `mistral3` is how llama.cpp's converter writes Mistral Small 3.1 and
+/// later: Llama's layers and tensors under another name.
+const ARCHITECTURES: &[(&str, &str)] = &[
+    ("llama", "llama"),
+    ("mistral3", "mistral"),
+    ("qwen3", "qwen3"),
+    ("qwen3moe", "qwen3_moe"),
+    ("minimax-m2", "minimax_m2"),
+];
+
+/// The architectures whose q and k rows llama.cpp's converter interleaves.
+const PERMUTED: &[&str] = &["llama", "mistral3"];
 
 /// Where a Hugging Face tensor lives in the GGUF files.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +150,7 @@ impl GgufCheckpoint {
             });
         }
         let mut checkpoint = GgufCheckpoint { files, index, arch, permuted: None };
-        if checkpoint.arch == "llama" {
+        if PERMUTED.contains(&checkpoint.arch.as_str()) {
             let heads = checkpoint.meta_int("attention.head_count")? as usize;
             let kv = checkpoint.meta_int("attention.head_count_kv").map_or(heads, |v| v as usize);
             checkpoint.permuted = Some((heads, kv));
@@ -228,6 +238,14 @@ impl GgufCheckpoint {
             fields.insert("rotary_dim".into(), json!(rot));
         }
         self.insert_rope_scaling(fields)?;
+        // Llama 4's attention temperature (Ministral 3 writes it): queries
+        // scaled by position, which the attention does not do.
+        if let Some(scale) = self.meta_float_opt("attention.temperature_scale")?.filter(|s| *s != 0.0) {
+            return Err(Error::Unsupported {
+                what: "GGUF attention temperature scaling",
+                value: format!("{}.attention.temperature_scale = {scale}", self.arch),
+            });
+        }
         if experts > 0 {
             self.insert_experts(fields, experts)?;
         }
