@@ -106,6 +106,24 @@ def qwen3_yarn():
     )
 
 
+def mistral3_text():
+    # Mistral Small 3.1's class: the Mistral language model in text_config,
+    # a Pixtral tower (unused by text prompts) beside it.
+    vocab = 200
+    return "hub", dict(
+        architectures=["Mistral3ForConditionalGeneration"], model_type="mistral3",
+        text_config=dict(
+            model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
+            vocab_size=vocab, max_position_embeddings=128, rope_theta=1000000000.0,
+            sliding_window=None, tie_word_embeddings=False,
+        ),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=16, image_size=64, patch_size=16),
+        image_token_id=vocab - 1, spatial_merge_size=2, tie_word_embeddings=False,
+    )
+
+
 def mixtral_8x2():
     return "hub", dict(
         architectures=["MixtralForCausalLM"], model_type="mixtral",
@@ -256,6 +274,7 @@ CASES = {
         dict(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
                                beta_fast=16.0, beta_slow=2.0, truncate=False)),
     ])),
+    "mistral3_text": (mistral3_text, dict(prompt_len=12, steps=8, must_matter=[])),
     "mixtral_8x2": (mixtral_8x2, dict(prompt_len=12, steps=8, must_matter=[
         dict(num_experts_per_tok=1),
     ])),
@@ -335,6 +354,8 @@ def model_class(cfg_dict):
         return transformers.Qwen3VLForConditionalGeneration
     if cfg_dict["model_type"] == "qwen3_vl_moe":
         return transformers.Qwen3VLMoeForConditionalGeneration
+    if cfg_dict["model_type"] == "mistral3":
+        return transformers.Mistral3ForConditionalGeneration
     return AutoModelForCausalLM
 
 

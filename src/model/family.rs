@@ -143,6 +143,19 @@ pub static FAMILIES: &[Family] = &[
         transposed_experts: false,
         vision_tower: false,
     },
+    // Mistral Small 3.1 and later (Mistral3ForConditionalGeneration): a
+    // Mistral language model nested in `text_config` and under
+    // `model.language_model.` / `language_model.model.`, read for text (its
+    // Pixtral tower is not built: a prompt with images is refused).
+    Family {
+        name: "mistral3",
+        model_types: &["mistral3"],
+        architectures: &["Mistral3ForConditionalGeneration"],
+        qk_norm: QkNorm::None,
+        moe: None,
+        transposed_experts: false,
+        vision_tower: false,
+    },
     // Qwen3-VL's language models: config.json nests them in `text_config`
     // and the checkpoint under `model.language_model.`; a text prompt
     // rotates by positions (p, p, p), for which their M-RoPE is RoPE.
