@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use wgspark::ModelConfig;
-use wgspark::model::RopeScaling;
+use wgspark::model::{RopeScaling, Yarn};
 
 fn parse(json: &str) -> ModelConfig {
     ModelConfig::parse(json, Path::new("config.json")).unwrap()
@@ -79,14 +79,16 @@ fn yarn_parameters_are_completed_as_transformers_does() {
             r#"{{ {BASE}, "max_position_embeddings": 256, {extra} "rope_scaling": {{"rope_type": "yarn", {rope}}} }}"#
         ));
         match c.rope.scaling {
-            RopeScaling::Yarn {
+            RopeScaling::Yarn(Yarn {
                 factor,
                 original_max_position_embeddings,
                 beta_fast,
                 beta_slow,
                 truncate,
                 attention_factor,
-            } => (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, attention_factor),
+            }) => {
+                (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, attention_factor)
+            }
             other => panic!("{other:?}"),
         }
     };

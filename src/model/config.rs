@@ -121,19 +121,83 @@ pub enum RopeScaling {
     /// Frequency `i` divided by `divisors[i]` (how GGUF files carry Llama
     /// 3's scaling, as the `rope_freqs` tensor).
     Divisors(Vec<f32>),
-    /// YaRN (Qwen3's long contexts): frequencies that turn fewer than
-    /// `beta_slow` times over the pretraining context are divided by
-    /// `factor`, those that turn more than `beta_fast` times are kept, a
-    /// ramp between; cos and sin are multiplied by `attention_factor`.
-    Yarn {
-        factor: f64,
-        original_max_position_embeddings: usize,
-        beta_fast: f64,
-        beta_slow: f64,
-        /// Whether the ramp's ends are rounded out to whole dimensions.
-        truncate: bool,
-        attention_factor: f64,
-    },
+    /// YaRN (Qwen3's long contexts).
+    Yarn(Yarn),
+}
+
+/// Llama 3.1's scaling by wavelength: frequencies whose wavelength exceeds
+/// `old_len / low` are divided by `factor`, those under `old_len / high`
+/// are kept, the band between interpolated.
+struct Llama3Bands {
+    factor: f32,
+    low: f32,
+    high: f32,
+    old_len: f32,
+}
+
+impl Llama3Bands {
+    fn scale(&self, f: f32) -> f32 {
+        let (low_freq_wavelen, high_freq_wavelen) = (self.old_len / self.low, self.old_len / self.high);
+        let wavelen = 2.0 * std::f32::consts::PI / f;
+        let scaled = if wavelen > low_freq_wavelen { f / self.factor } else { f };
+        // As transformers writes it (`~(a < b) * ~(a > c)`), NaN included.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+        if medium {
+            let smooth = (self.old_len / wavelen - self.low) / (self.high - self.low);
+            (1.0 - smooth) * scaled / self.factor + smooth * scaled
+        } else {
+            scaled
+        }
+    }
+}
+
+/// YaRN: frequencies that turn fewer than `beta_slow` times over the
+/// pretraining context are divided by `factor`, those that turn more than
+/// `beta_fast` times are kept, a ramp between; cos and sin are multiplied
+/// by `attention_factor`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// Whether the ramp's ends are rounded out to whole dimensions.
+    pub truncate: bool,
+    pub attention_factor: f64,
+}
+
+impl Yarn {
+    /// The frequencies for `pos_freqs` (`theta^(2i/dim)`), as transformers
+    /// computes them: the ramp's ends in f64 (Python's math), the rest in f32.
+    fn inv_freq(&self, pos_freqs: &[f32], theta: f64) -> Vec<f32> {
+        let dim = 2 * pos_freqs.len();
+        // The dimension whose frequency turns `rotations` times over the
+        // pretraining context.
+        let turns = |rotations: f64| {
+            let len = self.original_max_position_embeddings as f64;
+            dim as f64 * (len / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (turns(self.beta_fast), turns(self.beta_slow));
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        let factor = self.factor as f32;
+        let ramp = |i: usize| ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+        pos_freqs
+            .iter()
+            .enumerate()
+            .map(|(i, &pos_freq)| {
+                let (extrapolation, interpolation) = (1.0 / pos_freq, 1.0 / (factor * pos_freq));
+                let kept = 1.0 - ramp(i);
+                interpolation * (1.0 - kept) + extrapolation * kept
+            })
+            .collect()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -148,76 +212,28 @@ impl RopeConfig {
     /// `inv_freq[i]` for `i < rotary_dim / 2`, computed in f32 the way
     /// transformers does, so angles agree to the last bit where they can.
     pub fn inv_freq(&self) -> Vec<f32> {
-        let dim = self.rotary_dim;
-        let base = self.theta as f32;
-        let plain: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
+        let (dim, base) = (self.rotary_dim, self.theta as f32);
+        let pos_freqs: Vec<f32> = (0..dim / 2).map(|i| base.powf((2 * i) as f32 / dim as f32)).collect();
+        let plain = pos_freqs.iter().map(|p| 1.0 / p);
         match &self.scaling {
-            RopeScaling::None => plain,
-            RopeScaling::Divisors(divisors) => plain.iter().zip(divisors).map(|(f, d)| f / d).collect(),
-            RopeScaling::Linear { factor } => plain.iter().map(|f| f / *factor as f32).collect(),
+            RopeScaling::None => plain.collect(),
+            RopeScaling::Divisors(divisors) => plain.zip(divisors).map(|(f, d)| f / d).collect(),
+            RopeScaling::Linear { factor } => plain.map(|f| f / *factor as f32).collect(),
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_max_position_embeddings,
             } => {
-                let factor = *factor as f32;
-                let (low, high) = (*low_freq_factor as f32, *high_freq_factor as f32);
-                let old_len = *original_max_position_embeddings as f32;
-                let low_freq_wavelen = old_len / low;
-                let high_freq_wavelen = old_len / high;
-                plain
-                    .iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f32::consts::PI / f;
-                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                        // As transformers writes it (`~(a < b) * ~(a > c)`), NaN included.
-                        #[allow(clippy::neg_cmp_op_on_partial_ord)]
-                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
-                        if medium {
-                            let smooth = (old_len / wavelen - low) / (high - low);
-                            (1.0 - smooth) * scaled / factor + smooth * scaled
-                        } else {
-                            scaled
-                        }
-                    })
-                    .collect()
-            }
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                beta_fast,
-                beta_slow,
-                truncate,
-                ..
-            } => {
-                // The dimension whose frequency turns `rotations` times over
-                // the pretraining context, and the ramp between those of
-                // beta_fast and beta_slow turns (in f64, as Python's math).
-                let turns = |rotations: f64| {
-                    let len = *original_max_position_embeddings as f64;
-                    dim as f64 * (len / (rotations * 2.0 * std::f64::consts::PI)).ln()
-                        / (2.0 * self.theta.ln())
+                let bands = Llama3Bands {
+                    factor: *factor as f32,
+                    low: *low_freq_factor as f32,
+                    high: *high_freq_factor as f32,
+                    old_len: *original_max_position_embeddings as f32,
                 };
-                let (mut low, mut high) = (turns(*beta_fast), turns(*beta_slow));
-                if *truncate {
-                    (low, high) = (low.floor(), high.ceil());
-                }
-                let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
-                if low == high {
-                    high += 0.001;
-                }
-                let factor = *factor as f32;
-                (0..dim / 2)
-                    .map(|i| {
-                        let pos_freq = base.powf((2 * i) as f32 / dim as f32);
-                        let (extrapolation, interpolation) = (1.0 / pos_freq, 1.0 / (factor * pos_freq));
-                        let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
-                        let kept = 1.0 - ramp;
-                        interpolation * (1.0 - kept) + extrapolation * kept
-                    })
-                    .collect()
+                plain.map(|f| bands.scale(f)).collect()
             }
+            RopeScaling::Yarn(yarn) => yarn.inv_freq(&pos_freqs, self.theta),
         }
     }
 
@@ -225,7 +241,7 @@ impl RopeConfig {
     /// otherwise).
     pub fn attention_factor(&self) -> f32 {
         match self.scaling {
-            RopeScaling::Yarn { attention_factor, .. } => attention_factor as f32,
+            RopeScaling::Yarn(Yarn { attention_factor, .. }) => attention_factor as f32,
             _ => 1.0,
         }
     }
@@ -768,7 +784,7 @@ fn parse_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<RopeConfi
             (*low_freq_factor, "low_freq_factor"),
             (*high_freq_factor, "high_freq_factor"),
         ],
-        RopeScaling::Yarn { factor, beta_fast, beta_slow, attention_factor, .. } => &[
+        RopeScaling::Yarn(Yarn { factor, beta_fast, beta_slow, attention_factor, .. }) => &[
             (*factor, "factor"),
             (*beta_fast, "beta_fast"),
             (*beta_slow, "beta_slow"),
@@ -801,12 +817,12 @@ fn parse_yarn(p: &RawRope, original_len: usize, raw: &RawConfig) -> std::result:
         _ => mscale(1.0),
     };
     let nonzero = |v: Option<f64>, default: f64| v.filter(|v| *v != 0.0).unwrap_or(default);
-    Ok(RopeScaling::Yarn {
+    Ok(RopeScaling::Yarn(Yarn {
         factor,
         original_max_position_embeddings: original_len,
         beta_fast: nonzero(p.beta_fast, 32.0),
         beta_slow: nonzero(p.beta_slow, 1.0),
         truncate: p.truncate.unwrap_or(true),
         attention_factor,
-    })
+    }))
 }

@@ -12,7 +12,7 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Routing};
+pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Routing, Yarn};
 use experts::{ExpertStreaming, ExpertTensors, StreamedLayer};
 pub use family::{Family, QkNorm};
 use weights::{Checkpoint, TensorSource, Uploader};
