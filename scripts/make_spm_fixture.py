@@ -1,4 +1,5 @@
-"""Writes tests/fixtures/tokenizers/spm.gguf and spm.json: a SentencePiece
+"""Writes tests/fixtures/tokenizers/spm.gguf and spm.json (and
+spm_model.gguf, a tiny random Llama that uses the vocabulary): a SentencePiece
 BPE vocabulary (byte fallback on, identity normalization, a dummy space
 prefix, as Llama 2's and Mistral's tokenizers are) trained on a small
 corpus, stored as llama.cpp's converter stores a `llama` tokenizer
@@ -97,6 +98,64 @@ def main():
     cases = [{"text": t, "ids": sp.encode(t), "decoded": sp.decode(sp.encode(t))} for t in TEXTS]
     expected = {"bos_id": sp.bos_id(), "cases": cases}
     (OUT / "spm.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+    write_model(OUT / "spm.gguf", OUT / "spm_model.gguf")
+
+
+def write_model(tokenizer_file, path):
+    """A tiny random Llama (2 layers, 64 wide, f32) over the
+    tokenizer of `tokenizer_file`: a model that speaks this vocabulary, for
+    the CLI's text output."""
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(tokenizer_file))
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), kind, sub_type=sub)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    hidden, ffn, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rng = np.random.default_rng(7)
+
+    def matrix(rows, cols):
+        # ggml order: the contiguous (column) dimension first.
+        return (rng.standard_normal((rows, cols)) * 1.5 / cols ** 0.5).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, hidden))).astype(np.float32))
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(b + "attn_q.weight", matrix(heads * head_dim, hidden))
+        w.add_tensor(b + "attn_k.weight", matrix(kv_heads * head_dim, hidden))
+        w.add_tensor(b + "attn_v.weight", matrix(kv_heads * head_dim, hidden))
+        w.add_tensor(b + "attn_output.weight", matrix(hidden, heads * head_dim))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(b + "ffn_gate.weight", matrix(ffn, hidden))
+        w.add_tensor(b + "ffn_up.weight", matrix(ffn, hidden))
+        w.add_tensor(b + "ffn_down.weight", matrix(hidden, ffn))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    # Output rows of the byte, control and unknown pieces scaled down: the
+    # model writes whole pieces, most of them words with their leading space.
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    output = matrix(vocab, hidden) * 4.0
+    output[[i for i, t in enumerate(types) if t != gguf.TokenType.NORMAL]] *= 0.05
+    w.add_tensor("output.weight", output)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 if __name__ == "__main__":

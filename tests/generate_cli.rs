@@ -1,7 +1,8 @@
 //! The `generate` example as scripts use it: `--prompt-ids ... --json` prints
 //! one JSON object whose ids and logits match every fixture, on every
-//! backend under test; `--chat` converses over stdin; bad input exits
-//! non-zero with a message.
+//! backend under test; a plain `--prompt` prints as typed, then its
+//! continuation; `--chat` converses over stdin; bad input exits non-zero
+//! with a message.
 
 mod common;
 
@@ -268,6 +269,56 @@ fn bad_input_exits_with_a_message() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
         // Nothing of the prompt is echoed before the error.
         assert!(out.stdout.is_empty(), "{args:?}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+}
+
+/// A plain prompt prints as typed, then the text its continuation's ids add
+/// to the prompt's: with a SentencePiece vocabulary the first word
+/// generated keeps its leading space ("is Paris", not "isParis", as a
+/// decode of the continuation alone gives it), and no `<s>` is shown.
+/// (tests/fixtures/tokenizers/spm_model.gguf, a tiny random Llama that
+/// writes that vocabulary's pieces.)
+#[test]
+fn plain_prompts_print_as_typed_then_their_continuation() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/spm_model.gguf");
+    let max_tokens = 6;
+    if let Some(&backend) = common::backends().first() {
+        let gpu = common::gpu(backend);
+        let model = Model::load(&file, &gpu).unwrap();
+        let tokenizer = model.tokenizer().unwrap().unwrap();
+        let mut spaced_first_words = 0;
+        for prompt in ["Les élèves", "def main", "A tokenizer splits", "Paris is"] {
+            let ids = tokenizer.encode(prompt, true).unwrap().get_ids().to_vec();
+            let stop = model.config.eos_token_ids.clone();
+            let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
+            let mut session = model.session(&SessionOptions::default()).unwrap();
+            let mut generated: Vec<u32> =
+                session.generate(&ids, &options).unwrap().map(Result::unwrap).collect();
+            if generated.last().is_some_and(|id| stop.contains(id)) {
+                generated.pop();
+            }
+            let first = tokenizer.id_to_token(generated[0]).unwrap();
+            spaced_first_words += first.starts_with('\u{2581}') as usize;
+            let whole = tokenizer.decode(&[&ids[..], &generated].concat(), false).unwrap();
+            let prompt_text = tokenizer.decode(&ids, false).unwrap();
+            let expected = format!("{prompt}{}\n", &whole[prompt_text.len()..]);
+
+            let out = Command::new(generate_bin())
+                .args([
+                    "--model",
+                    file.to_str().unwrap(),
+                    "--prompt",
+                    prompt,
+                    "--backend",
+                    &format!("{backend:?}"),
+                ])
+                .args(["--max-new-tokens", &max_tokens.to_string()])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            assert_eq!(String::from_utf8(out.stdout).unwrap(), expected, "{prompt:?} then {first:?}");
+        }
+        assert!(spaced_first_words > 0, "no continuation starts with a spaced word");
     }
 }
 
