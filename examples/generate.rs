@@ -14,7 +14,7 @@
 //!     --control-vector-layer-range 10 20 --capture resid.safetensors
 //! ```
 
-use std::io::{IsTerminal, Write};
+use std::io::{ErrorKind, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -185,9 +185,14 @@ fn main() {
     unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
     // RUST_LOG=wgpu_hal=info (for instance) shows why a backend fails.
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("off")).init();
-    if let Err(e) = run(Args::parse()) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    match run(Args::parse()) {
+        Ok(()) => {}
+        // The reader of stdout has gone (`| head`): nothing more to say.
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == ErrorKind::BrokenPipe) => {}
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }
 
@@ -320,7 +325,7 @@ fn run(args: Args) -> CliResult<()> {
             "generated_ids": generated,
             "logits": rows,
         });
-        println!("{out}");
+        writeln!(std::io::stdout(), "{out}")?;
     }
     Ok(())
 }
@@ -558,9 +563,11 @@ fn stream(
     let mut generation = session.generate_multimodal(prompt, options)?;
     // The prompt's text once the session has taken it (a bad prompt or
     // option is reported alone).
+    // Written with errors returned (print! panics where stdout is closed).
+    let mut out = std::io::stdout().lock();
     if let Some(echo) = &echo {
-        print!("{}", echo.text);
-        std::io::stdout().flush()?;
+        write!(out, "{}", echo.text)?;
+        out.flush()?;
     }
     for id in generation.by_ref() {
         let id = id?;
@@ -569,16 +576,16 @@ fn stream(
         match &mut text {
             // The token that stopped generation is not text.
             Some(_) if options.stop_tokens.contains(&id) => {}
-            Some(text) => print!("{}", text.push(id)?),
+            Some(text) => write!(out, "{}", text.push(id)?)?,
             // Without a tokenizer the ids are the output.
-            None => print!("{}{id}", if ids.len() > 1 { "," } else { "" }),
+            None => write!(out, "{}{id}", if ids.len() > 1 { "," } else { "" })?,
         }
-        std::io::stdout().flush()?;
+        out.flush()?;
     }
     if let Some(text) = text {
-        print!("{}", text.finish()?);
+        write!(out, "{}", text.finish()?)?;
     }
-    println!();
+    writeln!(out)?;
     let stop = generation.stop_reason();
     drop(generation);
     if stop == Some(StopReason::ContextFull) {

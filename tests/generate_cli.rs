@@ -322,6 +322,26 @@ fn plain_prompts_print_as_typed_then_their_continuation() {
     }
 }
 
+/// Output read by a program that stops reading (`generate ... | head -1`):
+/// generation ends quietly, without an error or a panic.
+#[test]
+fn a_closed_stdout_ends_generation_quietly() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/spm_model.gguf");
+    let backend = common::backends()[0];
+    let mut child = Command::new(generate_bin())
+        .args(["--model", file.to_str().unwrap(), "--prompt", "Les", "--backend", &format!("{backend:?}")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reading end closed before anything is written.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
+}
+
 /// The ids a fresh session of `model` replies to `messages` with (through
 /// its chat template, greedy, at most `max_tokens`), less the stop token.
 fn chat_reply(model: &Model, messages: &[Message], max_tokens: usize) -> Vec<u32> {
