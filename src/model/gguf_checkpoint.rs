@@ -2,7 +2,7 @@
 //! set) as a [`TensorSource`]: its tensors keep their stored formats, are
 //! looked up by the Hugging Face names the upload uses, and its config comes
 //! from the metadata. llama.cpp's converter interleaves the q and k rows of
-//! `llama`-architecture models for its RoPE; they are put back in
+//! `llama` and `mistral3` models for its RoPE; they are put back in
 //! transformers' order as they are read (rows are whole blocks, so this
 //! works on quantized rows too). A MoE layer's experts are one 3-D tensor
 //! per projection, served to the upload as per-expert slices; MiniMax-M2's
@@ -21,19 +21,32 @@ use crate::error::{Error, Result};
 use crate::format::WeightFormat;
 use crate::gguf::{Gguf, TensorInfo};
 
-/// The architectures a GGUF model may have, with the model type they load
-/// as. `mistral3` is how llama.cpp's converter writes Mistral Small 3.1 and
-/// later: Llama's layers and tensors under another name.
-const ARCHITECTURES: &[(&str, &str)] = &[
-    ("llama", "llama"),
-    ("mistral3", "mistral"),
-    ("qwen3", "qwen3"),
-    ("qwen3moe", "qwen3_moe"),
-    ("minimax-m2", "minimax_m2"),
-];
+/// An architecture a GGUF model may have: llama.cpp's name, the model type
+/// it loads as, and whether llama.cpp's converter interleaved its q and k
+/// rows (for its RoPE).
+#[derive(Debug)]
+struct Architecture {
+    name: &'static str,
+    model_type: &'static str,
+    interleaved_qk: bool,
+}
 
-/// The architectures whose q and k rows llama.cpp's converter interleaves.
-const PERMUTED: &[&str] = &["llama", "mistral3"];
+/// Written as its name, the prefix of its metadata keys.
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+/// `mistral3` is how llama.cpp's converter writes Mistral Small 3.1 and
+/// later: Llama's layers and tensors under another name.
+const ARCHITECTURES: &[Architecture] = &[
+    Architecture { name: "llama", model_type: "llama", interleaved_qk: true },
+    Architecture { name: "mistral3", model_type: "mistral", interleaved_qk: true },
+    Architecture { name: "qwen3", model_type: "qwen3", interleaved_qk: false },
+    Architecture { name: "qwen3moe", model_type: "qwen3_moe", interleaved_qk: false },
+    Architecture { name: "minimax-m2", model_type: "minimax_m2", interleaved_qk: false },
+];
 
 /// Where a Hugging Face tensor lives in the GGUF files.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,7 +60,7 @@ pub struct GgufCheckpoint {
     files: Vec<Gguf>,
     /// GGUF tensor name -> (file, index in that file's table).
     index: HashMap<String, (usize, usize)>,
-    arch: String,
+    arch: &'static Architecture,
     /// (q heads, kv heads) whose q / k rows the converter interleaved.
     permuted: Option<(usize, usize)>,
 }
@@ -142,15 +155,15 @@ impl GgufCheckpoint {
                 }
             }
         }
-        let arch = files[0].meta_str("general.architecture")?.to_string();
-        if !ARCHITECTURES.iter().any(|(a, _)| *a == arch) {
+        let name = files[0].meta_str("general.architecture")?;
+        let Some(arch) = ARCHITECTURES.iter().find(|a| a.name == name) else {
             return Err(Error::UnsupportedArchitecture {
-                model_type: format!("{arch} (GGUF)"),
-                supported: ARCHITECTURES.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", "),
+                model_type: format!("{name} (GGUF)"),
+                supported: ARCHITECTURES.iter().map(|a| a.name).collect::<Vec<_>>().join(", "),
             });
-        }
+        };
         let mut checkpoint = GgufCheckpoint { files, index, arch, permuted: None };
-        if PERMUTED.contains(&checkpoint.arch.as_str()) {
+        if arch.interleaved_qk {
             let heads = checkpoint.meta_int("attention.head_count")? as usize;
             let kv = checkpoint.meta_int("attention.head_count_kv").map_or(heads, |v| v as usize);
             checkpoint.permuted = Some((heads, kv));
@@ -186,7 +199,7 @@ impl GgufCheckpoint {
 
     /// The model's config, from the metadata (validated as a config.json is).
     pub fn config(&self) -> Result<ModelConfig> {
-        let model_type = ARCHITECTURES.iter().find(|(a, _)| *a == self.arch).map(|(_, t)| *t).unwrap();
+        let model_type = self.arch.model_type;
         let (_, embed) =
             self.tensor("token_embd.weight").ok_or_else(|| self.meta().err("no token_embd.weight".into()))?;
         let vocab = match embed.shape()[..] {
