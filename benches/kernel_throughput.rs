@@ -395,9 +395,8 @@ fn main() {
             let x = gpu.storage_buffer_init("x", &vec![0.01f32; cols]);
             let y = gpu.storage_buffer("y", rows).unwrap();
             // The default timed again after the others: a size's first
-            // variant can run slow on fresh buffers (on the H200, Q8_0
-            // 28672 x 4096 took 87.6 us first and 41.3 in the next row,
-            // which differs from it in its unroll alone).
+            // variant can run slow on fresh buffers (slower than the next
+            // row, which differs from it in its unroll alone).
             let again = ("again", default_shape);
             for (read, shape) in read_by.iter().chain([&again]) {
                 let k_quant = matches!(
@@ -431,10 +430,9 @@ fn main() {
                     })
                     .collect();
                 // The first passes over fresh buffers are slower (clocks
-                // rise after the host's uploads, and on the H200 a warm-up
-                // of 20 passes left the first variant of a size at a third
-                // of its speed in some runs): warm up, then the best of
-                // three timed passes.
+                // rise after the host's uploads, and a warm-up alone can
+                // leave the first variant of a size slow): warm up, then
+                // the best of three timed passes.
                 time(&gpu, &dispatches, None, 1, 20);
                 let secs =
                     (0..3).map(|_| time(&gpu, &dispatches, None, 1, reps)).fold(f64::INFINITY, f64::min)

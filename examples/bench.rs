@@ -339,9 +339,8 @@ fn measure_prefill(
     let c = &model.config;
     let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 104729 % c.vocab) as u32).collect();
     // Warm up (pipelines compile on first use, and a GPU that has
-    // idled runs short prompts at a fraction of its clock: on the
-    // H200 the 1B shape's pp512 measured 13 763 tok/s after one
-    // warm-up prefill, 42 741 after 2 s of them), then best of reps.
+    // idled runs short prompts at a fraction of its clock until it has
+    // been busy a while), then best of reps.
     let warm = Instant::now();
     while warm.elapsed() < PREFILL_WARM_UP {
         fill(session)?;

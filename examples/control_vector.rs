@@ -81,7 +81,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         model.tokenizer()?.ok_or_else(|| format!("{} has no tokenizer wgspark can build", dir.display()))?;
     let c = &model.config;
     let encode = |text: &str| -> Result<Vec<u32>, Box<dyn std::error::Error + Send + Sync>> {
-        Ok(wgspark::tokenizer::encode(&tokenizer, text, false)?)
+        Ok(tokenizer.encode(text)?)
     };
 
     // Per layer, the mean last-position residual of a prompt set.

@@ -23,7 +23,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgspark::chat::{ChatTemplate, Message};
 use wgspark::model::vision::ImageTokens;
 use wgspark::progress::Progress;
-use wgspark::tokenizer::{TextStream, Tokenizer, encode};
+use wgspark::tokenizer::{TextStream, Tokenizer};
 use wgspark::vision::RgbImage;
 use wgspark::{
     Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
@@ -175,6 +175,9 @@ fn control_vectors(args: &Args) -> Result<Vec<(PathBuf, f32)>, String> {
                 }
             },
         };
+        if file.is_empty() {
+            return Err(format!("--control-vector-scaled {value}: the file path is empty"));
+        }
         out.push((PathBuf::from(file), strength));
     }
     Ok(out)
@@ -397,13 +400,13 @@ fn text_prompt(
 ) -> CliResult<Vec<u32>> {
     if let Some(template) = template {
         let message = Message::with_images("user", images.count, prompt);
-        return Ok(encode(tok, &template.render(&[message], true)?, false)?);
+        return Ok(tok.encode(&template.render(&[message], true)?)?);
     }
     let marks = images.marks;
     let marked = |token: u32| [marks.start, Some(token), marks.end].into_iter().flatten().collect::<Vec<_>>();
     let mut ids: Vec<u32> =
         images.token.map_or_else(Vec::new, |t| (0..images.count).flat_map(|_| marked(t)).collect());
-    ids.extend(encode(tok, prompt, true)?);
+    ids.extend(tok.encode_prompt(prompt)?);
     Ok(ids)
 }
 
@@ -603,7 +606,7 @@ fn reply_text(tok: &Tokenizer, ids: &[u32], stop_tokens: &[u32]) -> CliResult<St
         Some((last, before)) if stop_tokens.contains(last) => before,
         _ => ids,
     };
-    tok.decode(text_ids, true)
+    Ok(tok.decode(text_ids, true)?)
 }
 
 /// A multi-turn chat: each line of stdin is a user message, answered
@@ -643,7 +646,7 @@ fn converse(
             continue;
         }
         messages.push(Message::new("user", message));
-        let ids = encode(tok, &template.render(&messages, true)?, false)?;
+        let ids = tok.encode(&template.render(&messages, true)?)?;
         // At least the last id is fed: its logits choose the reply's first.
         let kept = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
         session.truncate(kept);

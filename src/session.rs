@@ -27,13 +27,10 @@ use crate::steering::{Steering, SteeringPlan};
 pub const DEFAULT_CONTEXT_CAP: usize = 8192;
 
 /// Prompt tokens per prefill submission: each weight is read once per
-/// chunk, and a chunk's attention runs its keys once for all its rows. On
-/// the H200 (Vulkan, cooperative matrices) the Llama-3.1-8B shape prefilled
-/// 4096 tokens at 12 729 / 12 779 tok/s in chunks of 2048 and 12 937 /
-/// 12 866 in one of 4096 (one call; an earlier kernel set gave 6 802, 8 442,
-/// 8 759 and 8 869 in chunks of 512 to 4096): the products of a longer
-/// chunk fill the last wave of workgroups better. A chunk of 4096 holds
-/// about 680 MB of that shape's activations; a device whose storage
+/// chunk, and a chunk's attention runs its keys once for all its rows;
+/// the products of a longer chunk fill the last wave of workgroups better.
+/// A chunk of 4096 holds about 680 MB of the Llama-3.1-8B shape's
+/// activations; a device whose storage
 /// bindings cannot hold a chunk's widest activations gets shorter chunks.
 pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
 

@@ -5,13 +5,127 @@
 //! pieces' scores, byte fallback, the dummy space prefix). A GGUF with
 //! another tokenizer model has none here: prompts are then given as ids.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
-pub use tokenizers::Tokenizer;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, catch_panic_quietly};
 use crate::gguf::{Gguf, Meta};
+
+/// A model's tokenizer: text to ids and back, every failure a
+/// [`crate::Error`]. The `tokenizers` library's own tokenizer stays
+/// reachable through [`Tokenizer::raw`].
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let gpu = wgspark::Gpu::from_env()?;
+/// let model = wgspark::Model::load("SmolLM2-135M-Instruct.Q4_1.gguf", &gpu)?;
+/// let tokenizer = model.tokenizer()?.ok_or("the file describes no tokenizer")?;
+/// let ids = tokenizer.encode_prompt("The capital of France is")?;
+/// assert_eq!(tokenizer.decode(&ids, true)?, "The capital of France is");
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The file it was built from, named in its errors.
+    source_file: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("source_file", &self.source_file)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// The ids of `text` as written: special tokens spelled in it
+    /// (`<|im_start|>`) are read as such and none are added, which is what a
+    /// rendered chat template needs.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    /// The ids of a plain prompt: as [`Self::encode`], with the special
+    /// tokens the tokenizer puts around a text (Llama's beginning of
+    /// sequence, say), as transformers encodes by default.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// A panic inside the library (a pattern that only fails on some input
+    /// exhausts the regular expression engine, say) is an error, and prints
+    /// nothing.
+    fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        match catch_panic_quietly(|| self.inner.encode(text, add_special_tokens)) {
+            Ok(Ok(e)) => Ok(e.get_ids().to_vec()),
+            Ok(Err(e)) => Err(self.error(format!("encoding a text: {e}"))),
+            Err(_) => Err(self.error("encoding a text panicked inside the tokenizers library (a pattern the text exhausts?)".into())),
+        }
+    }
+
+    /// The text of `ids`, without the special tokens' text where
+    /// `skip_special_tokens` (what a reply shows).
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        match catch_panic_quietly(|| self.inner.decode(ids, skip_special_tokens)) {
+            Ok(Ok(text)) => Ok(text),
+            Ok(Err(e)) => Err(self.error(format!("decoding ids: {e}"))),
+            Err(_) => Err(self.error("decoding ids panicked inside the tokenizers library".into())),
+        }
+    }
+
+    /// The id of a token given by its text (`"<|im_end|>"`), if the
+    /// vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The text of the token `id` as the vocabulary stores it.
+    pub fn token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Whether `id` is one of the special tokens (`<|im_end|>`, `</s>`...),
+    /// whose text a reply does not show.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
+    }
+
+    /// How many ids the vocabulary has, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The `tokenizers` library's tokenizer, for what this type does not
+    /// offer (offsets, pairs, ...).
+    pub fn raw(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// The `tokenizers` library's tokenizer, owned.
+    pub fn into_raw(self) -> tokenizers::Tokenizer {
+        self.inner
+    }
+
+    /// A tokenizer from a `tokenizer.json`'s text, held to the same bounds
+    /// as a model's own (see [`check_bounds`]); `source_file` names it in
+    /// errors.
+    pub fn from_json(json: &str, source_file: impl Into<PathBuf>) -> Result<Self> {
+        let source_file = source_file.into();
+        let problem = |message: String| Error::Tokenizer { source_file: source_file.clone(), message };
+        let json: Value = serde_json::from_str(json).map_err(|e| problem(e.to_string()))?;
+        let inner = build(json).map_err(problem)?;
+        Ok(Tokenizer { inner, source_file })
+    }
+
+    fn error(&self, message: String) -> Error {
+        Error::Tokenizer { source_file: self.source_file.clone(), message }
+    }
+}
 
 /// The tokenizer of a Hugging Face folder (`None`: it has no tokenizer.json).
 pub fn from_folder(dir: &Path) -> Result<Option<Tokenizer>> {
@@ -20,9 +134,7 @@ pub fn from_folder(dir: &Path) -> Result<Option<Tokenizer>> {
         return Ok(None);
     }
     let text = crate::error::read_text(&path, MAX_FILE_BYTES)?;
-    let problem = |message: String| Error::Tokenizer { source_file: path.clone(), message };
-    let json: Value = serde_json::from_str(&text).map_err(|e| problem(e.to_string()))?;
-    build(json).map(Some).map_err(problem)
+    Tokenizer::from_json(&text, path).map(Some)
 }
 
 /// The tokenizer a GGUF file describes (`None`: its tokenizer model is not
@@ -46,7 +158,8 @@ pub fn from_gguf(g: &Gguf) -> Result<Option<Tokenizer>> {
         Some("gpt2") => tokenizer_json(g, &tokens)?,
         _ => sentencepiece_json(g, &tokens)?,
     };
-    build(json).map(Some).map_err(problem)
+    let inner = build(json).map_err(problem)?;
+    Ok(Some(Tokenizer { inner, source_file: g.path().to_path_buf() }))
 }
 
 /// Largest tokenizer.json read (the largest shipped ones are about 35 MB).
@@ -56,7 +169,7 @@ pub const MAX_SEQUENCE: u64 = 1 << 24;
 /// Most a tokenizer's `Replace` normalizers may multiply a text's length by.
 pub const MAX_GROWTH: f64 = 64.0;
 /// Longest added token: the library matches them all against every text
-/// (one of 64 KiB took seconds per prompt); real ones are a few dozen bytes.
+/// (a long one slows every prompt); real ones are a few dozen bytes.
 pub const MAX_ADDED_TOKEN_BYTES: usize = 1 << 10;
 /// Longest regular expression of a normalizer or pre-tokenizer.
 pub const MAX_PATTERN_BYTES: usize = 64 << 10;
@@ -64,9 +177,9 @@ pub const MAX_PATTERN_BYTES: usize = 64 << 10;
 /// A `tokenizers` tokenizer from its JSON, once the JSON is known not to
 /// ask for unbounded work (see [`check_bounds`]); a panic while building
 /// it (in a regular expression engine, say) is an error like the others.
-fn build(json: Value) -> std::result::Result<Tokenizer, String> {
+fn build(json: Value) -> std::result::Result<tokenizers::Tokenizer, String> {
     check_bounds(&json)?;
-    match std::panic::catch_unwind(move || serde_json::from_value::<Tokenizer>(json)) {
+    match catch_panic_quietly(move || serde_json::from_value::<tokenizers::Tokenizer>(json)) {
         Ok(built) => {
             let mut tokenizer = built.map_err(|e| e.to_string())?;
             // A prompt is encoded as it is, as transformers encodes it by
@@ -77,17 +190,6 @@ fn build(json: Value) -> std::result::Result<Tokenizer, String> {
             Ok(tokenizer)
         }
         Err(_) => Err("building it panicked (a malformed pattern?)".into()),
-    }
-}
-
-/// `text` encoded by `tokenizer`, with a panic inside the library (a
-/// pattern that only fails on some input) turned into an error.
-pub fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-    let encoded = std::panic::catch_unwind(|| tokenizer.encode(text, add_special_tokens));
-    match encoded {
-        Ok(Ok(e)) => Ok(e.get_ids().to_vec()),
-        Ok(Err(e)) => Err(Error::Tokenizer { source_file: "prompt".into(), message: e.to_string() }),
-        Err(_) => Err(Error::Tokenizer { source_file: "prompt".into(), message: "encoding panicked".into() }),
     }
 }
 
@@ -152,11 +254,7 @@ impl<'t> TextStream<'t> {
     /// text would decode otherwise once followed, which no decoder built
     /// here does, the text from the first change on counts as new.)
     fn pending(&self) -> Result<String> {
-        let decode = |ids: &[u32]| {
-            self.tokenizer
-                .decode(ids, self.skip_special_tokens)
-                .map_err(|e| Error::Tokenizer { source_file: "generated ids".into(), message: e.to_string() })
-        };
+        let decode = |ids: &[u32]| self.tokenizer.decode(ids, self.skip_special_tokens);
         let (given, all) = (decode(&self.window[..self.given])?, decode(&self.window)?);
         let same: usize =
             given.chars().zip(all.chars()).take_while(|(a, b)| a == b).map(|(a, _)| a.len_utf8()).sum();

@@ -36,8 +36,8 @@ fn templates_render_as_transformers_renders_them() {
     let cases: Vec<Case> = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert!(!cases.is_empty());
     for case in cases {
-        let dir = std::env::temp_dir().join(format!("wgspark-chat-{}-{}", std::process::id(), case.name));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::Builder::new().prefix("wgspark-test-chat-").tempdir().unwrap();
+        let dir = scratch.path();
         let config = serde_json::json!({
             "chat_template": case.template,
             "bos_token": case.bos_token,
@@ -51,6 +51,5 @@ fn templates_render_as_transformers_renders_them() {
             let text = template.render(&messages, render.add_generation_prompt).unwrap();
             assert_eq!(text, render.text, "{} conversation {i}", case.name);
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -173,8 +173,8 @@ fn a_multimodal_config_reads_its_text_model() {
 /// malformed one is an error naming it.
 #[test]
 fn generation_config_adds_its_end_of_sequence_ids() {
-    let dir = std::env::temp_dir().join(format!("wgspark-generation-config-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new().prefix("wgspark-test-generation-config-").tempdir().unwrap();
+    let dir = scratch.path();
     std::fs::write(dir.join("config.json"), format!(r#"{{ {BASE}, "eos_token_id": 98 }}"#)).unwrap();
     assert_eq!(ModelConfig::load(&dir).unwrap().eos_token_ids, [98]);
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [98, 99], "do_sample": true}"#)
@@ -185,5 +185,4 @@ fn generation_config_adds_its_end_of_sequence_ids() {
     assert!(err.contains("generation_config.json") && err.contains("eos_token_id"), "{err}");
     std::fs::write(dir.join("generation_config.json"), "{").unwrap();
     assert!(ModelConfig::load(&dir).unwrap_err().to_string().contains("generation_config.json"));
-    std::fs::remove_dir_all(&dir).unwrap();
 }

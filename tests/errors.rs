@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::checkpoint::{edited_fixture, fixture_dir, temp_dir};
+use common::checkpoint::{Scratch, edited_fixture, fixture_dir, temp_dir};
 use safetensors::Dtype;
 use wgspark::gguf::{GgmlType, GgufWriter, MetaValue};
 use wgspark::{
@@ -352,6 +352,70 @@ fn model_larger_than_the_device_budget() {
     assert!(matches!(err, Error::OutOfDeviceMemory { .. }), "{err}");
 }
 
+/// A model larger than the device can hold (here a sparse file whose
+/// embedding alone is 48 GiB) is refused before anything is allocated,
+/// naming what it needs and what the device allows, where allocating
+/// would have lost the device.
+#[test]
+fn model_larger_than_the_device() {
+    let fixture = fixture_dir("llama3_tied");
+    let dir = temp_dir("huge_embedding");
+    let vocab: usize = 400_000_000;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = vocab.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let hidden = config["hidden_size"].as_u64().unwrap() as usize;
+    sparse_with_embedding(&fixture.join("model.safetensors"), &dir.join("model.safetensors"), [vocab, hidden]);
+    common::on_each_backend(|gpu| {
+        let software = gpu.info.device_type == wgpu::DeviceType::Cpu;
+        assert!(gpu.caps.device_memory.is_some() || !software, "a software adapter reports its memory");
+        let Some(memory) = gpu.caps.device_memory else {
+            eprintln!("{} reports no memory size: nothing to check against", gpu.describe());
+            return;
+        };
+        let err = Model::load(&*dir, gpu).unwrap_err();
+        assert!(
+            matches!(&err, Error::OutOfDeviceMemory { needed_bytes: Some(n), message, .. }
+                if *n > memory && message.contains(&format!("the device allows {memory} bytes"))),
+            "{err}"
+        );
+    });
+}
+
+/// `source`'s tensors written to `dest` with the embedding given `shape`,
+/// its bytes a hole of the file (sparse: it takes no disk).
+fn sparse_with_embedding(source: &std::path::Path, dest: &std::path::Path, shape: [usize; 2]) {
+    use std::io::{Seek, Write};
+    let bytes = std::fs::read(source).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut header = serde_json::Map::new();
+    let mut parts = Vec::new();
+    let mut offset = 0usize;
+    for (name, view) in file.tensors() {
+        let embedding = name == "model.embed_tokens.weight";
+        let dims = if embedding { shape.to_vec() } else { view.shape().to_vec() };
+        let size = if embedding { shape[0] * shape[1] * 2 } else { view.data().len() };
+        let dtype = serde_json::to_value(view.dtype()).unwrap();
+        header.insert(name, serde_json::json!({"dtype": dtype, "shape": dims, "data_offsets": [offset, offset + size]}));
+        parts.push((offset, (!embedding).then(|| view.data().to_vec())));
+        offset += size;
+    }
+    let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = std::fs::File::create(dest).unwrap();
+    out.write_all(&(text.len() as u64).to_le_bytes()).unwrap();
+    out.write_all(&text).unwrap();
+    let base = 8 + text.len() as u64;
+    for (at, data) in parts {
+        if let Some(data) = data {
+            out.seek(std::io::SeekFrom::Start(base + at as u64)).unwrap();
+            out.write_all(&data).unwrap();
+        }
+    }
+    out.set_len(base + offset as u64).unwrap();
+}
+
 #[test]
 fn bad_backend_and_sampling_parameters() {
     assert!(matches!("cuda".parse::<Backend>(), Err(Error::UnknownBackend(name)) if name == "cuda"));
@@ -493,8 +557,8 @@ fn wrong_expert_shapes_are_named() {
 }
 
 /// A control vector file written with `build`, in a fresh temp folder.
-fn control_vector_file(name: &str, build: impl FnOnce(&mut GgufWriter)) -> std::path::PathBuf {
-    let path = temp_dir(&format!("cvec_{name}")).join(format!("{name}.gguf"));
+fn control_vector_file(name: &str, build: impl FnOnce(&mut GgufWriter)) -> Scratch {
+    let path = temp_dir(&format!("cvec_{name}")).file(&format!("{name}.gguf"));
     let mut w = GgufWriter::new();
     build(&mut w);
     w.write(&path).unwrap();
@@ -776,7 +840,7 @@ fn hostile_tokenizers_are_refused() {
         tokenizer::from_folder(&dir)
     };
     let tok = load(&base).unwrap().unwrap();
-    assert_eq!(tokenizer::encode(&tok, "a", false).unwrap(), [0]);
+    assert_eq!(tok.encode("a").unwrap(), [0]);
 
     let replace = json!({"type": "Replace", "pattern": {"String": "a"}, "content": "aa"});
     let padding = json!({"strategy": {"Fixed": 4_000_000_000u64}, "direction": "Right",
@@ -822,7 +886,7 @@ fn hostile_tokenizers_are_refused() {
         json!({"direction": "Right", "max_length": 1, "strategy": "LongestFirst", "stride": 0});
     doc["pre_tokenizer"] = json!({"type": "Whitespace"});
     let tok = load(&doc).unwrap().unwrap();
-    assert_eq!(tokenizer::encode(&tok, "a a a", false).unwrap(), [0, 0, 0]);
+    assert_eq!(tok.encode("a a a").unwrap(), [0, 0, 0]);
 
     // Larger than any tokenizer: refused before it is read (a sparse file).
     let dir = temp_dir("tokenizer");
@@ -852,7 +916,7 @@ fn edited_gguf(
     case: &str,
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
     extra: &[(&str, Vec<usize>, GgmlType, Vec<u8>)],
-) -> std::path::PathBuf {
+) -> Scratch {
     gguf_with(case, tensor, extra, &[])
 }
 
@@ -863,7 +927,7 @@ fn gguf_with(
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
     extra: &[(&str, Vec<usize>, GgmlType, Vec<u8>)],
     meta: &[(&str, MetaValue)],
-) -> std::path::PathBuf {
+) -> Scratch {
     use wgspark::gguf::{Gguf, Meta};
     let source = Gguf::open(fixture_dir(case).join("model.gguf")).unwrap();
     let mut w = GgufWriter::new();
@@ -889,7 +953,7 @@ fn gguf_with(
     for (name, dims, ty, bytes) in extra {
         w.tensor_bytes(name, dims, *ty, bytes.clone());
     }
-    let path = temp_dir(case).join("model.gguf");
+    let path = temp_dir(case).file("model.gguf");
     w.write(&path).unwrap();
     path
 }

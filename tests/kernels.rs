@@ -68,7 +68,7 @@ fn gemv_shapes(gpu: &Gpu) -> Vec<GemvShape> {
 }
 
 /// NVIDIA's and AMD's Vulkan drivers report the multiprocessors the chunk
-/// GEMM sizes its tiles by (the H200: 132); other backends report none
+/// GEMM sizes its tiles by (an NVIDIA H200: 132); other backends report none
 /// (CPU rasterisers included), and those kernels then take their default
 /// sizes.
 #[test]

@@ -167,7 +167,7 @@ fn capture_of_chosen_layers_and_safetensors_file() {
     let first_row = case.prompt_ids.len() - 1;
     assert!(capture_error(&capture, &run.capture, first_row, case.prompt_ids.len()) <= TOLERANCE);
 
-    let path = common::checkpoint::temp_dir("capture").join("resid.safetensors");
+    let path = common::checkpoint::temp_dir("capture").file("resid.safetensors");
     capture.write_safetensors(&path).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -221,7 +221,7 @@ fn control_vector_files_load_in_both_layouts() {
             );
             assert_eq!(v.hidden(), config.hidden);
             // What save writes (llama.cpp's layout) reads back the same.
-            let copy = common::checkpoint::temp_dir("cvec").join(file);
+            let copy = common::checkpoint::temp_dir("cvec").file(file);
             v.save(&copy).unwrap();
             let reread = ControlVector::load(&copy).unwrap();
             assert_eq!((reread.model_hint, reread.directions), (v.model_hint.clone(), v.directions.clone()));

@@ -113,8 +113,7 @@ fn crc32(bytes: &[u8]) -> u32 {
 
 #[test]
 fn unreadable_images_are_typed_errors() {
-    let tmp = std::env::temp_dir().join(format!("wgspark-vision-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
+    let tmp = common::checkpoint::temp_dir("vision");
     let png = std::fs::read(dir().join("rgb_odd.png")).unwrap();
     let jpeg = std::fs::read(dir().join("jpeg.jpg")).unwrap();
     // A PNG whose header claims 30 000 x 30 000 pixels (its CRC fixed).

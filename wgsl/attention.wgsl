@@ -625,9 +625,8 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 // rows are read straight from the cache, coalesced across a slot's lanes,
 // two keys ahead of their use (the first two before the query rows are
 // prepared: in a decode step the cache comes from memory, not from the
-// L2 that holds it in a benchmark of this kernel alone; one key ahead, the
-// H200 decoded the 8B Q8_0 shape at 285.5 tok/s against 287.5, and four
-// keys a batch held in arrays, faster alone, at 282.4), and a score is its
+// L2 that holds it in a benchmark of this kernel alone; one key ahead, or
+// four keys a batch held in arrays, faster alone, decode slower), and a score is its
 // lanes' partial dots summed by shuffles. Each slot keeps an online softmax per
 // row; at the end the slots of a subgroup merge by shuffles, the subgroups
 // leave their partials in workgroup memory, and after one barrier every
@@ -642,7 +641,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 // four rows, held as vec4s of scores, maxima and sums: each step of a
 // key's work runs on the four rows at once, so that their shuffles and
 // exponentials overlap rather than queue row after row. (Eight rows hold
-// more registers than the H200 keeps: twice the time at short depths.)
+// more registers than a large GPU keeps, and run slower at short depths.)
 
 // A power of two, at least the row's quads.
 override LANES: u32 = 16u;
@@ -1015,16 +1014,14 @@ fn attend_lanes(
 // that check off, and with it every other uniformity check of naga's in
 // this entry point: a branch around matrix operations here must stay
 // uniform over each subgroup by construction.
-// On the H200 (8B shape, 2048 tokens ending at 4096), eight subgroups
-// (one K/V tile for 128 rows) ran in 1.20 ms against 1.86 for four, rows
-// of 36 scores against 1.56 for rows of 32; a second K/V buffer, stored
-// while the other is multiplied, gained nothing, and staging from a view
-// of the caches as f16s (no conversions) ran slower: 1.79 ms. Two
-// barriers a tile rather than three (K and V stored together before the
-// scores) took it from 1.06 to 1.01 ms; the rescale decided per subgroup
-// rather than through a workgroup-uniform load, 0.98 to 0.95-0.96 ms.
-// Slower: q k^T in four chains of products (0.98 ms), no next tile held
-// in registers (1.23).
+// Eight subgroups (one K/V tile for 128 rows) run faster than four, and
+// rows of 36 scores faster than rows of 32; a second K/V buffer, stored
+// while the other is multiplied, gains nothing, and staging from a view
+// of the caches as f16s (no conversions) runs slower. Two barriers a
+// tile rather than three (K and V stored together before the scores), and
+// the rescale decided per subgroup rather than through a
+// workgroup-uniform load, each run faster. Slower: q k^T in four chains
+// of products, no next tile held in registers.
 // The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
 // stores, strides in vec4s).
 // Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /

@@ -24,11 +24,10 @@ enable wgpu_cooperative_matrix;
 // in f16 (within its range: weights of magnitude below 2^-14 lose bits).
 // X_F16: X is read as the f16 copy of the activations that the kernel
 // before wrote beside them (x16, eight values a 16-byte load), the values
-// the f32 rows would be rounded to here, in half the bytes: on the H200,
-// 4096 tokens of 28672 x 4096 in bf16 (128 x 256 tiles of 16 subgroups)
-// at 214 TFLOP/s against 201 from f32 rows, Q8_0 133 against 117. Its
+// the f32 rows would be rounded to here, in half the bytes, and faster
+// than from f32 rows (128 x 256 tiles of 16 subgroups, bf16 and Q8_0). Its
 // staging must take one round (TILE_M <= ROUND_ROWS): in two rounds the
-// same kernel ran at 22-31 TFLOP/s (kernels::gemm_coop::Tile::reads_f16).
+// same kernel runs far slower (kernels::gemm_coop::Tile::reads_f16).
 // Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
 // product after it to read with X_F16.
 // K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
@@ -84,7 +83,7 @@ override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
 override W_ROUNDS: u32 = (TILE_N + ROUND_ROWS - 1u) / ROUND_ROWS;
 // K steps whose loads are in flight while a step multiplies: 1, or 2 (a
 // second step's values in registers, a loop of its own) where that
-// measured faster (kernels::gemm_coop::Tile::ahead).
+// runs faster (kernels::gemm_coop::Tile::ahead).
 override AHEAD: u32 = 1u;
 #if K_SPLIT
 override K_SPLITS: u32 = 2u;
@@ -247,12 +246,9 @@ fn sources(t: Tile, li: u32) -> Sources {
 // each round's row.
 // With WEIGHT_FORMAT, the weights' words as loaded (weights.wgsl's Raw8),
 // decoded when they are stored: decoding them right after their loads
-// made each step wait for the next step's loads before its products. On
-// the H200, 28672 x 4096 at 512 / 4096 tokens, TFLOP/s, decoded as loaded
-// and as stored: Q8_0 84 / 96 and 94 / 109, Q6_K 81 / 93 and 85 / 100,
-// Q4_K 77 / 89 and 83 / 96 (the block's head held once per run of eight;
-// held once per half, the registers took it to 63 / 73), Q5_K 70 / 84
-// and 71 / 83 (README has the calls).
+// makes each step wait for the next step's loads before its products, and
+// runs Q8_0, Q6_K and Q4_K slower (Q5_K alike). Q4_K's block head is held
+// once per run of eight: held once per half, its registers slow it.
 struct Staged {
 #if X_F16
     x: array<vec4<u32>, 4>,
@@ -581,11 +577,9 @@ fn product(t: Tile, li: u32, warp: u32, lane: u32) {
     let k_end = k_begin + k_len;
 
     // Store, barrier, load the step after (AHEAD 2: two after), multiply,
-    // barrier: on the H200 a loop ordered multiply, barrier, store, load,
-    // barrier (the order a double-buffered staging needs) ran the 128 x 256
-    // tile at 125 TFLOP/s
-    // against 180 (512 tokens of 28672 x 4096), and its double-buffered
-    // tiles no faster than this.
+    // barrier: a loop ordered multiply, barrier, store, load, barrier (the
+    // order a double-buffered staging needs) runs the 128 x 256 tile
+    // slower, and its double-buffered tiles no faster than this.
     if (AHEAD > 1u) {
         // Two sets of registers in turn, st_a (steps k0) and st_b (k0 +
         // TILE_K), each loaded two steps before it is stored.

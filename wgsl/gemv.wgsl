@@ -90,9 +90,8 @@ fn weight_quad(q: u32) -> vec4<u32> {
 // SUBGROUPS (whose staging needs no per-quad arrays beside the chunk), for
 // rows of more than two such chunks (SUM: past one), as much of the row as
 // workgroup memory holds (14336 in NVIDIA's 48 KiB), staged once rather than in four
-// chunks, each of which drained the weight loads: with the staging by
-// shuffles, the H200's 4096 x 14336 Q4_K down projection (timed alone)
-// took 29.6-29.8 us against 33.9-34.5 in four chunks of three passes.
+// chunks, each of which drained the weight loads (a 4096 x 14336 down
+// projection runs faster so).
 // Beside it the host sets X_RUNS = X_CHUNK / 16, X_BLOCKS = X_CHUNK / 32
 // and X_QUADS = X_CHUNK / 4: naga sizes a workgroup array by an
 // override's name, not by an expression of one.
@@ -212,11 +211,9 @@ fn block_scale(largest: f32) -> f32 {
 // size of the arrays that hold them). A chunk of 4096 (two quads an
 // invocation of 512) has all its loads in flight together, a
 // 14336-column row its seven in two rounds rather than seven, each of
-// which waited for its load: on the H200 the 8B Q8_0 decode went from
-// 281.0 to 286.4 tok/s, Q4_K_M from 330.0 to 332.9. Four for every
-// product, expert ones included, took the Q8_0 decode to 284.1 but
-// `qwen3-30b-a3b-16l` Q4_K_M from 663 to 638, whose expert products
-// stage one quad an invocation (three, the slot sum).
+// which waited for its load. Four for every product, expert ones
+// included, slow a MoE decode (`qwen3-30b-a3b-16l`), whose expert
+// products stage one quad an invocation (three, the slot sum).
 const MAX_STAGE_BATCH: u32 = 4u;
 override STAGED_QUADS: u32 = 1u;
 override STAGE_BATCH: u32 = min(STAGED_QUADS, MAX_STAGE_BATCH);
@@ -228,10 +225,9 @@ override STAGE_BATCH: u32 = min(STAGED_QUADS, MAX_STAGE_BATCH);
 // at least 8 lanes numbered in order of local index, as SUBGROUP_SUM's
 // builds arrange them) agree on its largest magnitude, and the four of a
 // run sum their steps, by shuffles, so that staging is one pass with no
-// barrier inside (rather than three with two: with whole 14336-column
-// chunks, the H200's 8B Q4_K_M decode went from 318.2 to 331.6 tok/s;
-// staging a whole block per invocation instead, 128 of 512 busy, took it
-// to 277.8). Returns this invocation's share of their sum of squares (before norm_w). Every invocation calls it
+// barrier inside (rather than three with two, which decodes slower with
+// whole 14336-column chunks; staging a whole block per invocation, 128 of
+// 512 busy, slower still). Returns this invocation's share of their sum of squares (before norm_w). Every invocation calls it
 // (the shuffles need the whole subgroup); the caller puts a barrier before
 // and after.
 fn stage_x(xq: u32, c0: u32, n: u32, li: u32) -> f32 {

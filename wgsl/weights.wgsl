@@ -89,7 +89,7 @@ struct Raw4 {
     q: vec4<u32>,
 }
 fn load4(row: u32, e: u32) -> Raw4 {
-    // One load of the quad (four loads of words measured twice as slow).
+    // One load of the quad (four loads of words are slower).
     return Raw4(weight_quad((row + e) / 4u));
 }
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {

@@ -152,7 +152,7 @@ fn gguf_model(dir: &Path) -> String {
         let tokenizer = wgspark::tokenizer::from_gguf(&g);
         steps.push(outcome("tokenizer", &tokenizer));
         if let Ok(Some(tokenizer)) = tokenizer {
-            steps.push(outcome("encode", &wgspark::tokenizer::encode(&tokenizer, TEXT, true)));
+            steps.push(outcome("encode", &tokenizer.encode_prompt(TEXT)));
         }
         let small = g.tensors.iter().filter(|t| t.elements() <= DEQUANTIZED_ELEMENTS);
         let failed = small.map(|t| g.dequantize(t)).filter(Result::is_err).count();
@@ -174,7 +174,7 @@ fn tokenizer_json(dir: &Path) -> String {
     let built = wgspark::tokenizer::from_folder(dir);
     let mut steps = vec![outcome("tokenizer", &built)];
     if let Ok(Some(tokenizer)) = built {
-        steps.push(outcome("encode", &wgspark::tokenizer::encode(&tokenizer, TEXT, true)));
+        steps.push(outcome("encode", &tokenizer.encode_prompt(TEXT)));
     }
     steps.join("; ")
 }

@@ -63,9 +63,8 @@ pub struct ValueRows {
     /// which then writes `chunk` for one token too). A layer's buffer is
     /// first used in a step by the dispatch that writes it, so no barrier
     /// orders that dispatch after the q/k part's, as one does where the
-    /// previous layer's attention read the same buffer: on the H200
-    /// (Vulkan) the 8B shape's Q4_K_M decode ran at 303 tok/s with one
-    /// buffer for every layer (as without values apart), 317.8 with these.
+    /// previous layer's attention read the same buffer (one buffer for
+    /// every layer decodes slower).
     pub decode: Vec<wgpu::Buffer>,
 }
 

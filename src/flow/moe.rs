@@ -53,9 +53,9 @@ pub enum RoutingMode {
 /// costs a whole expert's upload, and where the uploads are what a token
 /// waits for (a GPU that computes a layer in a fraction of the time its
 /// misses take to cross the bus) a right guess saves little, so a guess
-/// must be nearly always right to pay. On random-weight models a third of
-/// the guessed uploads are used and decode runs at half the speed (see
-/// README); a real checkpoint's residual stream may be more predictable.
+/// must be nearly always right to pay. On random-weight models most of
+/// the guessed uploads go unused and decode runs slower; a real
+/// checkpoint's residual stream may be more predictable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertPrefetch {
     /// Upload only what a dispatch needs, when it needs it.

@@ -3,7 +3,7 @@
 
 mod buffers;
 mod measure;
-mod multiprocessors;
+mod driver_facts;
 mod readback;
 mod tensor;
 mod upload_ring;
@@ -152,6 +152,9 @@ pub struct Caps {
     pub subgroup_min_size: u32,
     pub subgroup_max_size: u32,
     pub memory_budget: Option<u64>,
+    /// The device's memory (its largest device-local heap), where the
+    /// driver reports it.
+    pub device_memory: Option<u64>,
     /// Multiprocessors (SMs, compute units), where the driver reports them.
     pub multiprocessors: Option<u32>,
 }
@@ -316,7 +319,8 @@ impl Gpu {
             subgroup_min_size: info.subgroup_min_size,
             subgroup_max_size: info.subgroup_max_size,
             memory_budget: options.memory_budget,
-            multiprocessors: multiprocessors::count(&adapter),
+            device_memory: driver_facts::device_memory(&adapter),
+            multiprocessors: driver_facts::multiprocessors(&adapter),
         };
         Ok(Gpu { device, queue, info, features, limits, caps, errors, lost, pipelines: Arc::default() })
     }
@@ -395,16 +399,20 @@ impl Gpu {
         })
     }
 
-    /// Fails with `OutOfDeviceMemory` when `bytes` exceed the memory budget.
+    /// Fails with `OutOfDeviceMemory` when `bytes` exceed the memory budget
+    /// or the device's memory, checked before anything is allocated: a
+    /// driver asked for more than it has may lose the device instead of
+    /// refusing the allocation.
     pub fn check_budget(&self, what: &str, bytes: u64) -> Result<()> {
-        match self.caps.memory_budget {
-            Some(budget) if bytes > budget => Err(Error::OutOfDeviceMemory {
-                what: what.to_string(),
-                needed_bytes: Some(bytes),
-                message: format!("the device memory budget is {budget} bytes"),
-            }),
-            _ => Ok(()),
-        }
+        let over = |limit: Option<u64>| limit.filter(|&limit| bytes > limit);
+        let message = if let Some(budget) = over(self.caps.memory_budget) {
+            format!("the device memory budget is {budget} bytes")
+        } else if let Some(memory) = over(self.caps.device_memory) {
+            format!("the device allows {memory} bytes")
+        } else {
+            return Ok(());
+        };
+        Err(Error::OutOfDeviceMemory { what: what.to_string(), needed_bytes: Some(bytes), message })
     }
 
     /// Blocks until all submitted work is done.

@@ -56,10 +56,9 @@ pub struct CoopLayout {
 }
 
 impl CoopLayout {
-    /// The layouts in order of preference: on the H200, eight subgroups
-    /// ran the 8B shape's chunk attention 1.55x as fast as four (they stage
-    /// each K/V tile for twice the rows); four where workgroup memory is
-    /// short (32 KiB).
+    /// The layouts in order of preference: eight subgroups run chunk
+    /// attention faster than four (they stage each K/V tile for twice the
+    /// rows); four where workgroup memory is short (32 KiB).
     const PREFERRED: [CoopLayout; 2] = [CoopLayout { subgroups: 8 }, CoopLayout { subgroups: 4 }];
 
     /// Query rows of one workgroup.
@@ -222,7 +221,7 @@ pub struct LaneLayout {
 
 impl LaneLayout {
     /// The most rows of a block (the kernel's register arrays hold four:
-    /// on the H200 blocks of eight ran at half the speed at short depths).
+    /// blocks of eight run slower at short depths).
     const MAX_BLOCK_ROWS: usize = 4;
     /// The kernel's LANE_MERGE_FLOATS: the subgroups' partials, subgroups x
     /// block rows x head_dim floats.
@@ -234,8 +233,8 @@ impl LaneLayout {
     /// where the adapter has subgroups at least as wide as a row's quads
     /// and the rotation pairs whole quads (`None`: the tiled `attend`
     /// serves). More than one quad per lane would hold a row in an indexed
-    /// register array, which drivers spill (measured 5-10x slower on the
-    /// H200); narrow subgroups take the tiled kernel instead.
+    /// register array, which drivers spill (far slower); narrow
+    /// subgroups take the tiled kernel instead.
     pub fn choose(gpu: &Gpu, heads: Heads, rotary_dim: usize, format: KvFormat) -> Option<LaneLayout> {
         let subgroup = gpu.caps.subgroup_min_size as usize;
         let widest = gpu.caps.subgroup_max_size as usize;

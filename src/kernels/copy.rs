@@ -15,8 +15,8 @@ pub fn structs() -> Vec<&'static str> {
     vec![CopyParams::WGSL]
 }
 
-/// vec4s each invocation copies: enough loads in flight for an H200 (NVIDIA
-/// H200, Vulkan: 8 measured best of 2 to 16).
+/// vec4s each invocation copies: enough loads in flight for a large GPU
+/// (`kernel_throughput` times the other counts).
 pub const PER_THREAD: u32 = 8;
 
 /// `dst[..bytes] = src[..bytes]`, `bytes` a multiple of 16.

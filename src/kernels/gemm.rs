@@ -38,7 +38,7 @@ pub enum Tiling {
 }
 
 /// Fewest 128 x 128 tiles for which the wide tiling beats the narrow one
-/// (measured on an NVIDIA H200: below it the GPU runs short of workgroups).
+/// (below it a large GPU runs short of workgroups).
 pub const WIDE_MIN_WORKGROUPS: usize = 128;
 
 /// A chunk's activations in f16 beside their f32 rows (packed the same,

@@ -68,7 +68,7 @@ pub const FEATURES: wgpu::Features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MA
     .union(wgpu::Features::PASSTHROUGH_SHADERS);
 
 /// The adapter offers what the kernel needs: a Vulkan device (the one
-/// backend whose translation has been fixed and measured) with 16 x 16 x 16
+/// backend whose translation has been fixed and tested) with 16 x 16 x 16
 /// products of f16 into f32 at subgroup scope, f16 in shaders (and its
 /// conversions in f32 ones, which the attention uses), subgroups of
 /// exactly 32, and the workgroup memory and invocations of the largest
@@ -159,20 +159,17 @@ impl Tile {
             .unwrap_or_else(|| fitting.clone().next_back().expect("a tile of 128 rows fits every build"))
     }
 
-    /// The tiles [`Self::choose`] picks from, in order: on the H200 (NVIDIA,
-    /// Vulkan; `kernel_throughput -- gemm`), bf16 products at 4096 tokens
-    /// ran at 192-208 TFLOP/s in 128 x 256 tiles in steps of 32, 162-177
-    /// in 128 x 128 in steps of 64 and 125-139 in steps of 32; at 512
-    /// tokens of the 4096 x 14336 down projection, 104, 174 and 137. Steps
-    /// of 64 ran the decoded formats (Q4_K: 61-63 against 67-70) slower,
-    /// but the 1B shape's 2048 x 8192 down projection at 512 tokens faster
-    /// in 64 x 128 tiles (117 against 74). Decoded formats ran faster with 16 subgroups
-    /// sharing the decoding: Q4_K at 4096 tokens 87-91 TFLOP/s against
-    /// 71-74 with 8, where bf16 ran slower (182-201 against 191-208).
-    /// Tiles of 4 subgroups (two workgroups per multiprocessor) ran 128 x
-    /// 128 in steps of 32 at 180-192 against 126-142 at 4096 tokens, but
-    /// behind 128 x 256 in 8, and slower at 512 tokens (33 against 97 on
-    /// the 6144 x 4096 q/k/v).
+    /// The tiles [`Self::choose`] picks from, in order (NVIDIA, Vulkan;
+    /// `kernel_throughput -- gemm`): bf16 products at 4096 tokens run
+    /// fastest in 128 x 256 tiles in steps of 32, then in 128 x 128 in
+    /// steps of 64, then in steps of 32; at 512 tokens of the 4096 x 14336
+    /// down projection, 128 x 128 in steps of 64 leads. Steps of 64 run the
+    /// decoded formats slower, but the 1B shape's 2048 x 8192 down
+    /// projection at 512 tokens faster in 64 x 128 tiles. Decoded formats
+    /// run faster with 16 subgroups sharing the decoding, where bf16 runs
+    /// slower. Tiles of 4 subgroups (two workgroups per multiprocessor) run
+    /// 128 x 128 in steps of 32 faster than 8 do at 4096 tokens, but behind
+    /// 128 x 256 in 8, and slower at 512 tokens.
     pub const PREFERRED: [Tile; 9] = [
         Tile { tokens: 128, rows: 256, k: 32, warps: 16 },
         Tile { tokens: 128, rows: 256, k: 32, warps: 8 },
@@ -204,19 +201,16 @@ impl Tile {
     /// tokens that reads its activations from their f16 copy ([`X_F16`],
     /// eight values a load: rows of a multiple of 8; `flags` without it),
     /// or `None` where it should read the f32 rows: 128 x 256 in 16
-    /// subgroups, where it fits and gives [`MIN_WORKGROUPS`]. On the
-    /// H200, 4096 tokens, f16 copies against f32 rows in the tiles chosen
-    /// for those: bf16 28672 x 4096 214 against 201 TFLOP/s, 4096 x 4096
-    /// 201 against 190; Q8_0 133 against 117 and 131 against 113; at 512
-    /// tokens bf16 28672 x 4096 182 against 179. Smaller tiles read less
-    /// well from f16 copies than from f32 rows in their own tiles (4096 x
-    /// 4096 bf16: 120-139 in 64 tokens x 128 or 256 rows), and a staging
-    /// of two rounds (128 tokens in 8 subgroups) ran at 22-31.
+    /// subgroups, where it fits and gives [`MIN_WORKGROUPS`]. There f16
+    /// copies run faster than f32 rows in the tiles chosen for those, bf16
+    /// and Q8_0 alike. Smaller tiles read less well from f16 copies than
+    /// from f32 rows in their own tiles, and a staging of two rounds (128
+    /// tokens in 8 subgroups) runs far slower.
     /// Where the GPU's `multiprocessors` are known, the tile is the one of
     /// 192 rows ([`Self::COPIES_NARROW`]) where it takes them less time in
     /// all, counted in waves of workgroups: 512 tokens of bf16 6144 x 4096
-    /// on the H200's 132, one wave of 128 tiles of 192 rather than of 96
-    /// of 256, ran at 177 TFLOP/s against 159.
+    /// on an NVIDIA H200's 132, one wave of 128 tiles of 192 rather than of
+    /// 96 of 256, run faster.
     pub fn reads_f16(
         n_rows: usize,
         cols: usize,
@@ -256,13 +250,10 @@ impl Tile {
     /// [`Self::reads_f16`] gives the product too few workgroups, the fewest
     /// ranges (at most four, each a multiple of 256 columns) that give it
     /// [`MIN_WORKGROUPS`]; otherwise (or where none do) 1, the whole
-    /// product in one. On the H200, the down projections of 512 tokens
-    /// (64 and 32 such tiles) in partial sums against whole in the tile
-    /// [`Self::choose`] gives them, TFLOP/s: Llama-3.1-8B's 4096 x 14336 in
-    /// two ranges, bf16 218 against 174, Q8_0 131 against 116, Q4_K 104
-    /// against 71, Q6_K 108 against 72; Llama-3.2-1B's 2048 x 8192 in four,
-    /// bf16 187 against 116, Q8_0 127 against 49, Q4_K 98 against 54, Q6_K
-    /// 85 against 43.
+    /// product in one. The down projections of 512 tokens (64 and 32 such
+    /// tiles) run faster in partial sums than whole in the tile
+    /// [`Self::choose`] gives them, in every weight format: Llama-3.1-8B's
+    /// 4096 x 14336 in two ranges, Llama-3.2-1B's 2048 x 8192 in four.
     pub fn k_splits(n_rows: usize, cols: usize, max_tokens: usize, flags: &[&str]) -> usize {
         let Some((_, workgroups)) = Self::copy_tile(n_rows, cols, max_tokens, flags) else { return 1 };
         if workgroups >= MIN_WORKGROUPS {
@@ -275,11 +266,9 @@ impl Tile {
 
     /// K steps a build with `flags` loads ahead of the one it multiplies:
     /// two for Q8_0 weights in tiles of 16 subgroups (a loop of their own),
-    /// one otherwise. On the H200, two ahead took Q8_0 in those tiles from
-    /// 93.8 / 108.3 to 100.1 / 118.4 TFLOP/s (28672 x 4096 at 512 / 4096
-    /// tokens); Q4_K ran no faster in any tile and bf16 slower, and a loop
-    /// unrolled by two for every build slowed the builds loading one step
-    /// ahead (bf16 28672 x 4096 at 4096 tokens 202 -> 188).
+    /// one otherwise. Two ahead runs Q8_0 faster in those tiles; Q4_K runs
+    /// no faster in any tile and bf16 slower, and a loop unrolled by two
+    /// for every build slows the builds loading one step ahead.
     pub fn ahead(self, flags: &[&str]) -> u32 {
         let q8_0 = crate::format::WeightFormat::Q8_0.flag().is_some_and(|f| flags.contains(&f));
         if q8_0 && !flags.contains(&X_SPLIT) && self.warps == 16 { 2 } else { 1 }
@@ -299,17 +288,15 @@ impl Tile {
 
 /// The part of a copy tile's time that does not shrink with its rows
 /// (staging the tokens' activations, the barriers of each step), in rows'
-/// worth: on the H200, 4096 tokens of bf16 28672 x 4096 (28 and 37 waves
-/// of workgroups) took 157 us a wave in tiles of 256 rows and 139 in tiles
-/// of 192, t = 0.28 us (rows + 302).
+/// worth: fitted to a wave's time in tiles of 256 rows and in tiles of
+/// 192 (4096 tokens of bf16 28672 x 4096).
 const COPY_TILE_FIXED_ROWS: u32 = 300;
 
 /// Fewest workgroups a product should have: about three quarters of the
-/// multiprocessors of a large GPU (an NVIDIA H200 has 132), the setting of
-/// README's prefill figures; larger tiles make up for the idle ones. With
-/// 96 rather than 128 (and 64 x 128 tiles in steps of 64 preferred to
-/// steps of 32) the 1B shape prefilled 512 tokens at 51 570-53 164 tok/s
-/// against 44 874-45 900, the 8B shape's pp512 unchanged, in one call.
+/// multiprocessors of a large GPU (an NVIDIA H200 has 132); larger tiles
+/// make up for the idle ones. 96 rather than 128 (with 64 x 128 tiles in
+/// steps of 64 preferred to steps of 32) prefills 512 tokens of the 1B
+/// shape faster and leaves the 8B shape's unchanged.
 pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and

@@ -1,5 +1,6 @@
-//! `wgsl/gemv.wgsl`: bf16 weight x f32 vector, one dispatch per weight
-//! part, with the RMSNorm before it, the residual add (and the layer's
+//! `wgsl/gemv.wgsl`: weight (bf16, or any format of `wgsl/weights.wgsl`)
+//! x f32 vector, one dispatch per weight part, with the RMSNorm before
+//! it, the residual add (and the layer's
 //! steering and capture) or the SwiGLU gate after it, and expert selection
 //! by the GPU's routing fused in as build flags.
 
@@ -48,16 +49,13 @@ pub struct GemvShape {
     pub unroll: u32,
     /// `unroll` of the products that read the norm's weight beside x
     /// (SwiGLU's excepted): with twice the loads of activations per
-    /// weight they need more weights in flight. On the H200 the 6144 x
-    /// 4096 projection with its norm ran at 76 % of the copy rate with 4
-    /// against 63 % with 2, a 28672-row one at 92 % against 80 %; the
-    /// gate/up with its SwiGLU at 80 % either way.
+    /// weight they need more weights in flight: 4 rather than 2 runs them
+    /// nearer the copy rate, the gate/up with its SwiGLU alike with either.
     pub norm_unroll: u32,
     /// `unroll` of a byte-activation sum over slots (a MoE layer's down
-    /// projections), whose lanes walk all the slots' units at once. On
-    /// the H200 (`kernel_throughput -- experts`, Qwen3-30B-A3B's 8 slots of
-    /// 768) 1 and 2 timed alike and 8 slower; GPUs take 4, with which
-    /// the whole decode was measured.
+    /// projections), whose lanes walk all the slots' units at once: in
+    /// `kernel_throughput -- experts` (Qwen3-30B-A3B's 8 slots of 768) 1
+    /// and 2 run alike and 8 slower; GPUs take 4.
     pub sum_unroll: u32,
     /// Whether rows in the 256-element block formats are read by units
     /// (`unit_dots` in `weights.wgsl`) rather than four weights at a time.
@@ -99,12 +97,12 @@ const STAGING_FIXED_BYTES: usize = 4 + 4 * 128;
 /// The elements of x a byte-activation GEMV stages at a time (`X_CHUNK` of
 /// `wgsl/gemv.wgsl`) for `rows` of `cols` columns (a slot sum: all its
 /// slots' columns): 4096, or, with the staging by `subgroups`, for rows
-/// of more than two such chunks (the down projections: measured), as much
+/// of more than two such chunks (the down projections), as much
 /// of the row as the adapter's workgroup memory holds, in multiples of 256
 /// (14336 in 48 KiB). Rows of two chunks come with many-row products (the
 /// gate/up of models 5120-8192 wide), for which more workgroup memory means
-/// fewer workgroups in flight (an 8192-element chunk took the 8B shape's
-/// gate/up from 37 to 49 us on the H200), so they stay in chunks of 4096.
+/// fewer workgroups in flight (an 8192-element chunk slows the 8B shape's
+/// gate/up), so they stay in chunks of 4096.
 /// A slot sum (a MoE layer's down projections) has the model's width in
 /// rows, a workgroup or less per multiprocessor, and takes chunks as long
 /// as workgroup memory holds once its slots pass one chunk of 4096.
@@ -131,12 +129,13 @@ const STAGING_LANES: u32 = 8;
 const INT8_WORKGROUPS_PER_MULTIPROCESSOR: u32 = 4;
 
 /// Workgroups of the byte-activation builds on GPUs that do not report
-/// their multiprocessors: four for each of a large GPU's (the H200's 132).
+/// their multiprocessors: four for each of a large GPU's (an NVIDIA H200's
+/// 132).
 const INT8_WORKGROUPS: u32 = 528;
 
-/// [`GemvShape::spread_below`] on GPUs. On the H200, a 128 x 2048 router
-/// takes 4.2 us in f32 in 64 workgroups of one group (5.9 in 8 of eight),
-/// 3.9 in bf16 in 128 (4.7 in 16).
+/// [`GemvShape::spread_below`] on GPUs: a 128 x 2048 router runs faster
+/// in workgroups of one group (64 of them in f32, 128 in bf16) than in
+/// workgroups of eight.
 const SPREAD_BELOW: u32 = 256;
 
 /// The largest error of an activation quantized for [`GemvShape::int8`],
@@ -327,8 +326,8 @@ impl Gemv {
         let int8 = self.shape.int8 && has_int8_units(part.format);
         // bf16 rows need few loads of x per weight: pairing rows to share
         // them would only halve the groups in flight; with the norm's
-        // weight loaded beside x, pairs share twice the loads (on the
-        // H200 the 8B shape decoded at 181.4 tok/s against 179.5).
+        // weight loaded beside x, pairs share twice the loads (and decode
+        // faster).
         let swiglu = matches!(output, Output::Swiglu);
         let one_row =
             part.format == WeightFormat::Bf16 && !swiglu && !matches!(spec.input, Input::RmsNorm { .. });
@@ -406,8 +405,7 @@ impl Gemv {
         let subgroups = self.subgroups && (!int8 || s.threads_per_row >= STAGING_LANES);
         if subgroups {
             // A group's lanes are one subgroup: the workgroup's sum of
-            // squares is its subgroups' sums (on the H200 the 8B Q4_K_M
-            // shape decoded at 303.6 tok/s against 299.1 with a tree of
+            // squares is its subgroups' sums (faster than a tree of
             // barriers).
             b.flags.extend([super::SUBGROUPS, SUBGROUP_SUM]);
             b.constants.push(("SUBGROUP_WIDTH", s.threads_per_row as f64));

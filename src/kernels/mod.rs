@@ -1,11 +1,16 @@
 //! One Rust wrapper per `wgsl/*.wgsl` kernel family: typed parameters and
 //! the construction of [`Dispatch`](crate::gpu::Dispatch)es with their bindings fixed at load.
 //!
-//! A family is specialised at pipeline creation, never by runtime flags:
+//! A family is specialised at pipeline creation:
 //! - **flags** select `#if NAME` / `#else` / `#endif` sections of its
 //!   source (a binding that a build does not use is not declared, so no
 //!   placeholder buffer is ever bound);
 //! - **override constants** set workgroup and tile shapes.
+//!
+//! What a dispatch's parameters carry is read at run time, and a few
+//! kernels branch on it where the bindings stay the same: the router's
+//! scoring, attention's sliding window, the sampler's top-k and top-p, the
+//! cooperative GEMM's expert groups.
 //!
 //! Pipelines are cached by (family, entry point, flags, constants) in a
 //! [`PipelineCache`], created once at load or when a session's plan asks
@@ -400,8 +405,8 @@ fn compile(
         source: wgpu::ShaderSource::Wgsl(source.to_string().into()),
     };
     // wgpu by default guards every loop against running forever, which on
-    // NVIDIA keeps the compiler from unrolling inner loops (the GEMM ran at
-    // two thirds of its speed). Bounds checks stay on.
+    // NVIDIA keeps the compiler from unrolling inner loops (and slows the
+    // GEMM). Bounds checks stay on.
     // SAFETY: every loop in wgsl/ runs over a range bounded by a constant or
     // a parameter and advances by a positive step, so none can run forever.
     let checks =

@@ -247,7 +247,8 @@ impl RopeConfig {
     }
 
     /// cos and sin of `pos * inv_freq` for positions `0..positions`, laid
-    /// out `[pos][cos(half) | sin(half)]` as `wgsl/rope.wgsl` reads them.
+    /// out `[pos][cos(half) | sin(half)]` as `wgsl/attention.wgsl` reads
+    /// them (it rotates q and k before their use).
     pub fn cos_sin_table(&self, positions: usize) -> Vec<f32> {
         let (inv_freq, scale) = (self.inv_freq(), self.attention_factor());
         (0..positions as u32).flat_map(|pos| rotary_row(&inv_freq, scale, |_| pos)).collect()

@@ -1,5 +1,8 @@
 //! A model on the GPU: its validated config, its family row, its weights
-//! (uploaded once, bf16) and the pipelines that run them.
+//! (uploaded once, in a format the kernels decode in registers: a
+//! safetensors checkpoint's as bf16, f16 and f32 converted, FP8 as FP8
+//! blocks; a GGUF file's in their own type, any of the 13 it reads) and
+//! the pipelines that run them.
 
 pub mod config;
 pub mod experts;

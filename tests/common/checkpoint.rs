@@ -27,18 +27,47 @@ pub fn write_tensors(file: &Path, tensors: &Tensors) {
     std::fs::write(file, safetensors::serialize(views, None).unwrap()).unwrap();
 }
 
-/// A fresh, empty directory under the system temp dir.
-pub fn temp_dir(name: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "wgspark-test-{}-{}-{name}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh, empty directory under the system temp dir (or a path inside
+/// one), removed with everything in it when the value is dropped, whether
+/// the test passes or fails.
+pub struct Scratch {
+    dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl Scratch {
+    /// The path of `name` inside this scratch directory, which stays alive
+    /// as long as the returned value.
+    pub fn file(self, name: &str) -> Scratch {
+        let path = self.dir.path().join(name);
+        Scratch { dir: self.dir, path }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.path.as_os_str()
+    }
+}
+
+/// A fresh, empty scratch directory named after `name`.
+pub fn temp_dir(name: &str) -> Scratch {
+    let dir = tempfile::Builder::new().prefix(&format!("wgspark-test-{name}-")).tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    Scratch { dir, path }
 }
 
 pub fn fixture_dir(case: &str) -> PathBuf {
@@ -46,7 +75,7 @@ pub fn fixture_dir(case: &str) -> PathBuf {
 }
 
 /// A copy of fixture `case` whose config and tensors went through `edit`.
-pub fn edited_fixture(case: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Tensors)) -> PathBuf {
+pub fn edited_fixture(case: &str, edit: impl FnOnce(&mut serde_json::Value, &mut Tensors)) -> Scratch {
     let src = fixture_dir(case);
     let dir = temp_dir(case);
     let mut config: serde_json::Value =
