@@ -13,7 +13,8 @@ use wgspark::kernels::attention::{
 use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
-use wgspark::kernels::{Attention, Gemm, Gemv, Heads, Step};
+use wgspark::kernels::{Attention, Gemm, Gemv, Step};
+use wgspark::kv_cache::Heads;
 use wgspark::model::QkNorm;
 use wgspark::{KvFormat, WeightFormat};
 
@@ -95,8 +96,12 @@ fn main() {
     let gpu = Gpu::from_env().expect("an adapter");
     println!("adapter: {}", gpu.describe());
     let cpu = gpu.caps.is_cpu;
-    let bandwidth =
-        gpu.copy_bandwidth(if cpu { 16 << 20 } else { 1 << 30 }, if cpu { 2 } else { 10 }).unwrap();
+    let bandwidth = wgspark::kernels::copy::bandwidth(
+        &gpu,
+        if cpu { 16 << 20 } else { 1 << 30 },
+        if cpu { 2 } else { 10 },
+    )
+    .unwrap();
     let copy = bandwidth.best;
     println!(
         "copy bandwidth: {:.3} TB/s (read + write; buffer copy {:.3}, copy kernel {:.3})",

@@ -201,7 +201,7 @@ fn run(args: Args) -> BenchResult<()> {
     let cooperative_matrix = wgspark::CooperativeMatrix::from_env()?;
     let gpu = Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?;
     println!("adapter: {}", gpu.describe());
-    let copy = gpu.copy_bandwidth(1 << 30, 10)?;
+    let copy = wgspark::kernels::copy::bandwidth(&gpu, 1 << 30, 10)?;
     println!(
         "copy bandwidth: {:.3} TB/s (read + write; buffer copy {:.3}, copy kernel {:.3})",
         copy.best / 1e12,
@@ -508,9 +508,9 @@ fn gpu_time(
     if let (Some(a), Some(b), Some(source)) = (after.phases, before.phases, after.timing_source) {
         let ms = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e3 / (n + 1) as f64;
         println!(
-            "  per step ({source:?}, each waited for): attention and dense {:.3} ms, routed {:.3} ms, head {:.3} ms; \
+            "  per step ({source:?}, each waited for): layers {:.3} ms, routed {:.3} ms, head {:.3} ms; \
              wall {:.3} ms",
-            ms(a.attention, b.attention),
+            ms(a.layers, b.layers),
             ms(a.routed, b.routed),
             ms(a.head, b.head),
             wall * 1e3

@@ -747,8 +747,8 @@ fn print_stats(stats: &Stats) {
     if let (Some(p), Some(source)) = (&stats.phases, stats.timing_source) {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         eprintln!(
-            "phase time ({source:?}): attention {:.3} ms, routed experts {:.3} ms, head {:.3} ms",
-            ms(p.attention),
+            "phase time ({source:?}): layers {:.3} ms, routed experts {:.3} ms, head {:.3} ms",
+            ms(p.layers),
             ms(p.routed),
             ms(p.head)
         );

@@ -112,7 +112,8 @@ fn verify_wheel(path: &Path) -> Result<()> {
     let problem = |message: String| fetch_error(&path.display().to_string(), message);
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if !meta.is_file() {
-        let kind = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+        let kind =
+            if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
         return Err(problem(format!("{kind}, not the SmolLM2 wheel")));
     }
     if meta.len() != WHEEL_BYTES {

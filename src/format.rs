@@ -18,8 +18,6 @@
 
 use std::borrow::Cow;
 
-use crate::gguf::GgmlType;
-
 /// The storage format of a weight matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -67,46 +65,6 @@ impl WeightFormat {
         WeightFormat::Q6K,
         WeightFormat::F8E4M3,
     ];
-
-    /// The format of a GGUF tensor type, if weights may be stored in it.
-    pub fn from_ggml(ty: GgmlType) -> Option<Self> {
-        Some(match ty {
-            GgmlType::BF16 => Self::Bf16,
-            GgmlType::F16 => Self::F16,
-            GgmlType::F32 => Self::F32,
-            GgmlType::Q4_0 => Self::Q4_0,
-            GgmlType::Q4_1 => Self::Q4_1,
-            GgmlType::Q5_0 => Self::Q5_0,
-            GgmlType::Q5_1 => Self::Q5_1,
-            GgmlType::Q8_0 => Self::Q8_0,
-            GgmlType::Q2K => Self::Q2K,
-            GgmlType::Q3K => Self::Q3K,
-            GgmlType::Q4K => Self::Q4K,
-            GgmlType::Q5K => Self::Q5K,
-            GgmlType::Q6K => Self::Q6K,
-            _ => return None,
-        })
-    }
-
-    /// The GGUF tensor type (`None`: FP8, which GGUF files do not hold).
-    pub fn ggml(self) -> Option<GgmlType> {
-        Some(match self {
-            Self::Bf16 => GgmlType::BF16,
-            Self::F16 => GgmlType::F16,
-            Self::F32 => GgmlType::F32,
-            Self::Q4_0 => GgmlType::Q4_0,
-            Self::Q4_1 => GgmlType::Q4_1,
-            Self::Q5_0 => GgmlType::Q5_0,
-            Self::Q5_1 => GgmlType::Q5_1,
-            Self::Q8_0 => GgmlType::Q8_0,
-            Self::Q2K => GgmlType::Q2K,
-            Self::Q3K => GgmlType::Q3K,
-            Self::Q4K => GgmlType::Q4K,
-            Self::Q5K => GgmlType::Q5K,
-            Self::Q6K => GgmlType::Q6K,
-            Self::F8E4M3 => return None,
-        })
-    }
 
     /// The format's name: its GGUF type's, or safetensors' `F8_E4M3`.
     pub fn name(self) -> &'static str {

@@ -1,9 +1,7 @@
 //! The GGUF file format (llama.cpp's): a header of typed metadata, a table
 //! of tensors, then their data. [`Gguf`] memory-maps a file and checks that
-//! every tensor lies inside it; [`GgufWriter`] writes one. Control vectors
-//! ([`crate::steering`]), GGUF models
-//! ([`crate::model::gguf_checkpoint`]) and their tokenizers
-//! ([`crate::tokenizer`]) are built on these.
+//! every tensor lies inside it; [`GgufWriter`] writes one. Control vectors,
+//! GGUF models and their tokenizers are read with these.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -67,6 +65,50 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+}
+
+/// The mapping between GGUF tensor types and the GPU weight formats
+/// (defined here, so that the formats know nothing of the file).
+impl WeightFormat {
+    /// The format of a GGUF tensor type, if weights may be stored in it.
+    pub fn from_ggml(ty: GgmlType) -> Option<Self> {
+        Some(match ty {
+            GgmlType::BF16 => Self::Bf16,
+            GgmlType::F16 => Self::F16,
+            GgmlType::F32 => Self::F32,
+            GgmlType::Q4_0 => Self::Q4_0,
+            GgmlType::Q4_1 => Self::Q4_1,
+            GgmlType::Q5_0 => Self::Q5_0,
+            GgmlType::Q5_1 => Self::Q5_1,
+            GgmlType::Q8_0 => Self::Q8_0,
+            GgmlType::Q2K => Self::Q2K,
+            GgmlType::Q3K => Self::Q3K,
+            GgmlType::Q4K => Self::Q4K,
+            GgmlType::Q5K => Self::Q5K,
+            GgmlType::Q6K => Self::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// The GGUF tensor type (`None`: FP8, which GGUF files do not hold).
+    pub fn ggml(self) -> Option<GgmlType> {
+        Some(match self {
+            Self::Bf16 => GgmlType::BF16,
+            Self::F16 => GgmlType::F16,
+            Self::F32 => GgmlType::F32,
+            Self::Q4_0 => GgmlType::Q4_0,
+            Self::Q4_1 => GgmlType::Q4_1,
+            Self::Q5_0 => GgmlType::Q5_0,
+            Self::Q5_1 => GgmlType::Q5_1,
+            Self::Q8_0 => GgmlType::Q8_0,
+            Self::Q2K => GgmlType::Q2K,
+            Self::Q3K => GgmlType::Q3K,
+            Self::Q4K => GgmlType::Q4K,
+            Self::Q5K => GgmlType::Q5K,
+            Self::Q6K => GgmlType::Q6K,
+            Self::F8E4M3 => return None,
+        })
+    }
 }
 
 /// Every type the reader knows: the type, its ggml id, its name, and its

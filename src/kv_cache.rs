@@ -5,7 +5,6 @@
 
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
-use crate::kernels::Heads;
 
 /// How the cache stores its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -76,5 +75,30 @@ impl KvCache {
             (0..layers).map(|l| gpu.storage_buffer_bytes(&format!("{kind}_cache.{l}"), layer_bytes)).collect()
         };
         Ok(KvCache { k: alloc("k")?, v: alloc("v")?, context_len, format })
+    }
+}
+
+/// The attention geometry: query heads, key/value heads and head width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    pub q: usize,
+    pub kv: usize,
+    pub dim: usize,
+}
+
+impl Heads {
+    /// Width of one token's fused q, k, v projection.
+    pub fn qkv_width(&self) -> usize {
+        (self.q + 2 * self.kv) * self.dim
+    }
+
+    /// Width of one position's K (or V) in the cache.
+    pub fn kv_width(&self) -> usize {
+        self.kv * self.dim
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.q / self.kv
     }
 }

@@ -1,7 +1,6 @@
 //! What long operations report as they go: downloading the default model
-//! ([`crate::fetch::default_model`]) and loading weights
-//! ([`crate::Model::load_with_progress`]). A caller draws bars or prints
-//! lines from it; the library itself prints nothing.
+//! and loading weights. A caller draws bars or prints lines from it; the
+//! library itself prints nothing.
 
 /// One report. A step is a `Begin`, any number of `Advance`s, then `End`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,9 +6,9 @@ use std::time::Duration;
 /// The three phases a token's GPU work is split into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
-    /// Embedding, attention, norms, dense FFNs and routers: everything up
-    /// to a routing readback.
-    Attention,
+    /// The layers but their routed experts: embedding, attention, norms,
+    /// dense FFNs and routers (everything up to a routing readback).
+    Layers,
     /// The selected experts of MoE layers and their weighted sum.
     Routed,
     /// Final norm and LM head.
@@ -27,7 +27,7 @@ pub enum TimingSource {
 
 #[derive(Debug, Clone, Default)]
 pub struct PhaseTimes {
-    pub attention: Duration,
+    pub layers: Duration,
     pub routed: Duration,
     pub head: Duration,
 }
@@ -35,7 +35,7 @@ pub struct PhaseTimes {
 impl Phase {
     pub fn name(self) -> &'static str {
         match self {
-            Phase::Attention => "attention",
+            Phase::Layers => "layers",
             Phase::Routed => "routed experts",
             Phase::Head => "head",
         }
@@ -45,7 +45,7 @@ impl Phase {
 impl PhaseTimes {
     pub fn add(&mut self, phase: Phase, d: Duration) {
         match phase {
-            Phase::Attention => self.attention += d,
+            Phase::Layers => self.layers += d,
             Phase::Routed => self.routed += d,
             Phase::Head => self.head += d,
         }
@@ -59,7 +59,7 @@ pub struct Stats {
     pub router_histogram: Vec<Vec<u64>>,
     /// Forward passes run (submissions of one or more tokens).
     pub forward_passes: u64,
-    /// Routing readbacks (one per MoE layer per forward pass).
+    /// ExpertSelection readbacks (one per MoE layer per forward pass).
     pub routing_readbacks: u64,
     /// Host time from submitting the work that ends with a router to
     /// having its selection mapped: GPU work plus the round trip.
@@ -73,7 +73,7 @@ pub struct Stats {
     pub capture_readbacks: u64,
     /// Expert streaming: the cache's hits, misses and uploads for this
     /// session (zero when every expert is resident).
-    pub expert_cache: crate::model::experts::ExpertCacheStats,
+    pub expert_cache: ExpertCacheStats,
     /// Per-phase time, when the session was opened with timing on.
     pub phases: Option<PhaseTimes>,
     /// With [`crate::SessionOptions::time_dispatches`]: the last forward
@@ -81,4 +81,33 @@ pub struct Stats {
     /// label) or the phase's, and its GPU time.
     pub last_passes: Vec<(&'static str, std::time::Duration)>,
     pub timing_source: Option<TimingSource>,
+}
+
+/// How the expert cache served a session (or, summed over all sessions, the model): experts a dispatch found in a slot, experts it had to wait
+/// for, and what their uploads took.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExpertCacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_uploaded: u64,
+    /// Host time from the first upload of a dispatch's misses (or a
+    /// prefetch) to their submission (reading the checkpoint, filling the
+    /// staging ring, waiting for a staging buffer to come back).
+    pub upload_time: Duration,
+    /// Experts uploaded ahead of their dispatch, on a prediction
+    ///, and how many of them the dispatch then
+    /// needed (counted among its hits).
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
+}
+
+impl ExpertCacheStats {
+    pub fn add(&mut self, other: &ExpertCacheStats) {
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.bytes_uploaded += other.bytes_uploaded;
+        self.upload_time += other.upload_time;
+        self.prefetched += other.prefetched;
+        self.prefetch_hits += other.prefetch_hits;
+    }
 }

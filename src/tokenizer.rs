@@ -64,7 +64,10 @@ impl Tokenizer {
         match catch_panic_quietly(|| self.inner.encode(text, add_special_tokens)) {
             Ok(Ok(e)) => Ok(e.get_ids().to_vec()),
             Ok(Err(e)) => Err(self.error(format!("encoding a text: {e}"))),
-            Err(_) => Err(self.error("encoding a text panicked inside the tokenizers library (a pattern the text exhausts?)".into())),
+            Err(_) => Err(self.error(
+                "encoding a text panicked inside the tokenizers library (a pattern the text exhausts?)"
+                    .into(),
+            )),
         }
     }
 

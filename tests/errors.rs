@@ -366,7 +366,11 @@ fn model_larger_than_the_device() {
     config["vocab_size"] = vocab.into();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let hidden = config["hidden_size"].as_u64().unwrap() as usize;
-    sparse_with_embedding(&fixture.join("model.safetensors"), &dir.join("model.safetensors"), [vocab, hidden]);
+    sparse_with_embedding(
+        &fixture.join("model.safetensors"),
+        &dir.join("model.safetensors"),
+        [vocab, hidden],
+    );
     common::on_each_backend(|gpu| {
         let software = gpu.info.device_type == wgpu::DeviceType::Cpu;
         assert!(gpu.caps.device_memory.is_some() || !software, "a software adapter reports its memory");
@@ -397,7 +401,10 @@ fn sparse_with_embedding(source: &std::path::Path, dest: &std::path::Path, shape
         let dims = if embedding { shape.to_vec() } else { view.shape().to_vec() };
         let size = if embedding { shape[0] * shape[1] * 2 } else { view.data().len() };
         let dtype = serde_json::to_value(view.dtype()).unwrap();
-        header.insert(name, serde_json::json!({"dtype": dtype, "shape": dims, "data_offsets": [offset, offset + size]}));
+        header.insert(
+            name,
+            serde_json::json!({"dtype": dtype, "shape": dims, "data_offsets": [offset, offset + size]}),
+        );
         parts.push((offset, (!embedding).then(|| view.data().to_vec())));
         offset += size;
     }
@@ -487,7 +494,7 @@ fn router_scores_that_are_not_numbers() {
     let mut session = model.session(&SessionOptions::default()).unwrap();
     let err = session.prefill(&[1, 2, 3]).unwrap_err();
     assert!(matches!(err, Error::NonFiniteRouting { layer: 1 }), "{err}");
-    // Routing kept on the device is not read back (a chunk grouped by
+    // ExpertSelection kept on the device is not read back (a chunk grouped by
     // expert still reads it): the experts' weights become NaN, and so do
     // the logits, which the sampler reports.
     let device = SessionOptions { routing: wgspark::RoutingMode::DeviceResident, ..Default::default() };

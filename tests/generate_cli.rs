@@ -247,7 +247,10 @@ fn bad_input_exits_with_a_message() {
             on_fixture(&["--control-vector", &fixture.join("config.json").display().to_string()]),
             "malformed GGUF",
         ),
-        (on_fixture(&["--control-vector-scaled", ":0.5"]), "--control-vector-scaled :0.5: the file path is empty"),
+        (
+            on_fixture(&["--control-vector-scaled", ":0.5"]),
+            "--control-vector-scaled :0.5: the file path is empty",
+        ),
         (on_fixture(&["--control-vector", ""]), "a value is required for '--control-vector <FILE>'"),
         (on_fixture(&["--prefill-chunk", "0"]), "--prefill-chunk"),
         (
@@ -297,7 +300,10 @@ fn a_pattern_the_prompt_exhausts_prints_the_error_alone() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("tokenizer.json") && stderr.contains("panicked inside the tokenizers library"), "{stderr}");
+    assert!(
+        stderr.contains("tokenizer.json") && stderr.contains("panicked inside the tokenizers library"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked at") && !stderr.contains("backtrace"), "{stderr}");
 }
 

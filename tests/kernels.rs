@@ -17,9 +17,10 @@ use wgspark::kernels::rms_norm::Rows;
 use wgspark::kernels::router::RouterBindings;
 use wgspark::kernels::sample::{SampleBindings, SampleScratch};
 use wgspark::kernels::{
-    Attention, Embed, Gemm, Gemv, GroupByExpert, Heads, Residual, RmsNorm, Router, Sample, Step,
+    Attention, Embed, Gemm, Gemv, GroupByExpert, Residual, RmsNorm, Router, Sample, Step,
 };
-use wgspark::model::{QkNorm, Routing};
+use wgspark::kv_cache::Heads;
+use wgspark::model::{ExpertSelection, QkNorm};
 use wgspark::model::{RopeConfig, RopeScaling};
 use wgspark::{KvFormat, Sampling};
 
@@ -872,11 +873,11 @@ fn router_selects_and_weighs_like_each_family() {
         let mut rng = Rng::new(9);
         let router = Router::new(gpu).unwrap();
         for (experts, k, routing) in [
-            (8, 2, Routing::Softmax { renormalize: true }),
-            (60, 3, Routing::Softmax { renormalize: false }),
-            (130, 8, Routing::Softmax { renormalize: true }),
-            (8, 2, Routing::SigmoidWithBias),
-            (257, 5, Routing::SigmoidWithBias),
+            (8, 2, ExpertSelection::Softmax { renormalize: true }),
+            (60, 3, ExpertSelection::Softmax { renormalize: false }),
+            (130, 8, ExpertSelection::Softmax { renormalize: true }),
+            (8, 2, ExpertSelection::SigmoidWithBias),
+            (257, 5, ExpertSelection::SigmoidWithBias),
         ] {
             let tokens = 3;
             let mut logits = rng.vec(tokens * experts, 3.0);
@@ -887,7 +888,7 @@ fn router_selects_and_weighs_like_each_family() {
             let bb = gpu.storage_buffer_init("bias", &bias);
             let ids = gpu.storage_buffer("ids", tokens * k).unwrap();
             let weights = gpu.storage_buffer("weights", tokens * k).unwrap();
-            let sigmoid = routing == Routing::SigmoidWithBias;
+            let sigmoid = routing == ExpertSelection::SigmoidWithBias;
             let d = router.plan(
                 gpu,
                 routing,
@@ -898,7 +899,7 @@ fn router_selects_and_weighs_like_each_family() {
             run(gpu, &[d], tokens as u32);
             let got_ids: Vec<u32> = gpu.read_buffer(&ids, tokens * k).unwrap();
             let got_w: Vec<f32> = gpu.read_buffer(&weights, tokens * k).unwrap();
-            let renormalize = matches!(routing, Routing::Softmax { renormalize: true });
+            let renormalize = matches!(routing, ExpertSelection::Softmax { renormalize: true });
             for t in 0..tokens {
                 let (want_ids, want_w) = reference::route(
                     &logits[t * experts..(t + 1) * experts],

@@ -8,7 +8,7 @@
 use naga::back::pipeline_constants::process_overrides;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 use wgspark::kernels::gemm_coop::Tile;
-use wgspark::kernels::{FAMILIES, builds, preprocess, shader_source};
+use wgspark::kernels::{KERNEL_FAMILIES, builds, preprocess, shader_source};
 
 /// Every build: `(label, source, capabilities it may use)`.
 fn sources() -> Vec<(String, String, Capabilities)> {
@@ -33,7 +33,7 @@ fn sources() -> Vec<(String, String, Capabilities)> {
 
 #[test]
 fn every_kernel_translates_to_msl_hlsl_and_spirv() {
-    assert!(FAMILIES.len() >= 10);
+    assert!(KERNEL_FAMILIES.len() >= 10);
     let sources = sources();
     assert!(sources.len() > 40, "every flag set of gemv, attention, residual and sample is built");
     for (name, source, caps) in sources {
@@ -116,9 +116,9 @@ fn every_wgsl_file_is_a_registered_kernel() {
         let file = path.file_name().unwrap().to_string_lossy().into_owned();
         let stem = file.trim_end_matches(".wgsl");
         // common.wgsl, weights.wgsl and workgroup_sum.wgsl are prepended to the families.
-        let registered =
-            ["common", "weights", "workgroup_sum"].contains(&stem) || FAMILIES.iter().any(|f| f.name == stem);
-        assert!(registered, "{} is not listed in kernels::FAMILIES", path.display());
+        let registered = ["common", "weights", "workgroup_sum"].contains(&stem)
+            || KERNEL_FAMILIES.iter().any(|f| f.name == stem);
+        assert!(registered, "{} is not listed in kernels::KERNEL_FAMILIES", path.display());
     }
 }
 
@@ -145,7 +145,7 @@ fn parameter_structs_are_declared_from_their_rust_definition() {
     assert_eq!(std::mem::size_of::<GemvParams>(), 9 * 4);
     // No shader declares a uniform's struct of its own (shader-internal
     // structs are theirs).
-    for f in FAMILIES {
+    for f in KERNEL_FAMILIES {
         for line in f.source.lines() {
             let line = line.trim_start();
             let uniform_struct =

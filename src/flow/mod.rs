@@ -50,6 +50,7 @@ pub use recorder::{PhaseTimer, Recorder};
 use crate::capture::CapturePlan;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor};
+use crate::kernels::Step;
 use crate::kernels::attention::{
     AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
 };
@@ -58,7 +59,7 @@ use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::sample::SampleBindings;
-use crate::kernels::{Heads, Step};
+use crate::kv_cache::Heads;
 use crate::kv_cache::KvCache;
 use crate::model::{FfnWeights, Model};
 use crate::sampling::Sampling;
@@ -499,7 +500,7 @@ impl Plan {
         media: Option<&ChunkMedia<'_>>,
     ) -> Result<()> {
         let n = step.n_tokens;
-        rec.encode(Phase::Attention, &self.embed, n);
+        rec.encode(Phase::Layers, &self.embed, n);
         let row = 4 * act.hidden as u64;
         for c in media.iter().flat_map(|m| &m.copies) {
             let (src, dst, len) = (c.src_row as u64 * row, c.dst_row as u64 * row, c.rows as u64 * row);
@@ -513,14 +514,14 @@ impl Plan {
             layer.attention.encode(rec, step, h_ready);
             match &layer.ffn {
                 FfnPlan::Dense(dense) => {
-                    dense.gate_up.encode(rec, Phase::Attention, n);
-                    dense.down.encode(rec, Phase::Attention, n);
+                    dense.gate_up.encode(rec, Phase::Layers, n);
+                    dense.down.encode(rec, Phase::Layers, n);
                 }
                 FfnPlan::Moe(moe) => moe.run(rec, n, routing)?,
             }
             h_ready = matches!(layer.ffn, FfnPlan::Dense(_));
             for (add, rows) in media.iter().flat_map(|m| m.after_layer.get(i)).flatten() {
-                rec.encode(Phase::Attention, std::slice::from_ref(add), *rows);
+                rec.encode(Phase::Layers, std::slice::from_ref(add), *rows);
                 h_ready = false;
             }
         }
@@ -617,15 +618,15 @@ impl AttentionPlan {
     fn encode(&self, rec: &mut Recorder<'_>, step: &Step, h_ready: bool) {
         let n = step.n_tokens;
         if let Some(norm) = self.input_norm.as_ref().filter(|_| n > 1 && !h_ready) {
-            rec.encode(Phase::Attention, std::slice::from_ref(norm), n);
+            rec.encode(Phase::Layers, std::slice::from_ref(norm), n);
         }
-        self.qkv.encode(rec, Phase::Attention, n);
+        self.qkv.encode(rec, Phase::Layers, n);
         if n == 1 {
-            let count = self.decode.encode(rec.pass(Phase::Attention), step.attn_splits);
+            let count = self.decode.encode(rec.pass(Phase::Layers), step.attn_splits);
             rec.count(count);
         } else {
-            rec.encode(Phase::Attention, &self.chunk, n);
+            rec.encode(Phase::Layers, &self.chunk, n);
         }
-        self.o_proj.encode(rec, Phase::Attention, n);
+        self.o_proj.encode(rec, Phase::Layers, n);
     }
 }

@@ -230,7 +230,7 @@ impl MoePlan {
         let normed = Input::RmsNorm { weight: ffn_norm, eps: c.rms_eps };
         let router =
             k.gemv.plan(gpu, &GemvSpec { input: normed, ..GemvSpec::plain(&w.router, &act.x, b.logits) })?;
-        Ok((router, k.router.plan(gpu, m.routing, m.experts, m.top_k, b)))
+        Ok((router, k.router.plan(gpu, m.selection, m.experts, m.top_k, b)))
     }
 
     fn down(
@@ -283,8 +283,8 @@ impl MoePlan {
     /// Router, selection, and the selected experts of the tokens in
     /// flight, added to the residual.
     pub fn run<'a>(&self, rec: &mut Recorder<'a>, n_tokens: u32, routing: &RoutingContext<'a>) -> Result<()> {
-        rec.encode(Phase::Attention, &self.router, n_tokens);
-        rec.encode(Phase::Attention, std::slice::from_ref(&self.top_k), n_tokens);
+        rec.encode(Phase::Layers, &self.router, n_tokens);
+        rec.encode(Phase::Layers, std::slice::from_ref(&self.top_k), n_tokens);
         let bytes = (n_tokens as usize * self.top_k_slots * 4) as u64;
         if let (Some(experts), Some(slots)) = (routing.experts, &self.slots) {
             let placed = Placement { experts, slots, layer: self.layer };
@@ -337,8 +337,8 @@ impl MoePlan {
         placed: &Placement<'_>,
         p: &Prediction,
     ) -> Result<()> {
-        rec.encode(Phase::Attention, &p.router, 1);
-        rec.encode(Phase::Attention, std::slice::from_ref(&p.top_k), 1);
+        rec.encode(Phase::Layers, &p.router, 1);
+        rec.encode(Phase::Layers, std::slice::from_ref(&p.top_k), 1);
         let bytes = (self.top_k_slots * 4) as u64;
         let (ids, predicted) = rec.submit_routing_and_wait_with_prediction(
             routing.readback,

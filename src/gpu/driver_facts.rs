@@ -46,9 +46,8 @@ pub fn multiprocessors(adapter: &wgpu::Adapter) -> Option<u32> {
 /// device-local memory heap where its Vulkan driver reports it, else, for a
 /// software adapter (llvmpipe's GL), the host's memory.
 pub fn device_memory(adapter: &wgpu::Adapter) -> Option<u64> {
-    vulkan_heap(adapter).or_else(|| {
-        (adapter.get_info().device_type == wgpu::DeviceType::Cpu).then(host_memory).flatten()
-    })
+    vulkan_heap(adapter)
+        .or_else(|| (adapter.get_info().device_type == wgpu::DeviceType::Cpu).then(host_memory).flatten())
 }
 
 /// The host's physical memory, from Linux's `/proc/meminfo`.

@@ -1,46 +1,19 @@
-//! Reference measurements on the open device, for benchmarks to report
-//! their figures as ratios measured in the same run.
+//! Reference measurements on the open device (timed passes and copies,
+//! upload and readback costs), for benchmarks to report their figures as
+//! ratios measured in the same run.
 
 use std::time::{Duration, Instant};
 
 use super::{Gpu, Readback};
 use crate::error::Result;
 
-/// Device-to-device copy bandwidth in bytes per second, counting the read
-/// and the write (as memory-bound kernels count their traffic).
-#[derive(Debug, Clone, Copy)]
-pub struct CopyBandwidth {
-    /// The API's buffer copy (a DMA engine on some GPUs).
-    pub api: f64,
-    /// The copy kernel (`wgsl/copy.wgsl`).
-    pub kernel: f64,
-    /// The better of the two: the reference for memory-bound kernels.
-    pub best: f64,
-}
-
 impl Gpu {
-    /// The copy bandwidth of `reps` copies of a `bytes` buffer in one
-    /// submission, best of 3, by the API's copy (wall clock) and by the
-    /// copy kernel (GPU timestamps where the adapter has them).
-    pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<CopyBandwidth> {
-        let bytes = bytes.min(self.caps.max_buffer_size).min(self.caps.max_storage_binding) / 16 * 16;
-        let a = self.storage_buffer_bytes("copy.a", bytes)?;
-        let b = self.storage_buffer_bytes("copy.b", bytes)?;
-        let copy = crate::kernels::copy::plan;
-        let by_kernel = [copy(self, &a, &b, bytes)?, copy(self, &b, &a, bytes)?];
-        let api = self.time_copies(reps, |encoder, i| {
-            let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-            encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
-        })?;
-        let shader = self.time_pass(reps, |pass, i| by_kernel[(i % 2) as usize].encode(pass, 1))?;
-        self.check("measuring copy bandwidth")?;
-        let rate = |t: Duration| 2.0 * bytes as f64 * reps as f64 / t.as_secs_f64();
-        let (api, kernel) = (rate(api), rate(shader));
-        Ok(CopyBandwidth { api, kernel, best: api.max(kernel) })
-    }
-
     /// Best of 3 submissions of `reps` recorded copies.
-    fn time_copies(&self, reps: u32, record: impl Fn(&mut wgpu::CommandEncoder, u32)) -> Result<Duration> {
+    pub(crate) fn time_copies(
+        &self,
+        reps: u32,
+        record: impl Fn(&mut wgpu::CommandEncoder, u32),
+    ) -> Result<Duration> {
         let run = |n: u32| -> Result<Duration> {
             let mut encoder = self.device.create_command_encoder(&Default::default());
             for i in 0..n {

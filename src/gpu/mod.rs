@@ -2,14 +2,14 @@
 //! the kernels specialise on, buffer helpers and readback.
 
 mod buffers;
-mod measure;
+pub(crate) mod cooperative_matrix;
 mod driver_facts;
+mod measure;
 mod readback;
 mod tensor;
 mod upload_ring;
 
 pub use buffers::{Dispatch, ParamsBuffer, encode_all};
-pub use measure::CopyBandwidth;
 pub use readback::{MapWait, Readback};
 pub use tensor::{GpuTensor, TensorPart};
 pub use upload_ring::{Upload, UploadRing};
@@ -96,7 +96,7 @@ impl Default for GpuOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CooperativeMatrix {
     /// Where the adapter offers the configuration the kernel is written
-    /// for ([`crate::kernels::gemm_coop::usable`]).
+    /// for (see `cooperative_matrix::usable`).
     Auto,
     /// Never: the f32 GEMM everywhere.
     Off,
@@ -172,7 +172,7 @@ pub struct Gpu {
     /// Why the device was lost, once it is.
     lost: LostReason,
     /// Every specialised pipeline built on this device.
-    pub(crate) pipelines: Arc<crate::kernels::PipelineCache>,
+    pub(crate) pipelines: Arc<PipelineCache>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -262,8 +262,8 @@ impl Gpu {
         let limits = adapter.limits();
         let cooperative = match options.cooperative_matrix {
             CooperativeMatrix::Off => false,
-            CooperativeMatrix::Auto => crate::kernels::gemm_coop::usable(&adapter),
-            CooperativeMatrix::On if crate::kernels::gemm_coop::usable(&adapter) => true,
+            CooperativeMatrix::Auto => cooperative_matrix::usable(&adapter),
+            CooperativeMatrix::On if cooperative_matrix::usable(&adapter) => true,
             CooperativeMatrix::On => {
                 return Err(Error::Unsupported {
                     what: "cooperative matrices (16 x 16 x 16 f16 products into f32, subgroups of 32)",
@@ -272,7 +272,7 @@ impl Gpu {
             }
         };
         if cooperative {
-            features |= crate::kernels::gemm_coop::FEATURES;
+            features |= cooperative_matrix::FEATURES;
         }
         let experimental_features = if cooperative {
             // SAFETY: the only experimental feature requested; the kernel
@@ -475,5 +475,30 @@ mod tests {
         assert_eq!(gl_context_hint(wgpu::Backend::Gl, "4.5 (Core Profile) Mesa 22.3.6"), None);
         assert_eq!(gl_context_hint(wgpu::Backend::Gl, "OpenGL ES 3.2 NVIDIA 580.159.04"), None);
         assert_eq!(gl_context_hint(wgpu::Backend::Vulkan, "3.3.0"), None);
+    }
+}
+
+/// A device's compute pipelines by key, each built once, on first request
+/// (a driver compiles a shader when its pipeline is created: never per
+/// token). What a key means, and how its pipeline is built, is the
+/// kernels' business.
+#[derive(Debug, Default)]
+pub(crate) struct PipelineCache {
+    pipelines: Mutex<std::collections::HashMap<String, wgpu::ComputePipeline>>,
+}
+
+impl PipelineCache {
+    /// The pipeline cached under `key`, built by `build` if there is none.
+    pub(crate) fn get_or_build(
+        &self,
+        key: String,
+        build: impl FnOnce() -> Result<wgpu::ComputePipeline>,
+    ) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
+            return Ok(p.clone());
+        }
+        let pipeline = build()?;
+        self.pipelines.lock().unwrap().insert(key, pipeline.clone());
+        Ok(pipeline)
     }
 }

@@ -3,12 +3,21 @@
 //! (`rope_store` then `attend`) or, all fused, for one token split over the
 //! keys (`attend` built with DECODE, merged by `combine` when split).
 
-use super::Heads;
 use super::gemm::PrefillPrecision;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+use crate::kv_cache::Heads;
 use crate::kv_cache::KvFormat;
-use crate::model::QkNorm;
+
+/// Normalisation of q and k before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// RMSNorm of each head with one `[head_dim]` weight shared by heads.
+    PerHead,
+    /// RMSNorm over the whole q (`[nh * hd]`) and k (`[nkv * hd]`) projections.
+    WholeProjection,
+}
 
 crate::wgsl_struct! {
     pub struct AttentionParams {

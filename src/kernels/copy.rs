@@ -1,5 +1,7 @@
 //! `wgsl/copy.wgsl`: a buffer copy through the shader cores.
 
+use std::time::Duration;
+
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 
@@ -42,4 +44,35 @@ pub fn plan_with(
         workgroups: gpu.fold_grid(n.div_ceil(256 * per_thread)),
         tokens_per_workgroup: 0,
     })
+}
+
+/// Device-to-device copy bandwidth in bytes per second, counting the read
+/// and the write (as memory-bound kernels count their traffic).
+#[derive(Debug, Clone, Copy)]
+pub struct CopyBandwidth {
+    /// The API's buffer copy (a DMA engine on some GPUs).
+    pub api: f64,
+    /// The copy kernel (`wgsl/copy.wgsl`).
+    pub kernel: f64,
+    /// The better of the two: the reference for memory-bound kernels.
+    pub best: f64,
+}
+
+/// The copy bandwidth of `reps` copies of a `bytes` buffer in one
+/// submission, best of 3, by the API's copy (wall clock) and by the
+/// copy kernel (GPU timestamps where the adapter has them).
+pub fn bandwidth(gpu: &Gpu, bytes: u64, reps: u32) -> Result<CopyBandwidth> {
+    let bytes = bytes.min(gpu.caps.max_buffer_size).min(gpu.caps.max_storage_binding) / 16 * 16;
+    let a = gpu.storage_buffer_bytes("copy.a", bytes)?;
+    let b = gpu.storage_buffer_bytes("copy.b", bytes)?;
+    let by_kernel = [plan(gpu, &a, &b, bytes)?, plan(gpu, &b, &a, bytes)?];
+    let api = gpu.time_copies(reps, |encoder, i| {
+        let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        encoder.copy_buffer_to_buffer(src, 0, dst, 0, bytes);
+    })?;
+    let shader = gpu.time_pass(reps, |pass, i| by_kernel[(i % 2) as usize].encode(pass, 1))?;
+    gpu.check("measuring copy bandwidth")?;
+    let rate = |t: Duration| 2.0 * bytes as f64 * reps as f64 / t.as_secs_f64();
+    let (api, kernel) = (rate(api), rate(shader));
+    Ok(CopyBandwidth { api, kernel, best: api.max(kernel) })
 }

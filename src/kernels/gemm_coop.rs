@@ -3,6 +3,8 @@
 //! kernel is written for. [`super::Gemm`] plans it with the same parameters
 //! and bindings as the f32 kernel.
 
+use crate::gpu::cooperative_matrix::{SUBGROUP_SIZE, WORKGROUP_BYTES};
+
 /// Staged activations as two f16s (high and low part) rather than one.
 pub const X_SPLIT: &str = "X_SPLIT";
 /// Staged weights as two f16s, for formats whose values f16 does not hold.
@@ -20,18 +22,6 @@ const MAX_K_SPLITS: usize = 4;
 /// Columns in each range of k a split product sums: a multiple of every
 /// weight format's block and of every tile's steps.
 const K_SPLIT_COLUMNS: usize = 256;
-
-/// The kernel's subgroups: of 32 invocations, 8 or 16 to a workgroup
-/// ([`Tile::warps`]), each computing a part of the workgroup's tile.
-pub const SUBGROUP_SIZE: u32 = 32;
-
-/// Subgroups of the largest build's workgroup.
-const MAX_WARPS: u32 = 16;
-
-/// Workgroup memory the kernel may use: 48 KiB, what NVIDIA's Vulkan
-/// drivers offer (Vulkan itself guarantees 16 KiB: an adapter with less
-/// than this runs the f32 GEMM). [`Tile::fits`] keeps every build within it.
-const WORKGROUP_BYTES: u32 = 48 * 1024;
 
 /// The kernel stages eight k at a time with 16-byte loads: bf16 rows must
 /// hold a multiple of 8 values (other formats' rows are read four at a
@@ -57,36 +47,6 @@ pub fn flags(gpu: &crate::gpu::Gpu, format: crate::format::WeightFormat, split: 
         }
     }
     flags
-}
-
-/// Device features the kernel needs: on Vulkan, passthrough shaders carry
-/// its SPIR-V ([`super::vulkan_memory_model`]).
-pub const FEATURES: wgpu::Features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
-    .union(wgpu::Features::SHADER_F16)
-    .union(wgpu::Features::SUBGROUP)
-    .union(wgpu::Features::SUBGROUP_BARRIER)
-    .union(wgpu::Features::PASSTHROUGH_SHADERS);
-
-/// The adapter offers what the kernel needs: a Vulkan device (the one
-/// backend whose translation has been fixed and tested) with 16 x 16 x 16
-/// products of f16 into f32 at subgroup scope, f16 in shaders (and its
-/// conversions in f32 ones, which the attention uses), subgroups of
-/// exactly 32, and the workgroup memory and invocations of the largest
-/// build.
-pub fn usable(adapter: &wgpu::Adapter) -> bool {
-    let info = adapter.get_info();
-    info.backend == wgpu::Backend::Vulkan
-        && adapter.features().contains(FEATURES)
-        && adapter.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32)
-        && info.subgroup_min_size == SUBGROUP_SIZE
-        && info.subgroup_max_size == SUBGROUP_SIZE
-        && adapter.limits().max_compute_workgroup_storage_size >= WORKGROUP_BYTES
-        && adapter.limits().max_compute_invocations_per_workgroup >= MAX_WARPS * SUBGROUP_SIZE
-        && adapter.cooperative_matrix_properties().iter().any(|c| {
-            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
-                && c.ab_type == wgpu::CooperativeScalarType::F16
-                && c.cr_type == wgpu::CooperativeScalarType::F32
-        })
 }
 
 /// A workgroup's tile: tokens x weight rows, k per step (pipeline
@@ -331,6 +291,7 @@ fn precision_flag_sets() -> Vec<Vec<&'static str>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::cooperative_matrix::MAX_WARPS;
 
     #[test]
     fn builds_fit_the_workgroup_memory_the_kernel_asks_for() {

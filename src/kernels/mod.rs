@@ -45,9 +45,6 @@ pub use rms_norm::RmsNorm;
 pub use router::Router;
 pub use sample::Sample;
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use crate::error::Result;
 use crate::format::WeightFormat;
 use crate::gpu::Gpu;
@@ -91,7 +88,7 @@ wgsl_struct! {
 }
 
 /// A kernel family: its WGSL and the parameter structs it reads.
-pub struct Family {
+pub struct KernelFamily {
     pub name: &'static str,
     pub source: &'static str,
     /// WGSL declarations prepended to the source ([`WgslStruct::WGSL`]).
@@ -105,85 +102,85 @@ pub struct Family {
 }
 
 /// Every kernel family, by file name (without `.wgsl`).
-pub const FAMILIES: &[Family] = &[
-    Family {
+pub const KERNEL_FAMILIES: &[KernelFamily] = &[
+    KernelFamily {
         name: "attention",
         source: include_str!("../../wgsl/attention.wgsl"),
         structs: attention::structs,
         reads_weights: false,
         sums_workgroups: true,
     },
-    Family {
+    KernelFamily {
         name: "bias_act",
         source: include_str!("../../wgsl/bias_act.wgsl"),
         structs: bias_act::structs,
         reads_weights: false,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "copy",
         source: include_str!("../../wgsl/copy.wgsl"),
         structs: copy::structs,
         reads_weights: false,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "embed",
         source: include_str!("../../wgsl/embed.wgsl"),
         structs: embed::structs,
         reads_weights: true,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "gemm",
         source: include_str!("../../wgsl/gemm.wgsl"),
         structs: gemm::structs,
         reads_weights: true,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "gemm_coop",
         source: include_str!("../../wgsl/gemm_coop.wgsl"),
         structs: gemm::structs,
         reads_weights: true,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "gemv",
         source: include_str!("../../wgsl/gemv.wgsl"),
         structs: gemv::structs,
         reads_weights: true,
         sums_workgroups: true,
     },
-    Family {
+    KernelFamily {
         name: "group_by_expert",
         source: include_str!("../../wgsl/group_by_expert.wgsl"),
         structs: group_by_expert::structs,
         reads_weights: false,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "residual",
         source: include_str!("../../wgsl/residual.wgsl"),
         structs: residual::structs,
         reads_weights: false,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "rms_norm",
         source: include_str!("../../wgsl/rms_norm.wgsl"),
         structs: rms_norm::structs,
         reads_weights: false,
         sums_workgroups: true,
     },
-    Family {
+    KernelFamily {
         name: "router",
         source: include_str!("../../wgsl/router.wgsl"),
         structs: router::structs,
         reads_weights: false,
         sums_workgroups: false,
     },
-    Family {
+    KernelFamily {
         name: "sample",
         source: include_str!("../../wgsl/sample.wgsl"),
         structs: sample::structs,
@@ -275,7 +272,7 @@ pub fn weight_flag_sets() -> Vec<Vec<&'static str>> {
 /// each one for every backend).
 pub fn builds() -> Vec<Build> {
     let mut out = Vec::new();
-    for family in FAMILIES {
+    for family in KERNEL_FAMILIES {
         let flag_sets = match family.name {
             "gemv" => gemv::flag_sets(),
             "embed" => weight_flag_sets(),
@@ -300,7 +297,7 @@ pub fn builds() -> Vec<Build> {
 /// declared, and `#if` sections resolved by `flags`. The `enable`
 /// directives a build keeps move to the top, where WGSL wants them.
 pub fn shader_source(family: &str, flags: &[&str]) -> Option<String> {
-    let f = FAMILIES.iter().find(|f| f.name == family)?;
+    let f = KERNEL_FAMILIES.iter().find(|f| f.name == family)?;
     let structs: String = std::iter::once(Step::WGSL).chain((f.structs)()).collect();
     let weights = if f.reads_weights { WEIGHTS } else { "" };
     let sum = if f.sums_workgroups { WORKGROUP_SUM } else { "" };
@@ -348,7 +345,7 @@ pub fn preprocess(source: &str, flags: &[&str]) -> String {
 }
 
 /// The pipeline of `entry` in `family` built with `flags` and override
-/// `constants`, from the device's cache.
+/// `constants`, from the device's cache (built on first request).
 pub(crate) fn pipeline(
     gpu: &Gpu,
     family: &str,
@@ -356,38 +353,13 @@ pub(crate) fn pipeline(
     flags: &[&str],
     constants: &[(&str, f64)],
 ) -> Result<wgpu::ComputePipeline> {
-    gpu.pipelines.get(gpu, family, entry, flags, constants)
-}
-
-/// Pipelines by (family, entry point, flags, constants), created on first
-/// request.
-#[derive(Debug, Default)]
-pub struct PipelineCache {
-    pipelines: Mutex<HashMap<String, wgpu::ComputePipeline>>,
-}
-
-impl PipelineCache {
-    /// The pipeline of `entry` in `family` built with `flags` and override
-    /// `constants`.
-    pub fn get(
-        &self,
-        gpu: &Gpu,
-        family: &str,
-        entry: &str,
-        flags: &[&str],
-        constants: &[(&str, f64)],
-    ) -> Result<wgpu::ComputePipeline> {
-        let mut sorted = flags.to_vec();
-        sorted.sort_unstable();
-        let key = format!("{family}:{entry}:{sorted:?}:{constants:?}");
-        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
-            return Ok(p.clone());
-        }
+    let mut sorted = flags.to_vec();
+    sorted.sort_unstable();
+    let key = format!("{family}:{entry}:{sorted:?}:{constants:?}");
+    gpu.pipelines.get_or_build(key, || {
         let source = shader_source(family, flags).expect("a registered kernel family");
-        let pipeline = compile(gpu, family, &source, entry, constants)?;
-        self.pipelines.lock().unwrap().insert(key, pipeline.clone());
-        Ok(pipeline)
-    }
+        compile(gpu, family, &source, entry, constants)
+    })
 }
 
 fn compile(
@@ -502,30 +474,5 @@ impl Kernels {
             sample: Sample::new(gpu),
             bias_act: BiasAct,
         })
-    }
-}
-
-/// The attention geometry: query heads, key/value heads and head width.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Heads {
-    pub q: usize,
-    pub kv: usize,
-    pub dim: usize,
-}
-
-impl Heads {
-    /// Width of one token's fused q, k, v projection.
-    pub fn qkv_width(&self) -> usize {
-        (self.q + 2 * self.kv) * self.dim
-    }
-
-    /// Width of one position's K (or V) in the cache.
-    pub fn kv_width(&self) -> usize {
-        self.kv * self.dim
-    }
-
-    /// Query heads per KV head.
-    pub fn group(&self) -> usize {
-        self.q / self.kv
     }
 }

@@ -2,7 +2,6 @@
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
-use crate::model::config::Routing;
 
 /// Invocations per token without subgroups (a power of two).
 const WORKGROUP: u32 = 64;
@@ -10,6 +9,17 @@ const WORKGROUP: u32 = 64;
 /// Limits of the kernel's workgroup arrays.
 pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 16;
+
+/// How a MoE layer turns router logits into experts and weights, resolved
+/// from the family row and the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertSelection {
+    /// softmax, top-k of the probabilities, renormalised when `renormalize`.
+    Softmax { renormalize: bool },
+    /// sigmoid, top-k of `s + e_score_correction_bias`, unbiased `s`
+    /// renormalised as weights.
+    SigmoidWithBias,
+}
 
 crate::wgsl_struct! {
     pub struct RouterParams {
@@ -58,15 +68,15 @@ impl Router {
     pub fn plan(
         &self,
         gpu: &Gpu,
-        routing: Routing,
+        routing: ExpertSelection,
         n_experts: usize,
         top_k: usize,
         b: RouterBindings<'_>,
     ) -> Dispatch {
         debug_assert!(n_experts <= MAX_EXPERTS && top_k <= MAX_TOP_K);
         let (scoring, renormalize) = match routing {
-            Routing::Softmax { renormalize } => (0, renormalize as u32),
-            Routing::SigmoidWithBias => (1, 1),
+            ExpertSelection::Softmax { renormalize } => (0, renormalize as u32),
+            ExpertSelection::SigmoidWithBias => (1, 1),
         };
         let params = ParamsBuffer::new(
             gpu,

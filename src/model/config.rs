@@ -6,11 +6,12 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::family::{self, Family, Renormalize, RouterScoring};
+use super::family::{self, Family, Renormalize, ScoringRule};
 use super::vision::{ImageTokens, VisionConfig};
 use crate::error::{Error, Result};
 use crate::format::FP8_BLOCK_ELEMS;
-use crate::kernels::Heads;
+use crate::kernels::router::ExpertSelection;
+use crate::kv_cache::Heads;
 
 /// More decoder layers than any model has: a config stating more is broken
 /// (and would size per-layer tables before any tensor is read).
@@ -255,24 +256,13 @@ impl RopeConfig {
     }
 }
 
-/// How a MoE layer turns router logits into experts and weights, resolved
-/// from the family row and the config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Routing {
-    /// softmax, top-k of the probabilities, renormalised when `renormalize`.
-    Softmax { renormalize: bool },
-    /// sigmoid, top-k of `s + e_score_correction_bias`, unbiased `s`
-    /// renormalised as weights.
-    SigmoidWithBias,
-}
-
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
     pub experts: usize,
     pub top_k: usize,
     /// Width of one expert's gate/up projection.
     pub intermediate: usize,
-    pub routing: Routing,
+    pub selection: ExpertSelection,
     /// `sparse_layers[i]`: layer `i` routes to experts (else dense FFN).
     pub sparse_layers: Vec<bool>,
 }
@@ -568,13 +558,13 @@ fn parse_moe(
         }
     }
     let routing = match moe.scoring {
-        RouterScoring::Softmax { renormalize } => Routing::Softmax {
+        ScoringRule::Softmax { renormalize } => ExpertSelection::Softmax {
             renormalize: match renormalize {
                 Renormalize::Always => true,
                 Renormalize::IfNormTopkProb => raw.norm_topk_prob.unwrap_or(false),
             },
         },
-        RouterScoring::SigmoidWithBias => Routing::SigmoidWithBias,
+        ScoringRule::SigmoidWithBias => ExpertSelection::SigmoidWithBias,
     };
     let intermediate = raw.moe_intermediate_size.unwrap_or(dense_intermediate);
     if intermediate == 0 || !intermediate.is_multiple_of(2) {
@@ -588,7 +578,7 @@ fn parse_moe(
         raw.mlp_only_layers.iter().flatten().copied().collect();
     let sparse_layers =
         (0..raw.num_hidden_layers).map(|i| !dense_only.contains(&i) && (i + 1) % step == 0).collect();
-    Ok(Some(MoeConfig { experts, top_k, intermediate, routing, sparse_layers }))
+    Ok(Some(MoeConfig { experts, top_k, intermediate, selection: routing, sparse_layers }))
 }
 
 /// config.json's `eos_token_id`: an id, a list of ids, or none (null or

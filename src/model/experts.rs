@@ -10,43 +10,14 @@
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::MoeConfig;
 use super::weights::TensorSource;
 use crate::error::{Error, Result};
 use crate::format::WeightFormat;
 use crate::gpu::{Gpu, GpuTensor, Upload, UploadRing};
-
-/// How the expert cache served a session (or, from [`ExpertStreaming::totals`],
-/// the model): experts a dispatch found in a slot, experts it had to wait
-/// for, and what their uploads took.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct ExpertCacheStats {
-    pub hits: u64,
-    pub misses: u64,
-    pub bytes_uploaded: u64,
-    /// Host time from the first upload of a dispatch's misses (or a
-    /// prefetch) to their submission (reading the checkpoint, filling the
-    /// staging ring, waiting for a staging buffer to come back).
-    pub upload_time: Duration,
-    /// Experts uploaded ahead of their dispatch, on a prediction
-    /// ([`crate::ExpertPrefetch`]), and how many of them the dispatch then
-    /// needed (counted among its hits).
-    pub prefetched: u64,
-    pub prefetch_hits: u64,
-}
-
-impl ExpertCacheStats {
-    pub fn add(&mut self, other: &ExpertCacheStats) {
-        self.hits += other.hits;
-        self.misses += other.misses;
-        self.bytes_uploaded += other.bytes_uploaded;
-        self.upload_time += other.upload_time;
-        self.prefetched += other.prefetched;
-        self.prefetch_hits += other.prefetch_hits;
-    }
-}
+pub use crate::stats::ExpertCacheStats;
 
 /// Where a MoE layer's experts are in the checkpoint.
 #[derive(Debug, Clone)]

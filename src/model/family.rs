@@ -2,20 +2,11 @@
 //! layer flow reads a row; adding a family means adding a row.
 
 use crate::error::{Error, Result};
-
-/// Normalisation of q and k before RoPE.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QkNorm {
-    None,
-    /// RMSNorm of each head with one `[head_dim]` weight shared by heads.
-    PerHead,
-    /// RMSNorm over the whole q (`[nh * hd]`) and k (`[nkv * hd]`) projections.
-    WholeProjection,
-}
+use crate::kernels::attention::QkNorm;
 
 /// How router logits become the k experts and their weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RouterScoring {
+pub enum ScoringRule {
     /// `p = softmax(logits)`; the k largest `p`, renormalised to sum 1
     /// always, or only when the config's `norm_topk_prob` says so.
     Softmax { renormalize: Renormalize },
@@ -53,7 +44,7 @@ const QWEN3_MOE_NAMES: ExpertNames =
 /// The mixture-of-experts half of a family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MoeFamily {
-    pub scoring: RouterScoring,
+    pub scoring: ScoringRule,
     pub names: ExpertNames,
     /// `scoring_func` values a config may state for this family.
     pub scoring_funcs: &'static [&'static str],
@@ -101,7 +92,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["MixtralForCausalLM"],
         qk_norm: QkNorm::None,
         moe: Some(MoeFamily {
-            scoring: RouterScoring::Softmax { renormalize: Renormalize::Always },
+            scoring: ScoringRule::Softmax { renormalize: Renormalize::Always },
             names: MIXTRAL_NAMES,
             scoring_funcs: &["softmax"],
         }),
@@ -123,7 +114,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["Qwen3MoeForCausalLM"],
         qk_norm: QkNorm::PerHead,
         moe: Some(MoeFamily {
-            scoring: RouterScoring::Softmax { renormalize: Renormalize::IfNormTopkProb },
+            scoring: ScoringRule::Softmax { renormalize: Renormalize::IfNormTopkProb },
             names: QWEN3_MOE_NAMES,
             scoring_funcs: &["softmax"],
         }),
@@ -136,7 +127,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["MiniMaxM2ForCausalLM"],
         qk_norm: QkNorm::WholeProjection,
         moe: Some(MoeFamily {
-            scoring: RouterScoring::SigmoidWithBias,
+            scoring: ScoringRule::SigmoidWithBias,
             names: MIXTRAL_NAMES,
             scoring_funcs: &["sigmoid"],
         }),
@@ -174,7 +165,7 @@ pub static FAMILIES: &[Family] = &[
         architectures: &["Qwen3VLMoeForConditionalGeneration"],
         qk_norm: QkNorm::PerHead,
         moe: Some(MoeFamily {
-            scoring: RouterScoring::Softmax { renormalize: Renormalize::Always },
+            scoring: ScoringRule::Softmax { renormalize: Renormalize::Always },
             names: QWEN3_MOE_NAMES,
             scoring_funcs: &["softmax"],
         }),

@@ -15,9 +15,11 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Routing, Yarn};
+pub use crate::kernels::attention::QkNorm;
+pub use crate::kernels::router::ExpertSelection;
+pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Yarn};
 use experts::{ExpertStreaming, ExpertTensors, StreamedLayer};
-pub use family::{Family, QkNorm};
+pub use family::Family;
 use weights::{Checkpoint, TensorSource, Uploader};
 
 use crate::error::{Error, Result};
@@ -571,11 +573,11 @@ fn upload_router(
     let name = |suffix: &str| format!("model.layers.{layer}.{suffix}");
     let names = c.family.moe.expect("a MoE config comes from a MoE family").names;
     let block = if up.contains(&name("mlp.experts.gate_up_proj")) { "mlp" } else { names.block };
-    let score_bias = match moe.routing {
-        Routing::SigmoidWithBias => {
+    let score_bias = match moe.selection {
+        ExpertSelection::SigmoidWithBias => {
             Some(up.f32_vector(&name(&format!("{block}.e_score_correction_bias")), moe.experts)?)
         }
-        Routing::Softmax { .. } => None,
+        ExpertSelection::Softmax { .. } => None,
     };
     let router = up.matrix(&name(&format!("{block}.{}.weight", names.router)), moe.experts, c.hidden)?;
     Ok((router, score_bias))
