@@ -92,7 +92,7 @@ fn step(gpu: &Gpu, pos0: u32, n_tokens: u32, attn_splits: u32) -> wgpu::Buffer {
 
 fn main() {
     // SAFETY: first thing in main, before any other thread starts.
-    unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
+    unsafe { wgspark::set_runtime_dir_if_missing() };
     let gpu = Gpu::from_env().expect("an adapter");
     println!("adapter: {}", gpu.describe());
     let cpu = gpu.caps.is_cpu;

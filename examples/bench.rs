@@ -186,7 +186,7 @@ fn shape_config(name: &str) -> Result<ModelConfig, String> {
 
 fn main() {
     // SAFETY: first thing in main, before any other thread starts.
-    unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
+    unsafe { wgspark::set_runtime_dir_if_missing() };
     if let Err(e) = run(Args::parse()) {
         eprintln!("error: {e}");
         std::process::exit(1);
@@ -248,7 +248,7 @@ fn run(args: Args) -> BenchResult<()> {
 
 fn measure(args: &Args, copy: f64, round_trip: Duration, name: &str, model: &Model) -> BenchResult<()> {
     let c = &model.config;
-    println!("\n{name}: {:.3} GB of weights, depth {}", model.weights.bytes() as f64 / 1e9, args.depth);
+    println!("\n{name}: {:.3} GB of weights, depth {}", model.weight_bytes() as f64 / 1e9, args.depth);
     if c.vision.is_some() && args.image_size > 0 {
         measure_vision_tower(args, model)?;
     }
@@ -264,7 +264,7 @@ fn measure(args: &Args, copy: f64, round_trip: Duration, name: &str, model: &Mod
             expert_prefetch,
             ..Default::default()
         };
-        let mode = match (c.moe.is_some(), model.experts.is_some()) {
+        let mode = match (c.moe.is_some(), model.experts().is_some()) {
             (true, true) => format!(" ({routing:?} routing, prefetch {expert_prefetch:?})"),
             (true, false) => format!(" ({routing:?} routing)"),
             _ => String::new(),
@@ -311,13 +311,13 @@ fn session_modes(
 ) -> BenchResult<(&'static [RoutingMode], &'static [ExpertPrefetch])> {
     let modes: &[RoutingMode] = match (model.config.moe.is_some(), args.routing.as_str()) {
         // Streamed experts need the host to see the routing.
-        _ if model.experts.is_some() => &[RoutingMode::Readback],
+        _ if model.experts().is_some() => &[RoutingMode::Readback],
         (false, _) | (true, "readback") => &[RoutingMode::Readback],
         (true, "device") => &[RoutingMode::DeviceResident],
         (true, "both") => &[RoutingMode::DeviceResident, RoutingMode::Readback],
         (true, other) => return Err(format!("--routing {other:?}: readback, device or both").into()),
     };
-    let prefetches: &[ExpertPrefetch] = match (model.experts.is_some(), args.expert_prefetch.as_str()) {
+    let prefetches: &[ExpertPrefetch] = match (model.experts().is_some(), args.expert_prefetch.as_str()) {
         (false, _) | (true, "off") => &[ExpertPrefetch::Off],
         (true, "predicted") => &[ExpertPrefetch::Predicted],
         (true, "both") => &[ExpertPrefetch::Off, ExpertPrefetch::Predicted],
@@ -428,7 +428,7 @@ fn print_expert_cache(
     secs: f64,
     mode: &str,
 ) {
-    let Some(experts) = &model.experts else { return };
+    let Some(experts) = model.experts() else { return };
     let cache = ExpertCacheStats {
         hits: now.hits - before.hits,
         misses: now.misses - before.misses,
@@ -634,14 +634,14 @@ fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
     let c = &model.config;
     let top_k = c.moe.as_ref().map_or(0, |m| m.top_k);
     let kv = 2 * c.layers as u64 * (pos * c.heads.kv_width() * format.bytes_per_value()) as u64;
-    model.weights.decode_bytes(top_k) + kv
+    model.weights().decode_bytes(top_k) + kv
 }
 
 /// The vision tower's time for one square image of random pixels, as
 /// Qwen3-VL's processor cuts it (16-pixel patches, 2 x 2 merged), best of
 /// `--reps` after a warm-up.
 fn measure_vision_tower(args: &Args, model: &Model) -> BenchResult<()> {
-    let gemm = wgspark::ChunkMatmul::Auto.gemm(&model.gpu, args.prefill_precision)?;
+    let gemm = wgspark::ChunkMatmul::Auto.gemm(&model.gpu(), args.prefill_precision)?;
     let gemm = gemm.as_ref();
     let v = model.config.vision.as_ref().expect("a vision tower");
     let processor =
@@ -664,7 +664,7 @@ fn measure_vision_tower(args: &Args, model: &Model) -> BenchResult<()> {
     let encode = || -> BenchResult<Duration> {
         let start = Instant::now();
         let out = wgspark::flow::vision::encode_image(model, &patches, gemm)?;
-        model.gpu.wait()?;
+        model.gpu().wait()?;
         let elapsed = start.elapsed();
         drop(out);
         Ok(elapsed)

@@ -52,7 +52,7 @@ struct Args {
 
 fn main() {
     // SAFETY: first thing in main, before any other thread starts.
-    unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
+    unsafe { wgspark::set_runtime_dir_if_missing() };
     if let Err(e) = run(Args::parse()) {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -185,7 +185,7 @@ fn control_vectors(args: &Args) -> Result<Vec<(PathBuf, f32)>, String> {
 
 fn main() {
     // SAFETY: first thing in main, before any other thread starts.
-    unsafe { wgspark::gpu::set_runtime_dir_if_missing() };
+    unsafe { wgspark::set_runtime_dir_if_missing() };
     // RUST_LOG=wgpu_hal=info (for instance) shows why a backend fails.
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("off")).init();
     match run(Args::parse()) {

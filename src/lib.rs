@@ -41,17 +41,43 @@
 //! # Ok::<(), wgspark::Error>(())
 //! ```
 
+#![warn(missing_docs)]
+
+// The engine's machinery: public with the `internals` feature (this
+// crate's own tests and benchmarks turn it on; it is no stable API), private
+// to the crate otherwise.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod flow;
+#[cfg(not(feature = "internals"))]
+mod flow;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod format;
+#[cfg(not(feature = "internals"))]
+mod format;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod gpu;
+#[cfg(not(feature = "internals"))]
+mod gpu;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod kernels;
+#[cfg(not(feature = "internals"))]
+mod kernels;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod kv_cache;
+#[cfg(not(feature = "internals"))]
+mod kv_cache;
+
 pub mod capture;
 pub mod chat;
 pub mod error;
 #[cfg(feature = "fetch")]
 pub mod fetch;
-pub mod flow;
-pub mod format;
 pub mod gguf;
-pub mod gpu;
-pub mod kernels;
-pub mod kv_cache;
 pub mod model;
 pub mod multimodal;
 pub mod progress;
@@ -63,18 +89,28 @@ pub mod tokenizer;
 pub mod vision;
 
 pub use capture::{Capture, CaptureOptions, PromptRows};
+pub use chat::{ChatTemplate, Message};
 pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, ExpertPrefetch, RoutingMode};
 pub use format::WeightFormat;
-pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions};
+pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions, set_runtime_dir_if_missing};
 pub use kernels::gemm::PrefillPrecision;
 pub use kv_cache::KvFormat;
 pub use model::{LoadOptions, Model, ModelConfig};
 pub use multimodal::PromptPart;
+pub use progress::Progress;
 pub use sampling::{Sampler, Sampling};
 pub use session::{GenerateOptions, Generation, Session, SessionOptions, StopReason};
-pub use stats::Stats;
+pub use stats::{ExpertCacheStats, Stats};
 pub use steering::{ControlVector, Steering};
+pub use tokenizer::{TextStream, Tokenizer};
+pub use vision::RgbImage;
+
+/// README's code blocks, compiled and run as doc tests so that they cannot
+/// drift from the API.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 impl Model {
     /// Opens a decoding session with its own KV cache.

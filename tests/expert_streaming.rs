@@ -79,7 +79,7 @@ fn streamed_experts_give_the_resident_logits_bit_for_bit() {
                 ];
                 for (slots, prefetch) in runs {
                     let model = streamed(case, gpu, slots);
-                    assert_eq!(model.experts.as_ref().map(|e| e.slots), Some(slots), "{}", case.name);
+                    assert_eq!(model.experts().map(|e| e.slots), Some(slots), "{}", case.name);
                     let (got, cache) = replay(&model, case, path, prefetch);
                     let what = format!(
                         "{} on {:?}, {slots} slots, {path:?}, prefetch {prefetch:?}",
@@ -125,14 +125,14 @@ fn gpu_memory_budgets_become_expert_slots() {
         };
         let model = load(minimum).unwrap();
         let top_k = model.config.moe.as_ref().unwrap().top_k;
-        assert_eq!(model.experts.as_ref().map(|e| e.slots), Some(top_k), "{case}");
+        assert_eq!(model.experts().map(|e| e.slots), Some(top_k), "{case}");
         let err = load(minimum - 1).expect_err("a byte short");
         assert!(
             matches!(err, Error::OutOfDeviceMemory { needed_bytes: Some(n), .. } if n == minimum),
             "{case}"
         );
         let model = load(u64::MAX / 2).unwrap();
-        assert!(model.experts.is_none(), "{case}: a budget for everything streams nothing");
+        assert!(model.experts().is_none(), "{case}: a budget for everything streams nothing");
     }
 }
 

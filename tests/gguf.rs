@@ -580,12 +580,12 @@ fn value_rows_in_their_own_format_are_written_apart() {
     let model = wgspark::Model::load(std::path::Path::new(path), &gpu).unwrap();
     let heads = model.config.heads;
     let apart: Vec<bool> = model
-        .weights
+        .weights()
         .layers
         .iter()
         .map(|l| wgspark::flow::first_value_row_apart(&l.qkv, heads).is_some())
         .collect();
     assert_eq!(apart, [false, true], "layer 0's value rows are Q4_K, layer 1's Q6_K");
-    let v_part = model.weights.layers[1].qkv.parts.last().unwrap();
+    let v_part = model.weights().layers[1].qkv.parts.last().unwrap();
     assert_eq!(v_part.first_row, (heads.q + heads.kv) * heads.dim);
 }

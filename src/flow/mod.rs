@@ -43,7 +43,9 @@ pub(crate) mod moe;
 mod recorder;
 pub mod vision;
 
-pub use buffers::{Activations, MoeActivations, ValueRows};
+pub use buffers::Activations;
+#[cfg(feature = "internals")]
+pub use buffers::{MoeActivations, ValueRows};
 pub use moe::{ExpertPrefetch, RoutingMode};
 pub use recorder::{PhaseTimer, Recorder};
 

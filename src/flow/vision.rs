@@ -50,6 +50,7 @@ pub struct ImageRows {
 
 impl ImageRows {
     /// The rows read back: merged, then each deepstack merger's.
+    #[cfg(feature = "internals")]
     pub fn read(&self, gpu: &Gpu, width: usize) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let n = self.tokens * width;
         let deep = self.deepstack.iter().map(|b| gpu.read_buffer(b, n)).collect::<Result<_>>()?;

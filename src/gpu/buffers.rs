@@ -36,6 +36,7 @@ impl Dispatch {
     }
 }
 
+#[cfg(feature = "internals")]
 pub fn encode_all(dispatches: &[Dispatch], pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
     for d in dispatches {
         d.encode(pass, n_tokens);

@@ -9,7 +9,9 @@ mod readback;
 mod tensor;
 mod upload_ring;
 
-pub use buffers::{Dispatch, ParamsBuffer, encode_all};
+#[cfg(feature = "internals")]
+pub use buffers::encode_all;
+pub use buffers::{Dispatch, ParamsBuffer};
 pub use readback::{MapWait, Readback};
 pub use tensor::{GpuTensor, TensorPart};
 pub use upload_ring::{Upload, UploadRing};

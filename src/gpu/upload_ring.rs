@@ -58,6 +58,7 @@ impl UploadRing {
     }
 
     /// Host memory the ring holds.
+    #[cfg(feature = "internals")]
     pub fn bytes(&self) -> u64 {
         self.slots.iter().map(|s| s.buffer.size()).sum()
     }

@@ -311,6 +311,7 @@ impl Attention {
 
     /// The kernels with `attend_coop` laid out as `layout` (one of
     /// [`CoopLayout::fitting`]).
+    #[cfg(feature = "internals")]
     pub fn with_coop_layout(gpu: &Gpu, layout: CoopLayout) -> Self {
         Attention { coop: Some(layout).filter(|_| gpu.caps.cooperative_matrix) }
     }
@@ -565,6 +566,7 @@ impl Attention {
 }
 
 /// The flag sets of every attention build.
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for kv in [&[][..], &["KV_F16"], &["KV_F16", super::F16_NATIVE]] {

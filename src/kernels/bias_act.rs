@@ -44,6 +44,7 @@ impl Activation {
     }
 }
 
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     [Activation::None, Activation::GeluTanh, Activation::GeluErf].iter().map(|a| a.flags().to_vec()).collect()
 }

@@ -1,8 +1,11 @@
 //! `wgsl/copy.wgsl`: a buffer copy through the shader cores.
 
+#[cfg(feature = "internals")]
 use std::time::Duration;
 
+#[cfg(feature = "internals")]
 use crate::error::Result;
+#[cfg(feature = "internals")]
 use crate::gpu::{Dispatch, Gpu, ParamsBuffer};
 
 crate::wgsl_struct! {
@@ -19,14 +22,17 @@ pub fn structs() -> Vec<&'static str> {
 
 /// vec4s each invocation copies: enough loads in flight for a large GPU
 /// (`kernel_throughput` times the other counts).
+#[cfg(feature = "internals")]
 pub const PER_THREAD: u32 = 8;
 
 /// `dst[..bytes] = src[..bytes]`, `bytes` a multiple of 16.
+#[cfg(feature = "internals")]
 pub fn plan(gpu: &Gpu, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<Dispatch> {
     plan_with(gpu, src, dst, bytes, PER_THREAD)
 }
 
 /// As [`plan`], `per_thread` (at most 16) vec4s per invocation.
+#[cfg(feature = "internals")]
 pub fn plan_with(
     gpu: &Gpu,
     src: &wgpu::Buffer,
@@ -48,6 +54,7 @@ pub fn plan_with(
 
 /// Device-to-device copy bandwidth in bytes per second, counting the read
 /// and the write (as memory-bound kernels count their traffic).
+#[cfg(feature = "internals")]
 #[derive(Debug, Clone, Copy)]
 pub struct CopyBandwidth {
     /// The API's buffer copy (a DMA engine on some GPUs).
@@ -61,6 +68,7 @@ pub struct CopyBandwidth {
 /// The copy bandwidth of `reps` copies of a `bytes` buffer in one
 /// submission, best of 3, by the API's copy (wall clock) and by the
 /// copy kernel (GPU timestamps where the adapter has them).
+#[cfg(feature = "internals")]
 pub fn bandwidth(gpu: &Gpu, bytes: u64, reps: u32) -> Result<CopyBandwidth> {
     let bytes = bytes.min(gpu.caps.max_buffer_size).min(gpu.caps.max_storage_binding) / 16 * 16;
     let a = gpu.storage_buffer_bytes("copy.a", bytes)?;

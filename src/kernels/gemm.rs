@@ -218,11 +218,13 @@ pub enum Epilogue {
 pub const SWIGLU: &str = "SWIGLU";
 
 /// Every flag set of `gemm.wgsl` builds.
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     with_epilogues(super::weight_flag_sets())
 }
 
 /// Each of `sets` plain and with [`SWIGLU`].
+#[cfg(feature = "internals")]
 pub(crate) fn with_epilogues(sets: Vec<Vec<&'static str>>) -> Vec<Vec<&'static str>> {
     sets.into_iter().flat_map(|flags| [flags.clone(), [flags, vec![SWIGLU]].concat()]).collect()
 }

@@ -262,6 +262,7 @@ pub const MIN_WORKGROUPS: usize = 96;
 /// Every flag set the flow may build: each weight format, with and
 /// without splits, plain and with SwiGLU; unsplit, also reading f16
 /// copies (plain, also split over k; with SwiGLU writing them).
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = super::gemm::with_epilogues(precision_flag_sets());
     for flags in super::weight_flag_sets() {
@@ -273,6 +274,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     out
 }
 
+#[cfg(feature = "internals")]
 fn precision_flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for flags in super::weight_flag_sets() {

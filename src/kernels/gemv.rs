@@ -142,6 +142,7 @@ const SPREAD_BELOW: u32 = 256;
 /// relative to the largest magnitude in its block of 32: two steps of
 /// 1 / (63 * 2^16) (half a step of rounding, and the f32 roundings of the
 /// value in steps and back).
+#[cfg(feature = "internals")]
 pub const INT8_ROUNDING: f32 = 2.0 / (63.0 * 65536.0);
 
 impl GemvShape {
@@ -208,6 +209,7 @@ impl GemvShape {
     /// The GPU shape on the adapter's subgroups, where they have one width
     /// (the builds that reduce with subgroup operations), CPU rasterisers
     /// included.
+    #[cfg(feature = "internals")]
     pub fn on_subgroups(gpu: &Gpu) -> Option<Self> {
         super::subgroup_width(gpu).map(|w| Self::lanes(gpu, w))
     }
@@ -552,6 +554,7 @@ pub fn has_int8_units(format: WeightFormat) -> bool {
 }
 
 /// The flag sets of every GEMV the flow builds (for the shader test).
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for reduce in [&[][..], &[super::SUBGROUPS, SUBGROUP_SUM]] {

@@ -37,6 +37,7 @@ pub mod vulkan_memory_model;
 pub use attention::Attention;
 pub use bias_act::BiasAct;
 pub use embed::Embed;
+#[cfg(feature = "internals")]
 pub use gemm::Gemm;
 pub use gemv::Gemv;
 pub use group_by_expert::GroupByExpert;
@@ -194,12 +195,14 @@ const WEIGHTS: &str = include_str!("../../wgsl/weights.wgsl");
 const WORKGROUP_SUM: &str = include_str!("../../wgsl/workgroup_sum.wgsl");
 
 /// One specialisation the engine may build: a family with a set of flags.
+#[cfg(feature = "internals")]
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Build {
     pub family: &'static str,
     pub flags: Vec<&'static str>,
 }
 
+#[cfg(feature = "internals")]
 impl Build {
     /// Uses subgroup operations (needs the SUBGROUP feature).
     pub fn uses_subgroups(&self) -> bool {
@@ -257,6 +260,7 @@ pub fn weight_flags(gpu: &Gpu, format: WeightFormat) -> Vec<&'static str> {
 
 /// The flag sets [`weight_flags`] gives, on adapters with and without
 /// f16 conversions.
+#[cfg(feature = "internals")]
 pub fn weight_flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = vec![vec![]];
     for format in WeightFormat::ALL {
@@ -270,6 +274,7 @@ pub fn weight_flag_sets() -> Vec<Vec<&'static str>> {
 
 /// Every specialisation any session may build (the shader test translates
 /// each one for every backend).
+#[cfg(feature = "internals")]
 pub fn builds() -> Vec<Build> {
     let mut out = Vec::new();
     for family in KERNEL_FAMILIES {

@@ -60,6 +60,7 @@ impl<'a> LayerOutput<'a> {
     }
 
     /// Every combination of layer-output flags.
+    #[cfg(feature = "internals")]
     pub fn flag_sets() -> Vec<Vec<&'static str>> {
         vec![vec![], vec!["STEER"], vec!["CAPTURE"], vec!["STEER", "CAPTURE"]]
     }
@@ -165,6 +166,7 @@ impl Residual {
 }
 
 /// The flag sets of every residual add the flow builds.
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for layer in LayerOutput::flag_sets() {

@@ -49,6 +49,7 @@ pub const ADD: &str = "ADD";
 /// The flag of builds that also write the normalised rows as f16.
 pub const OUT_F16: &str = "OUT_F16";
 
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let after_add = LayerOutput::flag_sets().into_iter().map(|layer| [&[ADD][..], &layer].concat());
     let norms: Vec<Vec<&str>> = [vec![], vec![LAYER_NORM]].into_iter().chain(after_add).collect();

@@ -122,6 +122,7 @@ impl Sample {
 }
 
 /// The flag sets of every selection build.
+#[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     vec![vec![], vec!["RANDOM"], vec!["RANDOM", "FILTER"]]
 }

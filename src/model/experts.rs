@@ -187,11 +187,13 @@ impl ExpertStreaming {
     }
 
     /// Everything the cache has served since the model was loaded.
+    #[cfg(feature = "internals")]
     pub fn totals(&self) -> ExpertCacheStats {
         self.cache.lock().unwrap().totals
     }
 
     /// Host memory of the staging ring.
+    #[cfg(feature = "internals")]
     pub fn staging_bytes(&self) -> u64 {
         self.cache.lock().unwrap().ring.bytes()
     }

@@ -5,12 +5,40 @@
 //! the pipelines that run them.
 
 pub mod config;
-pub mod experts;
-pub mod family;
-pub mod gguf_checkpoint;
 mod synthetic;
+
+// The model's machinery: public with the `internals` feature (the crate's
+// own tests and benchmarks), private otherwise.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod experts;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod experts;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod family;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod family;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod gguf_checkpoint;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod gguf_checkpoint;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod layers;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod layers;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub mod vision;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod vision;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub mod weights;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod weights;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,7 +47,7 @@ pub use crate::kernels::attention::QkNorm;
 pub use crate::kernels::router::ExpertSelection;
 pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Yarn};
 use experts::{ExpertStreaming, ExpertTensors, StreamedLayer};
-pub use family::Family;
+pub(crate) use layers::{FfnWeights, LayerWeights, MoeWeights, Weights};
 use weights::{Checkpoint, TensorSource, Uploader};
 
 use crate::error::{Error, Result};
@@ -27,105 +55,6 @@ use crate::format::WeightFormat;
 use crate::gpu::{Gpu, GpuTensor};
 use crate::kernels::Kernels;
 use crate::progress::Progress;
-
-/// One decoder layer's weights. Projections that read the same input are
-/// stacked into one tensor so they run as one GEMV.
-#[derive(Debug)]
-pub struct LayerWeights {
-    pub attn_norm: GpuTensor,
-    /// q, k and v projections stacked: `[(nh + 2 nkv) * hd, hidden]`.
-    pub qkv: GpuTensor,
-    pub q_norm: Option<GpuTensor>,
-    pub k_norm: Option<GpuTensor>,
-    pub o_proj: GpuTensor,
-    pub ffn_norm: GpuTensor,
-    pub ffn: FfnWeights,
-}
-
-#[derive(Debug)]
-pub enum FfnWeights {
-    Dense {
-        /// gate and up projections, rows interleaved: `[2 * intermediate,
-        /// hidden]`, row `2i` gate row `i`, row `2i + 1` up row `i`.
-        gate_up: GpuTensor,
-        down: GpuTensor,
-    },
-    Moe(MoeWeights),
-}
-
-/// A MoE layer's router and experts. Expert `e` owns rows
-/// `[e * 2I, (e + 1) * 2I)` of `gate_up` (its gate and up rows
-/// interleaved, as a dense layer's) and rows `[e * H, (e + 1) * H)` of
-/// `down`: per-expert tensors and transformers 5's fused ones are both
-/// stacked into this layout. With expert streaming the two hold the
-/// layer's slots instead, in the same layout: slot `s` is where expert `e`
-/// would be.
-#[derive(Debug)]
-pub struct MoeWeights {
-    /// `[experts, hidden]`.
-    pub router: GpuTensor,
-    /// f32 `[experts]`, for sigmoid-with-bias scoring.
-    pub score_bias: Option<wgpu::Buffer>,
-    pub gate_up: GpuTensor,
-    pub down: GpuTensor,
-}
-
-#[derive(Debug)]
-pub struct Weights {
-    pub embed: GpuTensor,
-    pub layers: Vec<LayerWeights>,
-    pub final_norm: GpuTensor,
-    /// `None` for tied embeddings: the head is `embed`.
-    pub lm_head: Option<GpuTensor>,
-    pub vision: Option<vision::VisionWeights>,
-}
-
-impl Weights {
-    pub fn head(&self) -> &GpuTensor {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
-    }
-
-    /// Bytes of GPU memory the weights take, in their stored formats.
-    pub fn bytes(&self) -> u64 {
-        let layers: u64 = self.layers.iter().map(LayerWeights::bytes).sum();
-        self.embed.bytes()
-            + layers
-            + self.final_norm.bytes()
-            + self.lm_head.as_ref().map_or(0, GpuTensor::bytes)
-    }
-
-    /// Bytes one decode step reads: every weight it uses, the embedding's
-    /// one row and, of a MoE layer's experts, the `top_k` it selects.
-    pub fn decode_bytes(&self, top_k: usize) -> u64 {
-        let layers: u64 = self
-            .layers
-            .iter()
-            .map(|l| match &l.ffn {
-                FfnWeights::Moe(m) => {
-                    // Experts (or slots, when they stream) held: `down` is
-                    // `[held * hidden, intermediate]`.
-                    let held = (m.down.rows / m.router.cols.max(1)).max(1) as u64;
-                    l.bytes() - m.gate_up.bytes() - m.down.bytes()
-                        + (m.gate_up.bytes() + m.down.bytes()) * top_k as u64 / held
-                }
-                FfnWeights::Dense { .. } => l.bytes(),
-            })
-            .sum();
-        let embed_row = self.embed.bytes() / self.embed.rows.max(1) as u64;
-        embed_row + layers + self.final_norm.bytes() + self.head().bytes()
-    }
-}
-
-impl LayerWeights {
-    fn bytes(&self) -> u64 {
-        let norms = [&self.attn_norm, &self.ffn_norm].into_iter().chain(&self.q_norm).chain(&self.k_norm);
-        let ffn = match &self.ffn {
-            FfnWeights::Dense { gate_up, down } => gate_up.bytes() + down.bytes(),
-            FfnWeights::Moe(m) => m.router.bytes() + m.gate_up.bytes() + m.down.bytes(),
-        };
-        norms.map(GpuTensor::bytes).sum::<u64>() + self.qkv.bytes() + self.o_proj.bytes() + ffn
-    }
-}
 
 /// How a model is placed on the GPU.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -282,22 +211,53 @@ fn streamed_layer(
 /// A loaded model, ready to open sessions on.
 #[derive(Debug)]
 pub struct Model {
+    /// The model's shape and family, from its config.json or GGUF metadata.
     pub config: ModelConfig,
-    pub gpu: Gpu,
-    pub weights: Weights,
-    pub kernels: Kernels,
+    pub(crate) gpu: Gpu,
+    pub(crate) weights: Weights,
+    pub(crate) kernels: Kernels,
     /// `Some` when routed experts live in host memory and stream into GPU
     /// slots ([`LoadOptions`]).
-    pub experts: Option<ExpertStreaming>,
+    pub(crate) experts: Option<ExpertStreaming>,
     /// Where the model's files describe its tokenizer, read on request
     /// ([`Model::tokenizer`]), so that a caller who gives ids never needs it.
     tokenizer_source: Option<PathBuf>,
     /// How the model's images become patches (a folder's
     /// preprocessor_config.json, for a model with a vision tower).
-    pub image_processor: Option<crate::vision::ImageProcessor>,
+    pub(crate) image_processor: Option<crate::vision::ImageProcessor>,
 }
 
 impl Model {
+    /// The device the model is loaded on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// How the model's images become patches (Qwen3-VL), where it has a
+    /// vision tower.
+    pub fn image_processor(&self) -> Option<&crate::vision::ImageProcessor> {
+        self.image_processor.as_ref()
+    }
+
+    /// Bytes of weights on the GPU (streamed experts' slots included).
+    pub fn weight_bytes(&self) -> u64 {
+        self.weights.bytes()
+    }
+
+    /// The weights on the GPU, layer by layer.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// The expert cache, where experts stream from host memory.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
+    pub fn experts(&self) -> Option<&ExpertStreaming> {
+        self.experts.as_ref()
+    }
+
     /// Loads `path` onto `gpu`: a Hugging Face folder (config.json +
     /// safetensors, sharded or not; weights as bf16) or a GGUF file (or the
     /// first of a split set, or a folder holding one and no config.json;

@@ -173,6 +173,7 @@ impl Checkpoint {
         self.tensors.get(name).ok_or_else(|| Error::MissingTensor { name: name.to_string() })
     }
 
+    #[cfg(feature = "internals")]
     pub fn shape(&self, name: &str) -> Result<&[usize]> {
         Ok(&self.entry(name)?.shape)
     }
