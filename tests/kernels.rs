@@ -6,7 +6,7 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{
-    AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
+    AttentionBindings, AttentionShape, CoopLayout, PagedRows, QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
@@ -620,6 +620,176 @@ fn check_attention(gpu: &Gpu) {
             assert_close(&stored_v[row], &v[pos], tol, &format!("stored v at {pos}, {what}"));
         }
     }
+}
+
+/// A ragged batch over a paged cache: sequences of different lengths, each
+/// adding a few rows (a prompt chunk) or one (a decode step), their
+/// positions in blocks scattered over the pool by each sequence's block
+/// table: every row's attention over its own sequence's keys, and the
+/// stored K/V, against the CPU.
+#[test]
+fn paged_attention_runs_each_row_over_its_own_sequence() {
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(61);
+        use KvFormat::{F16, F32};
+        use QkNorm::{None as NoNorm, PerHead, WholeProjection};
+        // (heads, block size, window, q/k norm, rotary dims, format, value rows apart,
+        // per sequence (positions already cached, rows added))
+        let cases: [(Heads, usize, usize, QkNorm, usize, KvFormat, bool, &[(usize, usize)]); 5] = [
+            (Heads { q: 4, kv: 2, dim: 12 }, 4, 0, NoNorm, 12, F32, false, &[(0, 5), (9, 1), (3, 1)]),
+            (
+                Heads { q: 8, kv: 2, dim: 64 },
+                16,
+                0,
+                PerHead,
+                64,
+                F16,
+                true,
+                &[(40, 1), (0, 20), (17, 1), (5, 3)],
+            ),
+            (Heads { q: 6, kv: 3, dim: 32 }, 8, 10, WholeProjection, 16, F16, false, &[(30, 1), (2, 12)]),
+            (Heads { q: 32, kv: 8, dim: 128 }, 16, 0, NoNorm, 128, F16, false, &[(70, 1), (33, 1), (0, 9)]),
+            (Heads { q: 2, kv: 1, dim: 256 }, 4, 0, PerHead, 128, F32, true, &[(6, 2), (1, 1)]),
+        ];
+        for (heads, block, window, norm, rot, format, apart, seqs) in cases {
+            let what = format!("{heads:?} block {block} window {window} {norm:?} rot {rot} {format:?}");
+            let (hd, kvw, width) = (heads.dim, heads.kv_width(), heads.qkv_width());
+            let rope = RopeConfig { theta: 10_000.0, rotary_dim: rot, scaling: RopeScaling::None };
+            let inv_freq = rope.inv_freq();
+            let eps = 1e-6;
+            let (qn_len, kn_len) = if norm == WholeProjection { (heads.q * hd, kvw) } else { (hd, hd) };
+            let (qn, kn) = (bf16_round(&rng.vec(qn_len, 1.5)), bf16_round(&rng.vec(kn_len, 1.5)));
+            let qn_t = GpuTensor::vector_f32(gpu, "q_norm", &qn).unwrap();
+            let kn_t = GpuTensor::vector_f32(gpu, "k_norm", &kn).unwrap();
+            let round = |v: Vec<f32>| if format == F16 { reference::f16_round(&v) } else { v };
+            // Every sequence's blocks, taken from the pool in a shuffled order.
+            let blocks_of: Vec<usize> =
+                seqs.iter().map(|&(cached, rows)| (cached + rows).div_ceil(block)).collect();
+            let pool_blocks: usize = blocks_of.iter().sum::<usize>() + 3;
+            let mut free: Vec<usize> = (0..pool_blocks).collect();
+            for i in (1..free.len()).rev() {
+                free.swap(i, rng.below(i as u32 + 1) as usize);
+            }
+            let mut table = Vec::new();
+            let mut firsts = Vec::new();
+            for &n in &blocks_of {
+                firsts.push(table.len());
+                table.extend(free.drain(..n).map(|b| b as u32));
+            }
+            let slot = |s: usize, j: usize| table[firsts[s] + j / block] as usize * block + j % block;
+            // The pool's rows: the cached positions random, the rest poisoned.
+            let mut k_pool = vec![vec![f32::NAN; kvw]; pool_blocks * block];
+            let mut v_pool = k_pool.clone();
+            let mut k_seq: Vec<Vec<Vec<f32>>> = Vec::new();
+            let mut v_seq: Vec<Vec<Vec<f32>>> = Vec::new();
+            for (s, &(cached, rows)) in seqs.iter().enumerate() {
+                let k: Vec<Vec<f32>> = (0..cached + rows).map(|_| round(rng.vec(kvw, 1.0))).collect();
+                let v: Vec<Vec<f32>> = (0..cached + rows).map(|_| round(rng.vec(kvw, 1.0))).collect();
+                for j in 0..cached {
+                    k_pool[slot(s, j)] = k[j].clone();
+                    v_pool[slot(s, j)] = v[j].clone();
+                }
+                k_seq.push(k);
+                v_seq.push(v);
+            }
+            // The step's rows, sequence by sequence; each row's metadata and angles.
+            let mut meta: Vec<u32> = Vec::new();
+            let mut row_of: Vec<(usize, usize)> = Vec::new();
+            for (s, &(cached, rows)) in seqs.iter().enumerate() {
+                for pos in cached..cached + rows {
+                    meta.extend([pos as u32, firsts[s] as u32]);
+                    row_of.push((s, pos));
+                }
+            }
+            let n = row_of.len();
+            let table_rows = rope.cos_sin_table(row_of.iter().map(|r| r.1).max().unwrap() + 1);
+            let per_row = 2 * (rot / 2);
+            let cos_sin: Vec<f32> = row_of
+                .iter()
+                .flat_map(|&(_, pos)| table_rows[pos * per_row..(pos + 1) * per_row].to_vec())
+                .collect();
+            let qkv = rng.vec(n * width, 1.0);
+            let normed = |x: &[f32], w: &[f32]| {
+                if norm == NoNorm { x.to_vec() } else { reference::rms_norm(x, w, eps) }
+            };
+            let mut q_rot = vec![0.0f32; n * heads.q * hd];
+            for (t, &(s, pos)) in row_of.iter().enumerate() {
+                let row = &qkv[t * width..(t + 1) * width];
+                let (q_all, k_all) = (&row[..heads.q * hd], &row[heads.q * hd..(heads.q + heads.kv) * hd]);
+                let (q_n, k_n): (Vec<f32>, Vec<f32>) = match norm {
+                    WholeProjection => (normed(q_all, &qn), normed(k_all, &kn)),
+                    _ => (
+                        q_all.chunks(hd).flat_map(|h| normed(h, &qn)).collect(),
+                        k_all.chunks(hd).flat_map(|h| normed(h, &kn)).collect(),
+                    ),
+                };
+                for h in 0..heads.q {
+                    let r = reference::rope(&q_n[h * hd..(h + 1) * hd], pos, rot, &inv_freq);
+                    q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd].copy_from_slice(&r);
+                }
+                k_seq[s][pos] =
+                    round(k_n.chunks(hd).flat_map(|h| reference::rope(h, pos, rot, &inv_freq)).collect());
+                v_seq[s][pos] = round(row[(heads.q + heads.kv) * hd..].to_vec());
+            }
+            let mut want = Vec::new();
+            for (t, &(s, pos)) in row_of.iter().enumerate() {
+                let start = if window > 0 && pos + 1 > window { pos + 1 - window } else { 0 };
+                for h in 0..heads.q {
+                    let q = &q_rot[(t * heads.q + h) * hd..(t * heads.q + h + 1) * hd];
+                    let (k, v) = (&k_seq[s][start..=pos], &v_seq[s][start..=pos]);
+                    want.extend(reference::attention(q, k, v, h / heads.group(), (hd as f32).powf(-0.5)));
+                }
+            }
+            let first_value = (heads.q + heads.kv) * hd;
+            let values: Vec<f32> = qkv.chunks(width).flat_map(|r| r[first_value..].to_vec()).collect();
+            let qkv_b = gpu.storage_buffer_init("qkv", &qkv);
+            let values_b = gpu.storage_buffer_init("values", &values);
+            let k_b = gpu.storage_buffer_init("k_pool", &cache_words(&k_pool, format));
+            let v_b = gpu.storage_buffer_init("v_pool", &cache_words(&v_pool, format));
+            let cos_sin_b = gpu.storage_buffer_init("cos_sin", &cos_sin);
+            let meta_b = gpu.storage_buffer_init("rows", &meta);
+            let table_b = gpu.storage_buffer_init("block_table", &table);
+            let out = gpu.storage_buffer("out", n * heads.q * hd).unwrap();
+            let step = step_buffer(gpu, 0, n, 1);
+            let b = AttentionBindings {
+                step: &step,
+                qkv: &qkv_b,
+                cos_sin: &cos_sin_b,
+                k_cache: &k_b,
+                v_cache: &v_b,
+                out: &out,
+                values: apart.then_some(&values_b),
+                out16: None,
+            };
+            let shape = AttentionShape {
+                heads,
+                rotary_dim: rot,
+                scale: (hd as f32).powf(-0.5),
+                window,
+                qk_norm: (norm != NoNorm).then_some(QkNormWeights { mode: norm, q: &qn_t, k: &kn_t, eps }),
+                kv_format: format,
+                chunk_precision: PrefillPrecision::F16,
+            };
+            let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block };
+            let dispatches = Attention::new(gpu).plan_paged(gpu, &shape, &b, &paged).unwrap();
+            run(gpu, &dispatches, n as u32);
+            let tol = if format == F16 { 2e-3 } else { 1e-5 };
+            assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
+            let words = if format == F32 { pool_blocks * block * kvw } else { pool_blocks * block * kvw / 2 };
+            let stored_k = cache_values(&gpu.read_buffer(&k_b, words).unwrap(), format);
+            let stored_v = cache_values(&gpu.read_buffer(&v_b, words).unwrap(), format);
+            for &(s, pos) in &row_of {
+                let at = slot(s, pos) * kvw..(slot(s, pos) + 1) * kvw;
+                assert_close(
+                    &stored_k[at.clone()],
+                    &k_seq[s][pos],
+                    tol,
+                    &format!("stored k {s}:{pos}, {what}"),
+                );
+                assert_close(&stored_v[at], &v_seq[s][pos], tol, &format!("stored v {s}:{pos}, {what}"));
+            }
+        }
+    });
 }
 
 /// LayerNorm against its f64 reference, in place and not, rows of sizes

@@ -44,6 +44,12 @@ enable wgpu_cooperative_matrix;
 // p.v_stride: the qkv buffer itself (after the keys), or a buffer of
 // their own where the projection wrote them apart (a part in another
 // weight format, which then runs beside the q/k part instead of after it).
+// PAGED (rope_store and attend, one token per workgroup): the step's rows
+// are a ragged batch, each of its own sequence: row t's position and its
+// sequence's block table come from rows_meta, its rotation from row t of
+// cos_sin (the host writes each row's angles), and position j of its
+// sequence lives in cache row block_table[first + j / block_size] *
+// block_size + j % block_size (the caches are a pool of blocks).
 // Limits (attend): head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32
 // rows, rows * head_dim <= 2048; attend_coop's are in its section.
 
@@ -89,6 +95,11 @@ const NEG_BIG: f32 = -3.0e38;
 @group(0) @binding(11) var<storage, read> value_rows: array<f32>;
 #if OUT_F16
 @group(0) @binding(12) var<storage, read_write> out16: array<f16>;
+#endif
+#if PAGED
+// Per step row: (position, first entry of its sequence's block table).
+@group(0) @binding(13) var<storage, read> rows_meta: array<vec2<u32>>;
+@group(0) @binding(14) var<storage, read> block_table: array<u32>;
 #endif
 
 // Element e (KV head * head_dim + dimension) of token t's value row.
@@ -197,6 +208,35 @@ fn kv_store2(values: bool, e: u32, v: vec2<f32>) {
 // Cache element of dimension d of KV head g at position j.
 fn kv_index(j: u32, g: u32, d: u32) -> u32 {
     return j * p.n_kv_heads * HEAD_DIM + g * HEAD_DIM + d;
+}
+
+// The position of step row t.
+fn row_position(t: u32) -> u32 {
+#if PAGED
+    return rows_meta[t].x;
+#else
+    return step.pos0 + t;
+#endif
+}
+
+// The row of cos_sin that rotates step row t: its position's, or with
+// PAGED the step's row t.
+fn rotary_row(t: u32) -> u32 {
+#if PAGED
+    return t;
+#else
+    return step.pos0 + t;
+#endif
+}
+
+// The cache row of position j of step row t's sequence.
+fn cache_row(t: u32, j: u32) -> u32 {
+#if PAGED
+    let block = block_table[rows_meta[t].y + j / p.block_size];
+    return block * p.block_size + j % p.block_size;
+#else
+    return j;
+#endif
 }
 
 // First attended key of the token at `pos`.
@@ -337,7 +377,7 @@ fn load_rows(t0: u32, g: u32, n_q: u32, with_k: bool, t_k: u32, l: u32) {
         let i = l + c * WG;
         if (i < n * HEAD_DIM) {
             let r = i / HEAD_DIM;
-            rot[c] = rotated(r, i % HEAD_DIM, step.pos0 + head_row(r, t0, g, n_q, t_k).token);
+            rot[c] = rotated(r, i % HEAD_DIM, rotary_row(head_row(r, t0, g, n_q, t_k).token));
         }
     }
     workgroupBarrier();
@@ -359,7 +399,9 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     // attend_coop) the query rows of each KV head.
     let c = wid.x;
     let t = wid.y;
-    let pos = step.pos0 + t;
+    let pos = row_position(t);
+    let rot = rotary_row(t);
+    let slot = cache_row(t, pos);
     let nkv = p.n_kv_heads;
     if (c >= 2u * nkv) {
         // Normalised and rotated into `out`, where attend_coop reads them
@@ -375,7 +417,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         let src = t * p.qkv_stride + g * GROUP * HEAD_DIM;
         for (var i = l; i < GROUP * HEAD_DIM; i += WG) {
             let d = i % HEAD_DIM;
-            out[dst + i] = rotated_qkv(src + i - d, d, pos);
+            out[dst + i] = rotated_qkv(src + i - d, d, rot);
         }
 #endif
         return;
@@ -384,20 +426,20 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         let src = (c - nkv) * HEAD_DIM;
         for (var i = l; i < HEAD_DIM / 2u; i += WG) {
             let s = src + 2u * i;
-            kv_store2(true, kv_index(pos, c - nkv, 2u * i), vec2<f32>(value_at(t, s), value_at(t, s + 1u)));
+            kv_store2(true, kv_index(slot, c - nkv, 2u * i), vec2<f32>(value_at(t, s), value_at(t, s + 1u)));
         }
         return;
     }
 #if QK_NORM
     load_rows(0u, c, 0u, true, t, l);
     for (var i = l; i < HEAD_DIM / 2u; i += WG) {
-        kv_store2(false, kv_index(pos, c, 2u * i), vec2<f32>(q_sh[2u * i], q_sh[2u * i + 1u]));
+        kv_store2(false, kv_index(slot, c, 2u * i), vec2<f32>(q_sh[2u * i], q_sh[2u * i + 1u]));
     }
 #else
     let src = t * p.qkv_stride + (p.n_q_heads + c) * HEAD_DIM;
     for (var i = l; i < HEAD_DIM / 2u; i += WG) {
-        let pair = vec2<f32>(rotated_qkv(src, 2u * i, pos), rotated_qkv(src, 2u * i + 1u, pos));
-        kv_store2(false, kv_index(pos, c, 2u * i), pair);
+        let pair = vec2<f32>(rotated_qkv(src, 2u * i, rot), rotated_qkv(src, 2u * i + 1u, rot));
+        kv_store2(false, kv_index(slot, c, 2u * i), pair);
     }
 #endif
 }
@@ -413,9 +455,9 @@ var<workgroup> row_max: array<f32, MAX_ROWS>;
 var<workgroup> row_sum: array<f32, MAX_ROWS>;
 var<workgroup> row_rescale: array<f32, MAX_ROWS>;
 
-// Copies keys [k0, k0 + n) of KV head g (V with `values`) into tile_sh,
-// consecutive invocations reading consecutive words.
-fn load_tile(values: bool, k0: u32, n: u32, g: u32, l: u32) {
+// Copies keys [k0, k0 + n) of KV head g (V with `values`) of step row t's
+// sequence into tile_sh, consecutive invocations reading consecutive words.
+fn load_tile(values: bool, t: u32, k0: u32, n: u32, g: u32, l: u32) {
 #if KV_F16
     let per_quad = 8u;
 #else
@@ -431,7 +473,11 @@ fn load_tile(values: bool, k0: u32, n: u32, g: u32, l: u32) {
         for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
             let i = l + c * WG;
             if (i < n * quads) {
+#if PAGED
+                held[c] = cache_quad(values, kv_index(cache_row(t, k0 + i / quads), g, 0u) / per_quad + i % quads);
+#else
                 held[c] = cache_quad(values, first + (i / quads) * row_quads + i % quads);
+#endif
             }
         }
         for (var c = 0u; c < TILE_QUADS_PER_THREAD; c++) {
@@ -459,7 +505,7 @@ fn load_tile(values: bool, k0: u32, n: u32, g: u32, l: u32) {
     for (var i = l; i < n * pairs; i += WG) {
         let j = i / pairs;
         let d = 2u * (i % pairs);
-        let v = kv_load2(values, kv_index(k0 + j, g, d));
+        let v = kv_load2(values, kv_index(cache_row(t, k0 + j), g, d));
         tile_sh[j * (HEAD_DIM + 1u) + d] = v.x;
         tile_sh[j * (HEAD_DIM + 1u) + d + 1u] = v.y;
     }
@@ -483,8 +529,8 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let start = 0u;
     let n_keys = step.pos0 + step.n_tokens;
 #else
-    let start = first_key(step.pos0 + t0);
-    let n_keys = step.pos0 + t0 + n_tok - start;
+    let start = first_key(row_position(t0));
+    let n_keys = row_position(t0 + n_tok - 1u) + 1u - start;
 #endif
     let chunk = (n_keys + splits - 1u) / splits;
     let lo = start + min(split * chunk, n_keys);
@@ -523,7 +569,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     for (var k0 = lo; k0 < hi; k0 += tk) {
         let n = min(tk, hi - k0);
         workgroupBarrier();
-        load_tile(false, k0, n, g, l);
+        load_tile(false, t0, k0, n, g, l);
         workgroupBarrier();
         let j = l % tk;
         for (var c = 0u; c < MAX_ROWS; c++) {
@@ -531,7 +577,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             if (r >= rows) {
                 break;
             }
-            let row_pos = step.pos0 + t0 + r / GROUP;
+            let row_pos = row_position(t0 + r / GROUP);
             let key = k0 + j;
             var s = NEG_BIG;
 #if BIDIRECTIONAL
@@ -562,7 +608,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             let s = s_sh[i];
             s_sh[i] = select(exp(s - row_max[i / tk]), 0.0, s <= NEG_BIG);
         }
-        load_tile(true, k0, n, g, l);
+        load_tile(true, t0, k0, n, g, l);
         workgroupBarrier();
         if (l < rows) {
             var sum = 0.0;

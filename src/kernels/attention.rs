@@ -36,6 +36,8 @@ crate::wgsl_struct! {
         /// elements per token there.
         v_offset: u32,
         v_stride: u32,
+        /// Positions per cache block (PAGED).
+        block_size: u32,
     }
 }
 
@@ -51,6 +53,9 @@ const WG: usize = 128;
 /// The flag of the chunk attention in which every row sees every key (no
 /// causal mask, no window).
 pub const BIDIRECTIONAL: &str = "BIDIRECTIONAL";
+/// The flag of the builds for a ragged batch's rows over a paged cache
+/// ([`Attention::plan_paged`]).
+pub const PAGED: &str = "PAGED";
 /// The flag of the cooperative-matrix build (`attend_coop`).
 pub const COOP: &str = "COOP";
 /// `attend_coop` with its query rows in two f16 parts.
@@ -163,6 +168,18 @@ impl AttentionBindings<'_> {
     }
 }
 
+/// Where the rows of a ragged batch find their sequences' keys
+/// ([`Attention::plan_paged`]).
+pub struct PagedRows<'a> {
+    /// Per step row, u32 (position, index in `block_table` of the first
+    /// block of the row's sequence).
+    pub rows: &'a wgpu::Buffer,
+    /// Per sequence, the cache block of each block of its positions.
+    pub block_table: &'a wgpu::Buffer,
+    /// Positions per block.
+    pub block_size: usize,
+}
+
 /// Scratch of split attention: `[nq, splits, head_dim]` partial sums and
 /// `[nq, splits, 2]` (max, sum) pairs.
 pub struct SplitScratch<'a> {
@@ -188,10 +205,15 @@ pub struct AttentionShape<'a> {
 /// The dispatches the wrapper builds from the file's entry points.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Entry {
-    RopeStore,
-    /// `attend` over a chunk of tokens, causal (or with every key seen).
+    /// `rope_store`; `paged`: for the rows of a ragged batch (PAGED).
+    RopeStore {
+        paged: bool,
+    },
+    /// `attend` over a chunk of tokens, causal (or with every key seen);
+    /// `paged`: each row over its own sequence's keys (PAGED).
     ChunkAttend {
         bidirectional: bool,
+        paged: bool,
     },
     /// `attend` built with DECODE: one token, storing its own k and v.
     TokenAttend,
@@ -209,7 +231,7 @@ enum Entry {
 impl Entry {
     fn function(self) -> &'static str {
         match self {
-            Entry::RopeStore => "rope_store",
+            Entry::RopeStore { .. } => "rope_store",
             Entry::ChunkAttend { .. } | Entry::TokenAttend => "attend",
             Entry::LanesAttend(_) => "attend_lanes",
             Entry::CoopAttend { .. } => "attend_coop",
@@ -332,6 +354,7 @@ impl Attention {
         shape: &AttentionShape<'_>,
         b: &AttentionBindings<'_>,
         tokens_per_wg: usize,
+        block_size: usize,
     ) -> AttentionParams {
         let h = shape.heads;
         let (v_offset, v_stride) = match b.values {
@@ -350,6 +373,7 @@ impl Attention {
             eps: shape.qk_norm.map_or(0.0, |n| n.eps),
             v_offset: v_offset as u32,
             v_stride: v_stride as u32,
+            block_size: block_size as u32,
         }
     }
 
@@ -367,8 +391,11 @@ impl Attention {
                     flags.push(Q_SPLIT);
                 }
             }
-            Entry::ChunkAttend { bidirectional: true } => flags.push(BIDIRECTIONAL),
+            Entry::ChunkAttend { bidirectional: true, .. } => flags.push(BIDIRECTIONAL),
             _ => {}
+        }
+        if matches!(entry, Entry::RopeStore { paged: true } | Entry::ChunkAttend { paged: true, .. }) {
+            flags.push(PAGED);
         }
         if shape.kv_format == KvFormat::F16 {
             flags.push("KV_F16");
@@ -465,13 +492,13 @@ impl Attention {
             Some(layout) => layout.rows() / group,
             None => (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1),
         };
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg));
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg, 0));
         // K and V heads; for attend_coop, the query rows too (into `out`).
         let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
             gpu,
             shape,
-            Entry::RopeStore,
+            Entry::RopeStore { paged: false },
             &params,
             &b.storing_values(),
             [rope_groups as u32, 1, 1],
@@ -501,13 +528,59 @@ impl Attention {
             self.dispatch(
                 gpu,
                 shape,
-                Entry::ChunkAttend { bidirectional },
+                Entry::ChunkAttend { bidirectional, paged: false },
                 &params,
                 &b.rows_and_caches(),
                 [h.kv as u32, 1, 1],
                 tokens_per_wg as u32,
             )?
         };
+        Ok(vec![rope, attend])
+    }
+
+    /// The rows of a ragged batch, each of its own sequence, over a cache
+    /// that is a pool of blocks (`paged`): each row's k norm and RoPE (its
+    /// angles in row t of `b.cos_sin`) and K/V store at its position, then
+    /// each row's attention over its sequence's keys up to its position.
+    /// Every row's work is the same whatever else runs beside it: one
+    /// workgroup per (KV head, row), no key splits.
+    pub fn plan_paged(
+        &self,
+        gpu: &Gpu,
+        shape: &AttentionShape<'_>,
+        b: &AttentionBindings<'_>,
+        paged: &PagedRows<'_>,
+    ) -> Result<Vec<Dispatch>> {
+        let h = shape.heads;
+        debug_assert!(
+            h.dim <= MAX_HEAD_DIM && h.group() <= MAX_GROUP && h.group() * h.dim <= MAX_GROUP_WIDTH
+        );
+        let params = Self::params(shape, b, 1, paged.block_size);
+        let params = ParamsBuffer::new(gpu, "attention.params", &params);
+        let rows = [(13, paged.rows), (14, paged.block_table)];
+        // Paged rows carry their own positions: the store reads no step.
+        let mut storing: Vec<_> = b.storing_values().into_iter().filter(|&(i, _)| i != 1).collect();
+        storing.extend(rows);
+        let rope = self.dispatch(
+            gpu,
+            shape,
+            Entry::RopeStore { paged: true },
+            &params,
+            &storing,
+            [2 * h.kv as u32, 1, 1],
+            1,
+        )?;
+        let mut reading = b.rows_and_caches().to_vec();
+        reading.extend(rows);
+        let attend = self.dispatch(
+            gpu,
+            shape,
+            Entry::ChunkAttend { bidirectional: false, paged: true },
+            &params,
+            &reading,
+            [h.kv as u32, 1, 1],
+            1,
+        )?;
         Ok(vec![rope, attend])
     }
 
@@ -542,7 +615,7 @@ impl Attention {
         scratch: &SplitScratch<'_>,
     ) -> Result<DecodeAttention> {
         let h = shape.heads;
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1));
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, 0));
         let layout = LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format);
         let (entry, row_blocks) = match layout {
             Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
@@ -571,7 +644,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for kv in [&[][..], &["KV_F16"], &["KV_F16", super::F16_NATIVE]] {
         for norm in [&[][..], &["QK_NORM"], &["QK_NORM", "QK_NORM_WHOLE"]] {
-            for decode in [&[][..], &["DECODE"], &[super::SUBGROUPS]] {
+            for decode in [&[][..], &["DECODE"], &[super::SUBGROUPS], &[PAGED]] {
                 out.push([norm, kv, decode].concat());
             }
             if !kv.is_empty() && norm.is_empty() {
