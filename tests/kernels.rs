@@ -1381,3 +1381,63 @@ fn gpu_sampling_follows_the_host_samplers_distribution() {
         }
     });
 }
+
+/// A ragged batch's rows, each with its own sampling, seed and position,
+/// chosen in one selection: every row's id is the one a lone selection
+/// with the row's parameters (the session's) draws, greedy rows the argmax;
+/// a non-finite logit marks its own row only.
+#[test]
+fn each_row_of_a_batch_is_chosen_as_alone() {
+    use wgspark::kernels::sample::{RowSampleBindings, RowSampling};
+    on_each_backend(|gpu| {
+        let mut rng = Rng::new(22);
+        let vocab = 2500;
+        let samplings = [
+            Sampling::Greedy,
+            Sampling::Random { temperature: 0.8, top_k: Some(30), top_p: Some(0.9) },
+            Sampling::Random { temperature: 1.3, top_k: None, top_p: None },
+            Sampling::Greedy,
+            Sampling::Random { temperature: 0.5, top_k: Some(4), top_p: None },
+            Sampling::Random { temperature: 1.0, top_k: None, top_p: Some(0.6) },
+        ];
+        let rows: Vec<(Sampling, u64, usize, Vec<f32>)> = samplings
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| (s, 100 + i as u64 % 3, 17 * i, rng.vec(vocab, 3.0)))
+            .collect();
+        let mut logits: Vec<f32> = rows.iter().flat_map(|r| r.3.clone()).collect();
+        logits[4 * vocab + 7] = f32::NAN;
+        let params: Vec<RowSampling> =
+            rows.iter().map(|&(s, seed, pos, _)| RowSampling::new(s, seed, pos, vocab)).collect();
+        let lb = gpu.storage_buffer_init("logits", &logits);
+        let pb = gpu.storage_buffer_init("rows", &params);
+        let tokens = gpu.storage_buffer("tokens", rows.len()).unwrap();
+        let scratch = SampleScratch::for_rows(gpu, vocab, rows.len()).unwrap();
+        let b = RowSampleBindings { logits: &lb, rows: &pb, tokens: &tokens, scratch: &scratch };
+        run(gpu, &Sample::new(gpu).plan_rows(gpu, vocab, &b).unwrap(), rows.len() as u32);
+        let got: Vec<u32> = gpu.read_buffer(&tokens, rows.len()).unwrap();
+        for (i, ((sampling, seed, pos, row), id)) in rows.iter().zip(got).enumerate() {
+            let want = if i == 4 {
+                wgspark::kernels::sample::NON_FINITE
+            } else {
+                // A lone selection draws at step.pos0 + step.n_tokens.
+                lone_sample(gpu, row, *sampling, *seed, *pos)
+            };
+            assert_eq!(id, want, "row {i}: {sampling:?}");
+            if *sampling == Sampling::Greedy {
+                assert_eq!(id, wgspark::sampling::argmax(row), "row {i}");
+            }
+        }
+    });
+}
+
+/// One selection as a session runs it, drawing the token at `pos`.
+fn lone_sample(gpu: &Gpu, logits: &[f32], sampling: Sampling, seed: u64, pos: usize) -> u32 {
+    let lb = gpu.storage_buffer_init("logits", logits);
+    let tokens = gpu.storage_buffer("tokens", 1).unwrap();
+    let scratch = SampleScratch::new(gpu, logits.len()).unwrap();
+    let step = step_buffer(gpu, pos, 0, 1);
+    let b = SampleBindings { step: &step, logits: &lb, tokens: &tokens, scratch: &scratch };
+    run(gpu, &Sample::new(gpu).plan(gpu, logits.len(), sampling, seed, &b).unwrap(), 1);
+    gpu.read_buffer(&tokens, 1).unwrap()[0]
+}

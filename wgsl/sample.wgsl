@@ -14,6 +14,11 @@
 // Entry points: `threshold` (one workgroup, FILTER), `partial` (one
 // workgroup per PER_WG logits: the best of its block), `finish` (one
 // workgroup: the best of the partials, into tokens[0]).
+// ROWS (with RANDOM and FILTER): one logits row per grid row y of each
+// entry point, chosen as rows[y] says (temperature 0: greedy; top_k 0 and
+// top_p 1: no cut; the position that keys its noise), into tokens[y]: the
+// rows of a ragged batch, each sampled as a lone sequence with the same
+// parameters would be.
 // Logits are compared as order-preserving u32 keys (NaN lowest).
 // Any logit that is NaN or infinite makes the id NON_FINITE instead: the
 // activations have failed, and the host reports it.
@@ -35,6 +40,43 @@ const NON_FINITE: u32 = 0xfffffffeu;
 @group(0) @binding(4) var<storage, read_write> tokens: array<u32>;
 // The smallest key a candidate may have (FILTER), written by `threshold`.
 @group(0) @binding(5) var<storage, read_write> candidate_floor: array<u32>;
+#if ROWS
+@group(0) @binding(6) var<storage, read> rows: array<RowSampling>;
+#endif
+
+// How row r of the logits is chosen: the build's parameters, or with ROWS
+// the row's own.
+fn temperature(r: u32) -> f32 {
+#if ROWS
+    return rows[r].temperature;
+#else
+    return p.temperature;
+#endif
+}
+
+fn top_k(r: u32) -> u32 {
+#if ROWS
+    return rows[r].top_k;
+#else
+    return p.top_k;
+#endif
+}
+
+fn top_p(r: u32) -> f32 {
+#if ROWS
+    return rows[r].top_p;
+#else
+    return p.top_p;
+#endif
+}
+
+fn seed(r: u32) -> vec2<u32> {
+#if ROWS
+    return vec2<u32>(rows[r].seed_lo, rows[r].seed_hi);
+#else
+    return vec2<u32>(p.seed_lo, p.seed_hi);
+#endif
+}
 
 fn key(l: f32) -> u32 {
     if (l != l) {
@@ -54,9 +96,9 @@ fn mix(h0: u32) -> u32 {
     return h;
 }
 
-// Gumbel noise for candidate i of the token drawn at `pos`.
-fn gumbel(i: u32, pos: u32) -> f32 {
-    let h = mix(i ^ mix(pos ^ mix(p.seed_lo ^ mix(p.seed_hi + 0x9e3779b9u))));
+// Gumbel noise for candidate i of the token drawn at `pos` with `seed`.
+fn gumbel(i: u32, pos: u32, seed: vec2<u32>) -> f32 {
+    let h = mix(i ^ mix(pos ^ mix(seed.x ^ mix(seed.y + 0x9e3779b9u))));
     let u = (f32(h >> 8u) + 0.5) / 16777216.0;
     return -log(-log(u));
 }
@@ -85,9 +127,18 @@ fn reduce_best(l: u32) {
 
 @compute @workgroup_size(WG)
 fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let r = wid.y;
+    let base = r * p.vocab;
+#if ROWS
+    let pos = rows[r].pos;
+    // A greedy row's score is its logit.
+    let random = rows[r].temperature > 0.0;
+#else
     let pos = step.pos0 + step.n_tokens;
+    let random = true;
+#endif
 #if FILTER
-    let floor_key = candidate_floor[0];
+    let floor_key = candidate_floor[r];
 #endif
     if (l == 0u) {
         atomicStore(&non_finite, 0u);
@@ -98,7 +149,7 @@ fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     for (var c = 0u; c < PER_WG / WG; c++) {
         let i = wid.x * PER_WG + c * WG + l;
         if (i < p.vocab) {
-            let logit = logits[i];
+            let logit = logits[base + i];
             if (!(abs(logit) <= MAX_F32)) {
                 atomicOr(&non_finite, 1u);
             }
@@ -108,7 +159,7 @@ fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             }
 #endif
 #if RANDOM
-            let s = logit / p.temperature + gumbel(i, pos);
+            let s = select(logit, logit / temperature(r) + gumbel(i, pos, seed(r)), random);
 #else
             let s = logit;
 #endif
@@ -124,12 +175,13 @@ fn partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     reduce_best(l);
     if (l == 0u) {
         let id = select(best_id[0], NON_FINITE, atomicLoad(&non_finite) != 0u);
-        partials[wid.x] = vec2<u32>(bitcast<u32>(best_score[0]), id);
+        partials[r * ((p.vocab + PER_WG - 1u) / PER_WG) + wid.x] = vec2<u32>(bitcast<u32>(best_score[0]), id);
     }
 }
 
 @compute @workgroup_size(WG)
-fn finish(@builtin(local_invocation_index) l: u32) {
+fn finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let r = wid.y;
     if (l == 0u) {
         atomicStore(&non_finite, 0u);
     }
@@ -138,8 +190,8 @@ fn finish(@builtin(local_invocation_index) l: u32) {
     var bi = 0xffffffffu;
     let n = (p.vocab + PER_WG - 1u) / PER_WG;
     for (var i = l; i < n; i += WG) {
-        let s = bitcast<f32>(partials[i].x);
-        let id = partials[i].y;
+        let s = bitcast<f32>(partials[r * n + i].x);
+        let id = partials[r * n + i].y;
         if (id == NON_FINITE) {
             atomicOr(&non_finite, 1u);
             continue;
@@ -156,7 +208,7 @@ fn finish(@builtin(local_invocation_index) l: u32) {
         // No candidate beat -inf (every one filtered out): id 0, as the
         // CPU sampler.
         let id = select(best_id[0], 0u, best_id[0] == 0xffffffffu);
-        tokens[0] = select(id, NON_FINITE, atomicLoad(&non_finite) != 0u);
+        tokens[r] = select(id, NON_FINITE, atomicLoad(&non_finite) != 0u);
     }
 }
 
@@ -185,18 +237,19 @@ fn reduce(v: f32, l: u32, take_max: bool) -> f32 {
 // exp((l - m) / T) / z in units of 2^-31; then picks, from the top bin
 // down, the bin where `carried` plus the bins above reach `goal`, and adds
 // the bins above it to `carried`. Returns the extended prefix.
-fn radix_round(l: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, by_mass: bool, goal: u32) -> u32 {
+fn radix_round(l: u32, r: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, by_mass: bool, goal: u32) -> u32 {
+    let base = r * p.vocab;
     // Bits above shift + 8 (none in the first round, where 2 << 31 wraps to 0).
     let mask = ~((2u << (shift + 7u)) - 1u);
     atomicStore(&hist[l], 0u);
     workgroupBarrier();
     for (var i = l; i < p.vocab; i += WG) {
-        let logit = logits[i];
+        let logit = logits[base + i];
         let k = key(logit);
         if (k >= floor_key && (k & mask) == prefix) {
             var add = 1u;
             if (by_mass) {
-                add = u32(exp((logit - m) / p.temperature) / z * 2147483648.0);
+                add = u32(exp((logit - m) / temperature(r)) / z * 2147483648.0);
             }
             atomicAdd(&hist[(k >> shift) & 255u], add);
         }
@@ -234,22 +287,24 @@ fn radix_round(l: u32, prefix: u32, shift: u32, floor_key: u32, m: f32, z: f32, 
 }
 
 @compute @workgroup_size(WG)
-fn threshold(@builtin(local_invocation_index) l: u32) {
+fn threshold(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let r = wid.y;
+    let base = r * p.vocab;
     var floor_key = 0u;
-    if (p.top_k > 0u && p.top_k < p.vocab) {
+    if (top_k(r) > 0u && top_k(r) < p.vocab) {
         if (l == 0u) {
             carried = 0u;
         }
         var prefix = 0u;
         for (var shift = 24i; shift >= 0i; shift -= 8i) {
-            prefix = radix_round(l, prefix, u32(shift), 0u, 0.0, 1.0, false, p.top_k);
+            prefix = radix_round(l, r, prefix, u32(shift), 0u, 0.0, 1.0, false, top_k(r));
         }
         floor_key = prefix;
     }
-    if (p.top_p < 1.0) {
+    if (top_p(r) < 1.0) {
         var m = NEG_INF;
         for (var i = l; i < p.vocab; i += WG) {
-            let logit = logits[i];
+            let logit = logits[base + i];
             if (key(logit) >= floor_key) {
                 m = max(m, logit);
             }
@@ -257,23 +312,23 @@ fn threshold(@builtin(local_invocation_index) l: u32) {
         m = reduce(m, l, true);
         var z = 0.0;
         for (var i = l; i < p.vocab; i += WG) {
-            let logit = logits[i];
+            let logit = logits[base + i];
             if (key(logit) >= floor_key) {
-                z += exp((logit - m) / p.temperature);
+                z += exp((logit - m) / temperature(r));
             }
         }
         z = reduce(z, l, false);
         if (l == 0u) {
             carried = 0u;
         }
-        let goal = u32(p.top_p * 2147483648.0);
+        let goal = u32(top_p(r) * 2147483648.0);
         var prefix = 0u;
         for (var shift = 24i; shift >= 0i; shift -= 8i) {
-            prefix = radix_round(l, prefix, u32(shift), floor_key, m, z, true, goal);
+            prefix = radix_round(l, r, prefix, u32(shift), floor_key, m, z, true, goal);
         }
         floor_key = max(floor_key, prefix);
     }
     if (l == 0u) {
-        candidate_floor[0] = floor_key;
+        candidate_floor[r] = floor_key;
     }
 }

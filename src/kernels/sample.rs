@@ -19,9 +19,52 @@ crate::wgsl_struct! {
     }
 }
 
+crate::wgsl_struct! {
+    /// How one row of a ragged batch's logits is chosen (the ROWS build).
+    pub struct RowSampling {
+        /// 0: greedy.
+        pub temperature: f32,
+        /// 0: no top-k cut.
+        pub top_k: u32,
+        /// 1: no top-p cut.
+        pub top_p: f32,
+        pub seed_lo: u32,
+        pub seed_hi: u32,
+        /// The position of the token drawn, which keys its noise.
+        pub pos: u32,
+        pub _pad0: u32,
+        pub _pad1: u32,
+    }
+}
+
+impl RowSampling {
+    /// The row of a token drawn at `pos` by `sampling` with `seed`: what a
+    /// lone session drawing at that position with them would choose.
+    pub fn new(sampling: Sampling, seed: u64, pos: usize, vocab: usize) -> Self {
+        let (temperature, top_k, top_p) = match sampling {
+            Sampling::Greedy => (0.0, 0, 1.0),
+            Sampling::Random { temperature, top_k, top_p } => (
+                temperature,
+                top_k.filter(|&k| k < vocab).unwrap_or(0) as u32,
+                top_p.filter(|&p| p < 1.0).unwrap_or(1.0),
+            ),
+        };
+        RowSampling {
+            temperature,
+            top_k,
+            top_p,
+            seed_lo: seed as u32,
+            seed_hi: (seed >> 32) as u32,
+            pos: pos as u32,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
+}
+
 pub fn structs() -> Vec<&'static str> {
     use super::WgslStruct;
-    vec![SampleParams::WGSL]
+    vec![SampleParams::WGSL, RowSampling::WGSL]
 }
 
 /// Logits per `partial` workgroup (`PER_WG` in the shader).
@@ -40,11 +83,26 @@ pub struct SampleScratch {
 
 impl SampleScratch {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        Self::for_rows(gpu, vocab, 1)
+    }
+
+    /// Scratch of `rows` selections at once (the ROWS build).
+    pub fn for_rows(gpu: &Gpu, vocab: usize, rows: usize) -> Result<Self> {
         Ok(SampleScratch {
-            partials: gpu.storage_buffer("sample.partials", 2 * vocab.div_ceil(PER_WG))?,
-            candidate_floor: gpu.storage_buffer("sample.candidate_floor", 1)?,
+            partials: gpu.storage_buffer("sample.partials", 2 * vocab.div_ceil(PER_WG) * rows)?,
+            candidate_floor: gpu.storage_buffer("sample.candidate_floor", rows)?,
         })
     }
+}
+
+/// What a ragged batch's selection reads and writes: `logits` rows of the
+/// vocabulary, one [`RowSampling`] per row in `rows`, the ids into
+/// `tokens[row]`.
+pub struct RowSampleBindings<'a> {
+    pub logits: &'a wgpu::Buffer,
+    pub rows: &'a wgpu::Buffer,
+    pub tokens: &'a wgpu::Buffer,
+    pub scratch: &'a SampleScratch,
 }
 
 pub struct SampleBindings<'a> {
@@ -121,8 +179,43 @@ impl Sample {
     }
 }
 
+impl Sample {
+    /// The dispatches that choose one token per row of logits, each row as
+    /// its [`RowSampling`] says, encoded with the number of rows: every
+    /// row's threshold, the best of each block of every row, the best of
+    /// each row.
+    pub fn plan_rows(&self, gpu: &Gpu, vocab: usize, b: &RowSampleBindings<'_>) -> Result<Vec<Dispatch>> {
+        let params = SampleParams { vocab: vocab as u32, ..Default::default() };
+        let params = ParamsBuffer::new(gpu, "sample.params", &params);
+        let s = b.scratch;
+        let flags = ["ROWS", "RANDOM", "FILTER"];
+        let dispatch =
+            |entry: &'static str, buffers: &[(u32, &wgpu::Buffer)], blocks: u32| -> Result<Dispatch> {
+                let pipeline = super::pipeline(gpu, "sample", entry, &flags, &[])?;
+                let mut bound = vec![(0, &params.0)];
+                bound.extend_from_slice(buffers);
+                Ok(Dispatch {
+                    label: entry,
+                    bind_group: gpu.bind_at(entry, &pipeline, &bound),
+                    pipeline,
+                    workgroups: [blocks, 1, 1],
+                    tokens_per_workgroup: 1,
+                })
+            };
+        Ok(vec![
+            dispatch("threshold", &[(2, b.logits), (5, &s.candidate_floor), (6, b.rows)], 1)?,
+            dispatch(
+                "partial",
+                &[(2, b.logits), (3, &s.partials), (5, &s.candidate_floor), (6, b.rows)],
+                vocab.div_ceil(PER_WG) as u32,
+            )?,
+            dispatch("finish", &[(3, &s.partials), (4, b.tokens)], 1)?,
+        ])
+    }
+}
+
 /// The flag sets of every selection build.
 #[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
-    vec![vec![], vec!["RANDOM"], vec!["RANDOM", "FILTER"]]
+    vec![vec![], vec!["RANDOM"], vec!["RANDOM", "FILTER"], vec!["ROWS", "RANDOM", "FILTER"]]
 }
