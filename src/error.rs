@@ -19,6 +19,11 @@ pub enum Error {
     #[error("GPU error: {0}")]
     Gpu(String),
 
+    /// A batch engine's options that cannot work, or a request no pool of
+    /// its size can run.
+    #[error("batch engine: {0}")]
+    InvalidBatch(String),
+
     /// The device is gone (a driver reset, a removed GPU, or
     /// `wgpu::Device::destroy`): nothing on it can run again. Open a new
     /// [`crate::Gpu`] and load the model on it.

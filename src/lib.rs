@@ -72,6 +72,7 @@ pub mod kv_cache;
 #[cfg(not(feature = "internals"))]
 mod kv_cache;
 
+pub mod batch;
 pub mod capture;
 pub mod chat;
 pub mod error;

@@ -9,7 +9,7 @@ use crate::capture::{Capture, CaptureOptions, CapturePlan, PromptRows};
 use crate::error::{Error, Result};
 use crate::flow::moe::{ExpertPrefetch, RoutingContext};
 use crate::flow::{
-    Activations, ChunkMatmul, ChunkMedia, Head, PhaseTimer, Plan, Recorder, RoutingMode,
+    Activations, ChunkMatmul, ChunkMedia, Head, KvLayout, PhaseTimer, Plan, Recorder, RoutingMode,
     first_value_row_apart,
 };
 use crate::gpu::{MapWait, Readback};
@@ -188,7 +188,13 @@ impl<'m> Session<'m> {
         let summed_rows = crate::flow::summed_rows(model, gemm.as_ref(), chunk);
         let layout = (values_apart, gemm.is_some(), half_copies);
         let activations = Activations::new(gpu, c, (chunk, summed_rows), context_len, layout)?;
-        let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, &kv)?;
+        let plan = Plan::new(
+            model,
+            &activations,
+            gemm.as_ref(),
+            options.prefill_precision,
+            KvLayout::Contiguous(&kv),
+        )?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
         // A chunk's choices, or one token's and its prediction of the next layer's.

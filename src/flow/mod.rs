@@ -54,7 +54,7 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor};
 use crate::kernels::Step;
 use crate::kernels::attention::{
-    AttentionBindings, AttentionShape, DecodeAttention, QkNormWeights, SplitScratch,
+    AttentionBindings, AttentionShape, DecodeAttention, PagedRows, QkNormWeights, SplitScratch,
 };
 use crate::kernels::gemm::{Epilogue, Gemm, HalfCopies, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
@@ -68,6 +68,24 @@ use crate::sampling::Sampling;
 use crate::stats::Phase;
 use crate::steering::SteeringPlan;
 use moe::MoePlan;
+
+/// Where a plan's attention keeps its keys and values.
+pub(crate) enum KvLayout<'a> {
+    /// One sequence's cache: position j in row j; one token at a time runs
+    /// the decode attention.
+    Contiguous(&'a KvCache),
+    /// A pool of blocks the rows of a ragged batch share, each row over its
+    /// own sequence's blocks (`kernels::attention::Attention::plan_paged`).
+    Paged(&'a KvCache, PagedRows<'a>),
+}
+
+impl KvLayout<'_> {
+    fn cache(&self) -> &KvCache {
+        match self {
+            KvLayout::Contiguous(kv) | KvLayout::Paged(kv, _) => kv,
+        }
+    }
+}
 
 /// Which kernel runs the projections of a prompt chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -365,8 +383,10 @@ struct AttentionPlan {
     /// not write it (`None` where chunks run the GEMV).
     input_norm: Option<Dispatch>,
     qkv: Projection,
-    decode: DecodeAttention,
-    /// rope_store, attend.
+    /// One token's attention (`None` over a paged cache, whose rows all
+    /// run `chunk`).
+    decode: Option<DecodeAttention>,
+    /// rope_store, attend (paged or not).
     chunk: Vec<Dispatch>,
     o_proj: Projection,
 }
@@ -411,7 +431,7 @@ impl Plan {
         act: &Activations,
         gemm: Option<&Gemm>,
         precision: PrefillPrecision,
-        kv: &KvCache,
+        kv: KvLayout<'_>,
     ) -> Result<Plan> {
         let b = Builder { model, act, gemm, precision };
         let w = &model.weights;
@@ -423,7 +443,7 @@ impl Plan {
         let layers = (0..model.config.layers)
             .map(|i| {
                 Ok(LayerPlan {
-                    attention: AttentionPlan::new(&b, kv, i)?,
+                    attention: AttentionPlan::new(&b, &kv, i)?,
                     ffn: match &w.layers[i].ffn {
                         FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
                             gate_up: b.gated(gate_up, &w.layers[i].ffn_norm, &act.x, &act.ffn_act)?,
@@ -544,6 +564,59 @@ impl Plan {
     }
 }
 
+/// The head over rows gathered from a ragged batch's residual stream (the
+/// rows that choose a token): their final norm and LM head into rows of
+/// logits, through the GEMM where chunks use it (the head's own `step`
+/// carries the row count), else the GEMV per row.
+#[derive(Debug)]
+pub(crate) struct RowsHead(Projection);
+
+impl RowsHead {
+    /// The head reading up to `max_rows` rows of `x_rows` into `logits`.
+    pub(crate) fn new(
+        model: &Model,
+        act: &Activations,
+        gemm: Option<&Gemm>,
+        (x_rows, logits): (&wgpu::Buffer, &wgpu::Buffer),
+        step: &wgpu::Buffer,
+        max_rows: usize,
+    ) -> Result<Self> {
+        let (gpu, w, k) = (&model.gpu, &model.weights, &model.kernels);
+        let eps = model.config.rms_eps;
+        let input = Input::RmsNorm { weight: &w.final_norm, eps };
+        let gemv = k.gemv.plan(gpu, &GemvSpec { input, ..GemvSpec::plain(w.head(), x_rows, logits) })?;
+        let chunk = ChunkPlans::new(gemm, max_rows, |gemm, tokens| {
+            let rows = NormRows::vector(act.hidden);
+            let mut d = vec![k.rms_norm.plan_with_copy(
+                gpu,
+                &w.final_norm,
+                eps,
+                x_rows,
+                (&act.h, act.h16.as_ref()),
+                rows,
+            )?];
+            let half = HalfCopies { x: act.h16.as_ref(), y: None };
+            d.extend(gemm.plan_apart(
+                gpu,
+                w.head(),
+                Epilogue::Plain,
+                tokens,
+                step,
+                &act.h,
+                (logits, None),
+                half,
+            )?);
+            Ok(d)
+        })?;
+        Ok(RowsHead(Projection { gemv, chunk }))
+    }
+
+    /// Encodes the head over `n_rows` rows.
+    pub(crate) fn encode(&self, rec: &mut Recorder<'_>, n_rows: u32) {
+        self.0.encode(rec, Phase::Head, n_rows);
+    }
+}
+
 /// Where a projection's rows from `row` on go: `gemv`'s buffer for the
 /// GEMV, `gemm`'s for a chunk's GEMM.
 #[derive(Clone, Copy)]
@@ -564,7 +637,8 @@ pub fn first_value_row_apart(qkv: &GpuTensor, heads: Heads) -> Option<usize> {
 }
 
 impl AttentionPlan {
-    fn new(b: &Builder<'_>, kv: &KvCache, i: usize) -> Result<Self> {
+    fn new(b: &Builder<'_>, layout: &KvLayout<'_>, i: usize) -> Result<Self> {
+        let kv = layout.cache();
         let (model, act) = (b.model, b.act);
         let (gpu, c, k) = (&model.gpu, &model.config, &model.kernels);
         let lw = &model.weights.layers[i];
@@ -609,8 +683,16 @@ impl AttentionPlan {
         Ok(AttentionPlan {
             input_norm: b.input_norm(&lw.attn_norm)?,
             qkv: b.normed(&lw.qkv, &lw.attn_norm, &act.x, (&act.qkv, apart))?,
-            decode: k.attention.plan_decode(gpu, &shape, &decode_bindings, &scratch)?,
-            chunk: k.attention.plan_chunk(gpu, &shape, &chunk_bindings)?,
+            decode: match layout {
+                KvLayout::Contiguous(_) => {
+                    Some(k.attention.plan_decode(gpu, &shape, &decode_bindings, &scratch)?)
+                }
+                KvLayout::Paged(..) => None,
+            },
+            chunk: match layout {
+                KvLayout::Contiguous(_) => k.attention.plan_chunk(gpu, &shape, &chunk_bindings)?,
+                KvLayout::Paged(_, paged) => k.attention.plan_paged(gpu, &shape, &chunk_bindings, paged)?,
+            },
             o_proj: b.add_into(&lw.o_proj, (&act.attn, attn16), o_out, &LayerOutput::default(), ffn_norm)?,
         })
     }
@@ -623,11 +705,12 @@ impl AttentionPlan {
             rec.encode(Phase::Layers, std::slice::from_ref(norm), n);
         }
         self.qkv.encode(rec, Phase::Layers, n);
-        if n == 1 {
-            let count = self.decode.encode(rec.pass(Phase::Layers), step.attn_splits);
-            rec.count(count);
-        } else {
-            rec.encode(Phase::Layers, &self.chunk, n);
+        match &self.decode {
+            Some(decode) if n == 1 => {
+                let count = decode.encode(rec.pass(Phase::Layers), step.attn_splits);
+                rec.count(count);
+            }
+            _ => rec.encode(Phase::Layers, &self.chunk, n),
         }
         self.o_proj.encode(rec, Phase::Layers, n);
     }

@@ -1,0 +1,820 @@
+//! Many sequences at once over one loaded [`Model`]: each [`BatchEngine::step`]
+//! is one forward pass over a ragged list of rows, every row a (sequence,
+//! position, token): one decode row for every running sequence, then the
+//! next chunk of each waiting prompt, up to a budget of rows per step, so
+//! that a long prompt arriving does not stall the streams already running.
+//! Projections and experts run once over all rows (each weight read once per
+//! step); attention runs each row over its own sequence's keys in a paged KV
+//! cache ([`blocks`]); each row that ends its sequence's known tokens
+//! chooses the next token with its own sampling.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use wgspark::batch::{BatchEngine, BatchOptions, Request};
+//! let gpu = wgspark::Gpu::from_env()?;
+//! let model = wgspark::Model::load("SmolLM2-135M-Instruct.Q4_1.gguf", &gpu)?;
+//! let mut engine = BatchEngine::new(&model, &BatchOptions::default())?;
+//! let a = engine.add(Request { max_tokens: 16, ..Request::new(vec![504, 3575, 282, 4649, 314]) })?;
+//! let b = engine.add(Request { max_tokens: 8, ..Request::new(vec![1, 2, 3]) })?;
+//! while !engine.is_idle() {
+//!     for out in engine.step()? {
+//!         println!("{:?}: {} {:?}", out.sequence, out.token, out.finish);
+//!     }
+//! }
+//! # let _ = (a, b);
+//! # Ok(())
+//! # }
+//! ```
+
+mod blocks;
+
+use std::collections::VecDeque;
+
+use blocks::{Block, BlockPool, PrefixHash};
+
+use crate::error::{Error, Result};
+use crate::flow::moe::RoutingContext;
+use crate::flow::{
+    Activations, ChunkMatmul, ExpertPrefetch, Head, KvLayout, Plan, Recorder, RoutingMode, RowsHead,
+};
+use crate::gpu::Readback;
+use crate::kernels::Step;
+use crate::kernels::attention::PagedRows;
+use crate::kernels::gemm::PrefillPrecision;
+use crate::kernels::sample::{RowSampleBindings, RowSampling, SampleScratch};
+use crate::kv_cache::{KvCache, KvFormat};
+use crate::model::Model;
+use crate::sampling::Sampling;
+use crate::session::DEFAULT_CONTEXT_CAP;
+use crate::stats::Stats;
+
+/// How a [`BatchEngine`] is laid out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchOptions {
+    /// Most sequences running at once; more wait in the queue.
+    pub max_sequences: usize,
+    /// Most rows (prompt tokens and decode tokens together) one step runs.
+    pub step_tokens: usize,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// Blocks in the KV pool. `None`: enough for `max_sequences` sequences
+    /// of `min(context_len, 2048)` positions.
+    pub kv_blocks: Option<usize>,
+    /// Most positions of one sequence (prompt and generated tokens).
+    /// `None`: the config's `max_position_embeddings`, at most
+    /// [`DEFAULT_CONTEXT_CAP`].
+    pub context_len: Option<usize>,
+    /// How the KV pool stores K and V.
+    pub kv_format: KvFormat,
+    /// Keep whole blocks of computed tokens for sequences that start with
+    /// the same tokens.
+    pub prefix_cache: bool,
+    /// Which kernel runs the projections of a step of several rows (see
+    /// [`ChunkMatmul`]: its GEMV choice runs every row alone, so that a
+    /// row's sums never depend on the step's other rows).
+    pub chunk_matmul: ChunkMatmul,
+    /// How the GEMM rounds its operands on cooperative matrices.
+    pub prefill_precision: PrefillPrecision,
+    /// How MoE layers hand the router's choice to the expert kernels.
+    pub routing: RoutingMode,
+}
+
+impl Default for BatchOptions {
+    fn default() -> Self {
+        BatchOptions {
+            max_sequences: 64,
+            step_tokens: 512,
+            block_size: 16,
+            kv_blocks: None,
+            context_len: None,
+            kv_format: KvFormat::F16,
+            prefix_cache: true,
+            chunk_matmul: ChunkMatmul::Auto,
+            prefill_precision: PrefillPrecision::F16,
+            routing: RoutingMode::Readback,
+        }
+    }
+}
+
+/// A sequence to run: its prompt and how it is continued.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The prompt's token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// How each token is chosen.
+    pub sampling: Sampling,
+    /// Seeds the draws of [`Sampling::Random`]: the same seed gives the ids
+    /// a lone [`crate::Session::generate`] gives with it.
+    pub seed: u64,
+    /// Most tokens generated (at least 1).
+    pub max_tokens: usize,
+    /// Ids that end the sequence (the id itself is output).
+    pub stop_tokens: Vec<u32>,
+    /// With each token, its log-probability and those of the `n` likeliest
+    /// (at most [`MAX_TOP_LOGPROBS`]); `None`: none.
+    pub logprobs: Option<usize>,
+    /// With each token, the raw logits it was chosen from.
+    pub return_logits: bool,
+}
+
+impl Request {
+    /// A request for `prompt`, greedy, 16 tokens, no stop ids.
+    pub fn new(prompt: Vec<u32>) -> Self {
+        Request {
+            prompt,
+            sampling: Sampling::Greedy,
+            seed: 0,
+            max_tokens: 16,
+            stop_tokens: Vec::new(),
+            logprobs: None,
+            return_logits: false,
+        }
+    }
+}
+
+/// Most alternatives [`Request::logprobs`] may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A sequence of the engine, as [`BatchEngine::add`] numbered it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SequenceId(pub u64);
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced one of its stop ids (the last token output).
+    StopToken(u32),
+    /// It produced `max_tokens` tokens.
+    MaxTokens,
+    /// Its tokens fill the context: none can follow.
+    ContextFull,
+}
+
+/// A token's log-probability (natural log, from the softmax of the raw
+/// logits) and the likeliest alternatives', most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// (id, log-probability) of the likeliest tokens.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A token a step produced for a sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    /// Whose token it is.
+    pub sequence: SequenceId,
+    /// The token chosen.
+    pub token: u32,
+    /// Set where the request asked for them.
+    pub logprobs: Option<Logprobs>,
+    /// The raw logits the token was chosen from, where the request asked.
+    pub logits: Option<Vec<f32>>,
+    /// Set on the sequence's last token: the engine has let it go.
+    pub finish: Option<FinishReason>,
+}
+
+/// What the engine holds and has done.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchStats {
+    /// Sequences admitted to the steps.
+    pub running: usize,
+    /// Sequences queued for room (new, or pre-empted).
+    pub waiting: usize,
+    /// Blocks of the KV pool held by sequences.
+    pub blocks_used: usize,
+    /// Blocks in the KV pool.
+    pub blocks_total: usize,
+    /// Blocks whose tokens are kept for reuse.
+    pub blocks_cached: usize,
+    /// Prompt blocks taken from the prefix cache.
+    pub prefix_hits: u64,
+    /// Prompt blocks looked for in the prefix cache.
+    pub prefix_lookups: u64,
+    /// Sequences pre-empted (their blocks given back, recomputed later).
+    pub preemptions: u64,
+    /// Forward passes run.
+    pub steps: u64,
+    /// Rows run for prompt tokens (and recomputed ones).
+    pub prompt_rows: u64,
+    /// Rows run for generated tokens.
+    pub decode_rows: u64,
+}
+
+#[derive(Debug)]
+struct Sequence {
+    id: SequenceId,
+    request: Request,
+    /// Prompt, then every token generated.
+    tokens: Vec<u32>,
+    /// Positions whose K and V are in the sequence's blocks.
+    computed: usize,
+    blocks: Vec<Block>,
+    /// Hashes of the leading blocks kept for reuse (block i after i - 1).
+    kept: Vec<PrefixHash>,
+    generated: usize,
+}
+
+impl Sequence {
+    fn finished_prompt(&self) -> bool {
+        self.computed + 1 >= self.tokens.len()
+    }
+}
+
+/// A row of a step: a sequence's token at a position.
+struct Row {
+    seq: usize,
+    pos: usize,
+    /// This row chooses the sequence's next token.
+    samples: bool,
+}
+
+/// The GPU side of a step beside the layer flow: rows and block tables,
+/// the head over the rows that choose, and the selection.
+#[derive(Debug)]
+struct StepBuffers {
+    rows: wgpu::Buffer,
+    block_table: wgpu::Buffer,
+    /// The residual rows that run the head, gathered.
+    x_rows: wgpu::Buffer,
+    logits: wgpu::Buffer,
+    /// The head's own step (its row count).
+    head_step: wgpu::Buffer,
+    sampling: wgpu::Buffer,
+    sampled: wgpu::Buffer,
+    scratch: SampleScratch,
+    ids: Readback,
+    logits_readback: Readback,
+    routing: Readback,
+}
+
+/// Many sequences over one model; see the module's documentation.
+pub struct BatchEngine<'m> {
+    model: &'m Model,
+    options: BatchOptions,
+    context_len: usize,
+    act: Activations,
+    plan: Plan,
+    head: RowsHead,
+    sample: Vec<crate::gpu::Dispatch>,
+    buffers: StepBuffers,
+    /// The pool's buffers (kept alive: the plan binds them).
+    _kv: KvCache,
+    pool: BlockPool,
+    /// Host copy of the rotary table, one row per position.
+    rotary: Vec<f32>,
+    rotary_row: usize,
+    /// Running sequences, oldest first.
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    next_id: u64,
+    stats: BatchStats,
+    flow_stats: Stats,
+}
+
+impl<'m> BatchEngine<'m> {
+    /// An engine over `model` laid out as `options` say: the KV pool, the
+    /// activations of `step_tokens` rows and the pipelines are made here.
+    pub fn new(model: &'m Model, options: &BatchOptions) -> Result<Self> {
+        let c = &model.config;
+        let gpu = &model.gpu;
+        let invalid = |why: String| Error::InvalidBatch(why);
+        if options.max_sequences == 0 || options.step_tokens == 0 || options.block_size == 0 {
+            return Err(invalid(format!(
+                "max_sequences {}, step_tokens {} and block_size {} must all be at least 1",
+                options.max_sequences, options.step_tokens, options.block_size
+            )));
+        }
+        if model.experts.is_some() && options.routing == RoutingMode::DeviceResident {
+            return Err(Error::Unsupported {
+                what: "device-resident routing with streamed experts (the host places each dispatch's experts)",
+                value: "a batch engine".into(),
+            });
+        }
+        let context_len = options.context_len.unwrap_or_else(|| c.max_positions.min(DEFAULT_CONTEXT_CAP));
+        if context_len == 0 {
+            return Err(Error::InvalidContext {
+                context_len,
+                reason: "a sequence needs at least one position".into(),
+            });
+        }
+        let block = options.block_size;
+        let blocks =
+            options.kv_blocks.unwrap_or(options.max_sequences * context_len.min(2048).div_ceil(block));
+        if blocks < context_len.min(options.step_tokens).div_ceil(block) {
+            return Err(invalid(format!("{blocks} KV blocks of {block} positions hold less than one step")));
+        }
+        let pool_positions = blocks * block;
+        // A sequence alone can always grow to its context.
+        let context_len = context_len.min(pool_positions);
+        let kv_bytes = KvCache::bytes(c.layers, c.heads, pool_positions, options.kv_format);
+        gpu.check_budget(
+            &format!("model weights and a KV pool of {blocks} blocks of {block} positions"),
+            model.weights.bytes().saturating_add(kv_bytes),
+        )?;
+        let kv = KvCache::new(gpu, c.layers, c.heads, pool_positions, options.kv_format)?;
+        let max_rows = Activations::max_chunk(gpu, c, options.step_tokens);
+        let max_seqs = options.max_sequences.min(max_rows);
+        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
+        let values_apart = model
+            .weights
+            .layers
+            .iter()
+            .any(|l| crate::flow::first_value_row_apart(&l.qkv, c.heads).is_some());
+        let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
+        let summed_rows = crate::flow::summed_rows(model, gemm.as_ref(), max_rows);
+        // The rotary rows are the step's (context_len sizes only cos_sin).
+        let act = Activations::new(
+            gpu,
+            c,
+            (max_rows, summed_rows),
+            max_rows,
+            (values_apart, gemm.is_some(), half_copies),
+        )?;
+        let max_blocks = context_len.div_ceil(block);
+        let buffers = StepBuffers {
+            rows: gpu.storage_buffer("batch.rows", 2 * max_rows)?,
+            block_table: gpu.storage_buffer("batch.block_table", max_seqs * max_blocks)?,
+            x_rows: gpu.storage_buffer("batch.x_rows", max_seqs * c.hidden)?,
+            logits: gpu.storage_buffer("batch.logits", max_seqs * c.vocab)?,
+            head_step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("batch.head_step"),
+                size: std::mem::size_of::<Step>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            sampling: gpu.storage_buffer_bytes(
+                "batch.sampling",
+                (max_seqs * std::mem::size_of::<RowSampling>()) as u64,
+            )?,
+            sampled: gpu.storage_buffer("batch.sampled", max_seqs)?,
+            scratch: SampleScratch::for_rows(gpu, c.vocab, max_seqs)?,
+            ids: Readback::new(gpu, "batch.ids", (max_seqs * 4) as u64),
+            logits_readback: Readback::new(gpu, "batch.logits", (max_seqs * c.vocab * 4) as u64),
+            routing: Readback::new(
+                gpu,
+                "batch.routing",
+                (max_rows.max(2) * c.moe.as_ref().map_or(1, |m| m.top_k) * 4) as u64,
+            ),
+        };
+        let paged = PagedRows { rows: &buffers.rows, block_table: &buffers.block_table, block_size: block };
+        let plan =
+            Plan::new(model, &act, gemm.as_ref(), options.prefill_precision, KvLayout::Paged(&kv, paged))?;
+        let head = RowsHead::new(
+            model,
+            &act,
+            gemm.as_ref(),
+            (&buffers.x_rows, &buffers.logits),
+            &buffers.head_step,
+            max_seqs,
+        )?;
+        let sample = model.kernels.sample.plan_rows(
+            gpu,
+            c.vocab,
+            &RowSampleBindings {
+                logits: &buffers.logits,
+                rows: &buffers.sampling,
+                tokens: &buffers.sampled,
+                scratch: &buffers.scratch,
+            },
+        )?;
+        gpu.check("creating the batch engine")?;
+        let rotary_row = act.cos_sin_row;
+        Ok(BatchEngine {
+            model,
+            options: BatchOptions { max_sequences: max_seqs, step_tokens: max_rows, ..options.clone() },
+            context_len,
+            act,
+            plan,
+            head,
+            sample,
+            buffers,
+            _kv: kv,
+            pool: BlockPool::new(blocks, block),
+            rotary: c.rope.cos_sin_table(context_len),
+            rotary_row,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            next_id: 0,
+            stats: BatchStats { blocks_total: blocks, ..BatchStats::default() },
+            flow_stats: Stats { router_histogram: vec![Vec::new(); c.layers], ..Stats::default() },
+        })
+    }
+
+    /// The model the engine runs.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// The options in force (`max_sequences` and `step_tokens` as far as the
+    /// device allowed them).
+    pub fn options(&self) -> &BatchOptions {
+        &self.options
+    }
+
+    /// Most positions of one sequence.
+    pub fn context_len(&self) -> usize {
+        self.context_len
+    }
+
+    /// Queues a sequence; it joins the steps as room allows. Fails on a
+    /// request that could never run (an empty prompt, ids out of range, a
+    /// prompt longer than the context or than the whole KV pool, bad
+    /// sampling).
+    pub fn add(&mut self, request: Request) -> Result<SequenceId> {
+        let vocab = self.model.config.vocab;
+        if request.prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { token: bad, vocab });
+        }
+        if request.prompt.len() > self.context_len {
+            return Err(Error::ContextOverflow {
+                position: request.prompt.len() - 1,
+                context_len: self.context_len,
+            });
+        }
+        if request.max_tokens == 0 {
+            return Err(Error::InvalidSampling("max_tokens must be at least 1".into()));
+        }
+        request.sampling.validate()?;
+        if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Error::InvalidSampling(format!(
+                "top logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
+            )));
+        }
+        let blocks = request.prompt.len().div_ceil(self.pool.block_size());
+        if blocks > self.pool.len() {
+            return Err(Error::InvalidBatch(format!(
+                "a prompt of {} tokens needs {blocks} KV blocks, the pool has {}",
+                request.prompt.len(),
+                self.pool.len()
+            )));
+        }
+        let id = SequenceId(self.next_id);
+        self.next_id += 1;
+        let tokens = request.prompt.clone();
+        self.waiting.push_back(Sequence {
+            id,
+            request,
+            tokens,
+            computed: 0,
+            blocks: Vec::new(),
+            kept: Vec::new(),
+            generated: 0,
+        });
+        Ok(id)
+    }
+
+    /// Ends a sequence now (running or waiting): its blocks go back to the
+    /// pool. Returns whether it was there.
+    pub fn cancel(&mut self, id: SequenceId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.release(seq);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let seq = self.waiting.remove(i).expect("found");
+            self.release(seq);
+            return true;
+        }
+        false
+    }
+
+    /// No sequence is running or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// The pool, the queue and what the steps ran.
+    pub fn stats(&self) -> BatchStats {
+        BatchStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            blocks_used: self.pool.held(),
+            blocks_cached: self.pool.cached(),
+            prefix_hits: self.pool.hits,
+            prefix_lookups: self.pool.lookups,
+            ..self.stats.clone()
+        }
+    }
+
+    /// Runs one step: a forward pass over the rows the scheduler picks
+    /// (see the module), and returns the tokens it produced, one per
+    /// sequence that chose one. Nothing to run returns no output.
+    pub fn step(&mut self) -> Result<Vec<Output>> {
+        let rows = self.schedule();
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let result = self.run(&rows);
+        if result.is_err() {
+            // A failed pass leaves nothing trustworthy in the rows it wrote:
+            // those sequences start over from their last kept state.
+            for seq in &mut self.running {
+                seq.computed = seq.computed.min(seq.kept.len() * self.pool.block_size());
+            }
+        }
+        result
+    }
+
+    /// Picks this step's rows: a decode row for every running sequence that
+    /// has finished its prompt, then prompt chunks (running sequences' first,
+    /// then sequences admitted from the queue) within the row budget; takes
+    /// the blocks they write, pre-empting the newest sequences when the pool
+    /// runs out.
+    fn schedule(&mut self) -> Vec<Row> {
+        let budget = self.options.step_tokens;
+        let mut rows = Vec::new();
+        // Decode rows first: the streams already running never wait.
+        let mut i = 0;
+        while i < self.running.len() && rows.len() < budget {
+            if self.running[i].finished_prompt() {
+                if !self.grow(i, self.running[i].computed + 1) {
+                    continue; // `i` was pre-empted, or one after it
+                }
+                let pos = self.running[i].computed;
+                rows.push(Row { seq: i, pos, samples: true });
+            }
+            i += 1;
+        }
+        // Then running prompts, oldest first, in chunks.
+        for i in 0..self.running.len() {
+            if rows.len() >= budget {
+                break;
+            }
+            if !self.running[i].finished_prompt() {
+                self.add_prompt_rows(i, &mut rows);
+            }
+        }
+        // Then new sequences while there is room.
+        while rows.len() < budget && self.running.len() < self.options.max_sequences {
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            self.reuse_prefix(&mut seq);
+            let first = (seq.tokens.len() - seq.computed).min(budget - rows.len());
+            if self.pool.available()
+                < (seq.computed + first).div_ceil(self.pool.block_size()) - seq.blocks.len()
+            {
+                // No room yet: it waits at the head of the queue.
+                self.release_blocks(&mut seq);
+                self.waiting.push_front(seq);
+                break;
+            }
+            self.running.push(seq);
+            let i = self.running.len() - 1;
+            self.add_prompt_rows(i, &mut rows);
+        }
+        rows
+    }
+
+    /// Adds the next chunk of sequence `i`'s tokens not yet computed (as
+    /// many rows as the budget and the pool allow).
+    fn add_prompt_rows(&mut self, i: usize, rows: &mut Vec<Row>) {
+        let seq = &self.running[i];
+        let left = self.options.step_tokens - rows.len();
+        let end = (seq.computed + left).min(seq.tokens.len());
+        let start = seq.computed;
+        if end <= start {
+            return;
+        }
+        // Only blocks available without pre-empting: prompts wait.
+        let block = self.pool.block_size();
+        let can = (seq.blocks.len() + self.pool.available()) * block;
+        let end = end.min(can);
+        if end <= start {
+            return;
+        }
+        let ok = self.grow(i, end);
+        debug_assert!(ok, "blocks were available");
+        let len = self.running[i].tokens.len();
+        rows.extend((start..end).map(|pos| Row { seq: i, pos, samples: pos + 1 == len }));
+    }
+
+    /// Takes blocks until sequence `i` holds positions `..end`, pre-empting
+    /// the newest other sequences if the pool runs out. `false` when `i`
+    /// itself had to go (it was the newest).
+    fn grow(&mut self, i: usize, end: usize) -> bool {
+        let block = self.pool.block_size();
+        while self.running[i].blocks.len() * block < end {
+            match self.pool.take() {
+                Some(b) => self.running[i].blocks.push(b),
+                None => {
+                    let newest = self.running.len() - 1;
+                    self.preempt(newest);
+                    if newest == i {
+                        return false;
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Gives sequence `i`'s blocks back and queues it again at the front,
+    /// to be recomputed (its whole blocks first kept, so that a prefix
+    /// cache hit may spare the work).
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        if self.options.prefix_cache {
+            keep_full_blocks(&mut self.pool, &mut seq);
+        }
+        self.release_blocks(&mut seq);
+        seq.computed = 0;
+        seq.kept.clear();
+        self.stats.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    /// Starts a sequence after the blocks of its tokens the cache holds
+    /// (at least its last token is left to compute, for its logits).
+    fn reuse_prefix(&mut self, seq: &mut Sequence) {
+        if !self.options.prefix_cache || seq.computed > 0 {
+            return;
+        }
+        let block = self.pool.block_size();
+        let reusable = (seq.tokens.len() - 1) / block;
+        let mut parent = None;
+        for b in 0..reusable {
+            match self.pool.lookup(parent, &seq.tokens[b * block..(b + 1) * block]) {
+                Some((found, hash)) => {
+                    seq.blocks.push(found);
+                    seq.kept.push(hash);
+                    parent = Some(hash);
+                }
+                None => break,
+            }
+        }
+        seq.computed = seq.blocks.len() * block;
+    }
+
+    fn release_blocks(&mut self, seq: &mut Sequence) {
+        for b in seq.blocks.drain(..) {
+            self.pool.release(b);
+        }
+    }
+
+    fn release(&mut self, mut seq: Sequence) {
+        if self.options.prefix_cache {
+            keep_full_blocks(&mut self.pool, &mut seq);
+        }
+        self.release_blocks(&mut seq);
+    }
+
+    /// Writes the step's inputs, runs the forward pass, the head over the
+    /// rows that choose and their selection, and hands out the tokens.
+    fn run(&mut self, rows: &[Row]) -> Result<Vec<Output>> {
+        let (gpu, c) = (&self.model.gpu, &self.model.config);
+        let n = rows.len();
+        // The sequences of the step, in order, and their block tables.
+        let mut table_at = vec![usize::MAX; self.running.len()];
+        let mut table: Vec<u32> = Vec::new();
+        for r in rows {
+            if table_at[r.seq] == usize::MAX {
+                table_at[r.seq] = table.len();
+                table.extend(&self.running[r.seq].blocks);
+            }
+        }
+        let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
+        let meta: Vec<u32> = rows.iter().flat_map(|r| [r.pos as u32, table_at[r.seq] as u32]).collect();
+        let width = self.rotary_row;
+        let rotary: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| self.rotary[r.pos * width..(r.pos + 1) * width].iter().copied())
+            .collect();
+        let choosing: Vec<usize> = (0..n).filter(|&i| rows[i].samples).collect();
+        let sampling: Vec<RowSampling> = choosing
+            .iter()
+            .map(|&i| {
+                let seq = &self.running[rows[i].seq];
+                RowSampling::new(seq.request.sampling, seq.request.seed, rows[i].pos + 1, c.vocab)
+            })
+            .collect();
+        let b = &self.buffers;
+        self.act.write_tokens(gpu, &tokens);
+        let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, _pad: 0 };
+        gpu.queue.write_buffer(&self.act.step, 0, bytemuck::bytes_of(&step));
+        let head_step = Step { pos0: 0, n_tokens: choosing.len() as u32, attn_splits: 1, _pad: 0 };
+        gpu.queue.write_buffer(&b.head_step, 0, bytemuck::bytes_of(&head_step));
+        gpu.queue.write_buffer(&b.rows, 0, bytemuck::cast_slice(&meta));
+        gpu.queue.write_buffer(&b.block_table, 0, bytemuck::cast_slice(&table));
+        self.act.write_rotary_rows(gpu, 0, &rotary);
+        if !sampling.is_empty() {
+            gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&sampling));
+        }
+
+        let mut rec = Recorder::new(gpu, None, &mut self.flow_stats);
+        let routing = RoutingContext {
+            mode: self.options.routing,
+            readback: &b.routing,
+            experts: self.model.experts.as_ref(),
+            prefetch: ExpertPrefetch::Off,
+        };
+        self.plan.forward(&mut rec, &self.act, &step, Head::None, &routing, None)?;
+        let k = choosing.len();
+        let wants_logits = choosing.iter().any(|&i| {
+            let r = &self.running[rows[i].seq].request;
+            r.return_logits || r.logprobs.is_some()
+        });
+        if k > 0 {
+            let row_bytes = (c.hidden * 4) as u64;
+            for (j, &i) in choosing.iter().enumerate() {
+                rec.encoder().copy_buffer_to_buffer(
+                    &self.act.x,
+                    i as u64 * row_bytes,
+                    &b.x_rows,
+                    j as u64 * row_bytes,
+                    row_bytes,
+                );
+            }
+            self.head.encode(&mut rec, k as u32);
+            rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
+            b.ids.record(rec.encoder(), &b.sampled, 0, (k * 4) as u64);
+            if wants_logits {
+                b.logits_readback.record(rec.encoder(), &b.logits, 0, (k * c.vocab * 4) as u64);
+            }
+        }
+        rec.finish()?;
+        let ids: Vec<u32> = if k > 0 { b.ids.read(gpu, (k * 4) as u64)? } else { Vec::new() };
+        let logits: Vec<f32> =
+            if wants_logits { b.logits_readback.read(gpu, (k * c.vocab * 4) as u64)? } else { Vec::new() };
+
+        self.stats.steps += 1;
+        for r in rows {
+            let seq = &mut self.running[r.seq];
+            seq.computed = seq.computed.max(r.pos + 1);
+            if r.samples && seq.generated > 0 {
+                self.stats.decode_rows += 1;
+            } else {
+                self.stats.prompt_rows += 1;
+            }
+        }
+        let mut outputs = Vec::with_capacity(k);
+        let mut finished = Vec::new();
+        for (j, &i) in choosing.iter().enumerate() {
+            let s = rows[i].seq;
+            let id = ids[j];
+            if id == crate::kernels::sample::NON_FINITE {
+                return Err(Error::NonFiniteSample { position: rows[i].pos });
+            }
+            let seq = &mut self.running[s];
+            let row_logits = wants_logits.then(|| &logits[j * c.vocab..(j + 1) * c.vocab]);
+            let logprobs = seq.request.logprobs.zip(row_logits).map(|(n, l)| logprobs_of(l, id, n));
+            let logits = row_logits.filter(|_| seq.request.return_logits).map(<[f32]>::to_vec);
+            seq.tokens.push(id);
+            seq.generated += 1;
+            let finish = if seq.request.stop_tokens.contains(&id) {
+                Some(FinishReason::StopToken(id))
+            } else if seq.generated >= seq.request.max_tokens {
+                Some(FinishReason::MaxTokens)
+            } else if seq.tokens.len() > self.context_len {
+                Some(FinishReason::ContextFull)
+            } else {
+                None
+            };
+            if finish.is_some() {
+                finished.push(seq.id);
+            }
+            outputs.push(Output { sequence: seq.id, token: id, logprobs, logits, finish });
+        }
+        if self.options.prefix_cache {
+            // Whole blocks are kept as soon as they are computed.
+            for seq in &mut self.running {
+                keep_full_blocks(&mut self.pool, seq);
+            }
+        }
+        for id in finished {
+            self.cancel(id);
+        }
+        Ok(outputs)
+    }
+}
+
+/// Keeps the sequence's whole computed blocks (not kept yet) for reuse.
+fn keep_full_blocks(pool: &mut BlockPool, seq: &mut Sequence) {
+    let block = pool.block_size();
+    while (seq.kept.len() + 1) * block <= seq.computed {
+        let b = seq.kept.len();
+        let hash =
+            pool.keep(seq.blocks[b], seq.kept.last().copied(), &seq.tokens[b * block..(b + 1) * block]);
+        seq.kept.push(hash);
+    }
+}
+
+/// The log-softmax of `logits` at `id`, and the `n` likeliest ids'.
+fn logprobs_of(logits: &[f32], id: u32, n: usize) -> Logprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |i: u32| (logits[i as usize] as f64 - log_z) as f32;
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if n > 0 && n < ids.len() {
+        ids.select_nth_unstable_by(n - 1, by_logit);
+    }
+    ids.truncate(n);
+    ids.sort_unstable_by(by_logit);
+    Logprobs { logprob: lp(id), top: ids.into_iter().map(|i| (i, lp(i))).collect() }
+}

@@ -1,0 +1,297 @@
+//! The batch engine against lone sessions: sequences of different prompt
+//! lengths and options run together, joining and leaving mid-way, each get
+//! exactly the greedy ids of a lone `Session` on the same prompt and logits
+//! within 1e-4 of it (f32 caches); seeded sampling draws the lone session's
+//! ids; prefix reuse, pre-emption and cancellation change no id and leave
+//! the pool as it found it.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::checkpoint::fixture_dir;
+use common::{max_abs_diff, on_each_backend};
+use wgspark::batch::{BatchEngine, BatchOptions, FinishReason, Output, Request, SequenceId};
+use wgspark::sampling::argmax;
+use wgspark::{GenerateOptions, Gpu, KvFormat, Model, Sampling, SessionOptions};
+
+/// Fixtures of every kind the engine runs: dense (with a sliding window,
+/// q/k norm), Mixtral, Qwen3-MoE, MiniMax-M2, a GGUF and an FP8 model.
+const FIXTURES: [&str; 8] = [
+    "llama_untied",
+    "qwen3_dense",
+    "mistral_window",
+    "mixtral_8x2",
+    "qwen3_moe_norm",
+    "minimax_m2",
+    "gguf_llama_q4_k_m",
+    "fp8_qwen3_dense",
+];
+
+fn lone_options() -> SessionOptions {
+    SessionOptions { kv_format: KvFormat::F32, ..Default::default() }
+}
+
+fn batch_options() -> BatchOptions {
+    BatchOptions { kv_format: KvFormat::F32, step_tokens: 12, block_size: 4, ..Default::default() }
+}
+
+/// Greedy ids and each one's logits, a lone session stepping.
+fn lone_greedy(model: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut session = model.session(&lone_options()).unwrap();
+    let mut logits = vec![session.prefill(prompt).unwrap()];
+    let mut ids = vec![argmax(&logits[0])];
+    while ids.len() < n {
+        let pos = session.position();
+        logits.push(session.step(*ids.last().unwrap(), pos).unwrap());
+        ids.push(argmax(logits.last().unwrap()));
+    }
+    (ids, logits)
+}
+
+/// A prompt of `len` ids below `vocab`, seeded.
+fn prompt(vocab: usize, len: usize, seed: u64) -> Vec<u32> {
+    let mut rng = common::Rng::new(seed);
+    (0..len).map(|_| rng.below(vocab as u32)).collect()
+}
+
+/// Runs the engine until idle, `joins[i]` = (step at which request i is
+/// added, request); returns each sequence's outputs.
+fn run(engine: &mut BatchEngine<'_>, joins: Vec<(usize, Request)>) -> Vec<Vec<Output>> {
+    let mut ids: Vec<Option<SequenceId>> = vec![None; joins.len()];
+    let mut outputs: HashMap<SequenceId, Vec<Output>> = HashMap::new();
+    let mut step = 0;
+    loop {
+        for (i, (at, request)) in joins.iter().enumerate() {
+            if *at == step {
+                ids[i] = Some(engine.add(request.clone()).unwrap());
+            }
+        }
+        if engine.is_idle() && joins.iter().all(|(at, _)| *at <= step) {
+            break;
+        }
+        for out in engine.step().unwrap() {
+            outputs.entry(out.sequence).or_default().push(out);
+        }
+        step += 1;
+        assert!(step < 10_000, "the engine does not finish");
+    }
+    ids.into_iter().map(|id| outputs.remove(&id.unwrap()).unwrap_or_default()).collect()
+}
+
+fn tokens(outputs: &[Output]) -> Vec<u32> {
+    outputs.iter().map(|o| o.token).collect()
+}
+
+fn check_against_lone(gpu: &Gpu, name: &str) {
+    let model = Model::load(fixture_dir(name), gpu).unwrap();
+    let vocab = model.config.vocab;
+    // Prompt lengths around the block and the step budget; joins at several steps.
+    let plan: [(usize, usize, usize); 6] =
+        [(0, 9, 6), (0, 1, 4), (2, 30, 5), (3, 5, 7), (5, 16, 3), (9, 2, 6)];
+    let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+    let joins: Vec<(usize, Request)> = plan
+        .iter()
+        .enumerate()
+        .map(|(i, &(at, len, n))| {
+            let request = Request {
+                max_tokens: n,
+                return_logits: true,
+                ..Request::new(prompt(vocab, len, 100 + i as u64))
+            };
+            (at, request)
+        })
+        .collect();
+    let results = run(&mut engine, joins.clone());
+    for ((_, request), outputs) in joins.iter().zip(&results) {
+        let what = format!("{name} on {:?}, prompt of {}", gpu.info.backend, request.prompt.len());
+        let (want, want_logits) = lone_greedy(&model, &request.prompt, request.max_tokens);
+        assert_eq!(tokens(outputs), want, "{what}: ids");
+        for (i, (out, want)) in outputs.iter().zip(&want_logits).enumerate() {
+            let err = max_abs_diff(out.logits.as_ref().unwrap(), want);
+            assert!(err <= 1e-4, "{what}: token {i} logits {err}");
+        }
+        assert_eq!(outputs.last().unwrap().finish, Some(FinishReason::MaxTokens), "{what}");
+        assert!(outputs[..outputs.len() - 1].iter().all(|o| o.finish.is_none()), "{what}");
+    }
+    let stats = engine.stats();
+    assert_eq!((stats.running, stats.waiting, stats.blocks_used), (0, 0, 0), "{name}: all given back");
+    assert!(stats.steps > 0 && stats.decode_rows > 0 && stats.prompt_rows > 0, "{name}: {stats:?}");
+}
+
+#[test]
+fn every_sequence_gets_its_lone_ids_and_logits() {
+    on_each_backend(|gpu| {
+        for name in FIXTURES {
+            check_against_lone(gpu, name);
+        }
+    });
+}
+
+/// Seeded draws are the lone session's (its GPU selection with the same
+/// seed), sequence by sequence, beside greedy ones and whatever else runs.
+#[test]
+fn seeded_sampling_draws_the_lone_sessions_ids() {
+    on_each_backend(|gpu| {
+        let model = Model::load(fixture_dir("qwen3_dense"), gpu).unwrap();
+        let vocab = model.config.vocab;
+        let samplings = [
+            Sampling::Random { temperature: 1.0, top_k: None, top_p: None },
+            Sampling::Greedy,
+            Sampling::Random { temperature: 0.7, top_k: Some(20), top_p: Some(0.9) },
+            Sampling::Random { temperature: 1.5, top_k: None, top_p: Some(0.8) },
+        ];
+        let requests: Vec<Request> = samplings
+            .iter()
+            .enumerate()
+            .map(|(i, &sampling)| Request {
+                sampling,
+                seed: 7 + i as u64,
+                max_tokens: 8,
+                ..Request::new(prompt(vocab, 3 + 5 * i, i as u64))
+            })
+            .collect();
+        let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+        let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
+        for (request, outputs) in requests.iter().zip(&results) {
+            let mut session = model.session(&lone_options()).unwrap();
+            let options = GenerateOptions {
+                sampling: request.sampling,
+                seed: request.seed,
+                max_tokens: request.max_tokens,
+                ..Default::default()
+            };
+            let want: Vec<u32> =
+                session.generate(&request.prompt, &options).unwrap().map(|id| id.unwrap()).collect();
+            assert_eq!(tokens(outputs), want, "{:?} seed {}", request.sampling, request.seed);
+        }
+    });
+}
+
+/// Stop ids end a sequence on the id (which is output); logprobs come with
+/// each token, the chosen one's and the likeliest, from the logits.
+#[test]
+fn stop_ids_and_logprobs() {
+    on_each_backend(|gpu| {
+        let model = Model::load(fixture_dir("llama_untied"), gpu).unwrap();
+        let p = prompt(model.config.vocab, 6, 3);
+        let (want, logits) = lone_greedy(&model, &p, 6);
+        let stop = want[3];
+        let cut = want.iter().position(|&t| t == stop).unwrap();
+        let request =
+            Request { max_tokens: 6, stop_tokens: vec![stop], logprobs: Some(3), ..Request::new(p) };
+        let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+        let outputs = run(&mut engine, vec![(0, request)]).remove(0);
+        assert_eq!(tokens(&outputs), want[..=cut]);
+        assert_eq!(outputs.last().unwrap().finish, Some(FinishReason::StopToken(stop)));
+        for (out, row) in outputs.iter().zip(&logits) {
+            let lp = out.logprobs.as_ref().unwrap();
+            assert_eq!(lp.top.len(), 3);
+            assert_eq!(lp.top[0].0, out.token, "greedy: the likeliest");
+            let max = row.iter().copied().fold(f32::MIN, f32::max);
+            let z: f64 = row.iter().map(|&l| ((l - max) as f64).exp()).sum();
+            let want_lp = (row[out.token as usize] - max) as f64 - z.ln();
+            assert!((lp.logprob as f64 - want_lp).abs() < 1e-5, "{} against {want_lp}", lp.logprob);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        }
+    });
+}
+
+/// A second sequence whose prompt starts with a first one's whole blocks
+/// takes them from the cache (counted as hits) and gets the ids of a cold
+/// start; a conversation's next turn too.
+#[test]
+fn prefix_reuse_gives_the_cold_start_ids() {
+    on_each_backend(|gpu| {
+        let model = Model::load(fixture_dir("mixtral_8x2"), gpu).unwrap();
+        let vocab = model.config.vocab;
+        let system = prompt(vocab, 13, 40);
+        let first = [system.clone(), prompt(vocab, 3, 41)].concat();
+        let second = [system.clone(), prompt(vocab, 6, 42)].concat();
+        let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+        let a =
+            run(&mut engine, vec![(0, Request { max_tokens: 5, ..Request::new(first.clone()) })]).remove(0);
+        let hits = engine.stats().prefix_hits;
+        let b =
+            run(&mut engine, vec![(0, Request { max_tokens: 5, ..Request::new(second.clone()) })]).remove(0);
+        assert_eq!(engine.stats().prefix_hits - hits, 3, "the system prompt's three whole blocks of 4");
+        assert_eq!(tokens(&b), lone_greedy(&model, &second, 5).0);
+        // The next turn: the first conversation and its reply, then more.
+        let turn = [first.clone(), tokens(&a), prompt(vocab, 4, 43)].concat();
+        let hits = engine.stats().prefix_hits;
+        let c =
+            run(&mut engine, vec![(0, Request { max_tokens: 4, ..Request::new(turn.clone()) })]).remove(0);
+        assert!(engine.stats().prefix_hits - hits >= 4, "{:?}", engine.stats());
+        assert_eq!(tokens(&c), lone_greedy(&model, &turn, 4).0);
+        let cold = BatchOptions { prefix_cache: false, ..batch_options() };
+        let mut engine = BatchEngine::new(&model, &cold).unwrap();
+        let d = run(&mut engine, vec![(0, Request { max_tokens: 4, ..Request::new(turn) })]).remove(0);
+        assert_eq!(tokens(&d), tokens(&c));
+        assert_eq!(engine.stats().prefix_hits, 0);
+    });
+}
+
+/// A pool too small for every sequence at once: the newest are pre-empted
+/// and recomputed later, with the same ids; the pool ends empty.
+#[test]
+fn preemption_and_resumption_give_the_same_ids() {
+    on_each_backend(|gpu| {
+        let model = Model::load(fixture_dir("qwen3_moe_norm"), gpu).unwrap();
+        let vocab = model.config.vocab;
+        let options = BatchOptions { kv_blocks: Some(12), prefix_cache: false, ..batch_options() };
+        let mut engine = BatchEngine::new(&model, &options).unwrap();
+        let requests: Vec<Request> = (0..5)
+            .map(|i| Request { max_tokens: 10, ..Request::new(prompt(vocab, 6 + i, 60 + i as u64)) })
+            .collect();
+        let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
+        assert!(engine.stats().preemptions > 0, "{:?}", engine.stats());
+        for (request, outputs) in requests.iter().zip(&results) {
+            assert_eq!(tokens(outputs), lone_greedy(&model, &request.prompt, 10).0);
+        }
+        assert_eq!(engine.stats().blocks_used, 0);
+    });
+}
+
+/// Cancelling gives a sequence's blocks back at once (pool usage back to
+/// where it started); the others go on unchanged. A request that can
+/// never run is refused when added.
+#[test]
+fn cancel_frees_blocks_and_bad_requests_are_refused() {
+    on_each_backend(|gpu| {
+        let model = Model::load(fixture_dir("llama_untied"), gpu).unwrap();
+        let vocab = model.config.vocab;
+        let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+        let keep = prompt(vocab, 7, 70);
+        let kept = engine.add(Request { max_tokens: 6, ..Request::new(keep.clone()) }).unwrap();
+        let gone = engine.add(Request { max_tokens: 50, ..Request::new(prompt(vocab, 20, 71)) }).unwrap();
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            got.extend(engine.step().unwrap().into_iter().filter(|o| o.sequence == kept).map(|o| o.token));
+        }
+        let held = engine.stats().blocks_used;
+        assert!(engine.cancel(gone));
+        assert!(!engine.cancel(gone), "cancelled once");
+        assert!(engine.stats().blocks_used < held);
+        while !engine.is_idle() {
+            got.extend(engine.step().unwrap().into_iter().map(|o| o.token));
+        }
+        assert_eq!(got, lone_greedy(&model, &keep, 6).0);
+        assert_eq!(engine.stats().blocks_used, 0);
+
+        use wgspark::Error;
+        let context_len = engine.context_len();
+        let mut bad = |r: Request| engine.add(r).unwrap_err();
+        assert!(matches!(bad(Request::new(vec![])), Error::EmptyPrompt));
+        assert!(matches!(bad(Request::new(vec![vocab as u32])), Error::TokenOutOfRange { .. }));
+        assert!(matches!(bad(Request { max_tokens: 0, ..Request::new(vec![1]) }), Error::InvalidSampling(_)));
+        assert!(matches!(
+            bad(Request { logprobs: Some(21), ..Request::new(vec![1]) }),
+            Error::InvalidSampling(_)
+        ));
+        let hot = Sampling::Random { temperature: -1.0, top_k: None, top_p: None };
+        assert!(matches!(bad(Request { sampling: hot, ..Request::new(vec![1]) }), Error::InvalidSampling(_)));
+        let long = vec![1; context_len + 1];
+        assert!(matches!(bad(Request::new(long)), Error::ContextOverflow { .. }));
+        assert!(engine.is_idle());
+    });
+}
