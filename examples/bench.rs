@@ -84,6 +84,16 @@ struct Args {
     /// pixels) the tower is timed on (0 skips it).
     #[arg(long, default_value_t = 1024)]
     image_size: usize,
+    /// Also run the batch engine with N sequences at once (comma list):
+    /// each a random prompt of --prompt tokens, then --decode tokens
+    /// generated greedily; prints the time to prefill every prompt and
+    /// the aggregate decode tokens per second while all of them decode
+    /// (as llama-batched-bench's S_TG).
+    #[arg(long, value_delimiter = ',')]
+    parallel: Vec<usize>,
+    /// Rows per step of the batch engine (--parallel).
+    #[arg(long, default_value_t = 2048)]
+    step_tokens: usize,
 }
 
 /// (name, config.json) of every synthetic shape.
@@ -249,6 +259,9 @@ fn run(args: Args) -> BenchResult<()> {
 fn measure(args: &Args, copy: f64, round_trip: Duration, name: &str, model: &Model) -> BenchResult<()> {
     let c = &model.config;
     println!("\n{name}: {:.3} GB of weights, depth {}", model.weight_bytes() as f64 / 1e9, args.depth);
+    for &n in &args.parallel {
+        measure_parallel(args, model, n)?;
+    }
     if c.vision.is_some() && args.image_size > 0 {
         measure_vision_tower(args, model)?;
     }
@@ -371,6 +384,82 @@ fn measure_prefill(
 /// Prints the best of `--reps` decodes of `--decode` tokens after the
 /// context (and how the expert cache served them), as a share of the
 /// copy bandwidth; returns the seconds per token.
+/// `n` sequences through the batch engine at once: random prompts of
+/// `--prompt` tokens, `--decode` tokens each, greedy, no stop ids.
+fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
+    use wgspark::batch::{BatchEngine, BatchOptions, Request};
+    let c = &model.config;
+    let routing = match (c.moe.is_some(), model.experts().is_some()) {
+        (true, false) => RoutingMode::DeviceResident,
+        _ => RoutingMode::Readback,
+    };
+    let options = BatchOptions {
+        max_sequences: n,
+        step_tokens: args.step_tokens,
+        context_len: Some(args.prompt + args.decode),
+        kv_format: args.kv_cache,
+        prefill_precision: args.prefill_precision,
+        prefix_cache: false,
+        routing,
+        ..Default::default()
+    };
+    let mut engine = BatchEngine::new(model, &options)?;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % c.vocab as u64) as u32
+    };
+    let requests: Vec<Request> = (0..n)
+        .map(|_| Request {
+            max_tokens: args.decode,
+            ..Request::new((0..args.prompt.max(1)).map(|_| next()).collect())
+        })
+        .collect();
+    // A warm-up run of two sequences, then the timed one.
+    for r in requests.iter().take(2) {
+        engine.add(Request { max_tokens: 2, ..r.clone() })?;
+    }
+    while !engine.is_idle() {
+        engine.step()?;
+    }
+    let start = Instant::now();
+    for r in requests {
+        engine.add(r)?;
+    }
+    let (mut first_all, mut after_first) = (None, 0usize);
+    let mut steps = 0;
+    while !engine.is_idle() {
+        let outputs = engine.step()?;
+        steps += 1;
+        if first_all.is_none() {
+            // Every prompt has run (its last row chose the first token).
+            if engine.stats().waiting == 0 && engine.stats().prompt_rows >= (n * args.prompt.max(1)) as u64 {
+                first_all = Some(Instant::now());
+            }
+        } else {
+            after_first += outputs.len();
+        }
+    }
+    let total = start.elapsed();
+    let prefill = first_all.map_or(total, |t| t - start);
+    let decode = total - prefill;
+    let stats = engine.stats();
+    println!(
+        "  batch of {n}: prefill of {n} x {} tokens {:.3} s ({:.0} tok/s); decode {:.1} tok/s aggregate \
+         ({after_first} tokens in {:.3} s while all decode); {:.3} s in all, {steps} steps, {} preemptions",
+        args.prompt,
+        prefill.as_secs_f64(),
+        (n * args.prompt) as f64 / prefill.as_secs_f64(),
+        after_first as f64 / decode.as_secs_f64(),
+        decode.as_secs_f64(),
+        total.as_secs_f64(),
+        stats.preemptions,
+    );
+    Ok(())
+}
+
 fn measure_decode(
     args: &Args,
     copy: f64,

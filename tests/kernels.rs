@@ -6,7 +6,7 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{
-    AttentionBindings, AttentionShape, CoopLayout, PagedRows, QkNormWeights, SplitScratch,
+    AttentionBindings, AttentionShape, CoopLayout, PagedRows, PagedSplits, QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
@@ -623,10 +623,11 @@ fn check_attention(gpu: &Gpu) {
 }
 
 /// A ragged batch over a paged cache: sequences of different lengths, each
-/// adding a few rows (a prompt chunk) or one (a decode step), their
-/// positions in blocks scattered over the pool by each sequence's block
-/// table: every row's attention over its own sequence's keys, and the
-/// stored K/V, against the CPU.
+/// adding a few rows (a prompt chunk) or one (a decode step, its keys split
+/// into runs and merged), their positions in blocks scattered over the pool
+/// by each sequence's block table: every row's attention over its own
+/// sequence's keys, and the stored K/V, against the CPU; with splits and
+/// without.
 #[test]
 fn paged_attention_runs_each_row_over_its_own_sequence() {
     on_each_backend(|gpu| {
@@ -695,9 +696,17 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
             // The step's rows, sequence by sequence; each row's metadata and angles.
             let mut meta: Vec<u32> = Vec::new();
             let mut row_of: Vec<(usize, usize)> = Vec::new();
+            let mut slots = 0u32;
             for (s, &(cached, rows)) in seqs.iter().enumerate() {
                 for pos in cached..cached + rows {
-                    meta.extend([pos as u32, firsts[s] as u32]);
+                    // A lone row after cached keys decodes: it splits.
+                    let slot = if rows == 1 && cached > 0 {
+                        slots += 1;
+                        slots - 1
+                    } else {
+                        u32::MAX
+                    };
+                    meta.extend([pos as u32, firsts[s] as u32, slot, 0]);
                     row_of.push((s, pos));
                 }
             }
@@ -770,11 +779,21 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 kv_format: format,
                 chunk_precision: PrefillPrecision::F16,
             };
-            let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block };
-            let dispatches = Attention::new(gpu).plan_paged(gpu, &shape, &b, &paged).unwrap();
-            run(gpu, &dispatches, n as u32);
+            let max_splits = 8;
+            let acc =
+                gpu.storage_buffer("split_acc", slots.max(1) as usize * heads.q * max_splits * hd).unwrap();
+            let max_sum = gpu
+                .storage_buffer("split_max_sum", slots.max(1) as usize * heads.q * max_splits * 2)
+                .unwrap();
             let tol = if format == F16 { 2e-3 } else { 1e-5 };
-            assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
+            for (split_keys, max_splits) in [(1, 1), (4, max_splits), (9, max_splits)] {
+                let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
+                let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
+                let dispatches = Attention::new(gpu).plan_paged(gpu, &shape, &b, &paged).unwrap();
+                run(gpu, &dispatches, n as u32);
+                let what = format!("{what}, split keys {split_keys}, at most {max_splits}");
+                assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
+            }
             let words = if format == F32 { pool_blocks * block * kvw } else { pool_blocks * block * kvw / 2 };
             let stored_k = cache_values(&gpu.read_buffer(&k_b, words).unwrap(), format);
             let stored_v = cache_values(&gpu.read_buffer(&v_b, words).unwrap(), format);

@@ -49,7 +49,11 @@ enable wgpu_cooperative_matrix;
 // sequence's block table come from rows_meta, its rotation from row t of
 // cos_sin (the host writes each row's angles), and position j of its
 // sequence lives in cache row block_table[first + j / block_size] *
-// block_size + j % block_size (the caches are a pool of blocks).
+// block_size + j % block_size (the caches are a pool of blocks). A row
+// given a partial slot (a decode row) splits its keys into runs of
+// p.split_keys (at most p.max_splits runs, the workgroups of later splits
+// idle), its partials at that slot, merged by `combine`; its split count
+// depends on its own keys alone.
 // Limits (attend): head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32
 // rows, rows * head_dim <= 2048; attend_coop's are in its section.
 
@@ -97,8 +101,9 @@ const NEG_BIG: f32 = -3.0e38;
 @group(0) @binding(12) var<storage, read_write> out16: array<f16>;
 #endif
 #if PAGED
-// Per step row: (position, first entry of its sequence's block table).
-@group(0) @binding(13) var<storage, read> rows_meta: array<vec2<u32>>;
+// Per step row: (position, first entry of its sequence's block table,
+// partial slot or NO_SLOT, unused).
+@group(0) @binding(13) var<storage, read> rows_meta: array<vec4<u32>>;
 @group(0) @binding(14) var<storage, read> block_table: array<u32>;
 #endif
 
@@ -228,6 +233,18 @@ fn rotary_row(t: u32) -> u32 {
     return step.pos0 + t;
 #endif
 }
+
+#if PAGED
+const NO_SLOT: u32 = 0xffffffffu;
+
+// Key splits of step row t, which attends n_keys keys.
+fn row_splits(t: u32, n_keys: u32) -> u32 {
+    if (rows_meta[t].z == NO_SLOT) {
+        return 1u;
+    }
+    return clamp((n_keys + p.split_keys - 1u) / p.split_keys, 1u, p.max_splits);
+}
+#endif
 
 // The cache row of position j of step row t's sequence.
 fn cache_row(t: u32, j: u32) -> u32 {
@@ -519,7 +536,6 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let g = wid.x;
     let t0 = wid.y * p.tokens_per_wg;
     let split = wid.z;
-    let splits = step.attn_splits;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * GROUP;
     let tk = min(32u, TILE_FLOATS / (HEAD_DIM + 1u));
@@ -531,6 +547,14 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 #else
     let start = first_key(row_position(t0));
     let n_keys = row_position(t0 + n_tok - 1u) + 1u - start;
+#endif
+#if PAGED
+    let splits = row_splits(t0, n_keys);
+    if (split >= splits) {
+        return;
+    }
+#else
+    let splits = step.attn_splits;
 #endif
     let chunk = (n_keys + splits - 1u) / splits;
     let lo = start + min(split * chunk, n_keys);
@@ -644,6 +668,19 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             if (splits > 1u) {
                 // Partials per (query head, split).
                 let slot = qh * splits + split;
+                part_acc[slot * HEAD_DIM + d] = acc[c].x;
+                part_acc[slot * HEAD_DIM + d + 1u] = acc[c].y;
+                if (d == 0u) {
+                    part_ml[2u * slot] = row_max[r];
+                    part_ml[2u * slot + 1u] = row_sum[r];
+                }
+                continue;
+            }
+#endif
+#if PAGED
+            if (splits > 1u) {
+                // Partials per (slot, query head, split).
+                let slot = (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits + split;
                 part_acc[slot * HEAD_DIM + d] = acc[c].x;
                 part_acc[slot * HEAD_DIM + d + 1u] = acc[c].y;
                 if (d == 0u) {
@@ -1437,8 +1474,21 @@ var<workgroup> split_weight: array<f32, MAX_SPLITS>;
 @compute @workgroup_size(WG)
 fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let qh = wid.x;
+#if PAGED
+    // Row wid.y's partials, where it split.
+    let t = wid.y;
+    let pos = row_position(t);
+    let splits = row_splits(t, pos + 1u - first_key(pos));
+    if (splits == 1u) {
+        return;
+    }
+    let base = (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits;
+    let dst = t * p.out_stride + qh * HEAD_DIM;
+#else
     let splits = step.attn_splits;
     let base = qh * splits;
+    let dst = qh * HEAD_DIM;
+#endif
     for (var s = l; s < splits; s += WG) {
         split_weight[s] = part_ml[2u * (base + s)];
     }
@@ -1461,6 +1511,6 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         for (var s = 0u; s < splits; s++) {
             a += split_weight[s] * part_acc[(base + s) * HEAD_DIM + d];
         }
-        out[qh * HEAD_DIM + d] = a / sum;
+        out[dst + d] = a / sum;
     }
 }

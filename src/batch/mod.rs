@@ -39,7 +39,7 @@ use crate::flow::{
 };
 use crate::gpu::Readback;
 use crate::kernels::Step;
-use crate::kernels::attention::PagedRows;
+use crate::kernels::attention::{PagedRows, PagedSplits};
 use crate::kernels::gemm::PrefillPrecision;
 use crate::kernels::sample::{RowSampleBindings, RowSampling, SampleScratch};
 use crate::kv_cache::{KvCache, KvFormat};
@@ -77,6 +77,10 @@ pub struct BatchOptions {
     pub prefill_precision: PrefillPrecision,
     /// How MoE layers hand the router's choice to the expert kernels.
     pub routing: RoutingMode,
+    /// Fewest rows of a step whose projections run through the GEMM; fewer
+    /// run the GEMV once per row. `None`: 5 for 16-bit weights, 16 for
+    /// quantized ones (where the GEMV reads less and the GEMM decodes more).
+    pub gemm_rows: Option<usize>,
 }
 
 impl Default for BatchOptions {
@@ -92,6 +96,7 @@ impl Default for BatchOptions {
             chunk_matmul: ChunkMatmul::Auto,
             prefill_precision: PrefillPrecision::F16,
             routing: RoutingMode::Readback,
+            gemm_rows: None,
         }
     }
 }
@@ -228,13 +233,25 @@ struct Row {
     pos: usize,
     /// This row chooses the sequence's next token.
     samples: bool,
+    /// A generated token's row (its sequence's only row): its attention
+    /// splits its keys, as a lone session's decode does.
+    decode: bool,
 }
+
+/// Keys per split of a decode row's attention, and most splits.
+const SPLIT_KEYS: usize = 64;
+const MAX_SPLITS: usize = 16;
+/// The partial slot of a row that does not split.
+const NO_SLOT: u32 = u32::MAX;
 
 /// The GPU side of a step beside the layer flow: rows and block tables,
 /// the head over the rows that choose, and the selection.
 #[derive(Debug)]
 struct StepBuffers {
     rows: wgpu::Buffer,
+    /// Decode rows' split attention: partial sums and (max, sum) pairs.
+    split_acc: wgpu::Buffer,
+    split_max_sum: wgpu::Buffer,
     block_table: wgpu::Buffer,
     /// The residual rows that run the head, gathered.
     x_rows: wgpu::Buffer,
@@ -334,7 +351,11 @@ impl<'m> BatchEngine<'m> {
         )?;
         let max_blocks = context_len.div_ceil(block);
         let buffers = StepBuffers {
-            rows: gpu.storage_buffer("batch.rows", 2 * max_rows)?,
+            rows: gpu.storage_buffer("batch.rows", 4 * max_rows)?,
+            split_acc: gpu
+                .storage_buffer("batch.split_acc", max_seqs * c.heads.q * MAX_SPLITS * c.heads.dim)?,
+            split_max_sum: gpu
+                .storage_buffer("batch.split_max_sum", max_seqs * c.heads.q * MAX_SPLITS * 2)?,
             block_table: gpu.storage_buffer("batch.block_table", max_seqs * max_blocks)?,
             x_rows: gpu.storage_buffer("batch.x_rows", max_seqs * c.hidden)?,
             logits: gpu.storage_buffer("batch.logits", max_seqs * c.vocab)?,
@@ -358,9 +379,19 @@ impl<'m> BatchEngine<'m> {
                 (max_rows.max(2) * c.moe.as_ref().map_or(1, |m| m.top_k) * 4) as u64,
             ),
         };
-        let paged = PagedRows { rows: &buffers.rows, block_table: &buffers.block_table, block_size: block };
-        let plan =
+        let splits = PagedSplits {
+            acc: &buffers.split_acc,
+            max_sum: &buffers.split_max_sum,
+            split_keys: SPLIT_KEYS,
+            max_splits: MAX_SPLITS,
+        };
+        let paged =
+            PagedRows { rows: &buffers.rows, block_table: &buffers.block_table, block_size: block, splits };
+        let mut plan =
             Plan::new(model, &act, gemm.as_ref(), options.prefill_precision, KvLayout::Paged(&kv, paged))?;
+        let qkv = &model.weights.layers[0].qkv;
+        let sixteen_bits = qkv.bytes() >= (qkv.rows * qkv.cols * 2) as u64;
+        plan.set_gemm_rows(options.gemm_rows.unwrap_or(if sixteen_bits { 5 } else { 16 }));
         let head = RowsHead::new(
             model,
             &act,
@@ -537,7 +568,8 @@ impl<'m> BatchEngine<'m> {
                     continue; // `i` was pre-empted, or one after it
                 }
                 let pos = self.running[i].computed;
-                rows.push(Row { seq: i, pos, samples: true });
+                let decode = self.running[i].generated > 0;
+                rows.push(Row { seq: i, pos, samples: true, decode });
             }
             i += 1;
         }
@@ -590,7 +622,7 @@ impl<'m> BatchEngine<'m> {
         let ok = self.grow(i, end);
         debug_assert!(ok, "blocks were available");
         let len = self.running[i].tokens.len();
-        rows.extend((start..end).map(|pos| Row { seq: i, pos, samples: pos + 1 == len }));
+        rows.extend((start..end).map(|pos| Row { seq: i, pos, samples: pos + 1 == len, decode: false }));
     }
 
     /// Takes blocks until sequence `i` holds positions `..end`, pre-empting
@@ -678,7 +710,14 @@ impl<'m> BatchEngine<'m> {
             }
         }
         let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
-        let meta: Vec<u32> = rows.iter().flat_map(|r| [r.pos as u32, table_at[r.seq] as u32]).collect();
+        let mut slots = 0..;
+        let meta: Vec<u32> = rows
+            .iter()
+            .flat_map(|r| {
+                let slot = if r.decode { slots.next().unwrap() } else { NO_SLOT };
+                [r.pos as u32, table_at[r.seq] as u32, slot, 0]
+            })
+            .collect();
         let width = self.rotary_row;
         let rotary: Vec<f32> = rows
             .iter()
@@ -729,7 +768,7 @@ impl<'m> BatchEngine<'m> {
                     row_bytes,
                 );
             }
-            self.head.encode(&mut rec, k as u32);
+            self.head.encode(&mut rec, k as u32, self.plan.uses_gemm(k));
             rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
             b.ids.record(rec.encoder(), &b.sampled, 0, (k * 4) as u64);
             if wants_logits {

@@ -70,7 +70,7 @@ use crate::steering::SteeringPlan;
 use moe::MoePlan;
 
 /// Where a plan's attention keeps its keys and values.
-pub(crate) enum KvLayout<'a> {
+pub enum KvLayout<'a> {
     /// One sequence's cache: position j in row j; one token at a time runs
     /// the decode attention.
     Contiguous(&'a KvCache),
@@ -136,9 +136,11 @@ struct Projection {
 }
 
 impl Projection {
-    fn encode(&self, rec: &mut Recorder<'_>, phase: Phase, n_tokens: u32) {
+    /// Encodes the projection of `n_tokens` rows: through the GEMM where
+    /// `gemm` says so and the plan has one, else the GEMV per row.
+    fn encode(&self, rec: &mut Recorder<'_>, phase: Phase, n_tokens: u32, gemm: bool) {
         let dispatches = match self.chunk.for_tokens(n_tokens as usize) {
-            Some(chunk) if n_tokens > 1 => chunk,
+            Some(chunk) if gemm => chunk,
             _ => self.gemv.as_slice(),
         };
         rec.encode(phase, dispatches, n_tokens);
@@ -421,6 +423,9 @@ pub struct Plan {
     /// Token selection, once the session sets it.
     sample: Vec<Dispatch>,
     precision: PrefillPrecision,
+    /// Fewest rows whose projections run through the GEMM (where there is
+    /// one): fewer run the GEMV, once per row.
+    gemm_rows: usize,
 }
 
 impl Plan {
@@ -461,6 +466,7 @@ impl Plan {
             head_last: head(&act.x_last)?,
             sample: Vec::new(),
             precision,
+            gemm_rows: 2,
         })
     }
 
@@ -489,6 +495,18 @@ impl Plan {
             }
         }
         Ok(())
+    }
+
+    /// Runs the projections of passes of fewer than `rows` rows through the
+    /// GEMV, once per row (the GEMM's weight tiles leave a large GPU idle
+    /// on a few rows; a lone sequence's plan switches at 2).
+    pub(crate) fn set_gemm_rows(&mut self, rows: usize) {
+        self.gemm_rows = rows.max(2);
+    }
+
+    /// Whether a pass of `n` rows runs its projections through the GEMM.
+    pub(crate) fn uses_gemm(&self, n: usize) -> bool {
+        n >= self.gemm_rows
     }
 
     /// Sets how [`Head::Sample`] chooses the next token.
@@ -522,6 +540,7 @@ impl Plan {
         media: Option<&ChunkMedia<'_>>,
     ) -> Result<()> {
         let n = step.n_tokens;
+        let gemm = self.uses_gemm(n as usize);
         rec.encode(Phase::Layers, &self.embed, n);
         let row = 4 * act.hidden as u64;
         for c in media.iter().flat_map(|m| &m.copies) {
@@ -533,15 +552,16 @@ impl Plan {
         // added after it.
         let mut h_ready = false;
         for (i, layer) in self.layers.iter().enumerate() {
-            layer.attention.encode(rec, step, h_ready);
+            layer.attention.encode(rec, step, h_ready, gemm);
             match &layer.ffn {
                 FfnPlan::Dense(dense) => {
-                    dense.gate_up.encode(rec, Phase::Layers, n);
-                    dense.down.encode(rec, Phase::Layers, n);
+                    dense.gate_up.encode(rec, Phase::Layers, n, gemm);
+                    dense.down.encode(rec, Phase::Layers, n, gemm);
                 }
-                FfnPlan::Moe(moe) => moe.run(rec, n, routing)?,
+                FfnPlan::Moe(moe) => moe.run(rec, n, routing, gemm)?,
             }
-            h_ready = matches!(layer.ffn, FfnPlan::Dense(_));
+            // A chunk GEMM's add wrote the next layer's normalised input.
+            h_ready = gemm && matches!(layer.ffn, FfnPlan::Dense(_));
             for (add, rows) in media.iter().flat_map(|m| m.after_layer.get(i)).flatten() {
                 rec.encode(Phase::Layers, std::slice::from_ref(add), *rows);
                 h_ready = false;
@@ -611,9 +631,9 @@ impl RowsHead {
         Ok(RowsHead(Projection { gemv, chunk }))
     }
 
-    /// Encodes the head over `n_rows` rows.
-    pub(crate) fn encode(&self, rec: &mut Recorder<'_>, n_rows: u32) {
-        self.0.encode(rec, Phase::Head, n_rows);
+    /// Encodes the head over `n_rows` rows, through the GEMM where `gemm`.
+    pub(crate) fn encode(&self, rec: &mut Recorder<'_>, n_rows: u32, gemm: bool) {
+        self.0.encode(rec, Phase::Head, n_rows, gemm);
     }
 }
 
@@ -657,7 +677,13 @@ impl AttentionPlan {
         };
         let apart = first_value_row_apart(&lw.qkv, c.heads).map(|row| {
             let values = act.values.as_ref().expect("buffers for value rows apart");
-            RowsApart { row, gemv: values.decode(i), gemm: &values.chunk }
+            // Over a paged cache the GEMV runs a step's rows too: it writes
+            // the buffer of many rows.
+            let gemv = match layout {
+                KvLayout::Contiguous(_) => values.decode(i),
+                KvLayout::Paged(..) => &values.chunk,
+            };
+            RowsApart { row, gemv, gemm: &values.chunk }
         });
         // The chunk's attention writes its rows as f16 too where the
         // o-projection's GEMM takes such copies and the attention can.
@@ -698,13 +724,13 @@ impl AttentionPlan {
     }
 
     /// `h_ready`: a chunk's normalised input is in `act.h` (and `act.h16`)
-    /// already.
-    fn encode(&self, rec: &mut Recorder<'_>, step: &Step, h_ready: bool) {
+    /// already; `gemm`: the projections run through the GEMM.
+    fn encode(&self, rec: &mut Recorder<'_>, step: &Step, h_ready: bool, gemm: bool) {
         let n = step.n_tokens;
-        if let Some(norm) = self.input_norm.as_ref().filter(|_| n > 1 && !h_ready) {
+        if let Some(norm) = self.input_norm.as_ref().filter(|_| gemm && !h_ready) {
             rec.encode(Phase::Layers, std::slice::from_ref(norm), n);
         }
-        self.qkv.encode(rec, Phase::Layers, n);
+        self.qkv.encode(rec, Phase::Layers, n, gemm);
         match &self.decode {
             Some(decode) if n == 1 => {
                 let count = decode.encode(rec.pass(Phase::Layers), step.attn_splits);
@@ -712,6 +738,6 @@ impl AttentionPlan {
             }
             _ => rec.encode(Phase::Layers, &self.chunk, n),
         }
-        self.o_proj.encode(rec, Phase::Layers, n);
+        self.o_proj.encode(rec, Phase::Layers, n, gemm);
     }
 }

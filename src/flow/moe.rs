@@ -282,7 +282,15 @@ impl MoePlan {
 
     /// Router, selection, and the selected experts of the tokens in
     /// flight, added to the residual.
-    pub fn run<'a>(&self, rec: &mut Recorder<'a>, n_tokens: u32, routing: &RoutingContext<'a>) -> Result<()> {
+    /// Runs the layer's router and experts over `n_tokens` rows, the
+    /// experts grouped by expert through the GEMM where `gemm` says so.
+    pub fn run<'a>(
+        &self,
+        rec: &mut Recorder<'a>,
+        n_tokens: u32,
+        routing: &RoutingContext<'a>,
+        gemm: bool,
+    ) -> Result<()> {
         rec.encode(Phase::Layers, &self.router, n_tokens);
         rec.encode(Phase::Layers, std::slice::from_ref(&self.top_k), n_tokens);
         let bytes = (n_tokens as usize * self.top_k_slots * 4) as u64;
@@ -295,12 +303,12 @@ impl MoePlan {
             let ids =
                 rec.submit_routing_and_wait(routing.readback, &self.ids, bytes, self.layer, self.n_experts)?;
             return match &self.grouped {
-                Some(grouped) if n_tokens > 1 => grouped.encode_in_waves(rec, n_tokens, &ids, &placed),
+                Some(grouped) if gemm => grouped.encode_in_waves(rec, n_tokens, &ids, &placed),
                 _ => self.encode_in_runs(rec, n_tokens, &ids, &placed),
             };
         }
         match (routing.mode, &self.grouped) {
-            (RoutingMode::Readback, Some(grouped)) if n_tokens > 1 => {
+            (RoutingMode::Readback, Some(grouped)) if gemm => {
                 let ids = rec.submit_routing_and_wait(
                     routing.readback,
                     &self.ids,
@@ -311,7 +319,7 @@ impl MoePlan {
                 grouped.encode(rec, n_tokens, Some(&ids), self.n_experts);
                 return Ok(());
             }
-            (RoutingMode::DeviceResident, Some(grouped)) if n_tokens > 1 => {
+            (RoutingMode::DeviceResident, Some(grouped)) if gemm => {
                 grouped.encode(rec, n_tokens, None, self.n_experts);
                 return Ok(());
             }

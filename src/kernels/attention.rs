@@ -38,6 +38,9 @@ crate::wgsl_struct! {
         v_stride: u32,
         /// Positions per cache block (PAGED).
         block_size: u32,
+        /// A split row's keys per split, and its most splits (PAGED).
+        split_keys: u32,
+        max_splits: u32,
     }
 }
 
@@ -178,6 +181,20 @@ pub struct PagedRows<'a> {
     pub block_table: &'a wgpu::Buffer,
     /// Positions per block.
     pub block_size: usize,
+    /// Where decode rows (those given a partial slot) split their keys
+    /// (`max_splits` 1: none does).
+    pub splits: PagedSplits<'a>,
+}
+
+/// The split attention of a ragged batch's decode rows: per (slot, query
+/// head, split) `head_dim` partial sums in `acc` and a (max, sum) pair in
+/// `max_sum`; a row splits its keys into runs of `split_keys`, at most
+/// `max_splits` of them.
+pub struct PagedSplits<'a> {
+    pub acc: &'a wgpu::Buffer,
+    pub max_sum: &'a wgpu::Buffer,
+    pub split_keys: usize,
+    pub max_splits: usize,
 }
 
 /// Scratch of split attention: `[nq, splits, head_dim]` partial sums and
@@ -206,26 +223,19 @@ pub struct AttentionShape<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Entry {
     /// `rope_store`; `paged`: for the rows of a ragged batch (PAGED).
-    RopeStore {
-        paged: bool,
-    },
+    RopeStore { paged: bool },
     /// `attend` over a chunk of tokens, causal (or with every key seen);
     /// `paged`: each row over its own sequence's keys (PAGED).
-    ChunkAttend {
-        bidirectional: bool,
-        paged: bool,
-    },
+    ChunkAttend { bidirectional: bool, paged: bool },
     /// `attend` built with DECODE: one token, storing its own k and v.
     TokenAttend,
     /// `attend_lanes`: one token on subgroup lanes.
     LanesAttend(LaneLayout),
     /// `attend_coop`: a chunk on cooperative matrices, with `f16_copy` its
     /// rows also as f16 (binding 12).
-    CoopAttend {
-        layout: CoopLayout,
-        f16_copy: bool,
-    },
-    Combine,
+    CoopAttend { layout: CoopLayout, f16_copy: bool },
+    /// `combine`; `paged`: each split row's partials (PAGED).
+    Combine { paged: bool },
 }
 
 impl Entry {
@@ -235,7 +245,7 @@ impl Entry {
             Entry::ChunkAttend { .. } | Entry::TokenAttend => "attend",
             Entry::LanesAttend(_) => "attend_lanes",
             Entry::CoopAttend { .. } => "attend_coop",
-            Entry::Combine => "combine",
+            Entry::Combine { .. } => "combine",
         }
     }
 }
@@ -354,8 +364,9 @@ impl Attention {
         shape: &AttentionShape<'_>,
         b: &AttentionBindings<'_>,
         tokens_per_wg: usize,
-        block_size: usize,
+        paged: Option<&PagedRows<'_>>,
     ) -> AttentionParams {
+        let splits = paged.map(|p| &p.splits);
         let h = shape.heads;
         let (v_offset, v_stride) = match b.values {
             Some(_) => (0, h.kv * h.dim),
@@ -373,7 +384,9 @@ impl Attention {
             eps: shape.qk_norm.map_or(0.0, |n| n.eps),
             v_offset: v_offset as u32,
             v_stride: v_stride as u32,
-            block_size: block_size as u32,
+            block_size: paged.map_or(0, |p| p.block_size as u32),
+            split_keys: splits.map_or(0, |s| s.split_keys as u32),
+            max_splits: splits.map_or(1, |s| s.max_splits as u32),
         }
     }
 
@@ -394,7 +407,12 @@ impl Attention {
             Entry::ChunkAttend { bidirectional: true, .. } => flags.push(BIDIRECTIONAL),
             _ => {}
         }
-        if matches!(entry, Entry::RopeStore { paged: true } | Entry::ChunkAttend { paged: true, .. }) {
+        if matches!(
+            entry,
+            Entry::RopeStore { paged: true }
+                | Entry::ChunkAttend { paged: true, .. }
+                | Entry::Combine { paged: true }
+        ) {
             flags.push(PAGED);
         }
         if shape.kv_format == KvFormat::F16 {
@@ -434,12 +452,13 @@ impl Attention {
         };
         let constants = [heads, layout].concat();
         let pipeline = super::pipeline(gpu, "attention", function, &flags, &constants)?;
-        // combine reads no parameters: its head width is a constant of the build.
+        // combine reads no parameters (its head width is a constant of the
+        // build) but paged, where it reads the rows'.
         let mut bound: Vec<(u32, &wgpu::Buffer)> =
-            if entry == Entry::Combine { vec![] } else { vec![(0, &params.0)] };
+            if entry == (Entry::Combine { paged: false }) { vec![] } else { vec![(0, &params.0)] };
         bound.extend_from_slice(buffers);
         // attend_coop reads its rows already normalised and rotated.
-        let rotates = !matches!(entry, Entry::Combine | Entry::CoopAttend { .. });
+        let rotates = !matches!(entry, Entry::Combine { .. } | Entry::CoopAttend { .. });
         if let (true, Some(n)) = (rotates, shape.qk_norm.filter(|n| n.mode != QkNorm::None)) {
             bound.extend([(9, &n.q.parts[0].buffer), (10, &n.k.parts[0].buffer)]);
         }
@@ -492,7 +511,7 @@ impl Attention {
             Some(layout) => layout.rows() / group,
             None => (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1),
         };
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg, 0));
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg, None));
         // K and V heads; for attend_coop, the query rows too (into `out`).
         let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
@@ -555,8 +574,7 @@ impl Attention {
         debug_assert!(
             h.dim <= MAX_HEAD_DIM && h.group() <= MAX_GROUP && h.group() * h.dim <= MAX_GROUP_WIDTH
         );
-        let params = Self::params(shape, b, 1, paged.block_size);
-        let params = ParamsBuffer::new(gpu, "attention.params", &params);
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, Some(paged)));
         let rows = [(13, paged.rows), (14, paged.block_table)];
         // Paged rows carry their own positions: the store reads no step.
         let mut storing: Vec<_> = b.storing_values().into_iter().filter(|&(i, _)| i != 1).collect();
@@ -572,16 +590,25 @@ impl Attention {
         )?;
         let mut reading = b.rows_and_caches().to_vec();
         reading.extend(rows);
-        let attend = self.dispatch(
+        let splits = &paged.splits;
+        reading.extend([(7, splits.acc), (8, splits.max_sum)]);
+        let entry = Entry::ChunkAttend { bidirectional: false, paged: true };
+        let grid = [h.kv as u32, 1, splits.max_splits as u32];
+        let attend = self.dispatch(gpu, shape, entry, &params, &reading, grid, 1)?;
+        let merging = [(6, b.out), (7, splits.acc), (8, splits.max_sum), rows[0]];
+        if splits.max_splits == 1 {
+            return Ok(vec![rope, attend]);
+        }
+        let combine = self.dispatch(
             gpu,
             shape,
-            Entry::ChunkAttend { bidirectional: false, paged: true },
+            Entry::Combine { paged: true },
             &params,
-            &reading,
-            [h.kv as u32, 1, 1],
+            &merging,
+            [h.q as u32, 1, 1],
             1,
         )?;
-        Ok(vec![rope, attend])
+        Ok(vec![rope, attend, combine])
     }
 
     /// Whether a chunk's (causal) attention can write its rows as f16 too
@@ -615,7 +642,7 @@ impl Attention {
         scratch: &SplitScratch<'_>,
     ) -> Result<DecodeAttention> {
         let h = shape.heads;
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, 0));
+        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, None));
         let layout = LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format);
         let (entry, row_blocks) = match layout {
             Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
@@ -628,7 +655,7 @@ impl Attention {
         let combine = self.dispatch(
             gpu,
             shape,
-            Entry::Combine,
+            Entry::Combine { paged: false },
             &params,
             &[(1, b.step), (6, b.out), (7, scratch.acc), (8, scratch.max_sum)],
             [h.q as u32, 1, 1],
