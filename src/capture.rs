@@ -44,16 +44,38 @@ pub enum PromptRows {
     All,
 }
 
+/// What [`crate::Session::set_capture`] records: which layers' outputs,
+/// and which prompt rows. The default is every layer, with the last
+/// prompt row and every decoded token's.
+///
+/// ```no_run
+/// use wgspark::{CaptureOptions, Gpu, Model, Sampler, SessionOptions};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let gpu = Gpu::from_env()?;
+/// let model = Model::load("path/to/model", &gpu)?;
+/// let mut session = model.session(&SessionOptions::default())?;
+/// session.set_capture(Some(&CaptureOptions { layers: Some(vec![6]), ..CaptureOptions::default() }))?;
+/// let logits = session.prefill(&[1, 2, 3])?;
+/// session.step(Sampler::greedy().sample(&logits), session.position())?;
+/// let capture = session.take_capture().ok_or("capture is on")?;
+/// assert_eq!(capture.positions, [2, 3]); // the prompt's last row, then the step's
+/// let rows = capture.layer(6).ok_or("layer 6 was captured")?;
+/// assert_eq!(rows.len(), capture.n_rows() * capture.hidden);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CaptureOptions {
     /// The layers to record; `None` is every layer.
     pub layers: Option<Vec<usize>>,
+    /// Which prompt rows are recorded (decoded tokens' rows always are).
     pub prompt_rows: PromptRows,
 }
 
 /// Rows of the residual stream at layer outputs, in processing order.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Capture {
+    /// Values per row: the model's hidden size.
     pub hidden: usize,
     /// The captured layers, ascending.
     pub layers: Vec<usize>,
@@ -74,6 +96,7 @@ impl Capture {
         Some(&self.rows[slot])
     }
 
+    /// Rows captured per layer: one per recorded position.
     pub fn n_rows(&self) -> usize {
         self.positions.len()
     }
@@ -98,6 +121,7 @@ impl Capture {
         safetensors::serialize(views, Some(metadata)).expect("views are valid")
     }
 
+    /// Writes [`Self::to_safetensors`] to `path`, replacing any file there.
     pub fn write_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         std::fs::write(path, self.to_safetensors()).map_err(|e| Error::io(path, e))

@@ -16,12 +16,14 @@ use crate::gguf::Gguf;
 pub struct Message {
     /// `system`, `user` or `assistant`.
     pub role: String,
+    /// The turn's text.
     pub content: String,
     /// Images before the text (templates render each as its placeholder).
     pub images: usize,
 }
 
 impl Message {
+    /// A message of text alone.
     pub fn new(role: &str, content: &str) -> Self {
         Message { role: role.to_string(), content: content.to_string(), images: 0 }
     }
@@ -56,11 +58,39 @@ impl Serialize for Message {
 /// thousand), far fewer than one that never ends.
 pub const TEMPLATE_FUEL: u64 = 50_000_000;
 
-/// A Jinja chat template and the special tokens it may name.
+/// A Jinja chat template and the special tokens it may name. A model's
+/// own comes from [`crate::Model::chat_template`].
+///
+/// ```no_run
+/// use wgspark::{Gpu, Message, Model};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let gpu = Gpu::from_env()?;
+/// let model = Model::load("path/to/instruct-model", &gpu)?;
+/// let tokenizer = model.tokenizer()?.ok_or("the model has no tokenizer")?;
+/// let template = model.chat_template()?.ok_or("the model has no chat template")?;
+/// let messages = [
+///     Message::new("system", "Answer in one word."),
+///     Message::new("user", "Capital of France?"),
+/// ];
+/// // Ends with the assistant's opening, as a reply is to follow.
+/// let text = template.render(&messages, true)?;
+/// let prompt = tokenizer.encode(&text)?; // the special tokens as the template wrote them
+/// // A reply ends at an end-of-sequence id or at the template's end of turn
+/// // (`<|im_end|>`, `<|eot_id|>`, ...).
+/// let mut stop_tokens = model.config.eos_token_ids.clone();
+/// stop_tokens.extend(template.end_of_turn(&tokenizer)?);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
+    /// The template's Jinja source.
     pub source: String,
+    /// The text of the beginning-of-sequence token, as `bos_token` in the
+    /// template (empty where the files name none).
     pub bos_token: String,
+    /// The text of the end-of-sequence token, as `eos_token` in the
+    /// template (empty where the files name none).
     pub eos_token: String,
     /// Where it came from, for errors.
     origin: String,

@@ -3,19 +3,40 @@
 
 use std::path::PathBuf;
 
+/// The crate's result type: [`Error`] unless another error type is given.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Why an operation of the engine failed: one variant per kind of
+/// problem, whose fields hold the facts its message states.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// No adapter of the backends tried can run compute shaders.
     #[error("no GPU adapter found (backends tried: {tried})")]
-    NoAdapter { tried: String },
+    NoAdapter {
+        /// The wgpu backends searched, comma-separated (with
+        /// [`crate::Backend::Auto`]: the native ones, then GL).
+        tried: String,
+    },
 
+    /// A backend name (`WGSPARK_BACKEND`, or a string parsed as
+    /// [`crate::Backend`]) that is none of auto, vulkan, metal, dx12 or gl.
     #[error("unknown backend {0:?} (expected vulkan, metal, dx12 or gl)")]
     UnknownBackend(String),
 
+    /// The chosen adapter refused to open a device with the features and
+    /// limits the engine asks for.
     #[error("could not open a device on adapter {adapter:?}: {message}")]
-    RequestDevice { adapter: String, message: String },
+    RequestDevice {
+        /// The adapter's name.
+        adapter: String,
+        /// wgpu's error, with a hint where a GL context lacks compute
+        /// shaders.
+        message: String,
+    },
 
+    /// A validation error wgpu reported, a kernel that failed to compile,
+    /// or a failed buffer map: a fault of the engine or the driver rather
+    /// than of the input.
     #[error("GPU error: {0}")]
     Gpu(String),
 
@@ -28,120 +49,314 @@ pub enum Error {
     /// `wgpu::Device::destroy`): nothing on it can run again. Open a new
     /// [`crate::Gpu`] and load the model on it.
     #[error("the GPU device was lost ({reason}): open a new device and load the model again")]
-    DeviceLost { reason: String },
+    DeviceLost {
+        /// wgpu's reason and the driver's message.
+        reason: String,
+    },
 
-    /// `needed_bytes` where known: a budget or limit checked before
-    /// allocating; `None` where the driver refused an allocation.
+    /// Device memory ran out, or would have: a budget or limit checked
+    /// before allocating, or an allocation the driver refused.
     #[error(
         "out of device memory ({what}{}): {message}",
         .needed_bytes.map(|b| format!(" needs {b} bytes")).unwrap_or_default()
     )]
-    OutOfDeviceMemory { what: String, needed_bytes: Option<u64>, message: String },
+    OutOfDeviceMemory {
+        /// What was being allocated (a buffer's label, "model weights", ...).
+        what: String,
+        /// The bytes asked for, where a budget or limit was checked before
+        /// allocating; `None` where the driver refused an allocation.
+        needed_bytes: Option<u64>,
+        /// Which limit was met: the memory budget
+        /// ([`crate::GpuOptions::memory_budget`], [`crate::LoadOptions::gpu_memory`]),
+        /// the device's memory, the largest buffer, or the driver's refusal.
+        message: String,
+    },
 
+    /// A file that cannot be read or written, or that is not a regular file
+    /// (a folder, a FIFO, a device) or is larger than such a file may be.
     #[error("{path}: {source}")]
     Io {
+        /// The file or folder.
         path: PathBuf,
+        /// The operating system's error, or the engine's reason.
         #[source]
         source: std::io::Error,
     },
 
+    /// A JSON side file (config.json, tokenizer_config.json,
+    /// generation_config.json, a shard index, ...) that is not valid JSON,
+    /// or whose content is not of the shape the engine reads.
     #[error("{path}: malformed JSON: {message}")]
-    Json { path: PathBuf, message: String },
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error or what is wrong with the content.
+        message: String,
+    },
 
+    /// A config file (config.json, generation_config.json,
+    /// preprocessor_config.json) that is valid JSON but misses a field, or
+    /// gives a value of the wrong type or one no model can have.
     #[error("{path}: invalid config: {message}")]
-    InvalidConfig { path: PathBuf, message: String },
+    InvalidConfig {
+        /// The file.
+        path: PathBuf,
+        /// The field and what is wrong with it.
+        message: String,
+    },
 
+    /// A model of no family the engine implements.
     #[error("unsupported architecture {model_type:?} (supported: {supported})")]
-    UnsupportedArchitecture { model_type: String, supported: String },
+    UnsupportedArchitecture {
+        /// config.json's `model_type` (or first `architectures` class), or a
+        /// GGUF file's `general.architecture` followed by "(GGUF)".
+        model_type: String,
+        /// The names the engine reads, comma-separated.
+        supported: String,
+    },
 
+    /// A valid input the engine does not implement: a quantization, a
+    /// tensor type, an attention geometry, an option on this adapter ...
     #[error("unsupported {what}: {value}")]
-    Unsupported { what: &'static str, value: String },
+    Unsupported {
+        /// The kind of thing refused ("hidden_act", "expert count", ...).
+        what: &'static str,
+        /// The value found, often with what is supported.
+        value: String,
+    },
 
+    /// A safetensors file whose header cannot be parsed, or whose tensors
+    /// do not lie inside it.
     #[error("{path}: malformed safetensors file: {message}")]
-    Safetensors { path: PathBuf, message: String },
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
 
+    /// A GGUF file that is truncated or malformed, of an unsupported
+    /// version or tensor type, or missing a metadata key the engine needs.
     #[error("{path}: malformed GGUF file: {message}")]
-    Gguf { path: PathBuf, message: String },
+    Gguf {
+        /// The file (the first of a split set names the part at fault).
+        path: PathBuf,
+        /// What is wrong, with the byte offset where parsing stopped.
+        message: String,
+    },
 
+    /// A tokenizer that cannot be built from its file, or that failed to
+    /// encode or decode.
     #[error("{source_file}: tokenizer: {message}")]
-    Tokenizer { source_file: PathBuf, message: String },
+    Tokenizer {
+        /// tokenizer.json, or the GGUF file whose metadata describes it.
+        source_file: PathBuf,
+        /// The tokenizers library's error, or what the file lacks.
+        message: String,
+    },
 
+    /// A chat template that does not compile, raised an exception
+    /// (`raise_exception`), or ran out of its instruction budget
+    /// ([`crate::chat::TEMPLATE_FUEL`]).
     #[error("{origin}: chat template: {message}")]
-    ChatTemplate { origin: String, message: String },
+    ChatTemplate {
+        /// The file the template came from.
+        origin: String,
+        /// minijinja's error, with its chain of causes.
+        message: String,
+    },
 
     /// An image that cannot be read or resized: unreadable, not PNG or
     /// JPEG, too large, or of an aspect ratio the processor refuses.
     #[error("{origin}: image: {message}")]
-    Image { origin: String, message: String },
+    Image {
+        /// The image's file, or a name for an image held in memory.
+        origin: String,
+        /// What is wrong with it.
+        message: String,
+    },
 
     /// A prompt of ids whose image placeholders are not one per image.
     #[error(
         "the prompt holds {placeholders} image placeholder tokens ({token}) for {images} images: one stands for each"
     )]
-    ImageCount { token: u32, placeholders: usize, images: usize },
+    ImageCount {
+        /// The image placeholder id (config.json's `image_token_id`).
+        token: u32,
+        /// How often it occurs in the prompt.
+        placeholders: usize,
+        /// Images given.
+        images: usize,
+    },
 
+    /// A tensor the model's config implies that the checkpoint lacks.
     #[error("missing tensor {name:?}")]
-    MissingTensor { name: String },
+    MissingTensor {
+        /// The tensor's name (Hugging Face naming).
+        name: String,
+    },
 
+    /// A tensor stored in a data type the engine does not read there.
     #[error("tensor {name:?} has dtype {found}, expected {expected}")]
-    WrongDtype { name: String, expected: String, found: String },
+    WrongDtype {
+        /// The tensor's name.
+        name: String,
+        /// The types read for it.
+        expected: String,
+        /// The type the file gives.
+        found: String,
+    },
 
+    /// A tensor whose shape is not the one the model's config implies.
     #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
-    WrongShape { name: String, expected: Vec<usize>, found: Vec<usize> },
+    WrongShape {
+        /// The tensor's name.
+        name: String,
+        /// The shape the config implies, row-major.
+        expected: Vec<usize>,
+        /// The shape the file gives, row-major.
+        found: Vec<usize>,
+    },
 
+    /// A token id at or past the vocabulary's size.
     #[error("token id {token} is out of range for a vocabulary of {vocab}")]
-    TokenOutOfRange { token: u32, vocab: usize },
+    TokenOutOfRange {
+        /// The id.
+        token: u32,
+        /// Rows of the model's embedding (config.json's `vocab_size`).
+        vocab: usize,
+    },
 
+    /// A [`crate::Session::step`] at a position other than the session's
+    /// next one.
     #[error("position {got} is not the next position of the session ({expected})")]
-    NonSequentialPosition { expected: usize, got: usize },
+    NonSequentialPosition {
+        /// The session's next position ([`crate::Session::position`]).
+        expected: usize,
+        /// The position given.
+        got: usize,
+    },
 
+    /// A token that would not fit the session's KV cache.
     #[error("context overflow: position {position} does not fit a context of {context_len}")]
-    ContextOverflow { position: usize, context_len: usize },
+    ContextOverflow {
+        /// The position that does not fit (for a prompt: its last).
+        position: usize,
+        /// Positions the cache holds.
+        context_len: usize,
+    },
 
+    /// A MoE layer's router scores held NaN or infinite values, so no
+    /// expert can be chosen.
     #[error(
         "layer {layer}: the router's scores are not numbers (NaN or infinite activations: check the \
          weights, rms_norm_eps, the rope factors and any control vectors)"
     )]
-    NonFiniteRouting { layer: usize },
+    NonFiniteRouting {
+        /// The MoE layer, counted from 0.
+        layer: usize,
+    },
+    /// The logits read back hold a NaN or infinite value.
     #[error(
         "position {position}: logit {token} is {value} (NaN or infinite activations: check the weights, \
          rms_norm_eps, the rope factors and any control vectors)"
     )]
-    NonFiniteLogits { position: usize, token: usize, value: f32 },
+    NonFiniteLogits {
+        /// The position whose logits they are.
+        position: usize,
+        /// The first token whose logit is not finite.
+        token: usize,
+        /// Its logit.
+        value: f32,
+    },
+    /// The logits a token was sampled from on the GPU held NaN or infinite
+    /// values ([`crate::Session::generate`]).
     #[error(
         "position {position}: the logits the token was sampled from hold NaN or infinite values (NaN or \
          infinite activations: check the weights, rms_norm_eps, the rope factors and any control vectors)"
     )]
-    NonFiniteSample { position: usize },
+    NonFiniteSample {
+        /// The position whose logits they were (the last token fed).
+        position: usize,
+    },
+    /// A context length a session cannot have.
     #[error("a context of {context_len} positions: {reason}")]
-    InvalidContext { context_len: usize, reason: String },
+    InvalidContext {
+        /// The length asked for.
+        context_len: usize,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// [`crate::SessionOptions::prefill_chunk`] of 0.
     #[error(
         "a prefill chunk of 0 tokens: a chunk needs at least one (SessionOptions::prefill_chunk, --prefill-chunk)"
     )]
     InvalidPrefillChunk,
+    /// A prompt of no tokens, given to prefill or generate.
     #[error("empty prompt: prefill needs at least one token")]
     EmptyPrompt,
 
+    /// A temperature, top-k, top-p or token count that cannot be used
+    /// (see [`crate::Sampling::validate`]).
     #[error("invalid sampling parameter: {0}")]
     InvalidSampling(String),
 
+    /// A control vector file that is not one, or that does not fit the
+    /// model it is applied to.
     #[error("{path}: invalid control vector: {problem}")]
-    ControlVector { path: PathBuf, problem: ControlVectorProblem },
+    ControlVector {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        problem: ControlVectorProblem,
+    },
 
+    /// A steering layer range whose start is after its end, or past the
+    /// model's last layer.
     #[error("invalid control vector layer range {start}..={end}: {reason}")]
-    InvalidLayerRange { start: usize, end: usize, reason: String },
+    InvalidLayerRange {
+        /// The range's first layer.
+        start: usize,
+        /// The range's last layer (inclusive).
+        end: usize,
+        /// Why it cannot be used.
+        reason: String,
+    },
 
+    /// A [`crate::Steering`] built for another model's shape, set on a
+    /// session.
     #[error(
         "steering made for {steering_layers} layers of width {steering_hidden} does not fit this model \
          ({layers} layers of width {hidden})"
     )]
-    SteeringMismatch { steering_layers: usize, steering_hidden: usize, layers: usize, hidden: usize },
+    SteeringMismatch {
+        /// Layers the steering was built for.
+        steering_layers: usize,
+        /// Hidden size the steering was built for.
+        steering_hidden: usize,
+        /// The model's layers.
+        layers: usize,
+        /// The model's hidden size.
+        hidden: usize,
+    },
 
+    /// A layer to capture that the model does not have.
     #[error("capture of layer {layer}: the model has layers 0..{layers}")]
-    CaptureLayerOutOfRange { layer: usize, layers: usize },
+    CaptureLayerOutOfRange {
+        /// The layer asked for.
+        layer: usize,
+        /// The model's layers.
+        layers: usize,
+    },
 
+    /// Downloading, verifying or extracting the default model failed.
     #[error("could not fetch {what}: {message}")]
-    Fetch { what: String, message: String },
+    Fetch {
+        /// The URL or file at fault.
+        what: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl Error {
@@ -193,40 +408,96 @@ pub(crate) fn check_regular_file(path: &std::path::Path) -> Result<()> {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ControlVectorProblem {
     #[error("general.architecture is {found:?}, expected \"controlvector\"")]
-    WrongArchitecture { found: String },
+    /// The file is not a control vector: its `general.architecture` is not
+    /// "controlvector".
+    WrongArchitecture {
+        /// The value the file gives, or "(missing)".
+        found: String,
+    },
 
     #[error("controlvector.layer_count is missing or not an integer")]
+    /// `controlvector.layer_count` is absent or not an integer.
     MissingLayerCount,
 
     #[error("controlvector.layer_count is {declared}, but the file holds {found} direction tensors")]
-    LayerCountMismatch { declared: i64, found: usize },
+    /// `controlvector.layer_count` differs from the number of directions.
+    LayerCountMismatch {
+        /// `controlvector.layer_count`.
+        declared: i64,
+        /// Direction tensors in the file.
+        found: usize,
+    },
 
     #[error("the file holds no direction tensors")]
+    /// The file holds no tensor.
     NoDirections,
 
     #[error("tensor {name:?} is not named direction.N")]
-    UnexpectedTensor { name: String },
+    /// A tensor not named `direction.N` (N a layer number).
+    UnexpectedTensor {
+        /// The tensor's name.
+        name: String,
+    },
 
     #[error("direction.0: layer 0 is never steered (directions count from layer 1)")]
+    /// A `direction.0` tensor: llama.cpp's layout never steers layer 0.
     LayerZero,
 
     #[error("direction.{layer} is for layer {layer}, but the model has layers 0..{layers}")]
-    LayerOutOfRange { layer: usize, layers: usize },
+    /// A direction for a layer the model does not have.
+    LayerOutOfRange {
+        /// The direction's layer.
+        layer: usize,
+        /// The model's layers.
+        layers: usize,
+    },
 
     #[error("direction.{layer} is {found}, expected F32")]
-    NotF32 { layer: usize, found: String },
+    /// A direction stored in another type than F32.
+    NotF32 {
+        /// The direction's layer.
+        layer: usize,
+        /// Its ggml type.
+        found: String,
+    },
 
     #[error("direction.{layer} has dims {dims:?}, expected one dimension")]
-    NotOneDimensional { layer: usize, dims: Vec<usize> },
+    /// A direction of more (or fewer) than one dimension.
+    NotOneDimensional {
+        /// The direction's layer.
+        layer: usize,
+        /// Its dimensions, in ggml order.
+        dims: Vec<usize>,
+    },
 
     #[error("direction.{layer} has {found} values, but the file's other directions have {expected}")]
-    InconsistentLength { layer: usize, found: usize, expected: usize },
+    /// Directions of different lengths in one file.
+    InconsistentLength {
+        /// The direction's layer.
+        layer: usize,
+        /// Its length.
+        found: usize,
+        /// The length of the file's first direction.
+        expected: usize,
+    },
 
     #[error("direction.{layer} has {found} values, but the model's hidden size is {expected}")]
-    WrongLength { layer: usize, found: usize, expected: usize },
+    /// Directions whose length is not the model's hidden size.
+    WrongLength {
+        /// The direction's layer.
+        layer: usize,
+        /// Its length.
+        found: usize,
+        /// The model's hidden size.
+        expected: usize,
+    },
 
     #[error("direction.{layer} holds a value that is not finite")]
-    NotFinite { layer: usize },
+    /// A direction holding NaN or an infinity.
+    NotFinite {
+        /// The direction's layer.
+        layer: usize,
+    },
 }
 
 thread_local! {

@@ -21,18 +21,31 @@ use std::borrow::Cow;
 /// The storage format of a weight matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
+    /// bfloat16, 2 bytes a value.
     Bf16,
+    /// IEEE half precision, 2 bytes a value.
     F16,
+    /// IEEE single precision, 4 bytes a value.
     F32,
+    /// ggml's Q4_0: blocks of 32 4-bit values and an f16 scale.
     Q4_0,
+    /// ggml's Q4_1: blocks of 32 4-bit values, an f16 scale and minimum.
     Q4_1,
+    /// ggml's Q5_0: blocks of 32 5-bit values and an f16 scale.
     Q5_0,
+    /// ggml's Q5_1: blocks of 32 5-bit values, an f16 scale and minimum.
     Q5_1,
+    /// ggml's Q8_0: blocks of 32 8-bit values and an f16 scale.
     Q8_0,
+    /// ggml's Q2_K: super-blocks of 256 2-bit values.
     Q2K,
+    /// ggml's Q3_K: super-blocks of 256 3-bit values.
     Q3K,
+    /// ggml's Q4_K: super-blocks of 256 4-bit values.
     Q4K,
+    /// ggml's Q5_K: super-blocks of 256 5-bit values.
     Q5K,
+    /// ggml's Q6_K: super-blocks of 256 6-bit values.
     Q6K,
     /// float8_e4m3fn with an f32 scale per 128 values of a row.
     F8E4M3,
@@ -49,6 +62,7 @@ enum Padding {
 }
 
 impl WeightFormat {
+    /// Every format, in declaration order.
     pub const ALL: [WeightFormat; 14] = [
         WeightFormat::Bf16,
         WeightFormat::F16,

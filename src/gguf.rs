@@ -16,10 +16,16 @@ use crate::format::WeightFormat;
 /// widths as `Float`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Meta {
+    /// An integer of any width, signed or not (a u64 past `i64::MAX`
+    /// reads as `Float`).
     Int(i64),
+    /// An f32 or f64.
     Float(f64),
+    /// A boolean.
     Bool(bool),
+    /// A UTF-8 string.
     Str(String),
+    /// An array, whose items may be arrays (nested at most 8 deep).
     Array(Vec<Meta>),
 }
 
@@ -42,28 +48,57 @@ impl std::fmt::Display for Meta {
     }
 }
 
-/// A ggml tensor type.
+/// A ggml tensor type: the ones the reader knows. Tensors of the others
+/// (the i-quants, ternary and FP4 types) make [`Gguf::open`] fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
+    /// IEEE single precision.
     F32,
+    /// IEEE half precision.
     F16,
+    /// bfloat16.
     BF16,
+    /// IEEE double precision.
     F64,
+    /// Signed 8-bit integers.
     I8,
+    /// Signed 16-bit integers.
     I16,
+    /// Signed 32-bit integers.
     I32,
+    /// Signed 64-bit integers.
     I64,
+    /// Blocks of 32 4-bit values and an f16 scale (18 bytes).
     Q4_0,
+    /// Blocks of 32 4-bit values, an f16 scale and an f16 minimum (20 bytes).
     Q4_1,
+    /// Blocks of 32 5-bit values and an f16 scale (22 bytes).
     Q5_0,
+    /// Blocks of 32 5-bit values, an f16 scale and an f16 minimum (24 bytes).
     Q5_1,
+    /// Blocks of 32 8-bit values and an f16 scale (34 bytes).
     Q8_0,
+    /// Blocks of 32 8-bit values, an f16 scale and the scaled sum (36
+    /// bytes): llama.cpp's activation type, not a weight format.
     Q8_1,
+    /// k-quant: super-blocks of 256 2-bit values with 4-bit scales and
+    /// minima per 16 (84 bytes).
     Q2K,
+    /// k-quant: super-blocks of 256 3-bit values with 6-bit scales per 16
+    /// (110 bytes).
     Q3K,
+    /// k-quant: super-blocks of 256 4-bit values with 6-bit scales and
+    /// minima per 32 (144 bytes).
     Q4K,
+    /// k-quant: super-blocks of 256 5-bit values with 6-bit scales and
+    /// minima per 32 (176 bytes).
     Q5K,
+    /// k-quant: super-blocks of 256 6-bit values with 8-bit scales per 16
+    /// (210 bytes).
     Q6K,
+    /// k-quant: super-blocks of 256 8-bit values with an f32 scale and
+    /// sums per 16 (292 bytes): llama.cpp's activation type, not a weight
+    /// format.
     Q8K,
 }
 
@@ -168,14 +203,18 @@ impl GgmlType {
         GGML_TYPES.iter().find(|e| e.0 == self).expect("every type has a row in GGML_TYPES")
     }
 
+    /// The type of ggml's numeric id (`None`: a type the reader does not
+    /// know).
     pub fn from_id(id: u32) -> Option<Self> {
         GGML_TYPES.iter().find(|e| e.1 == id).map(|e| e.0)
     }
 
+    /// ggml's numeric id of the type, as GGUF files store it.
     pub fn id(self) -> u32 {
         self.entry().1
     }
 
+    /// ggml's name of the type (`Q4_K`, `BF16`, ...).
     pub fn name(self) -> &'static str {
         self.entry().2
     }
@@ -193,11 +232,15 @@ impl fmt::Display for GgmlType {
     }
 }
 
+/// A tensor's entry in a GGUF file's table: name, dimensions, type, and
+/// where its bytes are (read with [`Gguf::data`]).
 #[derive(Debug, Clone)]
 pub struct TensorInfo {
+    /// The tensor's name (llama.cpp's naming: `blk.0.attn_q.weight`).
     pub name: String,
     /// ggml order: `dims[0]` is the contiguous (column) dimension.
     pub dims: Vec<usize>,
+    /// How its values are stored.
     pub ty: GgmlType,
     /// From the start of the data section.
     offset: usize,
@@ -205,6 +248,7 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// The number of values: the product of `dims`.
     pub fn elements(&self) -> usize {
         self.dims.iter().product()
     }
@@ -219,7 +263,9 @@ impl TensorInfo {
 pub struct Gguf {
     path: PathBuf,
     map: Mmap,
+    /// The format version: 2 or 3.
     pub version: u32,
+    /// The header's key-value metadata.
     pub metadata: HashMap<String, Meta>,
     /// In file order.
     pub tensors: Vec<TensorInfo>,
@@ -321,6 +367,10 @@ impl Cursor<'_> {
 }
 
 impl Gguf {
+    /// Memory-maps and parses a little-endian GGUF file of version 2 or 3,
+    /// checking that every tensor is of a known type, whole blocks, and
+    /// inside the file: a file that is not is an [`Error::Gguf`], one that
+    /// cannot be opened an [`Error::Io`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         crate::error::check_regular_file(path)?;
@@ -411,6 +461,7 @@ impl Gguf {
         Ok(Gguf { path: path.to_path_buf(), map, version, metadata, tensors, data_start })
     }
 
+    /// The file's path, as given to [`Self::open`].
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -419,10 +470,13 @@ impl Gguf {
         Error::Gguf { path: self.path.clone(), message }
     }
 
+    /// The metadata value of `key`; an error naming it where it is absent.
     pub fn meta(&self, key: &str) -> Result<&Meta> {
         self.metadata.get(key).ok_or_else(|| self.err(format!("missing metadata key {key}")))
     }
 
+    /// The integer value of `key`; an error where it is absent or not an
+    /// integer.
     pub fn meta_int(&self, key: &str) -> Result<i64> {
         match self.meta(key)? {
             Meta::Int(v) => Ok(*v),
@@ -455,6 +509,8 @@ impl Gguf {
         self.metadata.contains_key(key).then(|| self.meta_float(key)).transpose()
     }
 
+    /// The string value of `key`; an error where it is absent or not a
+    /// string.
     pub fn meta_str(&self, key: &str) -> Result<&str> {
         match self.meta(key)? {
             Meta::Str(v) => Ok(v),
@@ -462,6 +518,8 @@ impl Gguf {
         }
     }
 
+    /// The array of strings of `key` (a vocabulary, merges); an error
+    /// where it is absent, not an array, or holds anything but strings.
     pub fn meta_strings(&self, key: &str) -> Result<Vec<&str>> {
         match self.meta(key)? {
             Meta::Array(items) => items
@@ -475,6 +533,7 @@ impl Gguf {
         }
     }
 
+    /// The tensor named `name`, if the file has one.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }
@@ -506,21 +565,30 @@ pub struct GgufWriter {
 /// A metadata value with its exact GGUF type, for writing.
 #[derive(Debug, Clone)]
 pub enum MetaValue {
+    /// GGUF type 4, an unsigned 32-bit integer.
     U32(u32),
+    /// GGUF type 5, a signed 32-bit integer.
     I32(i32),
+    /// GGUF type 10, an unsigned 64-bit integer.
     U64(u64),
+    /// GGUF type 6, an f32.
     F32(f32),
+    /// GGUF type 7, a boolean.
     Bool(bool),
+    /// GGUF type 8, a UTF-8 string.
     Str(String),
     /// An array of strings (a vocabulary, merges).
     Strings(Vec<String>),
 }
 
 impl GgufWriter {
+    /// A writer with no metadata and no tensors.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Adds the metadata entry `key` (keys are not checked for repeats,
+    /// which [`Gguf::open`] refuses).
     pub fn meta(&mut self, key: &str, value: MetaValue) -> &mut Self {
         self.metadata.push((key.to_string(), value));
         self
@@ -537,6 +605,7 @@ impl GgufWriter {
         self.tensor_bytes(name, dims, GgmlType::F32, bytemuck::cast_slice(values).to_vec())
     }
 
+    /// The file's bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
         let string = |out: &mut Vec<u8>, s: &str| {
@@ -586,6 +655,7 @@ impl GgufWriter {
         out
     }
 
+    /// Writes the file to `path`, replacing any file there.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         std::fs::write(path, self.to_bytes()).map_err(|e| Error::io(path, e))

@@ -18,6 +18,7 @@ pub enum KvFormat {
 }
 
 impl KvFormat {
+    /// Bytes one cached value takes: 2 for f16, 4 for f32.
     pub fn bytes_per_value(self) -> usize {
         match self {
             KvFormat::F16 => 2,
@@ -81,8 +82,11 @@ impl KvCache {
 /// The attention geometry: query heads, key/value heads and head width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Heads {
+    /// Query heads.
     pub q: usize,
+    /// Key/value heads (a divisor of `q`).
     pub kv: usize,
+    /// Width of one head.
     pub dim: usize,
 }
 

@@ -94,7 +94,7 @@ pub use chat::{ChatTemplate, Message};
 pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, ExpertPrefetch, RoutingMode};
 pub use format::WeightFormat;
-pub use gpu::{Backend, CooperativeMatrix, Gpu, GpuOptions, set_runtime_dir_if_missing};
+pub use gpu::{Backend, Caps, CooperativeMatrix, Gpu, GpuOptions, set_runtime_dir_if_missing};
 pub use kernels::gemm::PrefillPrecision;
 pub use kv_cache::KvFormat;
 pub use model::{LoadOptions, Model, ModelConfig};
@@ -114,7 +114,21 @@ pub use vision::RgbImage;
 pub struct ReadmeDoctests;
 
 impl Model {
-    /// Opens a decoding session with its own KV cache.
+    /// Opens a decoding session with its own KV cache (see [`Session::new`]).
+    ///
+    /// ```no_run
+    /// use wgspark::{Gpu, KvFormat, Model, SessionOptions};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = Gpu::from_env()?;
+    /// let model = Model::load("path/to/model", &gpu)?;
+    /// // 4096 positions of f32 K and V; the rest as default.
+    /// let options =
+    ///     SessionOptions { context_len: Some(4096), kv_format: KvFormat::F32, ..SessionOptions::default() };
+    /// let session = model.session(&options)?;
+    /// assert_eq!(session.context_len(), 4096);
+    /// # Ok(()) }
+    /// ```
     pub fn session(&self, options: &SessionOptions) -> Result<Session<'_>> {
         Session::new(self, options)
     }

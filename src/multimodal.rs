@@ -1,10 +1,10 @@
 //! Prompts of text and images (Qwen3-VL). Each image goes through the
-//! vision tower ([`crate::flow::vision`]); in the prompt it stands as one
-//! `image_token_id` token per merged row, whose embedding the row replaces
-//! and to which, after the language model's first layers, the deepstack
-//! rows are added. Positions are what the language model rotates by, as
-//! transformers' `get_rope_index` gives them: `(p, p, p)` for text, `(s,
-//! s + row, s + column)` over an image's merged grid starting at `s`, and
+//! vision tower; in the prompt it stands as one `image_token_id` token per
+//! merged row, whose embedding the row replaces and to which, after the
+//! language model's first layers, the deepstack rows are added. Positions
+//! are what the language model rotates by, as transformers'
+//! `get_rope_index` gives them: `(p, p, p)` for text, `(s, s + row, s +
+//! column)` over an image's merged grid starting at `s`, and
 //! text after an image continuing from the largest position + 1. The
 //! session keeps each cache slot's rotary row in its table, so decoding
 //! after an image rotates by `slot + offset` with no flag on the GPU.
@@ -18,8 +18,36 @@ use crate::model::{Model, ModelConfig};
 use crate::vision::RgbImage;
 
 /// A part of a prompt: token ids, or an image.
+///
+/// ```no_run
+/// use std::path::Path;
+/// use wgspark::{GenerateOptions, Gpu, Message, Model, PromptPart, RgbImage, SessionOptions, TextStream};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let gpu = Gpu::from_env()?;
+/// let model = Model::load("path/to/Qwen3-VL-2B-Instruct", &gpu)?;
+/// let tokenizer = model.tokenizer()?.ok_or("the model has no tokenizer")?;
+/// let template = model.chat_template()?.ok_or("the model has no chat template")?;
+/// let images = [RgbImage::open(Path::new("photo.jpg"))?];
+/// let message = Message::with_images("user", images.len(), "What is in this picture?");
+/// let ids = tokenizer.encode(&template.render(&[message], true)?)?;
+/// // Qwen3-VL's template writes <|vision_start|><|image_pad|><|vision_end|>
+/// // for an image: the placeholder is where the image's rows go.
+/// let placeholder = tokenizer.token_id("<|image_pad|>").ok_or("no image placeholder")?;
+/// let parts = PromptPart::split(&ids, placeholder, &images)?;
+/// let mut session = model.session(&SessionOptions::default())?;
+/// let stop_tokens = model.config.eos_token_ids.clone();
+/// let options = GenerateOptions { stop_tokens, ..GenerateOptions::default() };
+/// let mut text = TextStream::new(&tokenizer, true);
+/// for id in session.generate_multimodal(&parts, &options)? {
+///     print!("{}", text.push(id?)?);
+/// }
+/// println!("{}", text.finish()?);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub enum PromptPart<'a> {
+    /// Token ids, as the tokenizer gives them.
     Text(&'a [u32]),
     /// An image, which becomes as many tokens as it has merged rows (the
     /// caller's text holds what the model's chat template puts around it,

@@ -7,9 +7,18 @@
 pub enum Progress<'a> {
     /// A step begins: what it does, and how many bytes it will take where
     /// that is known.
-    Begin { what: &'a str, total_bytes: Option<u64> },
+    Begin {
+        /// What the step does ("loading path/to/model", "downloading URL").
+        what: &'a str,
+        /// Bytes the step will process; `None` where that is unknown (a
+        /// download without a length).
+        total_bytes: Option<u64>,
+    },
     /// `bytes` more of the current step are done.
-    Advance { bytes: u64 },
+    Advance {
+        /// Bytes done since the last report (not a running total).
+        bytes: u64,
+    },
     /// The current step is done.
     End,
 }

@@ -3,6 +3,9 @@
 
 use crate::error::{Error, Result};
 
+/// How the next token is chosen from logits: on the GPU by
+/// [`crate::Session::generate`] ([`crate::GenerateOptions::sampling`]), on
+/// the host by [`Sampler`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Sampling {
     /// The highest logit (the lowest id on ties).
@@ -10,7 +13,17 @@ pub enum Sampling {
     /// Softmax of `logits / temperature`, cut to the `top_k` most likely
     /// tokens and then to the smallest set whose probability reaches
     /// `top_p`, renormalised and drawn from.
-    Random { temperature: f32, top_k: Option<usize>, top_p: Option<f32> },
+    Random {
+        /// What logits are divided by before the softmax: below 1 sharpens
+        /// the distribution, above 1 flattens it (positive and finite).
+        temperature: f32,
+        /// Draw from the `k` most likely tokens only (`None`: all; at
+        /// least 1).
+        top_k: Option<usize>,
+        /// Draw from the smallest set of most likely tokens whose
+        /// probability reaches `p`, in (0, 1] (`None`: 1, all of them).
+        top_p: Option<f32>,
+    },
 }
 
 impl Sampling {
@@ -38,6 +51,25 @@ impl Sampling {
 
 /// Token selection on the host from logits read back (the GPU's own is
 /// `kernels::sample`, which [`crate::Session::generate`] uses).
+///
+/// ```
+/// use wgspark::{Sampler, Sampling};
+///
+/// let logits = [0.1, 2.0, -1.0];
+/// assert_eq!(Sampler::greedy().sample(&logits), 1);
+///
+/// // Temperature 0.8 over the two most likely ids (1 and 0); a seed gives
+/// // the same draws every time.
+/// let sampling = Sampling::Random { temperature: 0.8, top_k: Some(2), top_p: None };
+/// let draws = |seed| -> wgspark::Result<Vec<u32>> {
+///     let mut sampler = Sampler::new(sampling, seed)?;
+///     Ok((0..16).map(|_| sampler.sample(&logits)).collect())
+/// };
+/// let first = draws(7)?;
+/// assert!(first.iter().all(|&id| id == 0 || id == 1));
+/// assert_eq!(first, draws(7)?);
+/// # Ok::<(), wgspark::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Sampler {
     sampling: Sampling,
@@ -45,15 +77,22 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler that takes the highest logit ([`Sampling::Greedy`]).
     pub fn greedy() -> Self {
         Sampler { sampling: Sampling::Greedy, rng: Xoshiro256::new(0) }
     }
 
+    /// A sampler of `sampling`, its draws seeded by `seed`; fails with
+    /// [`crate::Error::InvalidSampling`] where a parameter is out of range
+    /// ([`Sampling::validate`]).
     pub fn new(sampling: Sampling, seed: u64) -> Result<Self> {
         sampling.validate()?;
         Ok(Sampler { sampling, rng: Xoshiro256::new(seed) })
     }
 
+    /// The id chosen from `logits` (one value per token of the
+    /// vocabulary). NaN logits are never chosen; where all are NaN, the id
+    /// is 0.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         match self.sampling {
             Sampling::Greedy => argmax(logits),

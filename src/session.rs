@@ -42,6 +42,9 @@ pub const DEFAULT_IN_FLIGHT: usize = 3;
 /// (a larger value runs as this many).
 pub const MAX_IN_FLIGHT: usize = 64;
 
+/// How a session is opened ([`crate::Model::session`]): its context, how
+/// MoE layers route, how prompts run, how the KV cache stores values, and
+/// whether time is measured. The default suits generation.
 #[derive(Debug, Clone, Default)]
 pub struct SessionOptions {
     /// Positions the KV cache holds. `None`: the config's
@@ -82,6 +85,7 @@ const MAX_TIMED_PASSES: usize = 2048;
 /// How [`Session::generate`] chooses and stops.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateOptions {
+    /// How each next token is chosen (default greedy).
     pub sampling: Sampling,
     /// Seeds the draws of [`Sampling::Random`]; a seed gives the same
     /// tokens on the same backend and adapter.
@@ -122,6 +126,9 @@ pub enum StopReason {
     Failed,
 }
 
+/// One sequence on a model: its KV cache, its position, and the buffers
+/// its forward passes run in. Opened by [`crate::Model::session`]; a model
+/// may have several sessions, each with a cache of its own.
 pub struct Session<'m> {
     model: &'m Model,
     activations: Activations,
@@ -148,6 +155,13 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
+    /// Opens a session on `model` (as [`crate::Model::session`] does), its
+    /// KV cache and activations allocated for the whole context. Fails with
+    /// [`Error::InvalidContext`] for a context of 0,
+    /// [`Error::InvalidPrefillChunk`] for chunks of 0,
+    /// [`Error::OutOfDeviceMemory`] where the weights and the cache exceed
+    /// the device's budget or memory, and [`Error::Unsupported`] for
+    /// device-resident routing of streamed experts.
     pub fn new(model: &'m Model, options: &SessionOptions) -> Result<Self> {
         let c = &model.config;
         let context_len = options.context_len.unwrap_or_else(|| c.max_positions.min(DEFAULT_CONTEXT_CAP));
@@ -231,6 +245,7 @@ impl<'m> Session<'m> {
         })
     }
 
+    /// The model the session runs.
     pub fn model(&self) -> &'m Model {
         self.model
     }
@@ -240,10 +255,12 @@ impl<'m> Session<'m> {
         self.len
     }
 
+    /// Positions the KV cache holds: the longest the sequence may grow.
     pub fn context_len(&self) -> usize {
         self.kv.context_len
     }
 
+    /// How the KV cache stores K and V.
     pub fn kv_format(&self) -> KvFormat {
         self.kv.format
     }
@@ -309,6 +326,32 @@ impl<'m> Session<'m> {
     /// Runs a prompt from the current position, in chunks of up to
     /// [`Self::prefill_chunk`] tokens, and returns the logits of its last
     /// token (the only position that runs the head).
+    ///
+    /// Prefilling, then stepping with a host sampler:
+    /// ```no_run
+    /// use wgspark::{Gpu, Model, Sampler, Sampling, SessionOptions};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = Gpu::from_env()?;
+    /// let model = Model::load("path/to/model", &gpu)?;
+    /// let tokenizer = model.tokenizer()?.ok_or("the model has no tokenizer")?;
+    /// let mut session = model.session(&SessionOptions::default())?;
+    /// let prompt = tokenizer.encode_prompt("The capital of France is")?;
+    /// let mut logits = session.prefill(&prompt)?; // `vocab` raw f32 logits
+    /// let sampling = Sampling::Random { temperature: 0.7, top_k: Some(40), top_p: None };
+    /// let mut sampler = Sampler::new(sampling, 1)?;
+    /// let mut ids = Vec::new();
+    /// for _ in 0..16 {
+    ///     let next = sampler.sample(&logits);
+    ///     if model.config.eos_token_ids.contains(&next) {
+    ///         break;
+    ///     }
+    ///     ids.push(next);
+    ///     logits = session.step(next, session.position())?;
+    /// }
+    /// println!("{}", tokenizer.decode(&ids, true)?);
+    /// # Ok(()) }
+    /// ```
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.prefill_multimodal(&[PromptPart::Text(tokens)])
     }
@@ -329,6 +372,28 @@ impl<'m> Session<'m> {
     /// or the caller's cancel) the steps computed past the stop are
     /// dropped and the position is left after the last token fed (the
     /// last id yielded is not yet in the cache).
+    ///
+    /// ```no_run
+    /// use wgspark::{GenerateOptions, Gpu, Model, SessionOptions};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = Gpu::from_env()?;
+    /// let model = Model::load("path/to/model", &gpu)?;
+    /// let mut session = model.session(&SessionOptions::default())?;
+    /// let options = GenerateOptions {
+    ///     max_tokens: 32,
+    ///     stop_tokens: model.config.eos_token_ids.clone(),
+    ///     ..GenerateOptions::default() // greedy, 3 steps in flight
+    /// };
+    /// let mut generation = session.generate(&[1, 2, 3], &options)?;
+    /// let ids: Vec<u32> = generation.by_ref().collect::<wgspark::Result<_>>()?;
+    /// println!("{:?} after {} ids", generation.stop_reason(), ids.len());
+    /// drop(generation);
+    /// // The sequence goes on from the last id, which is not yet in the cache.
+    /// let last = *ids.last().ok_or("no id was generated")?;
+    /// let logits = session.step(last, session.position())?;
+    /// # Ok(()) }
+    /// ```
     pub fn generate(&mut self, prompt: &[u32], options: &GenerateOptions) -> Result<Generation<'_, 'm>> {
         self.generate_multimodal(&[PromptPart::Text(prompt)], options)
     }

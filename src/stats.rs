@@ -25,14 +25,20 @@ pub enum TimingSource {
     WallClock,
 }
 
+/// Time per [`Phase`], summed over the session's forward passes (GPU time
+/// or wall clock, as [`Stats::timing_source`] says).
 #[derive(Debug, Clone, Default)]
 pub struct PhaseTimes {
+    /// Time in [`Phase::Layers`].
     pub layers: Duration,
+    /// Time in [`Phase::Routed`].
     pub routed: Duration,
+    /// Time in [`Phase::Head`].
     pub head: Duration,
 }
 
 impl Phase {
+    /// The phase's name in reports: "layers", "routed experts" or "head".
     pub fn name(self) -> &'static str {
         match self {
             Phase::Layers => "layers",
@@ -43,6 +49,7 @@ impl Phase {
 }
 
 impl PhaseTimes {
+    /// Adds `d` to `phase`'s time.
     pub fn add(&mut self, phase: Phase, d: Duration) {
         match phase {
             Phase::Layers => self.layers += d,
@@ -52,6 +59,7 @@ impl PhaseTimes {
     }
 }
 
+/// What a session observed so far ([`crate::Session::stats`]).
 #[derive(Debug, Clone, Default)]
 pub struct Stats {
     /// `router_histogram[layer][expert]`: tokens routed to the expert
@@ -59,7 +67,7 @@ pub struct Stats {
     pub router_histogram: Vec<Vec<u64>>,
     /// Forward passes run (submissions of one or more tokens).
     pub forward_passes: u64,
-    /// ExpertSelection readbacks (one per MoE layer per forward pass).
+    /// Routing readbacks (one per MoE layer per forward pass).
     pub routing_readbacks: u64,
     /// Host time from submitting the work that ends with a router to
     /// having its selection mapped: GPU work plus the round trip.
@@ -80,28 +88,35 @@ pub struct Stats {
     /// pass's compute passes in order, each one dispatch (by its kernel's
     /// label) or the phase's, and its GPU time.
     pub last_passes: Vec<(&'static str, std::time::Duration)>,
+    /// Where `phases` come from; `None` when timing is off.
     pub timing_source: Option<TimingSource>,
 }
 
-/// How the expert cache served a session (or, summed over all sessions, the model): experts a dispatch found in a slot, experts it had to wait
+/// How the expert cache served a session (or, summed over all sessions,
+/// the model): experts a dispatch found in a slot, experts it had to wait
 /// for, and what their uploads took.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ExpertCacheStats {
+    /// Experts a dispatch found in a GPU slot (prefetched ones included).
     pub hits: u64,
+    /// Experts a dispatch had to upload before it could run.
     pub misses: u64,
+    /// Bytes uploaded into expert slots, for misses and prefetches.
     pub bytes_uploaded: u64,
     /// Host time from the first upload of a dispatch's misses (or a
     /// prefetch) to their submission (reading the checkpoint, filling the
     /// staging ring, waiting for a staging buffer to come back).
     pub upload_time: Duration,
-    /// Experts uploaded ahead of their dispatch, on a prediction
-    ///, and how many of them the dispatch then
-    /// needed (counted among its hits).
+    /// Experts uploaded ahead of their dispatch, on a prediction of the
+    /// next MoE layer's choice ([`crate::ExpertPrefetch::Predicted`]).
     pub prefetched: u64,
+    /// Prefetched experts that their dispatch then needed (counted among
+    /// `hits` too).
     pub prefetch_hits: u64,
 }
 
 impl ExpertCacheStats {
+    /// Adds `other`'s counts and times to these.
     pub fn add(&mut self, other: &ExpertCacheStats) {
         self.hits += other.hits;
         self.misses += other.misses;

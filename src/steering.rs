@@ -32,9 +32,13 @@ use crate::error::{ControlVectorProblem, Error, Result};
 use crate::gguf::{GgmlType, Gguf, GgufWriter, MetaValue};
 use crate::model::{Model, ModelConfig};
 
+/// The GGUF metadata key naming a file's architecture.
 pub const ARCHITECTURE_KEY: &str = "general.architecture";
+/// The architecture of a control vector file.
 pub const ARCHITECTURE: &str = "controlvector";
+/// The metadata key holding the number of direction tensors.
 pub const LAYER_COUNT_KEY: &str = "controlvector.layer_count";
+/// The optional metadata key naming the model type a vector was made for.
 pub const MODEL_HINT_KEY: &str = "controlvector.model_hint";
 
 /// One control vector: a direction per steered layer.
@@ -53,6 +57,25 @@ impl ControlVector {
     /// depend on the model: the architecture key, the layer count, and that
     /// each tensor is a finite F32 1-D `direction.N` with `N >= 1`, all of
     /// one length. A truncated or malformed file is an [`Error::Gguf`].
+    ///
+    /// ```no_run
+    /// use wgspark::{ControlVector, Gpu, Model, SessionOptions, Steering};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = Gpu::from_env()?;
+    /// let model = Model::load("path/to/model", &gpu)?;
+    /// let vector = ControlVector::load("happy.gguf")?;
+    /// println!("steers layers {:?}", vector.directions.keys().collect::<Vec<_>>());
+    /// // Half strength, on every layer the vector has.
+    /// let steering = Steering::new(&model.config, &[(vector, 0.5)], None)?;
+    /// let mut session = model.session(&SessionOptions::default())?;
+    /// session.set_steering(Some(&steering))?;
+    /// let steered = session.prefill(&[1, 2, 3])?;
+    /// session.truncate(0);
+    /// session.set_steering(None)?; // positions from here on are not steered
+    /// let plain = session.prefill(&[1, 2, 3])?;
+    /// # Ok(()) }
+    /// ```
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let gguf = Gguf::open(path)?;

@@ -5,7 +5,7 @@
 //! that a long prompt arriving does not stall the streams already running.
 //! Projections and experts run once over all rows (each weight read once per
 //! step); attention runs each row over its own sequence's keys in a paged KV
-//! cache ([`blocks`]); each row that ends its sequence's known tokens
+//! cache (a pool of blocks); each row that ends its sequence's known tokens
 //! chooses the next token with its own sampling.
 //!
 //! ```no_run

@@ -101,6 +101,8 @@ pub enum ChunkMatmul {
 }
 
 impl ChunkMatmul {
+    /// Whether prompt chunks run on the GEMM on `gpu` (`Auto`: unless it
+    /// is a CPU rasteriser).
     pub fn uses_gemm(self, gpu: &Gpu) -> bool {
         match self {
             ChunkMatmul::Auto => !gpu.caps.is_cpu,

@@ -62,6 +62,9 @@ impl Gpu {
         self.storage_buffer_bytes(label, (len.max(1) * 4) as u64)
     }
 
+    /// A zero-filled storage buffer of `bytes` bytes, rounded up to a
+    /// multiple of 16 (at least 16); [`crate::Error::OutOfDeviceMemory`]
+    /// where that exceeds the adapter's largest buffer.
     pub fn storage_buffer_bytes(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer> {
         // 16-byte multiples: kernels may read any buffer as vec4s.
         let size = bytes.max(16).next_multiple_of(16);

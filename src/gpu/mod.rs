@@ -24,10 +24,16 @@ use crate::error::{Error, Result};
 /// native API (discrete GPU first), falling back to GL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
+    /// The best adapter of Vulkan, Metal or DX12, else GL's (`auto`).
     Auto,
+    /// Vulkan (`vulkan`, `vk`).
     Vulkan,
+    /// Metal (`metal`, `mtl`).
     Metal,
+    /// Direct3D 12 (`dx12`, `d3d12`).
     Dx12,
+    /// OpenGL or OpenGL ES (`gl`, `gles`, `opengl`); compute shaders need
+    /// OpenGL 4.3 or OpenGL ES 3.1.
     Gl,
 }
 
@@ -68,6 +74,7 @@ impl std::str::FromStr for Backend {
 /// How to open a [`Gpu`].
 #[derive(Debug, Clone)]
 pub struct GpuOptions {
+    /// Which API's adapters to choose from.
     pub backend: Backend,
     /// Lowers the largest storage binding the engine will use below the
     /// adapter's limit; tensors larger than this are split into row ranges.
@@ -136,11 +143,14 @@ impl std::str::FromStr for CooperativeMatrix {
 /// creation. Pipelines pick their variant from this.
 #[derive(Debug, Clone)]
 pub struct Caps {
+    /// f16 arithmetic in shaders (SHADER_F16).
     pub shader_f16: bool,
     /// `pack2x16float` / `unpack2x16float` work (all but some Mesa Vulkan
     /// drivers without SHADER_F16).
     pub f16_in_f32: bool,
+    /// Subgroup operations (SUBGROUP).
     pub subgroups: bool,
+    /// GPU timestamps inside compute passes.
     pub timestamps: bool,
     /// The prefill GEMM runs on cooperative matrices (the device was opened
     /// with the experimental feature).
@@ -148,11 +158,18 @@ pub struct Caps {
     /// A CPU rasteriser (lavapipe, llvmpipe, WARP): favours one row per
     /// invocation over workgroup reductions.
     pub is_cpu: bool,
+    /// Most bytes one storage binding may hold (larger tensors are split).
     pub max_storage_binding: u64,
+    /// Most bytes one buffer may hold.
     pub max_buffer_size: u64,
+    /// Most workgroups along one dimension of a dispatch.
     pub max_workgroups_per_dim: u32,
+    /// Narrowest and widest subgroups the adapter runs.
     pub subgroup_min_size: u32,
+    /// See `subgroup_min_size`.
     pub subgroup_max_size: u32,
+    /// The caller's limit on the bytes the model may place on the device
+    /// ([`GpuOptions::memory_budget`]).
     pub memory_budget: Option<u64>,
     /// The device's memory (its largest device-local heap), where the
     /// driver reports it.
@@ -164,11 +181,19 @@ pub struct Caps {
 /// An open device: the adapter that was chosen, its queue, and what it can do.
 #[derive(Clone)]
 pub struct Gpu {
+    /// The wgpu device that holds the engine's buffers and pipelines.
     pub device: wgpu::Device,
+    /// The device's queue, which every submission goes to.
     pub queue: wgpu::Queue,
+    /// The adapter's name, backend, device type and driver.
     pub info: wgpu::AdapterInfo,
+    /// The optional features the device was opened with: those of
+    /// SHADER_F16, SUBGROUP and TIMESTAMP_QUERY the adapter offers, and
+    /// cooperative matrices where they are used.
     pub features: wgpu::Features,
+    /// The device's limits (the adapter's own, all of them requested).
     pub limits: wgpu::Limits,
+    /// What the kernels may use on this device, decided when it was opened.
     pub caps: Caps,
     errors: ErrorSink,
     /// Why the device was lost, once it is.
@@ -247,11 +272,40 @@ fn gl_context_hint(backend: wgpu::Backend, driver_info: &str) -> Option<String> 
 impl Gpu {
     /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter),
     /// with cooperative matrices as `WGSPARK_COOPERATIVE_MATRIX` says.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = wgspark::Gpu::from_env()?;
+    /// println!("{}", gpu.describe()); // the adapter, its backend and type
+    /// # Ok(()) }
+    /// ```
     pub fn from_env() -> Result<Self> {
         let cooperative_matrix = CooperativeMatrix::from_env()?;
         Self::new(&GpuOptions { backend: Backend::from_env()?, cooperative_matrix, ..GpuOptions::default() })
     }
 
+    /// Opens the best adapter of `options.backend` (a discrete GPU before
+    /// an integrated one, a CPU rasteriser last; only adapters with compute
+    /// shaders) with its full limits and the optional features the kernels
+    /// use. Fails with [`Error::NoAdapter`] where there is none,
+    /// [`Error::Unsupported`] where cooperative matrices are
+    /// [`CooperativeMatrix::On`] and not offered, and
+    /// [`Error::RequestDevice`] where the device will not open.
+    ///
+    /// ```no_run
+    /// use wgspark::{Backend, Gpu, GpuOptions};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let options = GpuOptions {
+    ///     backend: Backend::Vulkan,
+    ///     // Loads and sessions past 6 GiB fail before allocating.
+    ///     memory_budget: Some(6 << 30),
+    ///     ..GpuOptions::default()
+    /// };
+    /// let gpu = Gpu::new(&options)?;
+    /// println!("{}", gpu.describe());
+    /// # Ok(()) }
+    /// ```
     pub fn new(options: &GpuOptions) -> Result<Self> {
         pollster::block_on(Self::open(options))
     }

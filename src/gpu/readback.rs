@@ -126,7 +126,7 @@ impl Readback {
 
 impl Gpu {
     /// Reads `len` elements of `buffer` (test and debug helper; the flow
-    /// keeps its own [`Readback`]s).
+    /// keeps its own readback buffers).
     pub fn read_buffer<T: bytemuck::Pod>(&self, buffer: &wgpu::Buffer, len: usize) -> Result<Vec<T>> {
         let bytes = (len * std::mem::size_of::<T>()) as u64;
         let readback = Readback::new(self, "read_buffer", bytes);

@@ -12,6 +12,7 @@ use crate::kv_cache::KvFormat;
 /// Normalisation of q and k before RoPE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkNorm {
+    /// q and k go to RoPE as projected.
     None,
     /// RMSNorm of each head with one `[head_dim]` weight shared by heads.
     PerHead,

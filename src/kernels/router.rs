@@ -15,7 +15,10 @@ pub const MAX_TOP_K: usize = 16;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExpertSelection {
     /// softmax, top-k of the probabilities, renormalised when `renormalize`.
-    Softmax { renormalize: bool },
+    Softmax {
+        /// Whether the top-k probabilities are divided by their sum.
+        renormalize: bool,
+    },
     /// sigmoid, top-k of `s + e_score_correction_bias`, unbiased `s`
     /// renormalised as weights.
     SigmoidWithBias,

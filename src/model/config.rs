@@ -107,16 +107,25 @@ struct RawRope {
 /// How rotary frequencies are rescaled for long contexts.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
+    /// No rescaling: the frequencies of `theta` as they are (rope type
+    /// "default").
     None,
     /// Positions divided by `factor`.
     Linear {
+        /// What positions (and so every frequency) are divided by.
         factor: f64,
     },
     /// Llama 3.1: scaling by wavelength band.
     Llama3 {
+        /// What the low frequencies are divided by.
         factor: f64,
+        /// Wavelengths longer than `original_max_position_embeddings /
+        /// low_freq_factor` are divided by `factor`.
         low_freq_factor: f64,
+        /// Wavelengths shorter than `original_max_position_embeddings /
+        /// high_freq_factor` are kept; those between are interpolated.
         high_freq_factor: f64,
+        /// The pretraining context, in positions.
         original_max_position_embeddings: usize,
     },
     /// Frequency `i` divided by `divisors[i]` (how GGUF files carry Llama
@@ -159,12 +168,24 @@ impl Llama3Bands {
 /// by `attention_factor`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Yarn {
+    /// What the slow frequencies are divided by: how many times longer the
+    /// context is than the pretraining one (from the context lengths where
+    /// the config gives no factor).
     pub factor: f64,
+    /// The pretraining context, in positions.
     pub original_max_position_embeddings: usize,
+    /// Frequencies that turn more than this many times over the pretraining
+    /// context are kept (32 where the config gives none, or 0).
     pub beta_fast: f64,
+    /// Frequencies that turn fewer than this many times are divided by
+    /// `factor` (1 where the config gives none, or 0).
     pub beta_slow: f64,
     /// Whether the ramp's ends are rounded out to whole dimensions.
     pub truncate: bool,
+    /// What cos and sin are multiplied by: the config's
+    /// `attention_factor`, else YaRN's magnitude correction
+    /// `0.1 ln(factor) + 1` (1 for a factor of at most 1; with `mscale` and
+    /// `mscale_all_dim`, the ratio of the two corrections they give).
     pub attention_factor: f64,
 }
 
@@ -201,11 +222,14 @@ impl Yarn {
     }
 }
 
+/// Rotary position embedding: the frequencies q and k are rotated by.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeConfig {
+    /// The base of the frequencies (`rope_theta`; 10000 where absent).
     pub theta: f64,
     /// Leading dims of each head that rotate; the rest pass through.
     pub rotary_dim: usize,
+    /// How the frequencies are rescaled for long contexts.
     pub scaling: RopeScaling,
 }
 
@@ -256,12 +280,17 @@ impl RopeConfig {
     }
 }
 
+/// A mixture-of-experts model's routing: how many experts, how many each
+/// token runs, and which layers route.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
+    /// Routed experts per MoE layer (`num_local_experts` or `num_experts`).
     pub experts: usize,
+    /// Experts each token runs per MoE layer (`num_experts_per_tok`).
     pub top_k: usize,
     /// Width of one expert's gate/up projection.
     pub intermediate: usize,
+    /// How router logits become the chosen experts and their weights.
     pub selection: ExpertSelection,
     /// `sparse_layers[i]`: layer `i` routes to experts (else dense FFN).
     pub sparse_layers: Vec<bool>,
@@ -272,24 +301,43 @@ pub struct MoeConfig {
 pub enum Quantization {
     /// Block FP8: projections stored as float8_e4m3fn, each with a
     /// `weight_scale_inv` holding one scale per block of `block_rows` rows
-    /// x [`FP8_BLOCK_ELEMS`] columns; the modules the release leaves
-    /// unconverted keep their own dtype.
-    Fp8 { block_rows: usize },
+    /// x 128 columns; the modules the release leaves unconverted keep
+    /// their own dtype.
+    Fp8 {
+        /// Rows per scale block (`weight_block_size[0]`).
+        block_rows: usize,
+    },
 }
 
 /// A validated model configuration: everything the layer flow needs.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
+    /// The architecture family `model_type` names: its tensor names, q/k
+    /// norm, expert layout and vision tower.
     pub family: &'static Family,
+    /// config.json's `model_type`, else its first `architectures` class
+    /// (for a GGUF file: the type its `general.architecture` maps to).
     pub model_type: String,
+    /// Width of the residual stream (`hidden_size`).
     pub hidden: usize,
+    /// Width of a dense FFN's gate and up projections (`intermediate_size`).
     pub intermediate: usize,
+    /// Decoder layers (`num_hidden_layers`).
     pub layers: usize,
+    /// Query heads, key/value heads and head width.
     pub heads: Heads,
+    /// RMSNorm's epsilon (`rms_norm_eps`; 1e-6 where absent).
     pub rms_eps: f32,
+    /// Rotary embedding: base, rotary width and long-context scaling.
     pub rope: RopeConfig,
+    /// Token ids: rows of the embedding and of the LM head (`vocab_size`).
     pub vocab: usize,
+    /// The context the model was made for (`max_position_embeddings`; 2048
+    /// where absent). A session's default context is this, at most
+    /// [`crate::session::DEFAULT_CONTEXT_CAP`].
     pub max_positions: usize,
+    /// The LM head is the embedding matrix (`tie_word_embeddings`; false
+    /// where absent).
     pub tie_embeddings: bool,
     /// Keys older than this many positions are not attended (Mistral).
     pub sliding_window: Option<usize>,
@@ -393,6 +441,10 @@ impl ModelConfig {
         Ok(config)
     }
 
+    /// Parses and validates the text of a config.json (`path` names it in
+    /// errors), without generation_config.json's end-of-sequence ids (see
+    /// [`Self::load`]). A multimodal config's `text_config` is read as the
+    /// language model's.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
         // Syntax errors are malformed JSON; a well-formed file with a missing
         // or mistyped field is an invalid config, named by its path.

@@ -9,14 +9,19 @@ use crate::kernels::attention::QkNorm;
 pub enum ScoringRule {
     /// `p = softmax(logits)`; the k largest `p`, renormalised to sum 1
     /// always, or only when the config's `norm_topk_prob` says so.
-    Softmax { renormalize: Renormalize },
+    Softmax {
+        /// Whether the k weights are renormalised.
+        renormalize: Renormalize,
+    },
     /// `s = sigmoid(logits)`; select the k largest `s + e_score_correction_bias`,
     /// weight them by the unbiased `s`, renormalised.
     SigmoidWithBias,
 }
 
+/// When the selected experts' softmax weights are renormalised to sum 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Renormalize {
+    /// Always (Mixtral).
     Always,
     /// As `norm_topk_prob` (default false).
     IfNormTopkProb,
@@ -28,10 +33,15 @@ pub enum Renormalize {
 /// (The fused layout transformers 5 writes always uses `mlp`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertNames {
+    /// The MoE block's name in a layer (`mlp`, `block_sparse_moe`).
     pub block: &'static str,
+    /// An expert's gate, up and down projections.
     pub gate: &'static str,
+    /// See `gate`.
     pub up: &'static str,
+    /// See `gate`.
     pub down: &'static str,
+    /// The router's name in the block.
     pub router: &'static str,
 }
 
@@ -44,18 +54,24 @@ const QWEN3_MOE_NAMES: ExpertNames =
 /// The mixture-of-experts half of a family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MoeFamily {
+    /// How the router's logits become experts and weights.
     pub scoring: ScoringRule,
+    /// Where the experts' tensors are.
     pub names: ExpertNames,
     /// `scoring_func` values a config may state for this family.
     pub scoring_funcs: &'static [&'static str],
 }
 
+/// A row of the family table: what one model family's layers differ in.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Family {
+    /// The family's name.
     pub name: &'static str,
-    /// `model_type` values of config.json, and `architectures` class names.
+    /// `model_type` values of config.json that name it.
     pub model_types: &'static [&'static str],
+    /// `architectures` class names that name it.
     pub architectures: &'static [&'static str],
+    /// The q/k norm before RoPE.
     pub qk_norm: QkNorm,
     /// `None`: every layer has a dense SwiGLU FFN. `Some`: layers are MoE
     /// as the config's `mlp_only_layers` / `decoder_sparse_step` say.

@@ -45,9 +45,12 @@ use std::sync::Arc;
 
 pub use crate::kernels::attention::QkNorm;
 pub use crate::kernels::router::ExpertSelection;
+pub use crate::kv_cache::Heads;
 pub use config::{ModelConfig, MoeConfig, Quantization, RopeConfig, RopeScaling, Yarn};
 use experts::{ExpertStreaming, ExpertTensors, StreamedLayer};
+pub use family::{ExpertNames, Family, MoeFamily, Renormalize, ScoringRule};
 pub(crate) use layers::{FfnWeights, LayerWeights, MoeWeights, Weights};
+pub use vision::VisionConfig;
 use weights::{Checkpoint, TensorSource, Uploader};
 
 use crate::error::{Error, Result};
@@ -262,6 +265,21 @@ impl Model {
     /// safetensors, sharded or not; weights as bf16) or a GGUF file (or the
     /// first of a split set, or a folder holding one and no config.json;
     /// weights in their stored formats).
+    ///
+    /// ```no_run
+    /// use wgspark::{Gpu, Model};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = Gpu::from_env()?;
+    /// // A Hugging Face folder: config.json, safetensors, tokenizer.json ...
+    /// let model = Model::load("path/to/SmolLM2-135M-Instruct", &gpu)?;
+    /// // ... or a GGUF file, its tokenizer and chat template in its metadata.
+    /// let model = Model::load("path/to/model.Q4_K_M.gguf", &gpu)?;
+    /// let c = &model.config;
+    /// println!("{}: {} layers of width {}", c.model_type, c.layers, c.hidden);
+    /// println!("{} bytes of weights on the GPU", model.weight_bytes());
+    /// # Ok(()) }
+    /// ```
     pub fn load(path: impl AsRef<Path>, gpu: &Gpu) -> Result<Model> {
         Self::load_with_progress(path, gpu, |_| {})
     }
@@ -278,6 +296,23 @@ impl Model {
 
     /// [`Self::load_with_progress`], with a GPU memory budget or a number of
     /// expert slots that streams a MoE model's experts.
+    ///
+    /// ```no_run
+    /// use wgspark::{Gpu, LoadOptions, Model, Progress};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gpu = Gpu::from_env()?;
+    /// // The weights may take 12 GiB of GPU memory: what is not resident is
+    /// // expert slots, and the experts stream into them from host memory.
+    /// let options = LoadOptions { gpu_memory: Some(12 << 30), ..LoadOptions::default() };
+    /// let model = Model::load_with("path/to/Qwen3-30B-A3B", &gpu, &options, |p| {
+    ///     if let Progress::Begin { what, total_bytes } = p {
+    ///         eprintln!("{what}: {total_bytes:?} bytes");
+    ///     }
+    /// })?;
+    /// println!("{} bytes of weights on the GPU", model.weight_bytes());
+    /// # Ok(()) }
+    /// ```
     pub fn load_with(
         path: impl AsRef<Path>,
         gpu: &Gpu,

@@ -62,12 +62,19 @@ struct RawVisionRope {
 /// A validated vision tower configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VisionConfig {
+    /// Transformer blocks of the tower.
     pub depth: usize,
+    /// The tower's width.
     pub hidden: usize,
+    /// Width of a block's MLP.
     pub intermediate: usize,
+    /// Attention heads of a block.
     pub heads: usize,
+    /// Side of a square patch, in pixels.
     pub patch_size: usize,
+    /// Frames a patch spans (an image repeats its one frame).
     pub temporal_patch_size: usize,
+    /// Side of the square of patches one merged row covers.
     pub merge_size: usize,
     /// The language model's width, that merged rows have.
     pub out_hidden: usize,
@@ -76,6 +83,7 @@ pub struct VisionConfig {
     /// Blocks after which a deepstack merger reads the patches, in the
     /// order of the mergers (the language model's layers 0, 1, ... add them).
     pub deepstack_layers: Vec<usize>,
+    /// The blocks' MLP activation.
     pub activation: Activation,
     /// Of the 2-D rotary embedding.
     pub rope_theta: f64,
@@ -203,6 +211,7 @@ impl VisionConfig {
         })
     }
 
+    /// Width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.hidden / self.heads
     }

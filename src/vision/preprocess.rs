@@ -27,7 +27,9 @@ pub const MAX_ASPECT_RATIO: f64 = 200.0;
 /// An 8-bit RGB image, rows top to bottom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RgbImage {
+    /// Pixels per row.
     pub width: usize,
+    /// Rows.
     pub height: usize,
     /// `width * height` pixels of 3 bytes.
     pub pixels: Vec<u8>,
@@ -192,11 +194,20 @@ pub struct ImageProcessor {
     pub temporal_patch_size: usize,
     /// Patches per side of a merged token.
     pub merge_size: usize,
-    /// Least and most pixels of the resized image.
+    /// Least pixels of the resized image (`size.shortest_edge`, or
+    /// `min_pixels`).
     pub min_pixels: usize,
+    /// Most pixels of the resized image (`size.longest_edge`, or
+    /// `max_pixels`).
     pub max_pixels: usize,
+    /// Per channel (R, G, B), what is subtracted from a rescaled value
+    /// (`image_mean`; CLIP's by default).
     pub mean: [f32; 3],
+    /// Per channel, what a value is divided by after the mean is
+    /// subtracted (`image_std`; CLIP's by default; never 0).
     pub std: [f32; 3],
+    /// What 8-bit values are multiplied by first (`rescale_factor`;
+    /// 1/255 by default).
     pub rescale_factor: f64,
 }
 
@@ -229,6 +240,8 @@ pub struct Patches {
     pub values: Vec<f32>,
     /// Frames, rows and columns of patches.
     pub grid: [usize; 3],
+    /// Values per patch: 3 channels x `temporal_patch_size` x
+    /// `patch_size`².
     pub patch_len: usize,
 }
 
@@ -240,6 +253,10 @@ impl ImageProcessor {
         Self::parse(&text, &path)
     }
 
+    /// Parses and validates the text of a preprocessor_config.json (`path`
+    /// names it in errors); keys it lacks take transformers' defaults. A
+    /// step switched off, or a filter other than bicubic, is
+    /// [`Error::Unsupported`].
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
         let value: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| Error::Json { path: path.to_path_buf(), message: e.to_string() })?;
