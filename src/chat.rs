@@ -502,10 +502,10 @@ mod tests {
         let scratch = tempfile::Builder::new().prefix("wgspark-test-chat-").tempdir().unwrap();
         let dir = scratch.path();
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<end>"}"#).unwrap();
-        assert!(ChatTemplate::from_folder(&dir).unwrap().is_none());
+        assert!(ChatTemplate::from_folder(dir).unwrap().is_none());
         std::fs::write(dir.join("chat_template.json"), r#"{"chat_template": "from json {{ eos_token }}"}"#)
             .unwrap();
-        let t = ChatTemplate::from_folder(&dir).unwrap().unwrap();
+        let t = ChatTemplate::from_folder(dir).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "from json <end>");
         // A list of named templates: the one named "default".
         std::fs::write(
@@ -513,13 +513,13 @@ mod tests {
             r#"{"chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]}"#,
         )
         .unwrap();
-        assert_eq!(ChatTemplate::from_folder(&dir).unwrap().unwrap().render(&[], false).unwrap(), "plain");
+        assert_eq!(ChatTemplate::from_folder(dir).unwrap().unwrap().render(&[], false).unwrap(), "plain");
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": 5}"#).unwrap();
-        assert!(ChatTemplate::from_folder(&dir).unwrap_err().to_string().contains("chat_template is 5"));
+        assert!(ChatTemplate::from_folder(dir).unwrap_err().to_string().contains("chat_template is 5"));
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<end>"}"#).unwrap();
         std::fs::write(dir.join("chat_template.jinja"), "from jinja").unwrap();
         assert_eq!(
-            ChatTemplate::from_folder(&dir).unwrap().unwrap().render(&[], false).unwrap(),
+            ChatTemplate::from_folder(dir).unwrap().unwrap().render(&[], false).unwrap(),
             "from jinja"
         );
     }

@@ -44,7 +44,7 @@ fn templates_render_as_transformers_renders_them() {
             "eos_token": case.eos_token,
         });
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
-        let template = ChatTemplate::from_folder(&dir).unwrap().expect("a template");
+        let template = ChatTemplate::from_folder(dir).unwrap().expect("a template");
         for (i, render) in case.renders.iter().enumerate() {
             let messages: Vec<Message> =
                 render.messages.iter().map(|t| Message::new(&t.role, &t.content)).collect();

@@ -176,13 +176,13 @@ fn generation_config_adds_its_end_of_sequence_ids() {
     let scratch = tempfile::Builder::new().prefix("wgspark-test-generation-config-").tempdir().unwrap();
     let dir = scratch.path();
     std::fs::write(dir.join("config.json"), format!(r#"{{ {BASE}, "eos_token_id": 98 }}"#)).unwrap();
-    assert_eq!(ModelConfig::load(&dir).unwrap().eos_token_ids, [98]);
+    assert_eq!(ModelConfig::load(dir).unwrap().eos_token_ids, [98]);
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [98, 99], "do_sample": true}"#)
         .unwrap();
-    assert_eq!(ModelConfig::load(&dir).unwrap().eos_token_ids, [98, 99]);
+    assert_eq!(ModelConfig::load(dir).unwrap().eos_token_ids, [98, 99]);
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "99"}"#).unwrap();
-    let err = ModelConfig::load(&dir).unwrap_err().to_string();
+    let err = ModelConfig::load(dir).unwrap_err().to_string();
     assert!(err.contains("generation_config.json") && err.contains("eos_token_id"), "{err}");
     std::fs::write(dir.join("generation_config.json"), "{").unwrap();
-    assert!(ModelConfig::load(&dir).unwrap_err().to_string().contains("generation_config.json"));
+    assert!(ModelConfig::load(dir).unwrap_err().to_string().contains("generation_config.json"));
 }

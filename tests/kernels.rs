@@ -636,7 +636,10 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
         use QkNorm::{None as NoNorm, PerHead, WholeProjection};
         // (heads, block size, window, q/k norm, rotary dims, format, value rows apart,
         // per sequence (positions already cached, rows added))
-        let cases: [(Heads, usize, usize, QkNorm, usize, KvFormat, bool, &[(usize, usize)]); 5] = [
+        // (positions already cached, rows added) of each sequence.
+        type Sequences = &'static [(usize, usize)];
+        type Case = (Heads, usize, usize, QkNorm, usize, KvFormat, bool, Sequences);
+        let cases: [Case; 5] = [
             (Heads { q: 4, kv: 2, dim: 12 }, 4, 0, NoNorm, 12, F32, false, &[(0, 5), (9, 1), (3, 1)]),
             (
                 Heads { q: 8, kv: 2, dim: 64 },
