@@ -229,17 +229,23 @@ impl Steering {
         self.layers.iter().enumerate().filter_map(|(i, row)| row.as_ref().map(|_| i))
     }
 
-    /// The steering's rows on `model`'s device.
-    pub(crate) fn upload(&self, model: &Model) -> Result<SteeringPlan> {
-        let c = &model.config;
-        if self.layers.len() != c.layers || self.hidden != c.hidden {
+    /// Fails unless the steering was made for `config`'s layers and width.
+    pub(crate) fn check_fits(&self, config: &ModelConfig) -> Result<()> {
+        if self.layers.len() != config.layers || self.hidden != config.hidden {
             return Err(Error::SteeringMismatch {
                 steering_layers: self.layers.len(),
                 steering_hidden: self.hidden,
-                layers: c.layers,
-                hidden: c.hidden,
+                layers: config.layers,
+                hidden: config.hidden,
             });
         }
+        Ok(())
+    }
+
+    /// The steering's rows on `model`'s device.
+    pub(crate) fn upload(&self, model: &Model) -> Result<SteeringPlan> {
+        let c = &model.config;
+        self.check_fits(c)?;
         let gpu = &model.gpu;
         let rows = self
             .layers
@@ -250,20 +256,58 @@ impl Steering {
             })
             .collect();
         gpu.check("uploading the steering")?;
-        Ok(SteeringPlan { rows })
+        Ok(SteeringPlan { rows, slots: None, hidden: c.hidden })
     }
 }
 
 /// The steering of a session: per layer, the row its output add adds to
 /// every token in flight. Unsteered layers have none and add nothing.
+/// A batch's (`slots` set): per layer a table of rows, token t adding row
+/// `slots[t]` (row 0 zeros), so that sequences steered differently, or
+/// not at all, share a step.
 #[derive(Debug)]
 pub(crate) struct SteeringPlan {
     rows: Vec<Option<wgpu::Buffer>>,
+    slots: Option<wgpu::Buffer>,
+    hidden: usize,
 }
 
 impl SteeringPlan {
     pub fn layer(&self, layer: usize) -> Option<&wgpu::Buffer> {
         self.rows.get(layer)?.as_ref()
+    }
+
+    /// Per token, its row of each layer's table (a batch's plan).
+    pub fn slots(&self) -> Option<&wgpu::Buffer> {
+        self.slots.as_ref()
+    }
+
+    /// A batch's tables: `rows` rows of every layer's (all zeros), and
+    /// slots for `max_tokens` tokens.
+    pub fn tables(model: &Model, rows: usize, max_tokens: usize) -> Result<Self> {
+        let (gpu, c) = (&model.gpu, &model.config);
+        let tables = (0..c.layers)
+            .map(|i| gpu.storage_buffer(&format!("steering.table.{i}"), rows * c.hidden).map(Some))
+            .collect::<Result<_>>()?;
+        let slots = gpu.storage_buffer("steering.slots", max_tokens)?;
+        Ok(SteeringPlan { rows: tables, slots: Some(slots), hidden: c.hidden })
+    }
+
+    /// Writes `steering` (checked against the model already) as row `slot`
+    /// of every layer's table: zeros where it steers no layer.
+    pub fn write_row(&self, gpu: &crate::gpu::Gpu, slot: usize, steering: &Steering) {
+        let zeros = vec![0.0f32; self.hidden];
+        for (i, table) in self.rows.iter().enumerate() {
+            let row = steering.layer(i).unwrap_or(&zeros);
+            let table = table.as_ref().expect("a batch's plan has every layer's table");
+            gpu.queue.write_buffer(table, (slot * self.hidden * 4) as u64, bytemuck::cast_slice(row));
+        }
+    }
+
+    /// Sets each token's row of the tables for the next pass.
+    pub fn write_slots(&self, gpu: &crate::gpu::Gpu, slots: &[u32]) {
+        let buffer = self.slots.as_ref().expect("a batch's plan");
+        gpu.queue.write_buffer(buffer, 0, bytemuck::cast_slice(slots));
     }
 }
 

@@ -295,3 +295,75 @@ fn cancel_frees_blocks_and_bad_requests_are_refused() {
         assert!(engine.is_idle());
     });
 }
+
+/// Sequences steered differently (a control vector at two strengths, one
+/// limited to a layer range) and one unsteered run in the same steps: each
+/// gets the ids and logits of a lone session steered the same way (or not
+/// at all). A steered sequence's blocks are never shared through the
+/// prefix cache.
+#[test]
+fn each_sequence_is_steered_its_own_way() {
+    use wgspark::{ControlVector, Steering};
+    on_each_backend(|gpu| {
+        for name in ["mixtral_deep", "mistral_window"] {
+            let model = Model::load(fixture_dir(name), gpu).unwrap();
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/steering").join(name);
+            let vector = ControlVector::load(dir.join("llama_cpp.gguf")).unwrap();
+            let c = &model.config;
+            let steerings = [
+                Some(Steering::new(c, &[(vector.clone(), 1.0)], None).unwrap()),
+                None,
+                Some(Steering::new(c, &[(vector.clone(), -0.5)], Some(1..=1)).unwrap()),
+                Some(Steering::new(c, &[(vector.clone(), 1.0)], None).unwrap()),
+            ];
+            let shared = prompt(c.vocab, 9, 90);
+            let requests: Vec<Request> = steerings
+                .iter()
+                .enumerate()
+                .map(|(i, steering)| Request {
+                    steering: steering.clone(),
+                    max_tokens: 5,
+                    return_logits: true,
+                    // The unsteered sequence and the last share the first's prompt.
+                    ..Request::new(if i % 2 == 1 || i == 0 {
+                        shared.clone()
+                    } else {
+                        prompt(c.vocab, 4 + i, 91)
+                    })
+                })
+                .collect();
+            let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+            let results =
+                run(&mut engine, requests.iter().enumerate().map(|(i, r)| (i / 2, r.clone())).collect());
+            for (request, outputs) in requests.iter().zip(&results) {
+                let mut session = model.session(&lone_options()).unwrap();
+                session.set_steering(request.steering.as_ref()).unwrap();
+                let mut want_logits = vec![session.prefill(&request.prompt).unwrap()];
+                let mut want = vec![argmax(&want_logits[0])];
+                while want.len() < request.max_tokens {
+                    let pos = session.position();
+                    want_logits.push(session.step(*want.last().unwrap(), pos).unwrap());
+                    want.push(argmax(want_logits.last().unwrap()));
+                }
+                let what = format!("{name}, steered {}", request.steering.is_some());
+                assert_eq!(tokens(outputs), want, "{what}");
+                for (out, row) in outputs.iter().zip(&want_logits) {
+                    let err = max_abs_diff(out.logits.as_ref().unwrap(), row);
+                    assert!(err <= 1e-4, "{what}: logits {err}");
+                }
+            }
+            let stats = engine.stats();
+            assert_eq!(stats.blocks_used, 0);
+            assert_eq!(stats.prefix_hits, 0, "the unsteered sequence shares no steered block");
+        }
+        // Steering made for another model is refused when the request is added.
+        let model = Model::load(fixture_dir("llama_untied"), gpu).unwrap();
+        let other = Model::load(fixture_dir("mixtral_deep"), gpu).unwrap();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/steering/mixtral_deep");
+        let vector = ControlVector::load(dir.join("llama_cpp.gguf")).unwrap();
+        let steering = Steering::new(&other.config, &[(vector, 1.0)], None).unwrap();
+        let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+        let err = engine.add(Request { steering: Some(steering), ..Request::new(vec![1, 2]) }).unwrap_err();
+        assert!(matches!(err, wgspark::Error::SteeringMismatch { .. }), "{err}");
+    });
+}

@@ -183,6 +183,7 @@ fn fused_gemv_matches_norm_then_product_then_gate_or_add() {
                     let region = capture.as_entire_buffer_binding();
                     let output = LayerOutput {
                         steer: Some(&sb),
+                        steer_slots: None,
                         capture: Some(CaptureTarget { region, rows: 2, step: &step }),
                     };
                     let spec = GemvSpec { output: Output::Add(output), ..GemvSpec::plain(&weight, &xb, &rb) };
@@ -929,7 +930,7 @@ fn residual_add_then_norm_matches_cpu() {
             let weight = GpuTensor::vector_f32(gpu, "norm", &w).unwrap();
             let eps = 1e-5;
             for steered in [false, true] {
-                let output = LayerOutput { steer: steered.then_some(&sb), capture: None };
+                let output = LayerOutput { steer: steered.then_some(&sb), steer_slots: None, capture: None };
                 gpu.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&x));
                 let y_parts = (&yb, parts);
                 let d = rms_norm.plan_after_add(gpu, &weight, eps, y_parts, &xb, (&hb, Some(&hb16)), &output);
@@ -1030,8 +1031,11 @@ fn residual_at_a_layer_output_steers_and_captures() {
                 offset,
                 size: wgpu::BufferSize::new((rows * n * 4) as u64),
             };
-            let output =
-                LayerOutput { steer: Some(&sb), capture: Some(CaptureTarget { region, rows, step: &step }) };
+            let output = LayerOutput {
+                steer: Some(&sb),
+                steer_slots: None,
+                capture: Some(CaptureTarget { region, rows, step: &step }),
+            };
             let d = if weighted {
                 residual.plan_weighted(gpu, n, k, &wb, &yb, &xb, &output)
             } else {

@@ -34,11 +34,17 @@ fn f16_bits_to_f32(h: u32) -> f32 {
 
 // The end of a decoder layer (DESIGN.md section 7), fused into whichever
 // kernel does the layer's last residual add (gemv ADD, residual):
-//   STEER:   a control vector's row is added to every token;
+//   STEER:   a control vector's row is added to every token; with
+//            STEER_ROWS, token t adds row steer_slots[t] of a table of rows
+//            (a ragged batch's sequences, each steered its own way; row 0
+//            of the table is zeros);
 //   CAPTURE: the last min(n_tokens, CAPTURE_ROWS) tokens' results are
 //            copied to the capture region, row (t - first) * n.
 #if STEER
 @group(0) @binding(10) var<storage, read> steer_row: array<f32>;
+#endif
+#if STEER_ROWS
+@group(0) @binding(13) var<storage, read> steer_slots: array<u32>;
 #endif
 #if CAPTURE
 override CAPTURE_ROWS: u32 = 1u;
@@ -49,8 +55,12 @@ override CAPTURE_ROWS: u32 = 1u;
 // Element i (of n) of token t at the layer's output, whose residual sum is v.
 fn layer_output(t: u32, i: u32, n: u32, v: f32) -> f32 {
     var out = v;
+#if STEER_ROWS
+    out += steer_row[steer_slots[t] * n + i];
+#else
 #if STEER
     out += steer_row[i];
+#endif
 #endif
 #if CAPTURE
     let count = min(capture_step.n_tokens, CAPTURE_ROWS);

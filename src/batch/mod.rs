@@ -47,6 +47,7 @@ use crate::model::Model;
 use crate::sampling::Sampling;
 use crate::session::DEFAULT_CONTEXT_CAP;
 use crate::stats::Stats;
+use crate::steering::{Steering, SteeringPlan};
 
 /// How a [`BatchEngine`] is laid out.
 #[derive(Debug, Clone, PartialEq)]
@@ -120,6 +121,9 @@ pub struct Request {
     pub logprobs: Option<usize>,
     /// With each token, the raw logits it was chosen from.
     pub return_logits: bool,
+    /// Control vectors added at the sequence's layer outputs (prompt and
+    /// generated tokens), whatever the other sequences of a step use.
+    pub steering: Option<Steering>,
 }
 
 impl Request {
@@ -133,6 +137,7 @@ impl Request {
             stop_tokens: Vec::new(),
             logprobs: None,
             return_logits: false,
+            steering: None,
         }
     }
 }
@@ -219,6 +224,8 @@ struct Sequence {
     /// Hashes of the leading blocks kept for reuse (block i after i - 1).
     kept: Vec<PrefixHash>,
     generated: usize,
+    /// Its row of the steering tables while running (0: none, unsteered).
+    steer_slot: u32,
 }
 
 impl Sequence {
@@ -273,6 +280,12 @@ pub struct BatchEngine<'m> {
     context_len: usize,
     act: Activations,
     plan: Plan,
+    /// The GEMM of steps of many rows (`None`: the GEMV runs every step).
+    gemm: Option<crate::kernels::gemm::Gemm>,
+    /// The steering tables, made when a first request asks for steering.
+    steering: Option<SteeringPlan>,
+    /// Rows of the steering tables no running sequence holds.
+    free_steer_slots: Vec<u32>,
     head: RowsHead,
     sample: Vec<crate::gpu::Dispatch>,
     buffers: StepBuffers,
@@ -418,6 +431,9 @@ impl<'m> BatchEngine<'m> {
             context_len,
             act,
             plan,
+            gemm,
+            steering: None,
+            free_steer_slots: (1..=max_seqs as u32).rev().collect(),
             head,
             sample,
             buffers,
@@ -471,6 +487,16 @@ impl<'m> BatchEngine<'m> {
             return Err(Error::InvalidSampling("max_tokens must be at least 1".into()));
         }
         request.sampling.validate()?;
+        if let Some(steering) = &request.steering {
+            steering.check_fits(&self.model.config)?;
+            if self.steering.is_none() {
+                // Tables of a row per running sequence, and row 0 of zeros.
+                let rows = self.options.max_sequences + 1;
+                let plan = SteeringPlan::tables(self.model, rows, self.options.step_tokens)?;
+                self.plan.set_layer_outputs(self.model, &self.act, self.gemm.as_ref(), Some(&plan), None)?;
+                self.steering = Some(plan);
+            }
+        }
         if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(Error::InvalidSampling(format!(
                 "top logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
@@ -495,6 +521,7 @@ impl<'m> BatchEngine<'m> {
             blocks: Vec::new(),
             kept: Vec::new(),
             generated: 0,
+            steer_slot: 0,
         });
         Ok(id)
     }
@@ -595,11 +622,28 @@ impl<'m> BatchEngine<'m> {
                 self.waiting.push_front(seq);
                 break;
             }
-            self.running.push(seq);
+            self.admit(seq);
             let i = self.running.len() - 1;
             self.add_prompt_rows(i, &mut rows);
         }
         rows
+    }
+
+    /// Starts running `seq`, with its steering in a row of the tables.
+    fn admit(&mut self, mut seq: Sequence) {
+        if let (Some(steering), Some(plan)) = (&seq.request.steering, &self.steering) {
+            let slot = self.free_steer_slots.pop().expect("a steering row for every running sequence");
+            plan.write_row(&self.model.gpu, slot as usize, steering);
+            seq.steer_slot = slot;
+        }
+        self.running.push(seq);
+    }
+
+    /// Gives back a sequence's steering row.
+    fn unsteer(&mut self, seq: &mut Sequence) {
+        if seq.steer_slot != 0 {
+            self.free_steer_slots.push(std::mem::take(&mut seq.steer_slot));
+        }
     }
 
     /// Adds the next chunk of sequence `i`'s tokens not yet computed (as
@@ -654,6 +698,7 @@ impl<'m> BatchEngine<'m> {
             keep_full_blocks(&mut self.pool, &mut seq);
         }
         self.release_blocks(&mut seq);
+        self.unsteer(&mut seq);
         seq.computed = 0;
         seq.kept.clear();
         self.stats.preemptions += 1;
@@ -663,7 +708,9 @@ impl<'m> BatchEngine<'m> {
     /// Starts a sequence after the blocks of its tokens the cache holds
     /// (at least its last token is left to compute, for its logits).
     fn reuse_prefix(&mut self, seq: &mut Sequence) {
-        if !self.options.prefix_cache || seq.computed > 0 {
+        // A steered sequence's keys are its own: they are neither taken
+        // from the cache nor kept in it.
+        if !self.options.prefix_cache || seq.computed > 0 || seq.request.steering.is_some() {
             return;
         }
         let block = self.pool.block_size();
@@ -693,6 +740,7 @@ impl<'m> BatchEngine<'m> {
             keep_full_blocks(&mut self.pool, &mut seq);
         }
         self.release_blocks(&mut seq);
+        self.unsteer(&mut seq);
     }
 
     /// Writes the step's inputs, runs the forward pass, the head over the
@@ -740,6 +788,10 @@ impl<'m> BatchEngine<'m> {
         gpu.queue.write_buffer(&b.rows, 0, bytemuck::cast_slice(&meta));
         gpu.queue.write_buffer(&b.block_table, 0, bytemuck::cast_slice(&table));
         self.act.write_rotary_rows(gpu, 0, &rotary);
+        if let Some(plan) = &self.steering {
+            let slots: Vec<u32> = rows.iter().map(|r| self.running[r.seq].steer_slot).collect();
+            plan.write_slots(gpu, &slots);
+        }
         if !sampling.is_empty() {
             gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&sampling));
         }
@@ -833,6 +885,9 @@ impl<'m> BatchEngine<'m> {
 
 /// Keeps the sequence's whole computed blocks (not kept yet) for reuse.
 fn keep_full_blocks(pool: &mut BlockPool, seq: &mut Sequence) {
+    if seq.request.steering.is_some() {
+        return;
+    }
     let block = pool.block_size();
     while (seq.kept.len() + 1) * block <= seq.computed {
         let b = seq.kept.len();

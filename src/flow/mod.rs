@@ -486,6 +486,7 @@ impl Plan {
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let output = LayerOutput {
                 steer: steering.and_then(|s| s.layer(i)),
+                steer_slots: steering.and_then(|s| s.slots()),
                 capture: capture.and_then(|c| c.target(i)),
             };
             match (&mut layer.ffn, &model.weights.layers[i].ffn) {

@@ -22,10 +22,13 @@ pub fn structs() -> Vec<&'static str> {
 }
 
 /// What the add at a layer's output also does: add `steer` (one row of
-/// `n`) to every token, then copy the last `capture.rows` tokens' results.
+/// `n`) to every token, or with `steer_slots` row `steer_slots[t]` of
+/// `steer` to token t, then copy the last `capture.rows` tokens' results.
 #[derive(Debug, Clone, Default)]
 pub struct LayerOutput<'a> {
     pub steer: Option<&'a wgpu::Buffer>,
+    /// Per token (u32), its row of `steer`.
+    pub steer_slots: Option<&'a wgpu::Buffer>,
     pub capture: Option<CaptureTarget<'a>>,
 }
 
@@ -50,6 +53,10 @@ impl<'a> LayerOutput<'a> {
         if let Some(steer) = self.steer {
             flags.push("STEER");
             buffers.push((10, steer.as_entire_buffer_binding()));
+            if let Some(slots) = self.steer_slots {
+                flags.push("STEER_ROWS");
+                buffers.push((13, slots.as_entire_buffer_binding()));
+            }
         }
         if let Some(c) = &self.capture {
             flags.push("CAPTURE");
@@ -62,7 +69,7 @@ impl<'a> LayerOutput<'a> {
     /// Every combination of layer-output flags.
     #[cfg(feature = "internals")]
     pub fn flag_sets() -> Vec<Vec<&'static str>> {
-        vec![vec![], vec!["STEER"], vec!["CAPTURE"], vec!["STEER", "CAPTURE"]]
+        vec![vec![], vec!["STEER"], vec!["STEER", "STEER_ROWS"], vec!["CAPTURE"], vec!["STEER", "CAPTURE"]]
     }
 }
 
