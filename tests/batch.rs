@@ -367,3 +367,29 @@ fn each_sequence_is_steered_its_own_way() {
         assert!(matches!(err, wgspark::Error::SteeringMismatch { .. }), "{err}");
     });
 }
+
+/// A MoE model whose experts stream from host memory (GPU slots for the
+/// top-k only) runs the batched steps too: each sequence gets the ids of a
+/// lone session on the resident model.
+#[test]
+fn streamed_experts_run_in_the_batch() {
+    use wgspark::LoadOptions;
+    let gpu = common::gpu(common::backends()[0]);
+    for case in ["mixtral_8x2", "gguf_qwen3moe_q4_k_m"] {
+        let resident = Model::load(fixture_dir(case), &gpu).unwrap();
+        let top_k = resident.config.moe.as_ref().unwrap().top_k;
+        let load = LoadOptions { expert_slots: Some(top_k), ..Default::default() };
+        let streamed = Model::load_with(fixture_dir(case), &gpu, &load, |_| {}).unwrap();
+        let vocab = resident.config.vocab;
+        let requests: Vec<Request> = (0..4)
+            .map(|i| Request { max_tokens: 6, ..Request::new(prompt(vocab, 3 + 7 * i, 80 + i as u64)) })
+            .collect();
+        let mut engine = BatchEngine::new(&streamed, &batch_options()).unwrap();
+        let results = run(&mut engine, requests.iter().enumerate().map(|(i, r)| (i, r.clone())).collect());
+        for (request, outputs) in requests.iter().zip(&results) {
+            assert_eq!(tokens(outputs), lone_greedy(&resident, &request.prompt, 6).0, "{case}");
+        }
+        let device = BatchOptions { routing: wgspark::RoutingMode::DeviceResident, ..batch_options() };
+        assert!(matches!(BatchEngine::new(&streamed, &device), Err(wgspark::Error::Unsupported { .. })));
+    }
+}
