@@ -393,3 +393,67 @@ fn streamed_experts_run_in_the_batch() {
         assert!(matches!(BatchEngine::new(&streamed, &device), Err(wgspark::Error::Unsupported { .. })));
     }
 }
+
+/// Prompts with images (Qwen3-VL, dense and MoE, fixtures of
+/// tests/images.rs) beside text-only sequences: each gets the ids and
+/// logits of a lone session given the same parts.
+#[test]
+fn prompts_with_images_run_beside_text() {
+    use wgspark::PromptPart;
+    use wgspark::vision::RgbImage;
+    on_each_backend(|gpu| {
+        for name in ["qwen3_vl_images", "qwen3_vl_moe_images"] {
+            let dir = fixture_dir(name);
+            let model = Model::load(&dir, gpu).unwrap();
+            let image_token = model.config.vision.as_ref().unwrap().tokens.image.unwrap();
+            let e: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("expected_images.json")).unwrap())
+                    .unwrap();
+            let mut requests = Vec::new();
+            for case in e["cases"].as_array().unwrap() {
+                let (mut ids, mut images) = (Vec::new(), Vec::new());
+                for part in case["parts"].as_array().unwrap() {
+                    match part.get("text") {
+                        Some(t) => {
+                            ids.extend(t.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
+                        }
+                        None => {
+                            ids.push(image_token);
+                            images.push(RgbImage::open(&dir.join(part["image"].as_str().unwrap())).unwrap());
+                        }
+                    }
+                }
+                requests.push(Request { images, max_tokens: 4, return_logits: true, ..Request::new(ids) });
+            }
+            assert!(
+                requests.iter().filter(|r| !r.images.is_empty()).count() >= 2,
+                "{name}: cases with images"
+            );
+            requests.push(Request {
+                max_tokens: 4,
+                return_logits: true,
+                ..Request::new(prompt(model.config.vocab, 10, 95))
+            });
+            let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
+            let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
+            for (request, outputs) in requests.iter().zip(&results) {
+                let parts = PromptPart::split(&request.prompt, image_token, &request.images).unwrap();
+                let mut session = model.session(&lone_options()).unwrap();
+                let mut want_logits = vec![session.prefill_multimodal(&parts).unwrap()];
+                let mut want = vec![argmax(&want_logits[0])];
+                while want.len() < request.max_tokens {
+                    let pos = session.position();
+                    want_logits.push(session.step(*want.last().unwrap(), pos).unwrap());
+                    want.push(argmax(want_logits.last().unwrap()));
+                }
+                let what = format!("{name}, {} images", request.images.len());
+                assert_eq!(tokens(outputs), want, "{what}");
+                for (out, row) in outputs.iter().zip(&want_logits) {
+                    let err = max_abs_diff(out.logits.as_ref().unwrap(), row);
+                    assert!(err <= 1e-4, "{what}: logits {err}");
+                }
+            }
+            assert_eq!(engine.stats().blocks_used, 0);
+        }
+    });
+}

@@ -34,9 +34,11 @@ use blocks::{Block, BlockPool, PrefixHash};
 
 use crate::error::{Error, Result};
 use crate::flow::moe::RoutingContext;
+use crate::flow::vision::ImageRows;
 use crate::flow::{
     Activations, ChunkMatmul, ExpertPrefetch, Head, KvLayout, Plan, Recorder, RoutingMode, RowsHead,
 };
+use crate::flow::{ChunkMedia, RowCopy};
 use crate::gpu::Readback;
 use crate::kernels::Step;
 use crate::kernels::attention::{PagedRows, PagedSplits};
@@ -44,10 +46,12 @@ use crate::kernels::gemm::PrefillPrecision;
 use crate::kernels::sample::{RowSampleBindings, RowSampling, SampleScratch};
 use crate::kv_cache::{KvCache, KvFormat};
 use crate::model::Model;
+use crate::multimodal::{PreparedPrompt, PromptPart};
 use crate::sampling::Sampling;
 use crate::session::DEFAULT_CONTEXT_CAP;
 use crate::stats::Stats;
 use crate::steering::{Steering, SteeringPlan};
+use crate::vision::RgbImage;
 
 /// How a [`BatchEngine`] is laid out.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,6 +128,10 @@ pub struct Request {
     /// Control vectors added at the sequence's layer outputs (prompt and
     /// generated tokens), whatever the other sequences of a step use.
     pub steering: Option<Steering>,
+    /// The images of a prompt for a model with a vision tower (Qwen3-VL),
+    /// in order: `prompt` holds the model's image token once for each,
+    /// where its rows go (as the chat template renders an image).
+    pub images: Vec<RgbImage>,
 }
 
 impl Request {
@@ -138,6 +146,7 @@ impl Request {
             logprobs: None,
             return_logits: false,
             steering: None,
+            images: Vec::new(),
         }
     }
 }
@@ -226,6 +235,27 @@ struct Sequence {
     generated: usize,
     /// Its row of the steering tables while running (0: none, unsteered).
     steer_slot: u32,
+    /// A prompt with images: their rows and the prompt's positions.
+    media: Option<SequenceMedia>,
+}
+
+/// What a prompt with images adds to its tokens (see [`crate::multimodal`]).
+#[derive(Debug)]
+struct SequenceMedia {
+    /// Each prompt token's position triple (M-RoPE).
+    positions: Vec<[u32; 3]>,
+    /// The position of a token after the prompt is its index plus this.
+    offset: i64,
+    /// Each image's first token and its rows from the vision tower.
+    images: Vec<(usize, ImageRows)>,
+}
+
+impl Sequence {
+    /// Keys of its own, not to share through the prefix cache: a steered
+    /// sequence's, or one whose image tokens (all one id) hide what they are.
+    fn keeps_blocks_apart(&self) -> bool {
+        self.request.steering.is_some() || self.media.is_some()
+    }
 }
 
 impl Sequence {
@@ -477,42 +507,39 @@ impl<'m> BatchEngine<'m> {
         if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::TokenOutOfRange { token: bad, vocab });
         }
-        if request.prompt.len() > self.context_len {
-            return Err(Error::ContextOverflow {
-                position: request.prompt.len() - 1,
-                context_len: self.context_len,
-            });
-        }
         if request.max_tokens == 0 {
             return Err(Error::InvalidSampling("max_tokens must be at least 1".into()));
         }
         request.sampling.validate()?;
-        if let Some(steering) = &request.steering {
-            steering.check_fits(&self.model.config)?;
-            if self.steering.is_none() {
-                // Tables of a row per running sequence, and row 0 of zeros.
-                let rows = self.options.max_sequences + 1;
-                let plan = SteeringPlan::tables(self.model, rows, self.options.step_tokens)?;
-                self.plan.set_layer_outputs(self.model, &self.act, self.gemm.as_ref(), Some(&plan), None)?;
-                self.steering = Some(plan);
-            }
-        }
         if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(Error::InvalidSampling(format!(
                 "top logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
             )));
         }
-        let blocks = request.prompt.len().div_ceil(self.pool.block_size());
+        if let Some(steering) = &request.steering {
+            steering.check_fits(&self.model.config)?;
+        }
+        let (tokens, media) = self.prepare_media(&request)?;
+        if tokens.len() > self.context_len {
+            return Err(Error::ContextOverflow { position: tokens.len() - 1, context_len: self.context_len });
+        }
+        let blocks = tokens.len().div_ceil(self.pool.block_size());
         if blocks > self.pool.len() {
             return Err(Error::InvalidBatch(format!(
                 "a prompt of {} tokens needs {blocks} KV blocks, the pool has {}",
-                request.prompt.len(),
+                tokens.len(),
                 self.pool.len()
             )));
         }
+        if request.steering.is_some() && self.steering.is_none() {
+            // Tables of a row per running sequence, and row 0 of zeros.
+            let rows = self.options.max_sequences + 1;
+            let plan = SteeringPlan::tables(self.model, rows, self.options.step_tokens)?;
+            self.plan.set_layer_outputs(self.model, &self.act, self.gemm.as_ref(), Some(&plan), None)?;
+            self.steering = Some(plan);
+        }
         let id = SequenceId(self.next_id);
         self.next_id += 1;
-        let tokens = request.prompt.clone();
         self.waiting.push_back(Sequence {
             id,
             request,
@@ -522,8 +549,34 @@ impl<'m> BatchEngine<'m> {
             kept: Vec::new(),
             generated: 0,
             steer_slot: 0,
+            media,
         });
         Ok(id)
+    }
+
+    /// The ids a request's prompt runs as, its images through the vision
+    /// tower (each image's token repeated once per merged row).
+    fn prepare_media(&self, request: &Request) -> Result<(Vec<u32>, Option<SequenceMedia>)> {
+        let c = &self.model.config;
+        if request.images.is_empty() {
+            if let Some(i) = request.prompt.iter().position(|t| c.media_token_ids.contains(t)) {
+                return Err(Error::Unsupported {
+                    what: "image or video placeholder in a prompt of token ids",
+                    value: format!("token {} at prompt position {i}", request.prompt[i]),
+                });
+            }
+            return Ok((request.prompt.clone(), None));
+        }
+        let token = c.vision.as_ref().and_then(|v| v.tokens.image).ok_or_else(|| Error::Unsupported {
+            what: "images for a model without a vision tower or an image_token_id",
+            value: c.model_type.clone(),
+        })?;
+        let parts = PromptPart::split(&request.prompt, token, &request.images)?;
+        let prompt = PreparedPrompt::new(self.model, &parts, 0, self.gemm.as_ref())?;
+        let next = prompt.positions.iter().flat_map(|p| p.iter()).max().map_or(0, |&m| m as i64 + 1);
+        let offset = next - prompt.ids.len() as i64;
+        let media = SequenceMedia { positions: prompt.positions, offset, images: prompt.images };
+        Ok((prompt.ids, Some(media)))
     }
 
     /// Ends a sequence now (running or waiting): its blocks go back to the
@@ -708,9 +761,7 @@ impl<'m> BatchEngine<'m> {
     /// Starts a sequence after the blocks of its tokens the cache holds
     /// (at least its last token is left to compute, for its logits).
     fn reuse_prefix(&mut self, seq: &mut Sequence) {
-        // A steered sequence's keys are its own: they are neither taken
-        // from the cache nor kept in it.
-        if !self.options.prefix_cache || seq.computed > 0 || seq.request.steering.is_some() {
+        if !self.options.prefix_cache || seq.computed > 0 || seq.keeps_blocks_apart() {
             return;
         }
         let block = self.pool.block_size();
@@ -767,10 +818,15 @@ impl<'m> BatchEngine<'m> {
             })
             .collect();
         let width = self.rotary_row;
-        let rotary: Vec<f32> = rows
-            .iter()
-            .flat_map(|r| self.rotary[r.pos * width..(r.pos + 1) * width].iter().copied())
-            .collect();
+        let mut rotary: Vec<f32> = Vec::with_capacity(n * width);
+        for r in rows {
+            let text = |pos: usize| &self.rotary[pos * width..(pos + 1) * width];
+            match &self.running[r.seq].media {
+                Some(m) if r.pos < m.positions.len() => rotary.extend(c.rotary_row(m.positions[r.pos])),
+                Some(m) => rotary.extend_from_slice(text((r.pos as i64 + m.offset).max(0) as usize)),
+                None => rotary.extend_from_slice(text(r.pos)),
+            }
+        }
         let choosing: Vec<usize> = (0..n).filter(|&i| rows[i].samples).collect();
         let sampling: Vec<RowSampling> = choosing
             .iter()
@@ -803,7 +859,8 @@ impl<'m> BatchEngine<'m> {
             experts: self.model.experts.as_ref(),
             prefetch: ExpertPrefetch::Off,
         };
-        self.plan.forward(&mut rec, &self.act, &step, Head::None, &routing, None)?;
+        let media = step_media(self.model, &self.act, &self.running, rows)?;
+        self.plan.forward(&mut rec, &self.act, &step, Head::None, &routing, media.as_ref())?;
         let k = choosing.len();
         let wants_logits = choosing.iter().any(|&i| {
             let r = &self.running[rows[i].seq].request;
@@ -883,9 +940,48 @@ impl<'m> BatchEngine<'m> {
     }
 }
 
+/// What the step's image tokens add: each image's rows copied over its
+/// tokens' embeddings and its deepstack rows added after the first layers
+/// (`None`: no row of the step is an image's).
+fn step_media<'a>(
+    model: &Model,
+    act: &Activations,
+    running: &'a [Sequence],
+    rows: &[Row],
+) -> Result<Option<ChunkMedia<'a>>> {
+    let mut media = ChunkMedia::default();
+    let mut first = 0;
+    while first < rows.len() {
+        // A sequence's rows are consecutive, at consecutive positions.
+        let (seq, start) = (rows[first].seq, rows[first].pos);
+        let end = first + rows[first..].iter().take_while(|r| r.seq == seq).count();
+        let positions = start..start + (end - first);
+        for (image_start, image) in running[seq].media.iter().flat_map(|m| &m.images) {
+            let (lo, hi) = (positions.start.max(*image_start), positions.end.min(image_start + image.tokens));
+            if lo >= hi {
+                continue;
+            }
+            let (src_row, dst_row, count) = (lo - image_start, first + lo - start, hi - lo);
+            media.copies.push(RowCopy { src: &image.merged, src_row, dst_row, rows: count });
+            for (layer, deep) in image.deepstack.iter().enumerate() {
+                let add = model.kernels.residual.plan_rows(
+                    &model.gpu,
+                    act.hidden,
+                    (deep, src_row),
+                    (&act.x, dst_row),
+                )?;
+                media.after_layer.resize_with(media.after_layer.len().max(layer + 1), Vec::new);
+                media.after_layer[layer].push((add, count as u32));
+            }
+        }
+        first = end;
+    }
+    Ok((!media.copies.is_empty()).then_some(media))
+}
+
 /// Keeps the sequence's whole computed blocks (not kept yet) for reuse.
 fn keep_full_blocks(pool: &mut BlockPool, seq: &mut Sequence) {
-    if seq.request.steering.is_some() {
+    if seq.keeps_blocks_apart() {
         return;
     }
     let block = pool.block_size();
