@@ -269,8 +269,8 @@ fn cancel_frees_blocks_and_bad_requests_are_refused() {
             got.extend(engine.step().unwrap().into_iter().filter(|o| o.sequence == kept).map(|o| o.token));
         }
         let held = engine.stats().blocks_used;
-        assert!(engine.cancel(gone));
-        assert!(!engine.cancel(gone), "cancelled once");
+        assert!(engine.cancel(gone).unwrap());
+        assert!(!engine.cancel(gone).unwrap(), "cancelled once");
         assert!(engine.stats().blocks_used < held);
         while !engine.is_idle() {
             got.extend(engine.step().unwrap().into_iter().map(|o| o.token));
@@ -453,6 +453,36 @@ fn prompts_with_images_run_beside_text() {
                     assert!(err <= 1e-4, "{what}: logits {err}");
                 }
             }
+            assert_eq!(engine.stats().blocks_used, 0);
+        }
+    });
+}
+
+/// Steps in flight past a stop: a sequence that stops while later steps
+/// already run for it ends on its stop id (the tokens computed past it are
+/// dropped), and the sequence beside it goes on unchanged; cancelling
+/// while steps are in flight keeps the other's tokens.
+#[test]
+fn stops_while_steps_are_in_flight() {
+    on_each_backend(|gpu| {
+        let model = Model::load(fixture_dir("qwen3_dense"), gpu).unwrap();
+        let vocab = model.config.vocab;
+        let (a, b) = (prompt(vocab, 5, 110), prompt(vocab, 8, 111));
+        let want_a = lone_greedy(&model, &a, 12).0;
+        let want_b = lone_greedy(&model, &b, 12).0;
+        let stop = want_a[6];
+        let cut = want_a.iter().position(|&t| t == stop).unwrap();
+        for in_flight in [0, 1, 3, 6] {
+            let options = BatchOptions { in_flight, ..batch_options() };
+            let mut engine = BatchEngine::new(&model, &options).unwrap();
+            let requests = vec![
+                (0, Request { max_tokens: 12, stop_tokens: vec![stop], ..Request::new(a.clone()) }),
+                (0, Request { max_tokens: 12, ..Request::new(b.clone()) }),
+            ];
+            let results = run(&mut engine, requests);
+            assert_eq!(tokens(&results[0]), want_a[..=cut], "in flight {in_flight}");
+            assert_eq!(results[0].last().unwrap().finish, Some(FinishReason::StopToken(stop)));
+            assert_eq!(tokens(&results[1]), want_b, "in flight {in_flight}");
             assert_eq!(engine.stats().blocks_used, 0);
         }
     });

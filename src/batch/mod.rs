@@ -39,7 +39,7 @@ use crate::flow::{
     Activations, ChunkMatmul, ExpertPrefetch, Head, KvLayout, Plan, Recorder, RoutingMode, RowsHead,
 };
 use crate::flow::{ChunkMedia, RowCopy};
-use crate::gpu::Readback;
+use crate::gpu::{MapWait, Readback};
 use crate::kernels::Step;
 use crate::kernels::attention::{PagedRows, PagedSplits};
 use crate::kernels::gemm::PrefillPrecision;
@@ -82,6 +82,10 @@ pub struct BatchOptions {
     pub prefill_precision: PrefillPrecision,
     /// How MoE layers hand the router's choice to the expert kernels.
     pub routing: RoutingMode,
+    /// Decode steps submitted ahead of the one whose ids are read, while
+    /// every running sequence only decodes (0: each step waits for the one
+    /// before).
+    pub in_flight: usize,
     /// Fewest rows of a step whose projections run through the GEMM; fewer
     /// run the GEMV once per row. `None`: 5 for 16-bit weights, 16 for
     /// quantized ones (where the GEMV reads less and the GEMM decodes more).
@@ -102,6 +106,7 @@ impl Default for BatchOptions {
             prefill_precision: PrefillPrecision::F16,
             routing: RoutingMode::Readback,
             gemm_rows: None,
+            in_flight: crate::session::DEFAULT_IN_FLIGHT,
         }
     }
 }
@@ -237,6 +242,8 @@ struct Sequence {
     steer_slot: u32,
     /// A prompt with images: their rows and the prompt's positions.
     media: Option<SequenceMedia>,
+    /// Why it ended, once it has (it is let go when no step is in flight).
+    finish: Option<FinishReason>,
 }
 
 /// What a prompt with images adds to its tokens (see [`crate::multimodal`]).
@@ -255,6 +262,11 @@ impl Sequence {
     /// sequence's, or one whose image tokens (all one id) hide what they are.
     fn keeps_blocks_apart(&self) -> bool {
         self.request.steering.is_some() || self.media.is_some()
+    }
+
+    /// Its tokens come with their logits (or logprobs, made from them).
+    fn wants_logits(&self) -> bool {
+        self.request.return_logits || self.request.logprobs.is_some()
     }
 }
 
@@ -298,7 +310,8 @@ struct StepBuffers {
     sampling: wgpu::Buffer,
     sampled: wgpu::Buffer,
     scratch: SampleScratch,
-    ids: Readback,
+    /// The chosen ids of each step in flight.
+    ids: Vec<Readback>,
     logits_readback: Readback,
     routing: Readback,
 }
@@ -327,6 +340,12 @@ pub struct BatchEngine<'m> {
     rotary_row: usize,
     /// Running sequences, oldest first.
     running: Vec<Sequence>,
+    /// Steps submitted, their ids not yet read, oldest first.
+    in_flight: VecDeque<Submitted>,
+    /// Outputs of steps completed early (by a cancel), to hand out first.
+    ready: VecDeque<Vec<Output>>,
+    /// The ids readback the next step takes.
+    next_readback: usize,
     waiting: VecDeque<Sequence>,
     next_id: u64,
     stats: BatchStats,
@@ -414,7 +433,9 @@ impl<'m> BatchEngine<'m> {
             )?,
             sampled: gpu.storage_buffer("batch.sampled", max_seqs)?,
             scratch: SampleScratch::for_rows(gpu, c.vocab, max_seqs)?,
-            ids: Readback::new(gpu, "batch.ids", (max_seqs * 4) as u64),
+            ids: (0..=options.in_flight.max(1))
+                .map(|_| Readback::new(gpu, "batch.ids", (max_seqs * 4) as u64))
+                .collect(),
             logits_readback: Readback::new(gpu, "batch.logits", (max_seqs * c.vocab * 4) as u64),
             routing: Readback::new(
                 gpu,
@@ -472,6 +493,9 @@ impl<'m> BatchEngine<'m> {
             rotary: c.rope.cos_sin_table(context_len),
             rotary_row,
             running: Vec::new(),
+            in_flight: VecDeque::new(),
+            ready: VecDeque::new(),
+            next_readback: 0,
             waiting: VecDeque::new(),
             next_id: 0,
             stats: BatchStats { blocks_total: blocks, ..BatchStats::default() },
@@ -550,6 +574,7 @@ impl<'m> BatchEngine<'m> {
             generated: 0,
             steer_slot: 0,
             media,
+            finish: None,
         });
         Ok(id)
     }
@@ -580,24 +605,35 @@ impl<'m> BatchEngine<'m> {
     }
 
     /// Ends a sequence now (running or waiting): its blocks go back to the
-    /// pool. Returns whether it was there.
-    pub fn cancel(&mut self, id: SequenceId) -> bool {
+    /// pool. The steps in flight complete first (their tokens come with the
+    /// next calls of [`Self::step`]). Returns whether the sequence was
+    /// there and had not ended.
+    pub fn cancel(&mut self, id: SequenceId) -> Result<bool> {
+        if !self.in_flight.is_empty() {
+            self.drain()?;
+            for outputs in &mut self.ready {
+                outputs.retain(|o| o.sequence != id);
+            }
+        }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let seq = self.running.remove(i);
             self.release(seq);
-            return true;
+            return Ok(true);
         }
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let seq = self.waiting.remove(i).expect("found");
             self.release(seq);
-            return true;
+            return Ok(true);
         }
-        false
+        Ok(false)
     }
 
-    /// No sequence is running or waiting.
+    /// No sequence is running or waiting, and every token was handed out.
     pub fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.running.is_empty()
+            && self.waiting.is_empty()
+            && self.in_flight.is_empty()
+            && self.ready.is_empty()
     }
 
     /// The pool, the queue and what the steps ran.
@@ -617,19 +653,107 @@ impl<'m> BatchEngine<'m> {
     /// (see the module), and returns the tokens it produced, one per
     /// sequence that chose one. Nothing to run returns no output.
     pub fn step(&mut self) -> Result<Vec<Output>> {
-        let rows = self.schedule();
-        if rows.is_empty() {
-            return Ok(Vec::new());
+        if let Some(outputs) = self.ready.pop_front() {
+            return Ok(outputs);
         }
-        let result = self.run(&rows);
+        let result = self.advance();
         if result.is_err() {
             // A failed pass leaves nothing trustworthy in the rows it wrote:
-            // those sequences start over from their last kept state.
+            // the steps in flight are dropped, and those sequences start over
+            // from their last kept state.
+            self.in_flight.clear();
+            self.release_finished();
             for seq in &mut self.running {
                 seq.computed = seq.computed.min(seq.kept.len() * self.pool.block_size());
             }
         }
         result
+    }
+
+    /// Submits the steps the pipeline can take and completes the oldest.
+    fn advance(&mut self) -> Result<Vec<Output>> {
+        if self.in_flight.is_empty() {
+            let rows = self.schedule();
+            if rows.is_empty() {
+                return Ok(Vec::new());
+            }
+            let submitted = self.submit(rows, false)?;
+            self.in_flight.push_back(submitted);
+        }
+        // While every running sequence only decodes, the next steps are
+        // known before their ids are: their tokens come from the step before
+        // on the GPU, and they run while the host reads.
+        while self.in_flight.len() <= self.options.in_flight {
+            let Some(rows) = self.next_decode_rows() else { break };
+            let submitted = self.submit(rows, true)?;
+            self.in_flight.push_back(submitted);
+        }
+        let oldest = self.in_flight.pop_front().expect("a step in flight");
+        let outputs = self.complete(oldest)?;
+        if self.in_flight.is_empty() {
+            self.release_finished();
+        }
+        Ok(outputs)
+    }
+
+    /// The rows of a pure decode step after the last one in flight, where
+    /// one may follow without a look at its ids: it was a decode row for
+    /// every running sequence, none has ended, none wants its logits, none
+    /// waits for room, and every one has tokens left and a block to grow
+    /// into without pre-empting another.
+    fn next_decode_rows(&mut self) -> Option<Vec<Row>> {
+        let last = self.in_flight.back()?;
+        let pure = last.rows.len() == self.running.len()
+            && last.rows.iter().enumerate().all(|(i, r)| r.seq == i && r.decode && r.samples);
+        let room = self.waiting.is_empty() || self.running.len() >= self.options.max_sequences;
+        if !pure || !room || self.running.iter().any(|s| s.finish.is_some() || s.wants_logits()) {
+            return None;
+        }
+        let rows: Vec<Row> = last
+            .rows
+            .iter()
+            .map(|r| Row { seq: r.seq, pos: r.pos + 1, samples: true, decode: true })
+            .collect();
+        let ahead = self.in_flight.len();
+        let fits = rows.iter().all(|r| {
+            let seq = &self.running[r.seq];
+            seq.generated + ahead < seq.request.max_tokens && r.pos < self.context_len
+        });
+        let block = self.pool.block_size();
+        let needed: usize = rows
+            .iter()
+            .map(|r| (r.pos + 1).div_ceil(block).saturating_sub(self.running[r.seq].blocks.len()))
+            .sum();
+        if !fits || needed > self.pool.available() {
+            return None;
+        }
+        for r in &rows {
+            let grown = self.grow(r.seq, r.pos + 1);
+            debug_assert!(grown, "blocks were available");
+        }
+        Some(rows)
+    }
+
+    /// Releases the sequences that ended (none may be in flight).
+    fn release_finished(&mut self) {
+        debug_assert!(self.in_flight.is_empty());
+        let (done, running): (Vec<Sequence>, Vec<Sequence>) =
+            std::mem::take(&mut self.running).into_iter().partition(|s| s.finish.is_some());
+        self.running = running;
+        for seq in done {
+            self.release(seq);
+        }
+    }
+
+    /// Completes every step in flight, keeping their outputs for the next
+    /// calls of [`Self::step`], and releases the sequences that ended.
+    fn drain(&mut self) -> Result<()> {
+        while let Some(oldest) = self.in_flight.pop_front() {
+            let outputs = self.complete(oldest)?;
+            self.ready.push_back(outputs);
+        }
+        self.release_finished();
+        Ok(())
     }
 
     /// Picks this step's rows: a decode row for every running sequence that
@@ -794,21 +918,21 @@ impl<'m> BatchEngine<'m> {
         self.unsteer(&mut seq);
     }
 
-    /// Writes the step's inputs, runs the forward pass, the head over the
-    /// rows that choose and their selection, and hands out the tokens.
-    fn run(&mut self, rows: &[Row]) -> Result<Vec<Output>> {
+    /// Writes a step's inputs and submits its forward pass, the head over
+    /// the rows that choose and their selection. With `tokens_on_gpu`, the
+    /// rows' tokens are the ones the step before chose, copied there by it.
+    fn submit(&mut self, rows: Vec<Row>, tokens_on_gpu: bool) -> Result<Submitted> {
         let (gpu, c) = (&self.model.gpu, &self.model.config);
         let n = rows.len();
         // The sequences of the step, in order, and their block tables.
         let mut table_at = vec![usize::MAX; self.running.len()];
         let mut table: Vec<u32> = Vec::new();
-        for r in rows {
+        for r in &rows {
             if table_at[r.seq] == usize::MAX {
                 table_at[r.seq] = table.len();
                 table.extend(&self.running[r.seq].blocks);
             }
         }
-        let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
         let mut slots = 0..;
         let meta: Vec<u32> = rows
             .iter()
@@ -819,7 +943,7 @@ impl<'m> BatchEngine<'m> {
             .collect();
         let width = self.rotary_row;
         let mut rotary: Vec<f32> = Vec::with_capacity(n * width);
-        for r in rows {
+        for r in &rows {
             let text = |pos: usize| &self.rotary[pos * width..(pos + 1) * width];
             match &self.running[r.seq].media {
                 Some(m) if r.pos < m.positions.len() => rotary.extend(c.rotary_row(m.positions[r.pos])),
@@ -836,7 +960,10 @@ impl<'m> BatchEngine<'m> {
             })
             .collect();
         let b = &self.buffers;
-        self.act.write_tokens(gpu, &tokens);
+        if !tokens_on_gpu {
+            let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
+            self.act.write_tokens(gpu, &tokens);
+        }
         let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, _pad: 0 };
         gpu.queue.write_buffer(&self.act.step, 0, bytemuck::bytes_of(&step));
         let head_step = Step { pos0: 0, n_tokens: choosing.len() as u32, attn_splits: 1, _pad: 0 };
@@ -859,13 +986,12 @@ impl<'m> BatchEngine<'m> {
             experts: self.model.experts.as_ref(),
             prefetch: ExpertPrefetch::Off,
         };
-        let media = step_media(self.model, &self.act, &self.running, rows)?;
+        let media = step_media(self.model, &self.act, &self.running, &rows)?;
         self.plan.forward(&mut rec, &self.act, &step, Head::None, &routing, media.as_ref())?;
         let k = choosing.len();
-        let wants_logits = choosing.iter().any(|&i| {
-            let r = &self.running[rows[i].seq].request;
-            r.return_logits || r.logprobs.is_some()
-        });
+        let wants_logits = choosing.iter().any(|&i| self.running[rows[i].seq].wants_logits());
+        let slot = self.next_readback;
+        self.next_readback = (self.next_readback + 1) % b.ids.len();
         if k > 0 {
             let row_bytes = (c.hidden * 4) as u64;
             for (j, &i) in choosing.iter().enumerate() {
@@ -879,19 +1005,45 @@ impl<'m> BatchEngine<'m> {
             }
             self.head.encode(&mut rec, k as u32, self.plan.uses_gemm(k));
             rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
-            b.ids.record(rec.encoder(), &b.sampled, 0, (k * 4) as u64);
+            // The chosen ids are the next decode step's tokens, in order.
+            rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &self.act.tokens, 0, (k * 4) as u64);
+            b.ids[slot].record(rec.encoder(), &b.sampled, 0, (k * 4) as u64);
             if wants_logits {
                 b.logits_readback.record(rec.encoder(), &b.logits, 0, (k * c.vocab * 4) as u64);
             }
         }
-        rec.finish()?;
-        let ids: Vec<u32> = if k > 0 { b.ids.read(gpu, (k * 4) as u64)? } else { Vec::new() };
-        let logits: Vec<f32> =
-            if wants_logits { b.logits_readback.read(gpu, (k * c.vocab * 4) as u64)? } else { Vec::new() };
+        let index = rec.finish()?;
+        if k > 0 {
+            b.ids[slot].start_map((k * 4) as u64);
+        }
+        Ok(Submitted { rows, choosing, slot, wants_logits, index })
+    }
+
+    /// Waits for a submitted step's ids and hands out its tokens (those of
+    /// sequences that ended in an earlier step are dropped).
+    fn complete(&mut self, step: Submitted) -> Result<Vec<Output>> {
+        let (gpu, c) = (&self.model.gpu, &self.model.config);
+        let b = &self.buffers;
+        let k = step.choosing.len();
+        let ids: Vec<u32> = if k > 0 {
+            b.ids[step.slot].finish_map(gpu, MapWait::Block(Some(step.index)), |m| {
+                bytemuck::cast_slice::<u8, u32>(&m[..k * 4]).to_vec()
+            })?
+        } else {
+            Vec::new()
+        };
+        let logits: Vec<f32> = if step.wants_logits {
+            b.logits_readback.read(gpu, (k * c.vocab * 4) as u64)?
+        } else {
+            Vec::new()
+        };
 
         self.stats.steps += 1;
-        for r in rows {
+        for r in &step.rows {
             let seq = &mut self.running[r.seq];
+            if seq.finish.is_some() {
+                continue;
+            }
             seq.computed = seq.computed.max(r.pos + 1);
             if r.samples && seq.generated > 0 {
                 self.stats.decode_rows += 1;
@@ -900,20 +1052,21 @@ impl<'m> BatchEngine<'m> {
             }
         }
         let mut outputs = Vec::with_capacity(k);
-        let mut finished = Vec::new();
-        for (j, &i) in choosing.iter().enumerate() {
-            let s = rows[i].seq;
+        for (j, &i) in step.choosing.iter().enumerate() {
+            let seq = &mut self.running[step.rows[i].seq];
+            if seq.finish.is_some() {
+                continue;
+            }
             let id = ids[j];
             if id == crate::kernels::sample::NON_FINITE {
-                return Err(Error::NonFiniteSample { position: rows[i].pos });
+                return Err(Error::NonFiniteSample { position: step.rows[i].pos });
             }
-            let seq = &mut self.running[s];
-            let row_logits = wants_logits.then(|| &logits[j * c.vocab..(j + 1) * c.vocab]);
+            let row_logits = step.wants_logits.then(|| &logits[j * c.vocab..(j + 1) * c.vocab]);
             let logprobs = seq.request.logprobs.zip(row_logits).map(|(n, l)| logprobs_of(l, id, n));
             let logits = row_logits.filter(|_| seq.request.return_logits).map(<[f32]>::to_vec);
             seq.tokens.push(id);
             seq.generated += 1;
-            let finish = if seq.request.stop_tokens.contains(&id) {
+            seq.finish = if seq.request.stop_tokens.contains(&id) {
                 Some(FinishReason::StopToken(id))
             } else if seq.generated >= seq.request.max_tokens {
                 Some(FinishReason::MaxTokens)
@@ -922,10 +1075,7 @@ impl<'m> BatchEngine<'m> {
             } else {
                 None
             };
-            if finish.is_some() {
-                finished.push(seq.id);
-            }
-            outputs.push(Output { sequence: seq.id, token: id, logprobs, logits, finish });
+            outputs.push(Output { sequence: seq.id, token: id, logprobs, logits, finish: seq.finish });
         }
         if self.options.prefix_cache {
             // Whole blocks are kept as soon as they are computed.
@@ -933,11 +1083,19 @@ impl<'m> BatchEngine<'m> {
                 keep_full_blocks(&mut self.pool, seq);
             }
         }
-        for id in finished {
-            self.cancel(id);
-        }
         Ok(outputs)
     }
+}
+
+/// A step on the GPU, its ids not yet read.
+struct Submitted {
+    rows: Vec<Row>,
+    /// The rows that choose a token, in the order of the ids.
+    choosing: Vec<usize>,
+    /// Its ids' readback.
+    slot: usize,
+    wants_logits: bool,
+    index: wgpu::SubmissionIndex,
 }
 
 /// What the step's image tokens add: each image's rows copied over its
