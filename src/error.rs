@@ -157,7 +157,7 @@ pub enum Error {
 
     /// A chat template that does not compile, raised an exception
     /// (`raise_exception`), or ran out of its instruction budget
-    /// ([`crate::chat::TEMPLATE_FUEL`]).
+    /// (a fixed number of steps).
     #[error("{origin}: chat template: {message}")]
     ChatTemplate {
         /// The file the template came from.

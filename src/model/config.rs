@@ -334,7 +334,7 @@ pub struct ModelConfig {
     pub vocab: usize,
     /// The context the model was made for (`max_position_embeddings`; 2048
     /// where absent). A session's default context is this, at most
-    /// [`crate::session::DEFAULT_CONTEXT_CAP`].
+    /// 8192 positions (`SessionOptions::context_len`).
     pub max_positions: usize,
     /// The LM head is the embedding matrix (`tie_word_embeddings`; false
     /// where absent).
