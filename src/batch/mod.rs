@@ -316,6 +316,51 @@ struct StepBuffers {
     routing: Readback,
 }
 
+impl StepBuffers {
+    /// Buffers for steps of up to `max_rows` rows, `max_seqs` of which
+    /// choose a token, block tables of `max_blocks` blocks, and readbacks
+    /// for `in_flight` steps ahead of the one read.
+    fn new(
+        model: &Model,
+        (max_rows, max_seqs): (usize, usize),
+        max_blocks: usize,
+        in_flight: usize,
+    ) -> Result<Self> {
+        let (gpu, c) = (&model.gpu, &model.config);
+        Ok(StepBuffers {
+            rows: gpu.storage_buffer("batch.rows", 4 * max_rows)?,
+            split_acc: gpu
+                .storage_buffer("batch.split_acc", max_seqs * c.heads.q * MAX_SPLITS * c.heads.dim)?,
+            split_max_sum: gpu
+                .storage_buffer("batch.split_max_sum", max_seqs * c.heads.q * MAX_SPLITS * 2)?,
+            block_table: gpu.storage_buffer("batch.block_table", max_seqs * max_blocks)?,
+            x_rows: gpu.storage_buffer("batch.x_rows", max_seqs * c.hidden)?,
+            logits: gpu.storage_buffer("batch.logits", max_seqs * c.vocab)?,
+            head_step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("batch.head_step"),
+                size: std::mem::size_of::<Step>() as u64,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            sampling: gpu.storage_buffer_bytes(
+                "batch.sampling",
+                (max_seqs * std::mem::size_of::<RowSampling>()) as u64,
+            )?,
+            sampled: gpu.storage_buffer("batch.sampled", max_seqs)?,
+            scratch: SampleScratch::for_rows(gpu, c.vocab, max_seqs)?,
+            ids: (0..=in_flight.max(1))
+                .map(|_| Readback::new(gpu, "batch.ids", (max_seqs * 4) as u64))
+                .collect(),
+            logits_readback: Readback::new(gpu, "batch.logits", (max_seqs * c.vocab * 4) as u64),
+            routing: Readback::new(
+                gpu,
+                "batch.routing",
+                (max_rows.max(2) * c.moe.as_ref().map_or(1, |m| m.top_k) * 4) as u64,
+            ),
+        })
+    }
+}
+
 /// Many sequences over one model; see the module's documentation.
 pub struct BatchEngine<'m> {
     model: &'m Model,
@@ -412,37 +457,7 @@ impl<'m> BatchEngine<'m> {
             (values_apart, gemm.is_some(), half_copies),
         )?;
         let max_blocks = context_len.div_ceil(block);
-        let buffers = StepBuffers {
-            rows: gpu.storage_buffer("batch.rows", 4 * max_rows)?,
-            split_acc: gpu
-                .storage_buffer("batch.split_acc", max_seqs * c.heads.q * MAX_SPLITS * c.heads.dim)?,
-            split_max_sum: gpu
-                .storage_buffer("batch.split_max_sum", max_seqs * c.heads.q * MAX_SPLITS * 2)?,
-            block_table: gpu.storage_buffer("batch.block_table", max_seqs * max_blocks)?,
-            x_rows: gpu.storage_buffer("batch.x_rows", max_seqs * c.hidden)?,
-            logits: gpu.storage_buffer("batch.logits", max_seqs * c.vocab)?,
-            head_step: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("batch.head_step"),
-                size: std::mem::size_of::<Step>() as u64,
-                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
-            sampling: gpu.storage_buffer_bytes(
-                "batch.sampling",
-                (max_seqs * std::mem::size_of::<RowSampling>()) as u64,
-            )?,
-            sampled: gpu.storage_buffer("batch.sampled", max_seqs)?,
-            scratch: SampleScratch::for_rows(gpu, c.vocab, max_seqs)?,
-            ids: (0..=options.in_flight.max(1))
-                .map(|_| Readback::new(gpu, "batch.ids", (max_seqs * 4) as u64))
-                .collect(),
-            logits_readback: Readback::new(gpu, "batch.logits", (max_seqs * c.vocab * 4) as u64),
-            routing: Readback::new(
-                gpu,
-                "batch.routing",
-                (max_rows.max(2) * c.moe.as_ref().map_or(1, |m| m.top_k) * 4) as u64,
-            ),
-        };
+        let buffers = StepBuffers::new(model, (max_rows, max_seqs), max_blocks, options.in_flight)?;
         let splits = PagedSplits {
             acc: &buffers.split_acc,
             max_sum: &buffers.split_max_sum,
