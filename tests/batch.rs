@@ -487,3 +487,41 @@ fn stops_while_steps_are_in_flight() {
         }
     });
 }
+
+/// With the f16 cache, decode rows run on the subgroup-lane attention where
+/// the adapter's subgroups take a row (lavapipe's, for these heads): each
+/// sequence still gets a lone f16 session's ids, logits within 2e-3.
+#[test]
+fn f16_cache_decode_rows_on_subgroup_lanes() {
+    on_each_backend(|gpu| {
+        for name in ["qwen3_dense", "mixtral_8x2"] {
+            let model = Model::load(fixture_dir(name), gpu).unwrap();
+            let vocab = model.config.vocab;
+            let options = BatchOptions { kv_format: KvFormat::F16, ..batch_options() };
+            let mut engine = BatchEngine::new(&model, &options).unwrap();
+            let requests: Vec<Request> = (0..3)
+                .map(|i| Request {
+                    max_tokens: 8,
+                    return_logits: true,
+                    ..Request::new(prompt(vocab, 5 + 9 * i, 120 + i as u64))
+                })
+                .collect();
+            let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
+            for (request, outputs) in requests.iter().zip(&results) {
+                let mut session = model.session(&SessionOptions::default()).unwrap();
+                let mut logits = vec![session.prefill(&request.prompt).unwrap()];
+                let mut want = vec![argmax(&logits[0])];
+                while want.len() < request.max_tokens {
+                    let pos = session.position();
+                    logits.push(session.step(*want.last().unwrap(), pos).unwrap());
+                    want.push(argmax(logits.last().unwrap()));
+                }
+                assert_eq!(tokens(outputs), want, "{name}");
+                for (out, row) in outputs.iter().zip(&logits) {
+                    let err = max_abs_diff(out.logits.as_ref().unwrap(), row);
+                    assert!(err <= 2e-3, "{name}: logits {err}");
+                }
+            }
+        }
+    });
+}

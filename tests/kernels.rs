@@ -6,7 +6,8 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{
-    AttentionBindings, AttentionShape, CoopLayout, PagedRows, PagedSplits, QkNormWeights, SplitScratch,
+    AttentionBindings, AttentionShape, CoopLayout, LaneLayout, PagedRows, PagedSplits, QkNormWeights,
+    SplitScratch,
 };
 use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
@@ -698,20 +699,24 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 v_seq.push(v);
             }
             // The step's rows, sequence by sequence; each row's metadata and angles.
+            // Decode rows (a lone row after cached keys: it splits) first,
+            // as the engine lays a step out.
             let mut meta: Vec<u32> = Vec::new();
             let mut row_of: Vec<(usize, usize)> = Vec::new();
+            let decodes = |&(cached, rows): &(usize, usize)| rows == 1 && cached > 0;
             let mut slots = 0u32;
-            for (s, &(cached, rows)) in seqs.iter().enumerate() {
-                for pos in cached..cached + rows {
-                    // A lone row after cached keys decodes: it splits.
-                    let slot = if rows == 1 && cached > 0 {
-                        slots += 1;
-                        slots - 1
-                    } else {
-                        u32::MAX
-                    };
-                    meta.extend([pos as u32, firsts[s] as u32, slot, 0]);
-                    row_of.push((s, pos));
+            for decode in [true, false] {
+                for (s, seq) in seqs.iter().enumerate().filter(|(_, q)| decodes(q) == decode) {
+                    for pos in seq.0..seq.0 + seq.1 {
+                        let slot = if decode {
+                            slots += 1;
+                            slots - 1
+                        } else {
+                            u32::MAX
+                        };
+                        meta.extend([pos as u32, firsts[s] as u32, slot, 0]);
+                        row_of.push((s, pos));
+                    }
                 }
             }
             let n = row_of.len();
@@ -793,8 +798,14 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
             for (split_keys, max_splits) in [(1, 1), (4, max_splits), (9, max_splits)] {
                 let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
                 let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
-                let dispatches = Attention::new(gpu).plan_paged(gpu, &shape, &b, &paged).unwrap();
-                run(gpu, &dispatches, n as u32);
+                let attention = Attention::new(gpu).plan_paged(gpu, &shape, &b, &paged).unwrap();
+                // Decode rows run on subgroup lanes where the adapter's take a row.
+                let lanes = LaneLayout::choose(gpu, heads, rot, format).is_some() && max_splits > 1;
+                assert_eq!(attention.decode.is_some(), lanes, "{what}");
+                let mut encoder = gpu.device.create_command_encoder(&Default::default());
+                attention.encode(&mut encoder.begin_compute_pass(&Default::default()), n as u32, slots);
+                gpu.queue.submit([encoder.finish()]);
+                gpu.check("paged attention").unwrap();
                 let what = format!("{what}, split keys {split_keys}, at most {max_splits}");
                 assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
             }
@@ -1325,7 +1336,7 @@ fn sample_many(gpu: &Gpu, logits: &[f32], sampling: Sampling, seed: u64, draws: 
     let b = SampleBindings { step: &step, logits: &lb, tokens: &tokens, scratch: &scratch };
     let d = Sample::new(gpu).plan(gpu, logits.len(), sampling, seed, &b).unwrap();
     for i in 0..draws {
-        let s = Step { pos0: i as u32, n_tokens: 1, attn_splits: 1, _pad: 0 };
+        let s = Step { pos0: i as u32, n_tokens: 1, attn_splits: 1, decode_rows: 0 };
         gpu.queue.write_buffer(&step, 0, bytemuck::bytes_of(&s));
         let mut encoder = gpu.device.create_command_encoder(&Default::default());
         {

@@ -550,7 +550,9 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 #endif
 #if PAGED
     let splits = row_splits(t0, n_keys);
-    if (split >= splits) {
+    // Runs of keys past the row's splits, and decode rows that
+    // attend_lanes runs, are not this workgroup's.
+    if (split >= splits || (p.decode_apart == 1u && rows_meta[t0].z != NO_SLOT)) {
         return;
     }
 #else
@@ -763,13 +765,13 @@ fn lane_row(base: u32, lane: u32, in_row: bool) -> LaneRow {
     return r;
 }
 
-// This lane's share of KV head g's value row of the token (zeros past the row).
-fn lane_value_row(g: u32, lane: u32, in_row: bool) -> LaneRow {
+// This lane's share of KV head g's value row of token t (zeros past the row).
+fn lane_value_row(t: u32, g: u32, lane: u32, in_row: bool) -> LaneRow {
     var r: LaneRow;
     let e0 = g * HEAD_DIM + select(0u, lane * PER_QUAD, in_row);
     for (var j = 0u; j < VEC4_PER_QUAD; j++) {
         let e = e0 + 4u * j;
-        let v = vec4<f32>(value_at(0u, e), value_at(0u, e + 1u), value_at(0u, e + 2u), value_at(0u, e + 3u));
+        let v = vec4<f32>(value_at(t, e), value_at(t, e + 1u), value_at(t, e + 2u), value_at(t, e + 3u));
         r.v[j] = select(vec4<f32>(0.0), v, in_row);
     }
     return r;
@@ -861,14 +863,32 @@ fn attend_lanes(
     @builtin(subgroup_invocation_id) sg_lane: u32,
 ) {
     let g = wid.x;
-    let r0 = wid.y * BLOCK_ROWS;
     let split = wid.z;
+#if PAGED
+    // Decode row t of a ragged batch (its first rows), block wid.y % its
+    // row blocks of the row's query heads.
+    let row_blocks = (GROUP + BLOCK_ROWS - 1u) / BLOCK_ROWS;
+    let t = wid.y / row_blocks;
+    let r0 = (wid.y % row_blocks) * BLOCK_ROWS;
+    let pos = row_position(t);
+    let start = first_key(pos);
+    let n_keys = pos + 1u - start;
+    let splits = row_splits(t, n_keys);
+    if (split >= splits) {
+        return;
+    }
+#else
+    let t = 0u;
+    let r0 = wid.y * BLOCK_ROWS;
     let splits = step.attn_splits;
-    let rows = min(BLOCK_ROWS, GROUP - r0);
-
     let pos = step.pos0;
     let start = first_key(pos);
     let n_keys = pos + 1u - start;
+#endif
+    let rows = min(BLOCK_ROWS, GROUP - r0);
+    // The row's q/k/v and its rotation.
+    let qkv0 = t * p.qkv_stride;
+    let rot = rotary_row(t);
     let chunk = (n_keys + splits - 1u) / splits;
     let lo = start + min(split * chunk, n_keys);
     let hi = start + min((split + 1u) * chunk, n_keys);
@@ -883,10 +903,10 @@ fn attend_lanes(
     // the pass after next.
     let row_quads = p.n_kv_heads * HEAD_DIM / PER_QUAD;
     let head_quad = g * (HEAD_DIM / PER_QUAD) + select(0u, lane, in_row);
-    let first = min(lo + slot, hi - 1u) * row_quads + head_quad;
+    let first = cache_row(t, min(lo + slot, hi - 1u)) * row_quads + head_quad;
     var k_next = k_cache[first];
     var v_next = v_cache[first];
-    let second = min(lo + slots + slot, hi - 1u) * row_quads + head_quad;
+    let second = cache_row(t, min(lo + slots + slot, hi - 1u)) * row_quads + head_quad;
     var k_after = k_cache[second];
     var v_after = v_cache[second];
 
@@ -897,10 +917,10 @@ fn attend_lanes(
     var q_ss = 0.0;
     var k_ss = 0.0;
     for (var i = l; i < p.n_q_heads * HEAD_DIM; i += WG) {
-        q_ss += qkv[i] * qkv[i];
+        q_ss += qkv[qkv0 + i] * qkv[qkv0 + i];
     }
     for (var i = l; i < p.n_kv_heads * HEAD_DIM; i += WG) {
-        let v = qkv[p.n_q_heads * HEAD_DIM + i];
+        let v = qkv[qkv0 + p.n_q_heads * HEAD_DIM + i];
         k_ss += v * v;
     }
     q_scale = inverseSqrt(workgroup_sum(q_ss, l) / f32(p.n_q_heads * HEAD_DIM) + p.eps);
@@ -916,7 +936,7 @@ fn attend_lanes(
 #else
         let w0 = 0u;
 #endif
-        let row = prepare_row(lane_row(head * HEAD_DIM, lane, in_row), lane, sg_lane, in_row, false, w0, q_scale, pos);
+        let row = prepare_row(lane_row(qkv0 + head * HEAD_DIM, lane, in_row), lane, sg_lane, in_row, false, w0, q_scale, rot);
         for (var j = 0u; j < VEC4_PER_QUAD; j++) {
             q[r * VEC4_PER_QUAD + j] = row.v[j] * p.scale;
         }
@@ -933,15 +953,19 @@ fn attend_lanes(
 #else
         let w0 = 0u;
 #endif
-        let k_base = (p.n_q_heads + g) * HEAD_DIM;
-        k_own = cache_quad_of(prepare_row(lane_row(k_base, lane, in_row), lane, sg_lane, in_row, true, w0, k_scale, pos));
-        v_own = cache_quad_of(lane_value_row(g, lane, in_row));
+        let k_base = qkv0 + (p.n_q_heads + g) * HEAD_DIM;
+        k_own = cache_quad_of(prepare_row(lane_row(k_base, lane, in_row), lane, sg_lane, in_row, true, w0, k_scale, rot));
+        v_own = cache_quad_of(lane_value_row(t, g, lane, in_row));
     }
 
+#if PAGED
+    // rope_store has stored every row's k and v.
+#else
     if (stores && wid.y == 0u && slot == 0u && in_row) {
         k_cache[pos * row_quads + head_quad] = k_own;
         v_cache[pos * row_quads + head_quad] = v_own;
     }
+#endif
 
     // Per row: the running max, the sum of weights, and this lane's
     // share of the weighted values.
@@ -961,7 +985,7 @@ fn attend_lanes(
         let v_quad = select(vec4<u32>(0u), select(v_next, v_own, own), in_row);
         k_next = k_after;
         v_next = v_after;
-        let after = min(key + 2u * slots, hi - 1u) * row_quads + head_quad;
+        let after = cache_row(t, min(key + 2u * slots, hi - 1u)) * row_quads + head_quad;
         k_after = k_cache[after];
         v_after = v_cache[after];
         let valid = key < hi;
@@ -1056,14 +1080,18 @@ fn attend_lanes(
         }
         let qh = g * GROUP + r0 + r;
         if (splits > 1u) {
+#if PAGED
+            let slot_index = (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits + split;
+#else
             let slot_index = qh * splits + split;
+#endif
             part_acc[slot_index * HEAD_DIM + d] = total;
             if (d == 0u) {
                 part_ml[2u * slot_index] = m_all;
                 part_ml[2u * slot_index + 1u] = sum_all;
             }
         } else {
-            out[qh * HEAD_DIM + d] = total / sum_all;
+            out[t * p.out_stride + qh * HEAD_DIM + d] = total / sum_all;
         }
     }
 }

@@ -818,6 +818,9 @@ impl<'m> BatchEngine<'m> {
             let i = self.running.len() - 1;
             self.add_prompt_rows(i, &mut rows);
         }
+        // Decode rows first (a stable order: each sequence's rows stay
+        // together): the attention runs them apart.
+        rows.sort_by_key(|r| !r.decode);
         rows
     }
 
@@ -979,9 +982,10 @@ impl<'m> BatchEngine<'m> {
             let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
             self.act.write_tokens(gpu, &tokens);
         }
-        let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, _pad: 0 };
+        let decode_rows = rows.iter().filter(|r| r.decode).count() as u32;
+        let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, decode_rows };
         gpu.queue.write_buffer(&self.act.step, 0, bytemuck::bytes_of(&step));
-        let head_step = Step { pos0: 0, n_tokens: choosing.len() as u32, attn_splits: 1, _pad: 0 };
+        let head_step = Step { pos0: 0, n_tokens: choosing.len() as u32, attn_splits: 1, decode_rows: 0 };
         gpu.queue.write_buffer(&b.head_step, 0, bytemuck::bytes_of(&head_step));
         gpu.queue.write_buffer(&b.rows, 0, bytemuck::cast_slice(&meta));
         gpu.queue.write_buffer(&b.block_table, 0, bytemuck::cast_slice(&table));

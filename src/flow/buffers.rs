@@ -211,8 +211,12 @@ impl Activations {
         } else {
             1
         };
-        let step =
-            Step { pos0: pos0 as u32, n_tokens: n_tokens as u32, attn_splits: attn_splits as u32, _pad: 0 };
+        let step = Step {
+            pos0: pos0 as u32,
+            n_tokens: n_tokens as u32,
+            attn_splits: attn_splits as u32,
+            decode_rows: 0,
+        };
         gpu.queue.write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
         step
     }

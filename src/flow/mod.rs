@@ -54,7 +54,8 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor};
 use crate::kernels::Step;
 use crate::kernels::attention::{
-    AttentionBindings, AttentionShape, DecodeAttention, PagedRows, QkNormWeights, SplitScratch,
+    AttentionBindings, AttentionShape, DecodeAttention, PagedAttention, PagedRows, QkNormWeights,
+    SplitScratch,
 };
 use crate::kernels::gemm::{Epilogue, Gemm, HalfCopies, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
@@ -388,10 +389,12 @@ struct AttentionPlan {
     input_norm: Option<Dispatch>,
     qkv: Projection,
     /// One token's attention (`None` over a paged cache, whose rows all
-    /// run `chunk`).
+    /// run `paged`).
     decode: Option<DecodeAttention>,
-    /// rope_store, attend (paged or not).
+    /// A chunk's rope_store and attend (over one sequence's cache).
     chunk: Vec<Dispatch>,
+    /// A ragged batch's attention (over a paged cache).
+    paged: Option<PagedAttention>,
     o_proj: Projection,
 }
 
@@ -720,7 +723,13 @@ impl AttentionPlan {
             },
             chunk: match layout {
                 KvLayout::Contiguous(_) => k.attention.plan_chunk(gpu, &shape, &chunk_bindings)?,
-                KvLayout::Paged(_, paged) => k.attention.plan_paged(gpu, &shape, &chunk_bindings, paged)?,
+                KvLayout::Paged(..) => Vec::new(),
+            },
+            paged: match layout {
+                KvLayout::Contiguous(_) => None,
+                KvLayout::Paged(_, paged) => {
+                    Some(k.attention.plan_paged(gpu, &shape, &chunk_bindings, paged)?)
+                }
             },
             o_proj: b.add_into(&lw.o_proj, (&act.attn, attn16), o_out, &LayerOutput::default(), ffn_norm)?,
         })
@@ -734,8 +743,12 @@ impl AttentionPlan {
             rec.encode(Phase::Layers, std::slice::from_ref(norm), n);
         }
         self.qkv.encode(rec, Phase::Layers, n, gemm);
-        match &self.decode {
-            Some(decode) if n == 1 => {
+        match (&self.paged, &self.decode) {
+            (Some(paged), _) => {
+                let count = paged.encode(rec.pass(Phase::Layers), n, step.decode_rows);
+                rec.count(count);
+            }
+            (None, Some(decode)) if n == 1 => {
                 let count = decode.encode(rec.pass(Phase::Layers), step.attn_splits);
                 rec.count(count);
             }

@@ -42,6 +42,9 @@ crate::wgsl_struct! {
         /// A split row's keys per split, and its most splits (PAGED).
         split_keys: u32,
         max_splits: u32,
+        /// 1: the decode rows run on `attend_lanes`, `attend` skips them
+        /// (PAGED).
+        decode_apart: u32,
     }
 }
 
@@ -187,6 +190,40 @@ pub struct PagedRows<'a> {
     pub splits: PagedSplits<'a>,
 }
 
+/// A ragged batch's attention (see [`Attention::plan_paged`]), encoded by
+/// [`Self::encode`].
+#[derive(Debug)]
+pub struct PagedAttention {
+    /// `rope_store`, then `attend` over every row (but the decode rows,
+    /// where `decode` runs them).
+    pub rows: Vec<Dispatch>,
+    /// `attend_lanes` over the step's first rows, its decode rows.
+    pub decode: Option<Dispatch>,
+    /// The merge of the split rows' partials.
+    pub combine: Option<Dispatch>,
+}
+
+impl PagedAttention {
+    /// Encodes the attention of `n_rows` rows, the first `decode_rows` of
+    /// them decode rows; returns the dispatches encoded.
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_rows: u32, decode_rows: u32) -> u32 {
+        let mut count = 0;
+        for d in &self.rows {
+            d.encode(pass, n_rows);
+            count += 1;
+        }
+        if let Some(d) = self.decode.as_ref().filter(|_| decode_rows > 0) {
+            d.encode(pass, decode_rows);
+            count += 1;
+        }
+        if let Some(d) = &self.combine {
+            d.encode(pass, n_rows);
+            count += 1;
+        }
+        count
+    }
+}
+
 /// The split attention of a ragged batch's decode rows: per (slot, query
 /// head, split) `head_dim` partial sums in `acc` and a (max, sum) pair in
 /// `max_sum`; a row splits its keys into runs of `split_keys`, at most
@@ -230,8 +267,9 @@ enum Entry {
     ChunkAttend { bidirectional: bool, paged: bool },
     /// `attend` built with DECODE: one token, storing its own k and v.
     TokenAttend,
-    /// `attend_lanes`: one token on subgroup lanes.
-    LanesAttend(LaneLayout),
+    /// `attend_lanes`: one token on subgroup lanes; `paged`: a ragged
+    /// batch's decode rows (PAGED).
+    LanesAttend { layout: LaneLayout, paged: bool },
     /// `attend_coop`: a chunk on cooperative matrices, with `f16_copy` its
     /// rows also as f16 (binding 12).
     CoopAttend { layout: CoopLayout, f16_copy: bool },
@@ -244,7 +282,7 @@ impl Entry {
         match self {
             Entry::RopeStore { .. } => "rope_store",
             Entry::ChunkAttend { .. } | Entry::TokenAttend => "attend",
-            Entry::LanesAttend(_) => "attend_lanes",
+            Entry::LanesAttend { .. } => "attend_lanes",
             Entry::CoopAttend { .. } => "attend_coop",
             Entry::Combine { .. } => "combine",
         }
@@ -388,6 +426,7 @@ impl Attention {
             block_size: paged.map_or(0, |p| p.block_size as u32),
             split_keys: splits.map_or(0, |s| s.split_keys as u32),
             max_splits: splits.map_or(1, |s| s.max_splits as u32),
+            decode_apart: 0,
         }
     }
 
@@ -395,7 +434,7 @@ impl Attention {
         let mut flags = vec![];
         match entry {
             Entry::TokenAttend => flags.push("DECODE"),
-            Entry::LanesAttend(_) => flags.push(super::SUBGROUPS),
+            Entry::LanesAttend { .. } => flags.push(super::SUBGROUPS),
             Entry::CoopAttend { f16_copy, .. } => {
                 flags.push(COOP);
                 if f16_copy {
@@ -413,6 +452,7 @@ impl Attention {
             Entry::RopeStore { paged: true }
                 | Entry::ChunkAttend { paged: true, .. }
                 | Entry::Combine { paged: true }
+                | Entry::LanesAttend { paged: true, .. }
         ) {
             flags.push(PAGED);
         }
@@ -447,7 +487,7 @@ impl Attention {
         let function = entry.function();
         let heads = vec![("HEAD_DIM", shape.heads.dim as f64), ("GROUP", shape.heads.group() as f64)];
         let layout = match entry {
-            Entry::LanesAttend(layout) => layout.constants(),
+            Entry::LanesAttend { layout, .. } => layout.constants(),
             Entry::CoopAttend { layout, .. } => layout.constants(),
             _ => vec![],
         };
@@ -562,20 +602,26 @@ impl Attention {
     /// that is a pool of blocks (`paged`): each row's k norm and RoPE (its
     /// angles in row t of `b.cos_sin`) and K/V store at its position, then
     /// each row's attention over its sequence's keys up to its position.
-    /// Every row's work is the same whatever else runs beside it: one
-    /// workgroup per (KV head, row), no key splits.
+    /// Decode rows (the step's first, given partial slots) split their keys
+    /// and run on `attend_lanes` where the adapter's subgroups take it.
+    /// Every row's work is the same whatever else runs beside it.
     pub fn plan_paged(
         &self,
         gpu: &Gpu,
         shape: &AttentionShape<'_>,
         b: &AttentionBindings<'_>,
         paged: &PagedRows<'_>,
-    ) -> Result<Vec<Dispatch>> {
+    ) -> Result<PagedAttention> {
         let h = shape.heads;
         debug_assert!(
             h.dim <= MAX_HEAD_DIM && h.group() <= MAX_GROUP && h.group() * h.dim <= MAX_GROUP_WIDTH
         );
-        let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, Some(paged)));
+        let splits = &paged.splits;
+        let lanes =
+            LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format).filter(|_| splits.max_splits > 1);
+        let mut params = Self::params(shape, b, 1, Some(paged));
+        params.decode_apart = lanes.is_some() as u32;
+        let params = ParamsBuffer::new(gpu, "attention.params", &params);
         let rows = [(13, paged.rows), (14, paged.block_table)];
         // Paged rows carry their own positions: the store reads no step.
         let mut storing: Vec<_> = b.storing_values().into_iter().filter(|&(i, _)| i != 1).collect();
@@ -591,25 +637,37 @@ impl Attention {
         )?;
         let mut reading = b.rows_and_caches().to_vec();
         reading.extend(rows);
-        let splits = &paged.splits;
         reading.extend([(7, splits.acc), (8, splits.max_sum)]);
         let entry = Entry::ChunkAttend { bidirectional: false, paged: true };
         let grid = [h.kv as u32, 1, splits.max_splits as u32];
         let attend = self.dispatch(gpu, shape, entry, &params, &reading, grid, 1)?;
-        let merging = [(6, b.out), (7, splits.acc), (8, splits.max_sum), rows[0]];
-        if splits.max_splits == 1 {
-            return Ok(vec![rope, attend]);
-        }
-        let combine = self.dispatch(
-            gpu,
-            shape,
-            Entry::Combine { paged: true },
-            &params,
-            &merging,
-            [h.q as u32, 1, 1],
-            1,
-        )?;
-        Ok(vec![rope, attend, combine])
+        let decode = match lanes {
+            Some(layout) => {
+                let mut bound: Vec<_> = storing.into_iter().filter(|&(i, _)| i != 1).collect();
+                bound.extend([(7, splits.acc), (8, splits.max_sum)]);
+                let row_blocks = h.group().div_ceil(layout.block_rows) as u32;
+                let grid = [h.kv as u32, row_blocks, splits.max_splits as u32];
+                Some(self.dispatch(
+                    gpu,
+                    shape,
+                    Entry::LanesAttend { layout, paged: true },
+                    &params,
+                    &bound,
+                    grid,
+                    1,
+                )?)
+            }
+            None => None,
+        };
+        let combine = match splits.max_splits {
+            1 => None,
+            _ => {
+                let merging = [(6, b.out), (7, splits.acc), (8, splits.max_sum), rows[0]];
+                let grid = [h.q as u32, 1, 1];
+                Some(self.dispatch(gpu, shape, Entry::Combine { paged: true }, &params, &merging, grid, 1)?)
+            }
+        };
+        Ok(PagedAttention { rows: vec![rope, attend], decode, combine })
     }
 
     /// Whether a chunk's (causal) attention can write its rows as f16 too
@@ -646,7 +704,9 @@ impl Attention {
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, None));
         let layout = LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format);
         let (entry, row_blocks) = match layout {
-            Some(layout) => (Entry::LanesAttend(layout), h.group().div_ceil(layout.block_rows)),
+            Some(layout) => {
+                (Entry::LanesAttend { layout, paged: false }, h.group().div_ceil(layout.block_rows))
+            }
             None => (Entry::TokenAttend, 1),
         };
         let mut bound = b.storing_values();
@@ -672,7 +732,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = Vec::new();
     for kv in [&[][..], &["KV_F16"], &["KV_F16", super::F16_NATIVE]] {
         for norm in [&[][..], &["QK_NORM"], &["QK_NORM", "QK_NORM_WHOLE"]] {
-            for decode in [&[][..], &["DECODE"], &[super::SUBGROUPS], &[PAGED]] {
+            for decode in [&[][..], &["DECODE"], &[super::SUBGROUPS], &[PAGED], &[super::SUBGROUPS, PAGED]] {
                 out.push([norm, kv, decode].concat());
             }
             if !kv.is_empty() && norm.is_empty() {

@@ -84,7 +84,9 @@ wgsl_struct! {
         pub n_tokens: u32,
         /// Key splits of one token's attention (decode only).
         pub attn_splits: u32,
-        pub _pad: u32,
+        /// A ragged batch's decode rows (its first rows), which the
+        /// subgroup-lane attention runs apart.
+        pub decode_rows: u32,
     }
 }
 
