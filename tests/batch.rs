@@ -293,6 +293,23 @@ fn cancel_frees_blocks_and_bad_requests_are_refused() {
         let long = vec![1; context_len + 1];
         assert!(matches!(bad(Request::new(long)), Error::ContextOverflow { .. }));
         assert!(engine.is_idle());
+
+        // Options no engine can have: typed errors, never a panic.
+        for (options, what) in [
+            (BatchOptions { max_sequences: 0, ..batch_options() }, "max_sequences"),
+            (BatchOptions { block_size: 0, ..batch_options() }, "block_size"),
+            (BatchOptions { kv_blocks: Some(0), ..batch_options() }, "less than one step"),
+            (BatchOptions { context_len: Some(0), ..batch_options() }, "at least one position"),
+            (BatchOptions { max_sequences: usize::MAX, ..batch_options() }, "out of device memory"),
+            (BatchOptions { kv_blocks: Some(usize::MAX), ..batch_options() }, "out of device memory"),
+            (
+                BatchOptions { block_size: usize::MAX, kv_blocks: Some(2), ..batch_options() },
+                "out of device memory",
+            ),
+        ] {
+            let err = BatchEngine::new(&model, &options).err().expect(what).to_string();
+            assert!(err.contains(what), "{what}: {err}");
+        }
     });
 }
 

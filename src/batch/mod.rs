@@ -424,12 +424,14 @@ impl<'m> BatchEngine<'m> {
             });
         }
         let block = options.block_size;
-        let blocks =
-            options.kv_blocks.unwrap_or(options.max_sequences * context_len.min(2048).div_ceil(block));
+        let blocks = options
+            .kv_blocks
+            .unwrap_or(options.max_sequences.saturating_mul(context_len.min(2048).div_ceil(block)));
         if blocks < context_len.min(options.step_tokens).div_ceil(block) {
             return Err(invalid(format!("{blocks} KV blocks of {block} positions hold less than one step")));
         }
-        let pool_positions = blocks * block;
+        // Saturating: a pool no device holds then fails the budget check.
+        let pool_positions = blocks.saturating_mul(block);
         // A sequence alone can always grow to its context.
         let context_len = context_len.min(pool_positions);
         let kv_bytes = KvCache::bytes(c.layers, c.heads, pool_positions, options.kv_format);
