@@ -175,26 +175,42 @@ impl PreparedPrompt {
         chunk: std::ops::Range<usize>,
     ) -> Result<ChunkMedia<'_>> {
         let mut media = ChunkMedia::default();
-        for (start, rows) in &self.images {
-            let (lo, hi) = (chunk.start.max(*start), chunk.end.min(start + rows.tokens));
-            if lo >= hi {
-                continue;
-            }
-            let (src_row, dst_row, count) = (lo - start, lo - chunk.start, hi - lo);
-            media.copies.push(RowCopy { src: &rows.merged, src_row, dst_row, rows: count });
-            for (layer, deep) in rows.deepstack.iter().enumerate() {
-                let add = model.kernels.residual.plan_rows(
-                    &model.gpu,
-                    act.hidden,
-                    (deep, src_row),
-                    (&act.x, dst_row),
-                )?;
-                media.after_layer.resize_with(media.after_layer.len().max(layer + 1), Vec::new);
-                media.after_layer[layer].push((add, count as u32));
-            }
-        }
+        add_image_rows(model, act, &self.images, chunk, 0, &mut media)?;
         Ok(media)
     }
+}
+
+/// Adds to `media` what `images` (each image's first token and its rows)
+/// put in a pass that runs tokens `tokens` of their prompt from its row
+/// `first_row` on: each image's rows copied over its tokens' embeddings,
+/// and its deepstack rows added after the first layers.
+pub(crate) fn add_image_rows<'a>(
+    model: &Model,
+    act: &Activations,
+    images: &'a [(usize, ImageRows)],
+    tokens: std::ops::Range<usize>,
+    first_row: usize,
+    media: &mut ChunkMedia<'a>,
+) -> Result<()> {
+    for (start, rows) in images {
+        let (lo, hi) = (tokens.start.max(*start), tokens.end.min(start + rows.tokens));
+        if lo >= hi {
+            continue;
+        }
+        let (src_row, dst_row, count) = (lo - start, first_row + lo - tokens.start, hi - lo);
+        media.copies.push(RowCopy { src: &rows.merged, src_row, dst_row, rows: count });
+        for (layer, deep) in rows.deepstack.iter().enumerate() {
+            let add = model.kernels.residual.plan_rows(
+                &model.gpu,
+                act.hidden,
+                (deep, src_row),
+                (&act.x, dst_row),
+            )?;
+            media.after_layer.resize_with(media.after_layer.len().max(layer + 1), Vec::new);
+            media.after_layer[layer].push((add, count as u32));
+        }
+    }
+    Ok(())
 }
 
 /// An image's rows from the tower, patched by the model's processor.

@@ -461,6 +461,28 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 #endif
 }
 
+// Where query head qh of step row t leaves its partials of split `split`
+// (of `splits`): per (query head, split) for one token, or with PAGED per
+// (the row's partial slot, query head, split).
+fn partial_slot(t: u32, qh: u32, split: u32, splits: u32) -> u32 {
+#if PAGED
+    return (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits + split;
+#else
+    return qh * splits + split;
+#endif
+}
+
+// Dimensions d and d + 1 of a split's unnormalised sums at `slot`, and
+// with d = 0 its (max, sum).
+fn write_partial(slot: u32, d: u32, acc: vec2<f32>, m: f32, sum: f32) {
+    part_acc[slot * HEAD_DIM + d] = acc.x;
+    part_acc[slot * HEAD_DIM + d + 1u] = acc.y;
+    if (d == 0u) {
+        part_ml[2u * slot] = m;
+        part_ml[2u * slot + 1u] = sum;
+    }
+}
+
 // ---- attend: query rows against a range of keys, tile by tile ----
 
 // A tile of TK keys' K, then the same keys' V: rows of hd + 1 floats
@@ -668,27 +690,13 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
             let qh = g * GROUP + r % GROUP;
 #if DECODE
             if (splits > 1u) {
-                // Partials per (query head, split).
-                let slot = qh * splits + split;
-                part_acc[slot * HEAD_DIM + d] = acc[c].x;
-                part_acc[slot * HEAD_DIM + d + 1u] = acc[c].y;
-                if (d == 0u) {
-                    part_ml[2u * slot] = row_max[r];
-                    part_ml[2u * slot + 1u] = row_sum[r];
-                }
+                write_partial(partial_slot(t, qh, split, splits), d, acc[c], row_max[r], row_sum[r]);
                 continue;
             }
 #endif
 #if PAGED
             if (splits > 1u) {
-                // Partials per (slot, query head, split).
-                let slot = (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits + split;
-                part_acc[slot * HEAD_DIM + d] = acc[c].x;
-                part_acc[slot * HEAD_DIM + d + 1u] = acc[c].y;
-                if (d == 0u) {
-                    part_ml[2u * slot] = row_max[r];
-                    part_ml[2u * slot + 1u] = row_sum[r];
-                }
+                write_partial(partial_slot(t, qh, split, splits), d, acc[c], row_max[r], row_sum[r]);
                 continue;
             }
 #endif
@@ -1080,11 +1088,7 @@ fn attend_lanes(
         }
         let qh = g * GROUP + r0 + r;
         if (splits > 1u) {
-#if PAGED
-            let slot_index = (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits + split;
-#else
-            let slot_index = qh * splits + split;
-#endif
+            let slot_index = partial_slot(t, qh, split, splits);
             part_acc[slot_index * HEAD_DIM + d] = total;
             if (d == 0u) {
                 part_ml[2u * slot_index] = m_all;
@@ -1510,13 +1514,13 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     if (splits == 1u) {
         return;
     }
-    let base = (rows_meta[t].z * p.n_q_heads + qh) * p.max_splits;
     let dst = t * p.out_stride + qh * HEAD_DIM;
 #else
+    let t = 0u;
     let splits = step.attn_splits;
-    let base = qh * splits;
     let dst = qh * HEAD_DIM;
 #endif
+    let base = partial_slot(t, qh, 0u, splits);
     for (var s = l; s < splits; s += WG) {
         split_weight[s] = part_ml[2u * (base + s)];
     }

@@ -33,12 +33,12 @@ use std::collections::VecDeque;
 use blocks::{Block, BlockPool, PrefixHash};
 
 use crate::error::{Error, Result};
+use crate::flow::ChunkMedia;
 use crate::flow::moe::RoutingContext;
 use crate::flow::vision::ImageRows;
 use crate::flow::{
     Activations, ChunkMatmul, ExpertPrefetch, Head, KvLayout, Plan, Recorder, RoutingMode, RowsHead,
 };
-use crate::flow::{ChunkMedia, RowCopy};
 use crate::gpu::{MapWait, Readback};
 use crate::kernels::Step;
 use crate::kernels::attention::{PagedRows, PagedSplits};
@@ -46,7 +46,7 @@ use crate::kernels::gemm::PrefillPrecision;
 use crate::kernels::sample::{RowSampleBindings, RowSampling, SampleScratch};
 use crate::kv_cache::{KvCache, KvFormat};
 use crate::model::Model;
-use crate::multimodal::{PreparedPrompt, PromptPart};
+use crate::multimodal::{PreparedPrompt, PromptPart, add_image_rows};
 use crate::sampling::Sampling;
 use crate::session::DEFAULT_CONTEXT_CAP;
 use crate::stats::Stats;
@@ -1134,24 +1134,8 @@ fn step_media<'a>(
         // A sequence's rows are consecutive, at consecutive positions.
         let (seq, start) = (rows[first].seq, rows[first].pos);
         let end = first + rows[first..].iter().take_while(|r| r.seq == seq).count();
-        let positions = start..start + (end - first);
-        for (image_start, image) in running[seq].media.iter().flat_map(|m| &m.images) {
-            let (lo, hi) = (positions.start.max(*image_start), positions.end.min(image_start + image.tokens));
-            if lo >= hi {
-                continue;
-            }
-            let (src_row, dst_row, count) = (lo - image_start, first + lo - start, hi - lo);
-            media.copies.push(RowCopy { src: &image.merged, src_row, dst_row, rows: count });
-            for (layer, deep) in image.deepstack.iter().enumerate() {
-                let add = model.kernels.residual.plan_rows(
-                    &model.gpu,
-                    act.hidden,
-                    (deep, src_row),
-                    (&act.x, dst_row),
-                )?;
-                media.after_layer.resize_with(media.after_layer.len().max(layer + 1), Vec::new);
-                media.after_layer[layer].push((add, count as u32));
-            }
+        if let Some(m) = &running[seq].media {
+            add_image_rows(model, act, &m.images, start..start + (end - first), first, &mut media)?;
         }
         first = end;
     }

@@ -152,19 +152,9 @@ impl Sample {
         }
         let params = ParamsBuffer::new(gpu, "sample.params", &params);
         let s = b.scratch;
-        let dispatch =
-            |entry: &'static str, buffers: &[(u32, &wgpu::Buffer)], blocks: u32| -> Result<Dispatch> {
-                let pipeline = super::pipeline(gpu, "sample", entry, &flags, &[])?;
-                let mut bound = vec![(0, &params.0)];
-                bound.extend_from_slice(buffers);
-                Ok(Dispatch {
-                    label: entry,
-                    bind_group: gpu.bind_at(entry, &pipeline, &bound),
-                    pipeline,
-                    workgroups: [blocks, 1, 1],
-                    tokens_per_workgroup: 0,
-                })
-            };
+        let dispatch = |entry, buffers: &[(u32, &wgpu::Buffer)], blocks| {
+            dispatch(gpu, (entry, &flags), &params, buffers, [blocks, 0])
+        };
         let mut dispatches = Vec::new();
         if filtered {
             dispatches.push(dispatch("threshold", &[(2, b.logits), (5, &s.candidate_floor)], 1)?);
@@ -189,19 +179,10 @@ impl Sample {
         let params = ParamsBuffer::new(gpu, "sample.params", &params);
         let s = b.scratch;
         let flags = ["ROWS", "RANDOM", "FILTER"];
-        let dispatch =
-            |entry: &'static str, buffers: &[(u32, &wgpu::Buffer)], blocks: u32| -> Result<Dispatch> {
-                let pipeline = super::pipeline(gpu, "sample", entry, &flags, &[])?;
-                let mut bound = vec![(0, &params.0)];
-                bound.extend_from_slice(buffers);
-                Ok(Dispatch {
-                    label: entry,
-                    bind_group: gpu.bind_at(entry, &pipeline, &bound),
-                    pipeline,
-                    workgroups: [blocks, 1, 1],
-                    tokens_per_workgroup: 1,
-                })
-            };
+        // One grid row per row of logits.
+        let dispatch = |entry, buffers: &[(u32, &wgpu::Buffer)], blocks| {
+            dispatch(gpu, (entry, &flags), &params, buffers, [blocks, 1])
+        };
         Ok(vec![
             dispatch("threshold", &[(2, b.logits), (5, &s.candidate_floor), (6, b.rows)], 1)?,
             dispatch(
@@ -212,6 +193,28 @@ impl Sample {
             dispatch("finish", &[(3, &s.partials), (4, b.tokens)], 1)?,
         ])
     }
+}
+
+/// `entry` of the build with `flags`, bound to the parameters and
+/// `buffers`, over `blocks` workgroups (and `tokens_per_workgroup` as
+/// [`Dispatch`] has it).
+fn dispatch(
+    gpu: &Gpu,
+    (entry, flags): (&'static str, &[&str]),
+    params: &ParamsBuffer,
+    buffers: &[(u32, &wgpu::Buffer)],
+    [blocks, tokens_per_workgroup]: [u32; 2],
+) -> Result<Dispatch> {
+    let pipeline = super::pipeline(gpu, "sample", entry, flags, &[])?;
+    let mut bound = vec![(0, &params.0)];
+    bound.extend_from_slice(buffers);
+    Ok(Dispatch {
+        label: entry,
+        bind_group: gpu.bind_at(entry, &pipeline, &bound),
+        pipeline,
+        workgroups: [blocks, 1, 1],
+        tokens_per_workgroup,
+    })
 }
 
 /// The flag sets of every selection build.
