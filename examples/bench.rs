@@ -425,7 +425,7 @@ fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
         engine.step()?;
     }
     let start = Instant::now();
-    for r in requests {
+    for r in requests.iter().cloned() {
         engine.add(r)?;
     }
     let (mut first_all, mut after_first) = (None, 0usize);
@@ -457,7 +457,35 @@ fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
         total.as_secs_f64(),
         stats.preemptions,
     );
+    if args.profile {
+        parallel_profile(model, &options, &requests)?;
+    }
     Ok(())
+}
+
+/// A step in which all of `requests` decode, each dispatch timed alone.
+fn parallel_profile(
+    model: &Model,
+    options: &wgspark::batch::BatchOptions,
+    requests: &[wgspark::batch::Request],
+) -> BenchResult<()> {
+    use wgspark::batch::{BatchEngine, BatchOptions};
+    let options = BatchOptions { time_dispatches: true, in_flight: 0, ..options.clone() };
+    let mut engine = BatchEngine::new(model, &options)?;
+    for r in requests {
+        engine.add(r.clone())?;
+    }
+    let prompt_rows: usize = requests.iter().map(|r| r.prompt.len()).sum();
+    // The first step after every prompt in which every sequence decodes.
+    while !engine.is_idle() {
+        let prompts_done = engine.stats().prompt_rows >= prompt_rows as u64;
+        if engine.step()?.len() == requests.len() && prompts_done {
+            println!("  decode step of {} sequences:", requests.len());
+            print_profile(&engine.stats().last_passes);
+            return Ok(());
+        }
+    }
+    Err("no step of the profile ran every sequence".into())
 }
 
 fn measure_decode(

@@ -80,7 +80,7 @@ pub struct SessionOptions {
 /// Passes timed per forward pass with [`SessionOptions::time_dispatches`]
 /// (two timestamps each, wgpu's most per query set; the passes past it go
 /// untimed).
-const MAX_TIMED_PASSES: usize = 2048;
+pub(crate) const MAX_TIMED_PASSES: usize = 2048;
 
 /// How [`Session::generate`] chooses and stops.
 #[derive(Debug, Clone, PartialEq)]

@@ -641,7 +641,7 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
         // (positions already cached, rows added) of each sequence.
         type Sequences = &'static [(usize, usize)];
         type Case = (Heads, usize, usize, QkNorm, usize, KvFormat, bool, Sequences);
-        let cases: [Case; 5] = [
+        let cases: [Case; 6] = [
             (Heads { q: 4, kv: 2, dim: 12 }, 4, 0, NoNorm, 12, F32, false, &[(0, 5), (9, 1), (3, 1)]),
             (
                 Heads { q: 8, kv: 2, dim: 64 },
@@ -656,6 +656,8 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
             (Heads { q: 6, kv: 3, dim: 32 }, 8, 10, WholeProjection, 16, F16, false, &[(30, 1), (2, 12)]),
             (Heads { q: 32, kv: 8, dim: 128 }, 16, 0, NoNorm, 128, F16, false, &[(70, 1), (33, 1), (0, 9)]),
             (Heads { q: 2, kv: 1, dim: 256 }, 4, 0, PerHead, 128, F32, true, &[(6, 2), (1, 1)]),
+            // Decode rows alone (attend_lanes runs them all where it can).
+            (Heads { q: 8, kv: 2, dim: 64 }, 16, 0, NoNorm, 64, F16, false, &[(40, 1), (17, 1), (3, 1)]),
         ];
         for (heads, block, window, norm, rot, format, apart, seqs) in cases {
             let what = format!("{heads:?} block {block} window {window} {norm:?} rot {rot} {format:?}");
@@ -803,7 +805,11 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 let lanes = LaneLayout::choose(gpu, heads, rot, format).is_some() && max_splits > 1;
                 assert_eq!(attention.decode.is_some(), lanes, "{what}");
                 let mut encoder = gpu.device.create_command_encoder(&Default::default());
-                attention.encode(&mut encoder.begin_compute_pass(&Default::default()), n as u32, slots);
+                let mut pass = encoder.begin_compute_pass(&Default::default());
+                for (d, rows) in attention.dispatches(n as u32, slots) {
+                    d.encode(&mut pass, rows);
+                }
+                drop(pass);
                 gpu.queue.submit([encoder.finish()]);
                 gpu.check("paged attention").unwrap();
                 let what = format!("{what}, split keys {split_keys}, at most {max_splits}");

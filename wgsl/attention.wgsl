@@ -53,7 +53,9 @@ enable wgpu_cooperative_matrix;
 // given a partial slot (a decode row) splits its keys into runs of
 // p.split_keys (at most p.max_splits runs, the workgroups of later splits
 // idle), its partials at that slot, merged by `combine`; its split count
-// depends on its own keys alone.
+// depends on its own keys alone. With p.decode_apart, attend_lanes runs
+// the decode rows (the step's first) and stores their k and v, and
+// rope_store and attend pass them by.
 // Limits (attend): head_dim <= 256 (even), tokens_per_wg * (nq / nkv) <= 32
 // rows, rows * head_dim <= 2048; attend_coop's are in its section.
 
@@ -416,6 +418,12 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     // attend_coop) the query rows of each KV head.
     let c = wid.x;
     let t = wid.y;
+#if PAGED
+    // attend_lanes stores the decode rows it runs.
+    if (p.decode_apart == 1u && rows_meta[t].z != NO_SLOT) {
+        return;
+    }
+#endif
     let pos = row_position(t);
     let rot = rotary_row(t);
     let slot = cache_row(t, pos);
@@ -966,14 +974,19 @@ fn attend_lanes(
         v_own = cache_quad_of(lane_value_row(t, g, lane, in_row));
     }
 
+    // Stored by the split's first block of rows (PAGED: rope_store leaves
+    // decode rows to this kernel, so that a decode row's k and v are the
+    // same whatever else its step runs).
 #if PAGED
-    // rope_store has stored every row's k and v.
+    let first_block = wid.y % row_blocks == 0u;
 #else
-    if (stores && wid.y == 0u && slot == 0u && in_row) {
-        k_cache[pos * row_quads + head_quad] = k_own;
-        v_cache[pos * row_quads + head_quad] = v_own;
-    }
+    let first_block = wid.y == 0u;
 #endif
+    if (stores && first_block && slot == 0u && in_row) {
+        let own_row = cache_row(t, pos) * row_quads + head_quad;
+        k_cache[own_row] = k_own;
+        v_cache[own_row] = v_own;
+    }
 
     // Per row: the running max, the sum of weights, and this lane's
     // share of the weighted values.

@@ -37,7 +37,8 @@ use crate::flow::ChunkMedia;
 use crate::flow::moe::RoutingContext;
 use crate::flow::vision::ImageRows;
 use crate::flow::{
-    Activations, ChunkMatmul, ExpertPrefetch, Head, KvLayout, Plan, Recorder, RoutingMode, RowsHead,
+    Activations, ChunkMatmul, ExpertPrefetch, Head, KvLayout, PhaseTimer, Plan, Recorder, RoutingMode,
+    RowsHead,
 };
 use crate::gpu::{MapWait, Readback};
 use crate::kernels::Step;
@@ -90,6 +91,10 @@ pub struct BatchOptions {
     /// run the GEMV once per row. `None`: 5 for 16-bit weights, 16 for
     /// quantized ones (where the GEMV reads less and the GEMM decodes more).
     pub gemm_rows: Option<usize>,
+    /// Each dispatch of a step in a compute pass of its own, timed on the
+    /// GPU where it has timestamps ([`BatchStats::last_passes`]): for
+    /// profiling; every step then waits for its timestamps.
+    pub time_dispatches: bool,
 }
 
 impl Default for BatchOptions {
@@ -107,6 +112,7 @@ impl Default for BatchOptions {
             routing: RoutingMode::Readback,
             gemm_rows: None,
             in_flight: crate::session::DEFAULT_IN_FLIGHT,
+            time_dispatches: false,
         }
     }
 }
@@ -224,6 +230,9 @@ pub struct BatchStats {
     pub prompt_rows: u64,
     /// Rows run for generated tokens.
     pub decode_rows: u64,
+    /// With [`BatchOptions::time_dispatches`]: the last step's dispatches,
+    /// each label with its GPU time, in order.
+    pub last_passes: Vec<(&'static str, std::time::Duration)>,
 }
 
 #[derive(Debug)]
@@ -395,6 +404,8 @@ pub struct BatchEngine<'m> {
     next_id: u64,
     stats: BatchStats,
     flow_stats: Stats,
+    /// Times each dispatch, with [`BatchOptions::time_dispatches`].
+    timer: Option<PhaseTimer>,
 }
 
 impl<'m> BatchEngine<'m> {
@@ -517,6 +528,9 @@ impl<'m> BatchEngine<'m> {
             next_id: 0,
             stats: BatchStats { blocks_total: blocks, ..BatchStats::default() },
             flow_stats: Stats { router_histogram: vec![Vec::new(); c.layers], ..Stats::default() },
+            timer: options
+                .time_dispatches
+                .then(|| PhaseTimer::new(gpu, crate::session::MAX_TIMED_PASSES, true)),
         })
     }
 
@@ -662,6 +676,7 @@ impl<'m> BatchEngine<'m> {
             blocks_cached: self.pool.cached(),
             prefix_hits: self.pool.hits,
             prefix_lookups: self.pool.lookups,
+            last_passes: self.timer.as_ref().map(|t| t.last_passes.clone()).unwrap_or_default(),
             ..self.stats.clone()
         }
     }
@@ -1000,7 +1015,7 @@ impl<'m> BatchEngine<'m> {
             gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&sampling));
         }
 
-        let mut rec = Recorder::new(gpu, None, &mut self.flow_stats);
+        let mut rec = Recorder::new(gpu, self.timer.as_mut(), &mut self.flow_stats);
         let routing = RoutingContext {
             mode: self.options.routing,
             readback: &b.routing,

@@ -745,8 +745,9 @@ impl AttentionPlan {
         self.qkv.encode(rec, Phase::Layers, n, gemm);
         match (&self.paged, &self.decode) {
             (Some(paged), _) => {
-                let count = paged.encode(rec.pass(Phase::Layers), n, step.decode_rows);
-                rec.count(count);
+                for (d, rows) in paged.dispatches(n, step.decode_rows) {
+                    rec.encode(Phase::Layers, std::slice::from_ref(d), rows);
+                }
             }
             (None, Some(decode)) if n == 1 => {
                 let count = decode.encode(rec.pass(Phase::Layers), step.attn_splits);

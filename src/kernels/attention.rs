@@ -194,9 +194,11 @@ pub struct PagedRows<'a> {
 /// [`Self::encode`].
 #[derive(Debug)]
 pub struct PagedAttention {
-    /// `rope_store`, then `attend` over every row (but the decode rows,
-    /// where `decode` runs them).
-    pub rows: Vec<Dispatch>,
+    /// `rope_store` over every row (but the decode rows, where `decode`
+    /// runs and stores them).
+    pub rope: Dispatch,
+    /// `attend` over every row but the decode rows, where `decode` runs them.
+    pub attend: Dispatch,
     /// `attend_lanes` over the step's first rows, its decode rows.
     pub decode: Option<Dispatch>,
     /// The merge of the split rows' partials.
@@ -204,23 +206,21 @@ pub struct PagedAttention {
 }
 
 impl PagedAttention {
-    /// Encodes the attention of `n_rows` rows, the first `decode_rows` of
-    /// them decode rows; returns the dispatches encoded.
-    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_rows: u32, decode_rows: u32) -> u32 {
-        let mut count = 0;
-        for d in &self.rows {
-            d.encode(pass, n_rows);
-            count += 1;
+    /// The dispatches of `n_rows` rows, the first `decode_rows` of them
+    /// decode rows, each with the rows its grid covers: `rope_store` and
+    /// `attend` are left out of a step of decode rows alone where
+    /// `attend_lanes` runs them (and stores their keys and values): every
+    /// one of their workgroups would find nothing to do.
+    pub fn dispatches(&self, n_rows: u32, decode_rows: u32) -> Vec<(&Dispatch, u32)> {
+        let lanes = self.decode.as_ref().filter(|_| decode_rows > 0);
+        let others = lanes.is_none() || decode_rows < n_rows;
+        let mut out = Vec::new();
+        if others {
+            out.extend([(&self.rope, n_rows), (&self.attend, n_rows)]);
         }
-        if let Some(d) = self.decode.as_ref().filter(|_| decode_rows > 0) {
-            d.encode(pass, decode_rows);
-            count += 1;
-        }
-        if let Some(d) = &self.combine {
-            d.encode(pass, n_rows);
-            count += 1;
-        }
-        count
+        out.extend(lanes.map(|d| (d, decode_rows)));
+        out.extend(self.combine.as_ref().map(|d| (d, n_rows)));
+        out
     }
 }
 
@@ -667,7 +667,7 @@ impl Attention {
                 Some(self.dispatch(gpu, shape, Entry::Combine { paged: true }, &params, &merging, grid, 1)?)
             }
         };
-        Ok(PagedAttention { rows: vec![rope, attend], decode, combine })
+        Ok(PagedAttention { rope, attend, decode, combine })
     }
 
     /// Whether a chunk's (causal) attention can write its rows as f16 too
