@@ -291,10 +291,16 @@ fn main() {
     let named: Vec<WeightFormat> =
         WeightFormat::ALL.into_iter().filter(|f| section_args.contains(&f.to_string())).collect();
     let gemm_formats = if named.is_empty() { vec![WeightFormat::Bf16, WeightFormat::Q4K] } else { named };
+    // `gemm tokens=16,64 ...`: those token counts (a batch's decode steps).
+    let gemm_tokens: Vec<u32> = match section_args.iter().find_map(|a| a.strip_prefix("tokens=")) {
+        Some(list) => list.split(',').map(|n| n.parse().expect("tokens=N,N,...")).collect(),
+        None if cpu => vec![16],
+        None => vec![512, 4096],
+    };
     for &(rows, cols) in gemm_sizes.iter().filter(|_| runs("gemm")) {
         for &format in &gemm_formats {
             let w = random_tensor(&gpu, format, rows, cols);
-            for tokens in if cpu { vec![16u32] } else { vec![512, 4096] } {
+            for &tokens in &gemm_tokens {
                 let values = random_activations(tokens as usize * cols);
                 let x = gpu.storage_buffer_init("x", &values);
                 let y = gpu.storage_buffer("y", tokens as usize * rows).unwrap();
@@ -323,6 +329,32 @@ fn main() {
                             "gemm {format:<5} {tokens:>4} x {rows:>6} x {cols:>5} {label:<47}: {:8.3} ms, {:6.2} TFLOP/s",
                             secs * 1e3,
                             flops / secs / 1e12
+                        );
+                    }
+                    // A given tile over few tokens, also as partial sums
+                    // over 2, 4 and 8 ranges of k.
+                    let tiled = matches!(kernel, GemmKernel::Cooperative { tile: Some(_), split: false });
+                    for splits in [2, 4, 8].into_iter().filter(|&n| tiled && tokens <= 128 && cols % (n * 256) == 0) {
+                        let partial = gpu.storage_buffer("partial", splits * tokens as usize * rows).unwrap();
+                        let d = gemm
+                            .plan_dense(
+                                &gpu,
+                                &w,
+                                Epilogue::Plain,
+                                (tokens as usize, splits),
+                                &s,
+                                &x,
+                                (&partial, None),
+                                HalfCopies::default(),
+                            )
+                            .unwrap();
+                        time(&gpu, &d, None, tokens, 1);
+                        let secs = time(&gpu, &d, None, tokens, 5);
+                        let label = format!("{kernel:?}, k in {splits}");
+                        println!(
+                            "gemm {format:<5} {tokens:>4} x {rows:>6} x {cols:>5} {label:<47}: {:8.3} ms, {:6.2} TFLOP/s",
+                            secs * 1e3,
+                            2.0 * (rows * cols) as f64 * tokens as f64 / secs / 1e12
                         );
                     }
                     // As partial sums over k, where a residual add's

@@ -94,6 +94,10 @@ struct Args {
     /// Rows per step of the batch engine (--parallel).
     #[arg(long, default_value_t = 2048)]
     step_tokens: usize,
+    /// Fewest rows of a batch step that run the GEMM (--parallel; default:
+    /// the engine's).
+    #[arg(long)]
+    gemm_rows: Option<usize>,
 }
 
 /// (name, config.json) of every synthetic shape.
@@ -401,6 +405,7 @@ fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
         prefill_precision: args.prefill_precision,
         prefix_cache: false,
         routing,
+        gemm_rows: args.gemm_rows,
         ..Default::default()
     };
     let mut engine = BatchEngine::new(model, &options)?;

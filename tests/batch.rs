@@ -13,7 +13,7 @@ use common::checkpoint::fixture_dir;
 use common::{max_abs_diff, on_each_backend};
 use wgspark::batch::{BatchEngine, BatchOptions, FinishReason, Output, Request, SequenceId};
 use wgspark::sampling::argmax;
-use wgspark::{GenerateOptions, Gpu, KvFormat, Model, Sampling, SessionOptions};
+use wgspark::{ChunkMatmul, GenerateOptions, Gpu, KvFormat, Model, Sampling, SessionOptions};
 
 /// Fixtures of every kind the engine runs: dense (with a sliding window,
 /// q/k norm), Mixtral, Qwen3-MoE, MiniMax-M2, a GGUF and an FP8 model.
@@ -28,12 +28,22 @@ const FIXTURES: [&str; 8] = [
     "fp8_qwen3_dense",
 ];
 
+// Every row's projections through the GEMV, alone and batched (the
+// default on CPU rasterisers): the batch-invariant path, which the
+// comparisons below hold to 1e-4. On GPUs the default GEMM rounds a
+// step's activations to f16.
 fn lone_options() -> SessionOptions {
-    SessionOptions { kv_format: KvFormat::F32, ..Default::default() }
+    SessionOptions { kv_format: KvFormat::F32, chunk_matmul: ChunkMatmul::Gemv, ..Default::default() }
 }
 
 fn batch_options() -> BatchOptions {
-    BatchOptions { kv_format: KvFormat::F32, step_tokens: 12, block_size: 4, ..Default::default() }
+    BatchOptions {
+        kv_format: KvFormat::F32,
+        step_tokens: 12,
+        block_size: 4,
+        chunk_matmul: ChunkMatmul::Gemv,
+        ..Default::default()
+    }
 }
 
 /// Greedy ids and each one's logits, a lone session stepping.
@@ -507,7 +517,9 @@ fn stops_while_steps_are_in_flight() {
 
 /// With the f16 cache, decode rows run on the subgroup-lane attention where
 /// the adapter's subgroups take a row (lavapipe's, for these heads): each
-/// sequence still gets a lone f16 session's ids, logits within 2e-3.
+/// sequence still gets a lone f16 session's ids, logits within 2e-3 (or,
+/// where the session's prompt attention runs on cooperative matrices in
+/// f16, the f16 cache's bound: 0.4 % of the row's largest logit).
 #[test]
 fn f16_cache_decode_rows_on_subgroup_lanes() {
     on_each_backend(|gpu| {
@@ -525,7 +537,8 @@ fn f16_cache_decode_rows_on_subgroup_lanes() {
                 .collect();
             let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
             for (request, outputs) in requests.iter().zip(&results) {
-                let mut session = model.session(&SessionOptions::default()).unwrap();
+                let f16 = SessionOptions { kv_format: KvFormat::F16, ..lone_options() };
+                let mut session = model.session(&f16).unwrap();
                 let mut logits = vec![session.prefill(&request.prompt).unwrap()];
                 let mut want = vec![argmax(&logits[0])];
                 while want.len() < request.max_tokens {
@@ -536,7 +549,9 @@ fn f16_cache_decode_rows_on_subgroup_lanes() {
                 assert_eq!(tokens(outputs), want, "{name}");
                 for (out, row) in outputs.iter().zip(&logits) {
                     let err = max_abs_diff(out.logits.as_ref().unwrap(), row);
-                    assert!(err <= 2e-3, "{name}: logits {err}");
+                    let largest = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let bound = if gpu.caps.cooperative_matrix { 4e-3 * largest } else { 2e-3 };
+                    assert!(err <= bound, "{name}: logits {err} (bound {bound})");
                 }
             }
         }

@@ -845,6 +845,67 @@ fn products_of_few_tiles_sum_partial_products_over_k() {
     });
 }
 
+/// A batch's decode steps (products over at most `FEW_TOKENS` tokens) run
+/// in tiles of their own, the products a residual add sums as partial
+/// sums over ranges of k: for 1 to 64 tokens (ragged token and row
+/// tiles), bf16, Q8_0, Q4_K and Q6_K, plain, summed and gated, against the
+/// CPU. Runs where the adapter has cooperative matrices.
+#[test]
+fn products_over_few_tokens_run_in_their_own_tiles_and_ranges_of_k() {
+    use wgspark::kernels::gemm_coop::{FEW_TOKENS, MAX_FEW_TOKEN_K_SPLITS, Tile};
+    on_each_backend(|gpu| {
+        if !gpu.caps.cooperative_matrix {
+            return;
+        }
+        let mut rng = Rng::new(23);
+        let gemm = Gemm::with_kernel(gpu, GemmKernel::Cooperative { split: false, tile: None }).unwrap();
+        let (rows, cols) = (1000, 2048);
+        let mut split_seen = false;
+        for tokens in [1, 5, 16, 33, FEW_TOKENS] {
+            let x = rng.vec(tokens * cols, 1.0 / 32.0);
+            let xb = gpu.storage_buffer_init("x", &x);
+            let step = step_buffer(gpu, 0, tokens, 1);
+            for format in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+                let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
+                let what = format!("{format}, {tokens} tokens");
+                let flags = wgspark::kernels::gemm_coop::flags(gpu, format, false);
+                let (_, splits) = Tile::few_tokens(rows, cols, tokens, &flags, MAX_FEW_TOKEN_K_SPLITS).unwrap();
+                let yb = gpu.storage_buffer("y", tokens * splits * rows).unwrap();
+                let (d, parts) = gemm.plan_summed(gpu, &weight, tokens, &step, (&xb, None), &yb).unwrap();
+                assert_eq!(parts, splits, "{what}");
+                split_seen |= parts > 1;
+                run(gpu, &d, tokens as u32);
+                let y: Vec<f32> = gpu.read_buffer(&yb, tokens * parts * rows).unwrap();
+                let summed: Vec<f32> = (0..tokens * rows)
+                    .map(|e| (0..parts).map(|j| y[((e / rows) * parts + j) * rows + e % rows]).sum())
+                    .collect();
+                let want: Vec<f32> =
+                    x.chunks_exact(cols).flat_map(|x| reference::gemv(&values, rows, cols, x)).collect();
+                let tolerance = product_tolerance(gemm.kernel(), &values, &x, rows, cols);
+                assert_close(&summed, &want, tolerance, &format!("{what}, {parts} parts"));
+
+                let plain = gemm.plan(gpu, &weight, Epilogue::Plain, tokens, &step, &xb, &yb).unwrap();
+                run(gpu, &plain, tokens as u32);
+                assert_close(&gpu.read_buffer(&yb, tokens * rows).unwrap(), &want, tolerance, &what);
+
+                let gated = gemm.plan(gpu, &weight, Epilogue::Swiglu, tokens, &step, &xb, &yb).unwrap();
+                run(gpu, &gated, tokens as u32);
+                // An error e in the gate and up moves silu(g) u by at most
+                // e (1.1 |u| + |silu(g)| + e) (silu's slope is under 1.1).
+                let silu = |g: f32| g / (1.0 + (-g).exp());
+                let got: Vec<f32> = gpu.read_buffer(&yb, tokens * rows / 2).unwrap();
+                for (i, (got, pair)) in got.iter().zip(want.chunks_exact(2)).enumerate() {
+                    let (g, u) = (pair[0], pair[1]);
+                    let bound = tolerance * (1.1 * u.abs() + silu(g).abs() + tolerance);
+                    let err = (got - silu(g) * u).abs();
+                    assert!(err <= bound, "{what}, gated: output {i}: got {got}, want {}", silu(g) * u);
+                }
+            }
+        }
+        assert!(split_seen, "some product over few tokens splits k");
+    });
+}
+
 /// A `rows` x `cols` tensor of f16 weights holding `values`.
 fn upload_f16(gpu: &Gpu, values: &[f32], rows: usize, cols: usize) -> GpuTensor {
     let bytes: Vec<u8> = values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();

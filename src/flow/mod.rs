@@ -153,16 +153,19 @@ impl Projection {
 /// A chunk's GEMM sequence planned for each class of chunk lengths: the
 /// tiles that keep the GPU busy at 4096 tokens leave it half idle at 512
 /// (the 8B shape's 4096 x 14336 down projection runs 512 tokens faster in
-/// 128 x 128 tiles than in the 128 x 256 chosen for 4096). Classes end at
-/// powers of two from [`Self::SHORTEST`] up to the longest chunk;
-/// neighbours planned alike are merged. Empty where chunks run the GEMV.
+/// 128 x 128 tiles than in the 128 x 256 chosen for 4096), and a batch's
+/// decode steps of 16 to 64 rows run in tiles and ranges of k of their own
+/// (`gemm_coop::Tile::few_tokens`). Classes end at powers of two from
+/// [`Self::SHORTEST`] up to the longest chunk; neighbours planned alike
+/// are merged. Empty where chunks run the GEMV.
 #[derive(Debug, Default)]
 struct ChunkPlans(Vec<(usize, Vec<Dispatch>)>);
 
 impl ChunkPlans {
     /// The shortest class's longest chunk: below it, tiles of 32 tokens
-    /// (the smallest) are chosen whatever the length.
-    const SHORTEST: usize = 64;
+    /// (the smallest) are chosen whatever the length, in as many ranges
+    /// of k.
+    const SHORTEST: usize = 16;
 
     /// `plan(gemm, most)` for each class, `most` its longest chunk.
     fn new(

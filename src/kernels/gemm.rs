@@ -171,12 +171,19 @@ impl<'b> Build<'b> {
         if epilogue == Epilogue::Swiglu {
             flags.push(SWIGLU);
         }
-        let copy_tile = match shape.k_splits {
-            1 => {
+        // A dense product over few tokens runs in its own tile (which
+        // reads the f32 rows: its staging takes two rounds).
+        let few = (shape.experts == 0 && max_tokens <= gemm_coop::FEW_TOKENS)
+            .then(|| gemm_coop::Tile::few_tokens(n_rows, weight.cols, max_tokens, &flags, shape.k_splits))
+            .flatten()
+            .map(|(tile, _)| tile);
+        let copy_tile = match (few, shape.k_splits) {
+            (Some(_), _) => None,
+            (None, 1) => {
                 gemm_coop::Tile::reads_f16(n_rows, weight.cols, max_tokens, &flags, gpu.caps.multiprocessors)
             }
             // Gemm::summed_splits found the product suits the tile.
-            _ => Some(gemm_coop::Tile::COPIES),
+            (None, _) => Some(gemm_coop::Tile::COPIES),
         };
         let half_tile = half.x.filter(|_| tile.is_none()).zip(copy_tile);
         let mut extra = vec![];
@@ -190,7 +197,7 @@ impl<'b> Build<'b> {
                 (tile, Some(x16))
             }
             None => {
-                let fitting = tile.filter(|t| t.fits(&flags));
+                let fitting = tile.filter(|t| t.fits(&flags)).or(few);
                 (fitting.unwrap_or_else(|| gemm_coop::Tile::choose(n_rows, max_tokens, &flags)), None)
             }
         };
@@ -425,7 +432,7 @@ impl Gemm {
     /// [`Self::plan_apart`] over `k_splits` ranges of k (see
     /// [`Self::plan_summed`]; 1: the whole product).
     #[allow(clippy::too_many_arguments)]
-    fn plan_dense(
+    pub fn plan_dense(
         &self,
         gpu: &Gpu,
         weight: &GpuTensor,
@@ -480,18 +487,26 @@ impl Gemm {
     }
 
     /// The ranges of k [`Self::plan_summed`] splits `weight`'s product over
-    /// `max_tokens` tokens into (reading f16 copies: see
-    /// [`gemm_coop::Tile::k_splits`]): 1 for a product that does not split,
-    /// or a tensor of several parts.
+    /// `max_tokens` tokens into (over few tokens see
+    /// [`gemm_coop::Tile::few_tokens`], else, reading f16 copies,
+    /// [`gemm_coop::Tile::k_splits`]): 1 for a product that does not
+    /// split, or a tensor of several parts.
     pub fn summed_splits(&self, gpu: &Gpu, weight: &GpuTensor, max_tokens: usize) -> usize {
         let (GemmKernel::Cooperative { split: false, tile: None }, [part]) = (self.kernel, &weight.parts[..])
         else {
             return 1;
         };
-        if !self.takes_half_copies(weight) {
+        if !gemm_coop::takes(part.format, weight.cols) {
             return 1;
         }
         let flags = gemm_coop::flags(gpu, part.format, false);
+        if max_tokens <= gemm_coop::FEW_TOKENS {
+            let max = gemm_coop::MAX_FEW_TOKEN_K_SPLITS;
+            return gemm_coop::Tile::few_tokens(weight.rows, weight.cols, max_tokens, &flags, max).map_or(1, |f| f.1);
+        }
+        if !self.takes_half_copies(weight) {
+            return 1;
+        }
         gemm_coop::Tile::k_splits(weight.rows, weight.cols, max_tokens, &flags)
     }
 
@@ -509,10 +524,8 @@ impl Gemm {
         (x, x16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         y: &wgpu::Buffer,
     ) -> Result<(Vec<Dispatch>, usize)> {
-        let splits = match x16 {
-            Some(_) => self.summed_splits(gpu, weight, max_tokens),
-            None => 1,
-        };
+        let few = max_tokens <= gemm_coop::FEW_TOKENS;
+        let splits = if x16.is_some() || few { self.summed_splits(gpu, weight, max_tokens) } else { 1 };
         let half = HalfCopies { x: x16, y: None };
         let d =
             self.plan_dense(gpu, weight, Epilogue::Plain, (max_tokens, splits), step, x, (y, None), half)?;

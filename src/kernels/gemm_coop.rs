@@ -19,6 +19,18 @@ pub const K_SPLIT: &str = "K_SPLIT";
 /// Most ranges of k a product is split into.
 const MAX_K_SPLITS: usize = 4;
 
+/// Most tokens of a product in the tiles of [`Tile::few_tokens`].
+pub const FEW_TOKENS: usize = 64;
+
+/// Fewest workgroups a product over few tokens should have: about one
+/// and a half for each of a large GPU's multiprocessors (an NVIDIA H100
+/// has 132), so that one's loads wait while another multiplies.
+const FEW_TOKEN_WORKGROUPS: usize = 192;
+
+/// Most ranges of k of a product over few tokens (see
+/// [`Tile::few_tokens`]).
+pub const MAX_FEW_TOKEN_K_SPLITS: usize = 8;
+
 /// Columns in each range of k a split product sums: a multiple of every
 /// weight format's block and of every tile's steps.
 const K_SPLIT_COLUMNS: usize = 256;
@@ -69,7 +81,7 @@ impl Tile {
     /// Every tile the kernel is built in, the most work per staged value
     /// first (a tile's staging is shared by tokens x rows products), each
     /// in steps of 32 before 64.
-    pub const ALL: [Tile; 14] = [
+    pub const ALL: [Tile; 20] = [
         Tile { tokens: 128, rows: 256, k: 32, warps: 8 },
         Tile { tokens: 128, rows: 256, k: 64, warps: 8 },
         Tile { tokens: 128, rows: 128, k: 32, warps: 8 },
@@ -84,6 +96,12 @@ impl Tile {
         Tile { tokens: 32, rows: 128, k: 64, warps: 8 },
         Self::COPIES,
         Self::COPIES_NARROW,
+        Tile { tokens: 64, rows: 128, k: 32, warps: 4 },
+        Tile { tokens: 64, rows: 64, k: 32, warps: 4 },
+        Tile { tokens: 64, rows: 64, k: 64, warps: 4 },
+        Tile { tokens: 32, rows: 64, k: 32, warps: 4 },
+        Tile { tokens: 32, rows: 64, k: 64, warps: 4 },
+        Tile { tokens: 32, rows: 32, k: 32, warps: 2 },
     ];
 
     /// Workgroup memory of a build with `flags` in this tile: the staged
@@ -141,6 +159,40 @@ impl Tile {
         Tile { tokens: 32, rows: 256, k: 32, warps: 8 },
         Tile { tokens: 32, rows: 128, k: 32, warps: 8 },
     ];
+
+    /// The tile and the ranges of k (at most `max_splits`, each a multiple
+    /// of 256 columns; 1: all of k) of a dense product of `n_rows` rows of
+    /// `cols` over at most [`FEW_TOKENS`] tokens (a batch's decode steps),
+    /// where the build fits a tile: 64 tokens x 128 rows where a product
+    /// of more than 32 tokens gets [`FEW_TOKEN_WORKGROUPS`] of them in the
+    /// fewest ranges, else 32 x 64 in steps of 64 in 4 subgroups, in the
+    /// fewest ranges that give them (else the most). In the tiles
+    /// [`Self::choose`] picks for prompts, few workgroups walk all of k a
+    /// step at a time, each step waiting for its loads and barriers: on an
+    /// NVIDIA H100 (Q4_K, `kernel_throughput -- gemm tokens=16,64`) these
+    /// run the 8B shape's q/k/v in 60 % to 70 % of the time and its
+    /// gate/up in 80 % to 95 %; in ranges of k, its down projection
+    /// (summed by the residual add after it) in a fifth to a quarter.
+    pub fn few_tokens(
+        n_rows: usize,
+        cols: usize,
+        max_tokens: usize,
+        flags: &[&str],
+        max_splits: usize,
+    ) -> Option<(Tile, usize)> {
+        let wide = Tile { tokens: 64, rows: 128, k: 32, warps: 8 };
+        let narrow = Tile { tokens: 32, rows: 64, k: 64, warps: 4 };
+        let splits: Vec<usize> =
+            (1..=max_splits).filter(|&n| cols.is_multiple_of(n * K_SPLIT_COLUMNS) || n == 1).collect();
+        let workgroups = |t: Tile| n_rows.div_ceil(t.rows as usize) * max_tokens.div_ceil(t.tokens as usize);
+        let filling = |t: Tile| splits.iter().copied().find(|&n| workgroups(t) * n >= FEW_TOKEN_WORKGROUPS);
+        let wide = Some(wide).filter(|t| max_tokens > 32 && t.fits(flags));
+        if let Some(n) = wide.and_then(filling) {
+            return Some((wide?, n));
+        }
+        let narrow = Some(narrow).filter(|t| t.fits(flags))?;
+        Some((narrow, filling(narrow).unwrap_or(*splits.last().unwrap_or(&1))))
+    }
 
     /// Whether the build stages a step's activations in one round (each
     /// invocation one run of eight of one token).
@@ -315,6 +367,26 @@ mod tests {
     /// it, and staging rounds (rows of the tile staged by all invocations
     /// at once, the last maybe in part) within the kernel's arrays of 4 for
     /// X and 8 for W.
+    /// The 8B shape's projections over a batch's decode steps (Q4_K):
+    /// q/k/v and gate/up whole, o and down in ranges of k.
+    #[test]
+    fn few_tokens_fill_the_gpu_in_their_own_tiles() {
+        let q4k: &[&str] = &["WEIGHT_FORMAT", "W_Q4_K"];
+        let wide = Tile { tokens: 64, rows: 128, k: 32, warps: 8 };
+        let narrow = Tile { tokens: 32, rows: 64, k: 64, warps: 4 };
+        let few = |rows, cols, tokens, splits| Tile::few_tokens(rows, cols, tokens, q4k, splits).unwrap();
+        assert_eq!(few(6144, 4096, 16, 1), (narrow, 1));
+        assert_eq!(few(6144, 4096, 64, 1), (narrow, 1));
+        assert_eq!(few(28672, 4096, 16, 1), (narrow, 1));
+        assert_eq!(few(28672, 4096, 64, 1), (wide, 1));
+        assert_eq!(few(4096, 4096, 16, MAX_FEW_TOKEN_K_SPLITS), (narrow, 4));
+        assert_eq!(few(4096, 4096, 64, MAX_FEW_TOKEN_K_SPLITS), (wide, 8));
+        assert_eq!(few(4096, 14336, 16, MAX_FEW_TOKEN_K_SPLITS), (narrow, 4));
+        assert_eq!(few(4096, 14336, 64, MAX_FEW_TOKEN_K_SPLITS), (wide, 7));
+        // Ranges of k hold whole multiples of 256 columns.
+        assert_eq!(few(4096, 4000, 16, MAX_FEW_TOKEN_K_SPLITS), (narrow, 1));
+    }
+
     #[test]
     fn every_tile_has_a_layout_the_kernel_holds() {
         for t in Tile::ALL {
