@@ -127,20 +127,50 @@ pub(super) fn router(app: App) -> Router {
 }
 
 /// Counts the request by route and status, and logs it (a stream logs
-/// itself once it ends).
+/// itself once it ends; a request whose client went away before its
+/// answer, as status 499).
 async fn observe(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
-    let started = Instant::now();
-    let (method, path) = (request.method().to_string(), request.uri().path().to_string());
     let route = request.extensions().get::<MatchedPath>().map_or("other", |m| m.as_str()).to_string();
+    let mut pending = Pending {
+        app: &app,
+        method: request.method().to_string(),
+        path: request.uri().path().to_string(),
+        route,
+        started: Instant::now(),
+        answered: false,
+    };
     let response = next.run(request).await;
+    pending.answered = true;
     let status = response.status().as_u16();
-    app.shared.metrics.count_request(&route, status);
+    app.shared.metrics.count_request(&pending.route, status);
     if response.extensions().get::<Streamed>().is_none() {
         let tokens = response.extensions().get::<TokenCounts>().copied().unwrap_or_default();
-        app.log(&method, &path, status, tokens, started);
+        app.log(&pending.method, &pending.path, status, tokens, pending.started);
     }
     response
 }
+
+/// A request being answered; dropped unanswered, its client has gone.
+struct Pending<'a> {
+    app: &'a App,
+    method: String,
+    path: String,
+    route: String,
+    started: Instant,
+    answered: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.app.shared.metrics.count_request(&self.route, CLIENT_GONE);
+            self.app.log(&self.method, &self.path, CLIENT_GONE, TokenCounts::default(), self.started);
+        }
+    }
+}
+
+/// The status logged for a request whose client went away (nginx's).
+const CLIENT_GONE: u16 = 499;
 
 /// With an API key set, every route but `/health` wants it as a bearer token.
 async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
@@ -314,7 +344,7 @@ impl Reply {
             let prompt = self.job.prompt_tokens;
             let (status, generated) = match self.write_chunks(&chunks).await {
                 Ok(outcome) => (200, outcome.generated),
-                Err(Cut::Gone) => (499, 0),
+                Err(Cut::Gone) => (CLIENT_GONE, 0),
                 Err(Cut::Failed(e)) => {
                     let _ = chunks.send(SseEvent::default().data(e.body().to_string()));
                     (e.status.as_u16(), 0)
