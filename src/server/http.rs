@@ -208,13 +208,17 @@ async fn not_found(request: Request) -> ApiError {
 
 /// The body as a JSON object, within the size limit.
 fn body_json(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
-    let bytes = body.map_err(|rejection| match rejection {
+    parse_body(&body_bytes(app, body)?)
+}
+
+/// The body's bytes, within the size limit.
+fn body_bytes(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| match rejection {
         BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) => {
             ApiError::too_large(app.max_body)
         }
         other => ApiError::bad_body(format!("reading the body: {}", other.body_text())),
-    })?;
-    parse_body(&bytes)
+    })
 }
 
 async fn chat_completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -234,11 +238,19 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let info = app.model()?;
-    let body = body_json(&app, body)?;
-    let mut job = match endpoint {
-        Endpoint::Chat => chat_job(&body, &info)?,
-        Endpoint::Completion => completion_job(&body, &info)?,
-    };
+    let bytes = body_bytes(&app, body)?;
+    // Parsing, templates and tokenizing take CPU time in proportion to the
+    // body: off the threads that serve the other requests.
+    let checked = info.clone();
+    let mut job = tokio::task::spawn_blocking(move || {
+        let body = parse_body(&bytes)?;
+        match endpoint {
+            Endpoint::Chat => chat_job(&body, &checked),
+            Endpoint::Completion => completion_job(&body, &checked),
+        }
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("checking the request failed: {e}")))??;
     let admission = app.admit()?;
     let events = submit(&app, &mut job, arrived).await?;
     let reply =

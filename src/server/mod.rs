@@ -249,8 +249,8 @@ impl Server {
 }
 
 impl Drop for Server {
-    /// Stops listening, ends the streams still open and lets the GPU
-    /// thread finish (it cancels their sequences).
+    /// Stops listening, waits for the replies under way to end, then for
+    /// the GPU thread to finish.
     fn drop(&mut self) {
         if let Some(shutdown) = self.shutdown.take() {
             let _ = shutdown.send(());

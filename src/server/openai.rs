@@ -471,7 +471,8 @@ fn job(
 fn prompt_positions(prompt: &[u32], images: &[RgbImage], info: &ModelInfo) -> Result<usize, ApiError> {
     let Some(processor) = &info.image_processor else { return Ok(prompt.len()) };
     let side = processor.patch_size * processor.merge_size;
-    let mut positions = prompt.len() - images.len();
+    // Each image's placeholder stands once in the prompt (the engine checks).
+    let mut positions = prompt.len().saturating_sub(images.len());
     for (i, image) in images.iter().enumerate() {
         let (h, w) = processor
             .resized_size(image.height, image.width)
