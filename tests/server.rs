@@ -714,5 +714,6 @@ fn a_failed_step_fails_its_request_and_the_server_goes_on() {
     let served = server.post("/v1/completions", &body);
     assert_eq!(served.status, 200, "{}", served.body);
     assert_eq!(ids(&served.json()["choices"][0]["token_ids"]), want);
-    assert_eq!(server.metric("wgspark_kv_blocks_used"), 0.0);
+    // The engine lets a finished sequence go once its steps in flight end.
+    server.until("the pool given back", |s| s.metric("wgspark_kv_blocks_used") == 0.0);
 }
