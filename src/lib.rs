@@ -83,6 +83,8 @@ pub mod model;
 pub mod multimodal;
 pub mod progress;
 pub mod sampling;
+#[cfg(feature = "server")]
+pub mod server;
 pub mod session;
 pub mod stats;
 pub mod steering;

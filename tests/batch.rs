@@ -225,6 +225,8 @@ fn prefix_reuse_gives_the_cold_start_ids() {
         let b =
             run(&mut engine, vec![(0, Request { max_tokens: 5, ..Request::new(second.clone()) })]).remove(0);
         assert_eq!(engine.stats().prefix_hits - hits, 3, "the system prompt's three whole blocks of 4");
+        assert!(b.iter().all(|o| o.cached_tokens == 12), "each output tells the prompt's cached tokens");
+        assert!(a.iter().all(|o| o.cached_tokens == 0));
         assert_eq!(tokens(&b), lone_greedy(&model, &second, 5).0);
         // The next turn: the first conversation and its reply, then more.
         let turn = [first.clone(), tokens(&a), prompt(vocab, 4, 43)].concat();

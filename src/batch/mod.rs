@@ -205,6 +205,9 @@ pub struct Output {
     pub logits: Option<Vec<f32>>,
     /// Set on the sequence's last token: the engine has let it go.
     pub finish: Option<FinishReason>,
+    /// Prompt tokens whose keys the sequence took from the prefix cache
+    /// when it was first admitted, rather than computing them.
+    pub cached_tokens: usize,
 }
 
 /// What the engine holds and has done.
@@ -255,6 +258,9 @@ struct Sequence {
     media: Option<SequenceMedia>,
     /// Why it ended, once it has (it is let go when no step is in flight).
     finish: Option<FinishReason>,
+    /// Prompt tokens taken from the prefix cache at its first admission
+    /// (`None`: not admitted yet).
+    cached_tokens: Option<usize>,
 }
 
 /// What a prompt with images adds to its tokens (see [`crate::multimodal`]).
@@ -608,6 +614,7 @@ impl<'m> BatchEngine<'m> {
             steer_slot: 0,
             media,
             finish: None,
+            cached_tokens: None,
         });
         Ok(id)
     }
@@ -659,6 +666,12 @@ impl<'m> BatchEngine<'m> {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// The sequences admitted to the steps, oldest first (those a failed
+    /// [`Self::step`] ran).
+    pub fn running(&self) -> Vec<SequenceId> {
+        self.running.iter().map(|s| s.id).collect()
     }
 
     /// No sequence is running or waiting, and every token was handed out.
@@ -923,6 +936,7 @@ impl<'m> BatchEngine<'m> {
     /// (at least its last token is left to compute, for its logits).
     fn reuse_prefix(&mut self, seq: &mut Sequence) {
         if !self.options.prefix_cache || seq.computed > 0 || seq.keeps_blocks_apart() {
+            seq.cached_tokens.get_or_insert(0);
             return;
         }
         let block = self.pool.block_size();
@@ -939,6 +953,8 @@ impl<'m> BatchEngine<'m> {
             }
         }
         seq.computed = seq.blocks.len() * block;
+        // A pre-empted sequence finds its own blocks again: not a hit of its prompt.
+        seq.cached_tokens.get_or_insert(seq.computed);
     }
 
     fn release_blocks(&mut self, seq: &mut Sequence) {
@@ -1113,7 +1129,15 @@ impl<'m> BatchEngine<'m> {
             } else {
                 None
             };
-            outputs.push(Output { sequence: seq.id, token: id, logprobs, logits, finish: seq.finish });
+            let cached_tokens = seq.cached_tokens.unwrap_or(0);
+            outputs.push(Output {
+                sequence: seq.id,
+                token: id,
+                logprobs,
+                logits,
+                finish: seq.finish,
+                cached_tokens,
+            });
         }
         if self.options.prefix_cache {
             // Whole blocks are kept as soon as they are computed.

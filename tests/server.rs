@@ -1,0 +1,719 @@
+//! The HTTP server in-process on an ephemeral port, over tiny fixture
+//! models, through a real HTTP client: streamed and whole replies equal
+//! each other and a lone session's ids (greedy and seeded); concurrent
+//! requests each get their lone ids; per-request steering equals a lone
+//! steered session beside an unsteered request; a client that disconnects
+//! frees its sequence; the queue bound, the API key, and every kind of bad
+//! input answered with OpenAI's error object naming the field.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use common::checkpoint::{edited_fixture, fixture_dir};
+use serde_json::{Value, json};
+use wgspark::server::{Server, ServerOptions};
+use wgspark::{
+    ControlVector, GenerateOptions, Gpu, KvFormat, Message, Model, Sampling, SessionOptions, Steering,
+};
+
+/// The device of the first backend under test: the server's logic is host
+/// code over kernels the other tests cover on every backend.
+fn gpu() -> Gpu {
+    common::gpu(common::backends()[0])
+}
+
+/// A ChatML-like template, written into the fixture's GGUF.
+const TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+                        {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// tests/fixtures/tokenizers/spm_model.gguf (a tiny random Llama with a
+/// SentencePiece vocabulary) with a chat template: a metadata entry put
+/// first, its length padded to the file's 32-byte alignment so that the
+/// data after it stays aligned.
+fn chat_model() -> &'static Path {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let source = fixture_dir("tokenizers").join("spm_model.gguf");
+        let bytes = std::fs::read(source).unwrap();
+        let key = b"tokenizer.chat_template";
+        let entry_len = |template: &str| 8 + key.len() + 4 + 8 + template.len();
+        // A Jinja comment writes nothing: it pads the entry.
+        let pad = (32 - (entry_len(TEMPLATE) + 4) % 32) % 32;
+        let template = format!("{TEMPLATE}{{#{}#}}", " ".repeat(pad));
+        assert_eq!(entry_len(&template) % 32, 0);
+        let mut entry = Vec::new();
+        entry.extend((key.len() as u64).to_le_bytes());
+        entry.extend(key);
+        entry.extend(8u32.to_le_bytes());
+        entry.extend((template.len() as u64).to_le_bytes());
+        entry.extend(template.as_bytes());
+        let mut out = bytes[..24].to_vec();
+        let entries = u64::from_le_bytes(out[16..24].try_into().unwrap());
+        out[16..24].copy_from_slice(&(entries + 1).to_le_bytes());
+        out.extend(entry);
+        out.extend(&bytes[24..]);
+        let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("server_chat_model.gguf");
+        std::fs::write(&path, out).unwrap();
+        path
+    })
+}
+
+/// A server started on an ephemeral port, its model loaded.
+struct Running {
+    server: Server,
+    agent: ureq::Agent,
+}
+
+fn start(options: ServerOptions) -> Running {
+    let options = ServerOptions { listen: "127.0.0.1:0".parse().unwrap(), log_requests: false, ..options };
+    let server = Server::start(&gpu(), options, |_| {}).unwrap();
+    server.wait_until_loaded().unwrap();
+    let agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    Running { server, agent }
+}
+
+/// Options of the chat model with an f32 cache (the lone sessions' here).
+fn chat_options() -> ServerOptions {
+    ServerOptions { kv_format: KvFormat::F32, ..ServerOptions::new(chat_model()) }
+}
+
+/// The server of [`chat_options`], shared by the tests whose requests
+/// need not run alone.
+fn chat_server() -> &'static Running {
+    static SERVER: OnceLock<Running> = OnceLock::new();
+    SERVER.get_or_init(|| start(chat_options()))
+}
+
+/// Another, for the bad requests alone: none of them is ever admitted.
+fn refusing_server() -> &'static Running {
+    static SERVER: OnceLock<Running> = OnceLock::new();
+    SERVER.get_or_init(|| start(chat_options()))
+}
+
+/// An answer: status, the `Retry-After` header, the body.
+struct Answer {
+    status: u16,
+    retry_after: Option<String>,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    /// The `data:` payloads of a stream, `[DONE]` last.
+    fn events(&self) -> Vec<String> {
+        self.body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+}
+
+impl Running {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.server.local_addr())
+    }
+
+    fn post_bytes(&self, path: &str, body: &[u8], key: Option<&str>) -> Answer {
+        let mut request = self.agent.post(self.url(path)).header("Content-Type", "application/json");
+        if let Some(key) = key {
+            request = request.header("Authorization", format!("Bearer {key}"));
+        }
+        answer(request.send(body).unwrap())
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Answer {
+        self.post_bytes(path, body.to_string().as_bytes(), None)
+    }
+
+    fn get(&self, path: &str, key: Option<&str>) -> Answer {
+        let mut request = self.agent.get(self.url(path));
+        if let Some(key) = key {
+            request = request.header("Authorization", format!("Bearer {key}"));
+        }
+        answer(request.call().unwrap())
+    }
+
+    /// A value of `/metrics` (the first line naming it).
+    fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics", None).body;
+        let line = text
+            .lines()
+            .find(|l| l.split([' ', '{']).next() == Some(name))
+            .unwrap_or_else(|| panic!("{name}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    /// Reads `/metrics` until `done` holds of it, at most 10 000 times.
+    fn until(&self, what: &str, done: impl Fn(&Running) -> bool) {
+        let polls = (0..10_000).position(|_| done(self));
+        assert!(polls.is_some(), "{what}: never");
+    }
+
+    /// A raw connection that has sent a streamed completion of `body` and
+    /// read the response up to its headers.
+    fn open_stream(&self, body: &Value) -> BufReader<TcpStream> {
+        let mut socket = TcpStream::connect(self.server.local_addr()).unwrap();
+        let body = body.to_string();
+        write!(
+            socket,
+            "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut reader = BufReader::new(socket);
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+        while line != "\r\n" {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+        }
+        reader
+    }
+}
+
+fn answer(response: ureq::http::Response<ureq::Body>) -> Answer {
+    let status = response.status().as_u16();
+    let retry_after = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+    let mut body = String::new();
+    response.into_body().into_reader().read_to_string(&mut body).unwrap();
+    Answer { status, retry_after, body }
+}
+
+/// Reads a stream's lines until a `data:` line.
+fn read_event(stream: &mut BufReader<TcpStream>) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(stream.read_line(&mut line).unwrap() > 0, "the stream ended");
+        if let Some(data) = line.strip_prefix("data: ") {
+            return data.trim_end().to_string();
+        }
+    }
+}
+
+/// The ids a lone session generates (the stop id, where one ends it, last).
+fn lone_ids(
+    model: &Model,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    steering: Option<&Steering>,
+) -> Vec<u32> {
+    let mut session =
+        model.session(&SessionOptions { kv_format: KvFormat::F32, ..Default::default() }).unwrap();
+    session.set_steering(steering).unwrap();
+    session.generate(prompt, options).unwrap().map(Result::unwrap).collect()
+}
+
+fn ids(value: &Value) -> Vec<u32> {
+    value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+}
+
+/// A streamed reply's text, token ids and finish reason, from its chunks.
+fn streamed(answer: &Answer, chat: bool) -> (String, Vec<u32>, String, Vec<Value>) {
+    let events = answer.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", answer.body);
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let (mut text, mut tokens, mut finish) = (String::new(), Vec::new(), String::new());
+    for chunk in &chunks {
+        let Some(choice) = chunk["choices"].get(0) else { continue };
+        let piece = if chat { &choice["delta"]["content"] } else { &choice["text"] };
+        text += piece.as_str().unwrap_or("");
+        if !choice["token_ids"].is_null() {
+            tokens.extend(ids(&choice["token_ids"]));
+        }
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            finish = reason.to_string();
+        }
+    }
+    (text, tokens, finish, chunks)
+}
+
+/// A chat reply, greedy, streamed and whole: the same text and ids, the
+/// lone session's ids (the template's prompt, the model's stop ids), the
+/// text the tokenizer gives those ids; usage counts them, and a second
+/// request with the same prompt finds its whole blocks in the prefix cache.
+#[test]
+fn chat_replies_streamed_and_whole_equal_the_lone_session() {
+    // A server of its own: nothing else evicts the prompt's cached blocks.
+    let server = &start(chat_options());
+    let model = Model::load(chat_model(), &gpu()).unwrap();
+    let tokenizer = model.tokenizer().unwrap().unwrap();
+    let messages = [
+        Message::new("system", "Answer in French."),
+        Message::new("user", "Paris is the capital of France, and Berlin is"),
+    ];
+    let prompt =
+        tokenizer.encode(&model.chat_template().unwrap().unwrap().render(&messages, true).unwrap()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: 12,
+        stop_tokens: model.config.eos_token_ids.clone(),
+        ..Default::default()
+    };
+    let want = lone_ids(&model, &prompt, &options, None);
+    let want_text = tokenizer.decode(&want, true).unwrap();
+
+    let body = |stream: bool| {
+        json!({
+            "messages": [
+                {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": [{"type": "text", "text": "Paris is the capital of France, and Berlin is"}]},
+            ],
+            "max_tokens": 12, "temperature": 0, "return_token_ids": true, "stream": stream,
+            "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 2,
+        })
+    };
+    let whole = server.post("/v1/chat/completions", &body(false));
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    let whole = whole.json();
+    let choice = &whole["choices"][0];
+    assert_eq!(ids(&choice["token_ids"]), want);
+    assert_eq!(ids(&whole["prompt_token_ids"]), prompt);
+    assert_eq!(choice["message"]["content"], want_text);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(choice["logprobs"]["content"].as_array().unwrap().len(), want.len());
+    assert_eq!(choice["logprobs"]["content"][0]["top_logprobs"].as_array().unwrap().len(), 2);
+    let usage = &whole["usage"];
+    assert_eq!(
+        (usage["prompt_tokens"].as_u64(), usage["completion_tokens"].as_u64()),
+        (Some(prompt.len() as u64), Some(12))
+    );
+
+    let stream = server.post("/v1/chat/completions", &body(true));
+    assert_eq!(stream.status, 200);
+    let (text, tokens, finish, chunks) = streamed(&stream, true);
+    assert_eq!((text, tokens, finish.as_str()), (want_text, want, "length"));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(ids(&chunks[0]["prompt_token_ids"]), prompt);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    let cached = last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert_eq!(cached as usize, (prompt.len() - 1) / 16 * 16, "the first request's whole blocks of 16");
+}
+
+/// A completion of a text prompt, sampled with a seed, streamed and whole:
+/// the lone session's draws with that seed.
+#[test]
+fn seeded_completions_streamed_and_whole_equal_the_lone_session() {
+    let server = chat_server();
+    let model = Model::load(chat_model(), &gpu()).unwrap();
+    let tokenizer = model.tokenizer().unwrap().unwrap();
+    let text = "The quick brown fox";
+    let prompt = tokenizer.encode_prompt(text).unwrap();
+    let sampling = Sampling::Random { temperature: 0.8, top_k: Some(20), top_p: Some(0.9) };
+    let stop_tokens = model.config.eos_token_ids.clone();
+    let options = GenerateOptions { sampling, seed: 42, max_tokens: 10, stop_tokens, ..Default::default() };
+    let want = lone_ids(&model, &prompt, &options, None);
+    let body = |stream: bool| {
+        json!({"prompt": text, "max_tokens": 10, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 42,
+               "return_token_ids": true, "stream": stream})
+    };
+    let whole = server.post("/v1/completions", &body(false)).json();
+    assert_eq!(ids(&whole["choices"][0]["token_ids"]), want);
+    assert_eq!(whole["object"], "text_completion");
+    let (text, tokens, _, _) = streamed(&server.post("/v1/completions", &body(true)), false);
+    assert_eq!(tokens, want);
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+}
+
+/// A stop string ends the reply where it starts: no part of it is sent,
+/// streamed or whole, and the reason is `stop`.
+#[test]
+fn stop_strings_end_the_reply_unsent() {
+    let server = chat_server();
+    let body = json!({"prompt": "Paris is the capital", "max_tokens": 20, "temperature": 0});
+    let full =
+        server.post("/v1/completions", &body).json()["choices"][0]["text"].as_str().unwrap().to_string();
+    // Three characters from the middle of the reply (not whitespace at its ends).
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 8, "{full:?}");
+    let stop: String = chars[4..7].iter().collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    let mut stopped = body.clone();
+    stopped["stop"] = json!(["zzzz-never", stop]);
+    let whole = server.post("/v1/completions", &stopped).json();
+    assert_eq!(whole["choices"][0]["text"], before);
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    stopped["stream"] = json!(true);
+    let (text, _, finish, _) = streamed(&server.post("/v1/completions", &stopped), false);
+    assert_eq!((text.as_str(), finish.as_str()), (before, "stop"));
+}
+
+/// 16 requests at once (8 run, the rest queue), prompts of different
+/// lengths: each gets the ids of a lone session.
+#[test]
+fn concurrent_requests_each_get_their_lone_ids() {
+    let server = chat_server();
+    let model = Model::load(chat_model(), &gpu()).unwrap();
+    let mut rng = common::Rng::new(5);
+    let prompts: Vec<Vec<u32>> = (0..16)
+        .map(|i| (0..3 + 4 * i).map(|_| 3 + rng.below(model.config.vocab as u32 - 3)).collect())
+        .collect();
+    let replies: Vec<Vec<u32>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                scope.spawn(move || {
+                    let body = json!({"prompt": prompt, "max_tokens": 4 + i % 5, "temperature": 0,
+                                      "return_token_ids": true, "stream": i % 2 == 0});
+                    let answer = server.post("/v1/completions", &body);
+                    assert_eq!(answer.status, 200, "{}", answer.body);
+                    if i % 2 == 0 {
+                        streamed(&answer, false).1
+                    } else {
+                        ids(&answer.json()["choices"][0]["token_ids"])
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (prompt, got)) in prompts.iter().zip(&replies).enumerate() {
+        let options = GenerateOptions {
+            max_tokens: 4 + i % 5,
+            stop_tokens: model.config.eos_token_ids.clone(),
+            ..Default::default()
+        };
+        assert_eq!(*got, lone_ids(&model, prompt, &options, None), "request {i}");
+    }
+}
+
+/// Two requests in the same steps, one steered by a named control vector
+/// at scale 0.8 and one not: each gets the ids of a lone session steered
+/// the same way (or not at all).
+#[test]
+fn each_request_is_steered_its_own_way() {
+    let dir = fixture_dir("mixtral_deep");
+    let vector_file =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/steering/mixtral_deep/llama_cpp.gguf");
+    let server = start(ServerOptions {
+        control_vectors: vec![("happy".into(), vector_file.clone())],
+        kv_format: KvFormat::F32,
+        ..ServerOptions::new(&dir)
+    });
+    let model = Model::load(&dir, &gpu()).unwrap();
+    let steering =
+        Steering::new(&model.config, &[(ControlVector::load(&vector_file).unwrap(), 0.8)], None).unwrap();
+    let prompt: Vec<u32> = vec![5, 17, 33, 2, 90, 41, 7];
+    let options = GenerateOptions { max_tokens: 8, ..Default::default() };
+    let want_steered = lone_ids(&model, &prompt, &options, Some(&steering));
+    let want_plain = lone_ids(&model, &prompt, &options, None);
+    assert_ne!(want_steered, want_plain, "the vector changes the ids");
+    let [steered, plain] = std::thread::scope(|scope| {
+        let ask = |vectors: Value| {
+            let server = &server;
+            let prompt = &prompt;
+            scope.spawn(move || {
+                let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true,
+                                  "control_vectors": vectors});
+                ids(&server.post("/v1/completions", &body).json()["choices"][0]["token_ids"])
+            })
+        };
+        let handles = [ask(json!([{"name": "happy", "scale": 0.8}])), ask(json!([]))];
+        handles.map(|h| h.join().unwrap())
+    });
+    assert_eq!(steered, want_steered);
+    assert_eq!(plain, want_plain);
+}
+
+/// llama_untied with a context of 4096 positions (its config's
+/// `max_position_embeddings` raised): room for a long reply.
+fn long_context_model() -> common::checkpoint::Scratch {
+    edited_fixture("llama_untied", |config, _| config["max_position_embeddings"] = json!(4096))
+}
+
+/// A client that disconnects mid-stream, and one that disconnects while its
+/// request waits in the queue (before its first token): each sequence is
+/// cancelled and the pool's blocks come back.
+#[test]
+fn a_disconnect_frees_the_sequence() {
+    let dir = long_context_model();
+    let server = start(ServerOptions { parallel: 1, ..ServerOptions::new(&*dir) });
+    assert_eq!(server.metric("wgspark_kv_blocks_used"), 0.0);
+    let long = json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 2000, "temperature": 0, "stream": true});
+    let mut running = server.open_stream(&long);
+    assert!(read_event(&mut running).contains("\"choices\""));
+    let queued = server.open_stream(&long);
+    server.until("the second request queued", |s| s.metric("wgspark_sequences_queued") == 1.0);
+    drop(queued);
+    server.until("the queued request cancelled", |s| s.metric("wgspark_sequences_queued") == 0.0);
+    assert_eq!(server.metric("wgspark_sequences_running"), 1.0, "the first still runs");
+    read_event(&mut running);
+    drop(running);
+    server.until("the pool given back", |s| {
+        s.metric("wgspark_kv_blocks_used") == 0.0 && s.metric("wgspark_requests_admitted") == 0.0
+    });
+    assert_eq!(server.metric("wgspark_sequences_running"), 0.0);
+    assert!(server.metric("wgspark_generated_tokens_total") < 1000.0, "cancelled long before its end");
+}
+
+/// Past `parallel` + `queue` requests, a 503 with `Retry-After`.
+#[test]
+fn a_full_queue_answers_503_with_retry_after() {
+    let dir = long_context_model();
+    let server = start(ServerOptions { parallel: 1, queue: 1, ..ServerOptions::new(&*dir) });
+    let long = json!({"prompt": [1, 2, 3], "max_tokens": 2000, "temperature": 0, "stream": true});
+    let mut running = server.open_stream(&long);
+    read_event(&mut running);
+    let queued = server.open_stream(&long);
+    let refused = server.post("/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2}));
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.retry_after.as_deref(), Some("1"));
+    assert_eq!(refused.json()["error"]["type"], "unavailable_error");
+    drop((running, queued));
+    server.until("both cancelled", |s| s.metric("wgspark_requests_admitted") == 0.0);
+    let served = server.post("/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2}));
+    assert_eq!(served.status, 200, "room again: {}", served.body);
+}
+
+/// With an API key, every endpoint but /health wants it.
+#[test]
+fn the_api_key_is_required_but_for_health() {
+    let server = start(ServerOptions {
+        api_key: Some("sesame".into()),
+        ..ServerOptions::new(fixture_dir("qwen3_dense"))
+    });
+    assert_eq!(server.get("/health", None).status, 200);
+    for key in [None, Some("wrong"), Some("sesame!")] {
+        let answer = server.get("/v1/models", key);
+        assert_eq!(answer.status, 401, "{key:?}");
+        assert_eq!(answer.json()["error"]["type"], "authentication_error");
+        let body = br#"{"prompt": [1, 2], "max_tokens": 2}"#;
+        assert_eq!(server.post_bytes("/v1/completions", body, key).status, 401);
+    }
+    assert_eq!(server.get("/metrics", Some("sesame")).status, 200);
+    let answer =
+        server.post_bytes("/v1/completions", br#"{"prompt": [1, 2], "max_tokens": 2}"#, Some("sesame"));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+}
+
+/// The models list, health, tokenize and detokenize, and metrics.
+#[test]
+fn models_health_tokenize_and_metrics() {
+    let server = chat_server();
+    let models = server.get("/v1/models", None).json();
+    assert_eq!(models["data"][0]["id"], "server_chat_model");
+    assert_eq!(server.get("/health", None).json()["status"], "ok");
+    let tokens = server.post("/tokenize", &json!({"content": "Hello world"})).json()["tokens"].clone();
+    assert!(!ids(&tokens).is_empty());
+    let text = server.post("/detokenize", &json!({"tokens": tokens})).json();
+    assert_eq!(text["content"].as_str().unwrap().trim_start(), "Hello world");
+    server.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 3}));
+    let metrics = server.get("/metrics", None).body;
+    for name in [
+        "wgspark_requests_total{route=\"/v1/completions\",status=\"200\"}",
+        "wgspark_prompt_tokens_total",
+        "wgspark_generated_tokens_total",
+        "wgspark_time_to_first_token_seconds_bucket",
+        "wgspark_time_per_output_token_seconds_count",
+        "wgspark_sequences_running",
+        "wgspark_sequences_queued",
+        "wgspark_kv_blocks_used",
+        "wgspark_kv_blocks_free",
+        "wgspark_prefix_cache_hits_total",
+    ] {
+        assert!(metrics.contains(name), "{name} in\n{metrics}");
+    }
+}
+
+/// A 4xx whose error object is of `kind` and names `field` (as `param`
+/// where given, and in the message); the server holds no request after it.
+fn assert_refused(server: &Running, answer: Answer, status: u16, field: &str, param: Option<&str>) {
+    assert_eq!(answer.status, status, "{}", answer.body);
+    let error = &answer.json()["error"];
+    assert_eq!(error["type"], "invalid_request_error", "{error}");
+    assert_eq!(error["param"].as_str(), param, "{error}");
+    let message = error["message"].as_str().unwrap();
+    assert!(message.contains(field), "{field:?} in {message:?}");
+    assert_eq!(server.metric("wgspark_requests_admitted"), 0.0, "nothing held after {error}");
+}
+
+fn chat_with(fields: Value) -> Value {
+    let mut body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+    body.as_object_mut().unwrap().extend(fields.as_object().unwrap().clone());
+    body
+}
+
+#[test]
+fn invalid_json_is_refused() {
+    let s = refusing_server();
+    assert_refused(s, s.post_bytes("/v1/chat/completions", b"{\"messages\": [", None), 400, "JSON", None);
+}
+
+#[test]
+fn a_non_utf8_body_is_refused() {
+    let s = refusing_server();
+    assert_refused(
+        s,
+        s.post_bytes("/v1/completions", b"{\"prompt\": \"\xff\xfe\"}", None),
+        400,
+        "UTF-8",
+        None,
+    );
+}
+
+#[test]
+fn a_body_over_the_limit_is_refused() {
+    let server = start(ServerOptions { max_body: 1000, ..ServerOptions::new(fixture_dir("qwen3_dense")) });
+    let body = json!({"prompt": "x".repeat(2000)}).to_string();
+    assert_refused(&server, server.post_bytes("/v1/completions", body.as_bytes(), None), 413, "body", None);
+}
+
+#[test]
+fn a_field_of_the_wrong_type_is_refused() {
+    let s = refusing_server();
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"temperature": "hot"})));
+    assert_refused(s, answer, 400, "temperature", Some("temperature"));
+    let answer = s.post("/v1/completions", &json!({"prompt": 12}));
+    assert_refused(s, answer, 400, "prompt", Some("prompt"));
+}
+
+#[test]
+fn missing_messages_are_refused() {
+    let s = refusing_server();
+    assert_refused(
+        s,
+        s.post("/v1/chat/completions", &json!({"max_tokens": 4})),
+        400,
+        "messages",
+        Some("messages"),
+    );
+}
+
+#[test]
+fn an_unknown_role_is_refused() {
+    let s = refusing_server();
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Hi"}]});
+    assert_refused(
+        s,
+        s.post("/v1/chat/completions", &body),
+        400,
+        "messages[1].role",
+        Some("messages[1].role"),
+    );
+}
+
+#[test]
+fn a_prompt_beyond_the_context_is_refused() {
+    let s = refusing_server();
+    let long = "tokenization ".repeat(200);
+    assert_refused(s, s.post("/v1/completions", &json!({"prompt": long})), 400, "context", Some("prompt"));
+    let body = json!({"messages": [{"role": "user", "content": long}]});
+    assert_refused(s, s.post("/v1/chat/completions", &body), 400, "context", Some("messages"));
+}
+
+#[test]
+fn max_tokens_beyond_the_context_is_refused() {
+    let s = refusing_server();
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"max_tokens": 100_000})));
+    assert_refused(s, answer, 400, "max_tokens", Some("max_tokens"));
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"max_completion_tokens": 0})));
+    assert_refused(s, answer, 400, "max_completion_tokens", Some("max_completion_tokens"));
+}
+
+#[test]
+fn token_ids_out_of_range_are_refused() {
+    let s = refusing_server();
+    assert_refused(
+        s,
+        s.post("/v1/completions", &json!({"prompt": [1, 2, 100_000]})),
+        400,
+        "100000",
+        Some("prompt"),
+    );
+    assert_refused(s, s.post("/detokenize", &json!({"tokens": [100_000]})), 400, "100000", Some("tokens"));
+}
+
+#[test]
+fn temperature_and_top_p_out_of_range_are_refused() {
+    let s = refusing_server();
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"temperature": 2.5})));
+    assert_refused(s, answer, 400, "temperature", Some("temperature"));
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"temperature": 1, "top_p": 0})));
+    assert_refused(s, answer, 400, "top_p", Some("top_p"));
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"logprobs": true, "top_logprobs": 21})));
+    assert_refused(s, answer, 400, "top_logprobs", Some("top_logprobs"));
+}
+
+#[test]
+fn too_many_stop_strings_are_refused() {
+    let s = refusing_server();
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"stop": ["a", "b", "c", "d", "e"]})));
+    assert_refused(s, answer, 400, "stop", Some("stop"));
+}
+
+#[test]
+fn more_than_one_choice_is_refused() {
+    let s = refusing_server();
+    assert_refused(s, s.post("/v1/chat/completions", &chat_with(json!({"n": 2}))), 400, "n = 1", Some("n"));
+}
+
+#[test]
+fn an_unknown_control_vector_is_refused() {
+    let s = refusing_server();
+    let answer =
+        s.post("/v1/chat/completions", &chat_with(json!({"control_vectors": [{"name": "/etc/passwd"}]})));
+    assert_refused(s, answer, 400, "/etc/passwd", Some("control_vectors[0].name"));
+}
+
+#[test]
+fn an_image_for_a_model_without_vision_is_refused() {
+    let s = refusing_server();
+    let content = json!([{"type": "text", "text": "What is this?"},
+                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]);
+    let body = json!({"messages": [{"role": "user", "content": content}]});
+    let param = "messages[0].content[1].image_url";
+    assert_refused(s, s.post("/v1/chat/completions", &body), 400, "vision", Some(param));
+}
+
+#[test]
+fn a_text_prompt_to_a_model_without_tokenizer_is_refused() {
+    let server = start(ServerOptions::new(fixture_dir("qwen3_dense")));
+    assert_refused(
+        &server,
+        server.post("/v1/completions", &json!({"prompt": "Hello"})),
+        400,
+        "token ids",
+        Some("prompt"),
+    );
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}]});
+    assert_refused(&server, server.post("/v1/chat/completions", &body), 400, "tokenizer", Some("messages"));
+}
+
+/// A step that fails (a prompt whose token's embedding is NaN makes the
+/// sampling see non-finite logits) fails its request with a 500, and the
+/// server goes on: the next request gets the lone session's ids.
+#[test]
+fn a_failed_step_fails_its_request_and_the_server_goes_on() {
+    let clean = Model::load(fixture_dir("llama_untied"), &gpu()).unwrap();
+    let good: Vec<u32> = vec![1, 2, 3, 4];
+    let options = GenerateOptions { max_tokens: 6, ..Default::default() };
+    let want = lone_ids(&clean, &good, &options, None);
+    let poison = (5..clean.config.vocab as u32).find(|t| !want.contains(t)).unwrap();
+    let dir = edited_fixture("llama_untied", |_, tensors| {
+        let (_, shape, data) = tensors.get_mut("model.embed_tokens.weight").unwrap();
+        let row = shape[1] * 2;
+        let nan = half::bf16::NAN.to_le_bytes();
+        for b in data[poison as usize * row..(poison as usize + 1) * row].chunks_exact_mut(2) {
+            b.copy_from_slice(&nan);
+        }
+    });
+    let server = start(ServerOptions { kv_format: KvFormat::F32, ..ServerOptions::new(&*dir) });
+    let failed =
+        server.post("/v1/completions", &json!({"prompt": [1, poison, 2], "max_tokens": 6, "temperature": 0}));
+    assert_eq!(failed.status, 500, "{}", failed.body);
+    assert_eq!(failed.json()["error"]["type"], "server_error");
+    let body = json!({"prompt": good, "max_tokens": 6, "temperature": 0, "return_token_ids": true});
+    let served = server.post("/v1/completions", &body);
+    assert_eq!(served.status, 200, "{}", served.body);
+    assert_eq!(ids(&served.json()["choices"][0]["token_ids"]), want);
+    // The engine lets a finished sequence go once its steps in flight end.
+    server.until("the pool given back", |s| s.metric("wgspark_kv_blocks_used") == 0.0);
+}
