@@ -334,7 +334,9 @@ fn main() {
                     // A given tile over few tokens, also as partial sums
                     // over 2, 4 and 8 ranges of k.
                     let tiled = matches!(kernel, GemmKernel::Cooperative { tile: Some(_), split: false });
-                    for splits in [2, 4, 8].into_iter().filter(|&n| tiled && tokens <= 128 && cols % (n * 256) == 0) {
+                    for splits in
+                        [2, 4, 8].into_iter().filter(|&n| tiled && tokens <= 128 && cols % (n * 256) == 0)
+                    {
                         let partial = gpu.storage_buffer("partial", splits * tokens as usize * rows).unwrap();
                         let d = gemm
                             .plan_dense(

@@ -869,7 +869,8 @@ fn products_over_few_tokens_run_in_their_own_tiles_and_ranges_of_k() {
                 let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
                 let what = format!("{format}, {tokens} tokens");
                 let flags = wgspark::kernels::gemm_coop::flags(gpu, format, false);
-                let (_, splits) = Tile::few_tokens(rows, cols, tokens, &flags, MAX_FEW_TOKEN_K_SPLITS).unwrap();
+                let (_, splits) =
+                    Tile::few_tokens(rows, cols, tokens, &flags, MAX_FEW_TOKEN_K_SPLITS).unwrap();
                 let yb = gpu.storage_buffer("y", tokens * splits * rows).unwrap();
                 let (d, parts) = gemm.plan_summed(gpu, &weight, tokens, &step, (&xb, None), &yb).unwrap();
                 assert_eq!(parts, splits, "{what}");

@@ -4,7 +4,8 @@
 //! requests each get their lone ids; per-request steering equals a lone
 //! steered session beside an unsteered request; a client that disconnects
 //! frees its sequence; the queue bound, the API key, and every kind of bad
-//! input answered with OpenAI's error object naming the field.
+//! input answered with OpenAI's error object naming the field; a Qwen3-VL
+//! chat message with an image gets a lone session's ids.
 
 mod common;
 
@@ -13,7 +14,7 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use common::checkpoint::{edited_fixture, fixture_dir};
+use common::checkpoint::{Scratch, edited_fixture, fixture_dir, temp_dir};
 use serde_json::{Value, json};
 use wgspark::server::{Server, ServerOptions};
 use wgspark::{
@@ -716,4 +717,104 @@ fn a_failed_step_fails_its_request_and_the_server_goes_on() {
     assert_eq!(ids(&served.json()["choices"][0]["token_ids"]), want);
     // The engine lets a finished sequence go once its steps in flight end.
     server.until("the pool given back", |s| s.metric("wgspark_kv_blocks_used") == 0.0);
+}
+
+/// tests/fixtures/qwen3_vl_images (a vocabulary of 230 ids) with a
+/// word-level tokenizer over it (`w0` to `w199`, the chat marks, Qwen's
+/// vision marks at their config's ids) and a template that writes an
+/// image as Qwen3-VL's does.
+fn vision_chat_model() -> Scratch {
+    let source = fixture_dir("qwen3_vl_images");
+    let dir = temp_dir("vision-chat");
+    for file in ["config.json", "model.safetensors", "preprocessor_config.json"] {
+        std::fs::copy(source.join(file), dir.join(file)).unwrap();
+    }
+    let mut vocab: serde_json::Map<String, Value> = (0..200).map(|i| (format!("w{i}"), json!(i))).collect();
+    vocab.insert("user".into(), json!(200));
+    vocab.insert("assistant".into(), json!(201));
+    vocab.insert("[UNK]".into(), json!(202));
+    let special = [
+        (203, "<|im_start|>"),
+        (204, "<|im_end|>"),
+        (226, "<|image_pad|>"),
+        (228, "<|vision_start|>"),
+        (229, "<|vision_end|>"),
+    ];
+    let added: Vec<Value> = special
+        .iter()
+        .map(|&(id, content)| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": true})
+        })
+        .collect();
+    for &(id, content) in &special {
+        vocab.insert(content.into(), json!(id));
+    }
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}\
+        {% else %}{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>\
+        {% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let config = json!({"chat_template": template, "eos_token": "<|im_end|>"});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
+
+/// A chat message whose parts are text and a PNG as a `data:` URI, on a
+/// Qwen3-VL model: the prompt is the template's (the image's placeholder
+/// once, its rows counted in usage), and the reply's ids are a lone
+/// session's given the same prompt and image; the same request without
+/// the image gets other ids.
+#[test]
+fn a_chat_message_with_an_image_gets_the_lone_session_ids() {
+    use base64::Engine as _;
+    use wgspark::PromptPart;
+    use wgspark::vision::RgbImage;
+    let dir = vision_chat_model();
+    let server = start(ServerOptions { kv_format: KvFormat::F32, ..ServerOptions::new(&*dir) });
+    let png = fixture_dir("qwen3_vl_images").join("wide.png");
+    let url = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(std::fs::read(&png).unwrap())
+    );
+    let ask = |parts: Value| {
+        let body = json!({"messages": [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": parts}],
+                          "max_tokens": 6, "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+        let answer = server.post("/v1/chat/completions", &body);
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer.json()
+    };
+    let reply =
+        ask(json!([{"type": "text", "text": "w3 w7 w11"}, {"type": "image_url", "image_url": {"url": url}}]));
+
+    let model = Model::load(&*dir, &gpu()).unwrap();
+    let tokenizer = model.tokenizer().unwrap().unwrap();
+    let template = model.chat_template().unwrap().unwrap();
+    let messages = [Message::new("system", "w5 w6"), Message::with_images("user", 1, "w3 w7 w11")];
+    let prompt = tokenizer.encode(&template.render(&messages, true).unwrap()).unwrap();
+    assert_eq!(ids(&reply["prompt_token_ids"]), prompt);
+    assert_eq!(prompt.iter().filter(|&&id| id == 226).count(), 1, "one placeholder");
+    let image = RgbImage::open(&png).unwrap();
+    let parts = PromptPart::split(&prompt, 226, std::slice::from_ref(&image)).unwrap();
+    let mut session =
+        model.session(&SessionOptions { kv_format: KvFormat::F32, ..Default::default() }).unwrap();
+    let argmax = |row: &[f32]| (0..row.len()).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as u32;
+    let mut want = vec![argmax(&session.prefill_multimodal(&parts).unwrap())];
+    while want.len() < 6 {
+        let position = session.position();
+        want.push(argmax(&session.step(*want.last().unwrap(), position).unwrap()));
+    }
+    let choice = &reply["choices"][0];
+    assert_eq!(ids(&choice["token_ids"]), want);
+    assert_eq!(choice["finish_reason"], "length");
+    let rows = reply["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(rows > prompt.len(), "the image counts its rows: {rows}");
+
+    let without = ask(json!("w3 w7 w11"));
+    assert_ne!(ids(&without["choices"][0]["token_ids"]), want, "the image changes the reply");
 }

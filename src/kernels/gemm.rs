@@ -502,7 +502,8 @@ impl Gemm {
         let flags = gemm_coop::flags(gpu, part.format, false);
         if max_tokens <= gemm_coop::FEW_TOKENS {
             let max = gemm_coop::MAX_FEW_TOKEN_K_SPLITS;
-            return gemm_coop::Tile::few_tokens(weight.rows, weight.cols, max_tokens, &flags, max).map_or(1, |f| f.1);
+            return gemm_coop::Tile::few_tokens(weight.rows, weight.cols, max_tokens, &flags, max)
+                .map_or(1, |f| f.1);
         }
         if !self.takes_half_copies(weight) {
             return 1;

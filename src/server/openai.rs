@@ -167,6 +167,7 @@ struct CommonFields {
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     return_token_ids: Option<bool>,
+    ignore_eos: Option<bool>,
     control_vectors: Option<Vec<ControlVectorUse>>,
 }
 
@@ -180,6 +181,8 @@ struct ChatMessage {
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum Role {
+    /// OpenAI's newer models call the system prompt's role `developer`.
+    #[serde(alias = "developer")]
     System,
     User,
     Assistant,
@@ -447,7 +450,13 @@ fn job(
         Some(n) => n as usize,
     };
     let stop_strings = stop_strings(common.stop, info)?;
-    let stop_tokens = if endpoint == Endpoint::Chat { &info.chat_stop_tokens } else { &info.stop_tokens };
+    // `ignore_eos` (llama-server's and vLLM's): the model's end-of-sequence
+    // and end-of-turn ids do not end the reply; it runs to its limit.
+    let stop_tokens = match (common.ignore_eos.unwrap_or(false), endpoint) {
+        (true, _) => Vec::new(),
+        (false, Endpoint::Chat) => info.chat_stop_tokens.clone(),
+        (false, Endpoint::Completion) => info.stop_tokens.clone(),
+    };
     Ok(Job {
         endpoint,
         prompt,
@@ -456,7 +465,7 @@ fn job(
         sampling: sampling(common.temperature, common.top_p, common.top_k)?,
         seed: common.seed.map_or_else(random_seed, |s| s as u64),
         max_tokens,
-        stop_tokens: stop_tokens.clone(),
+        stop_tokens,
         stop_strings,
         logprobs,
         steering: steering(common.control_vectors, info)?,
