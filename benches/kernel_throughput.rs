@@ -79,7 +79,7 @@ fn random_activations(n: usize) -> Vec<f32> {
 }
 
 fn step(gpu: &Gpu, pos0: u32, n_tokens: u32, attn_splits: u32) -> wgpu::Buffer {
-    let s = Step { pos0, n_tokens, attn_splits, decode_rows: 0 };
+    let s = Step { pos0, n_tokens, attn_splits, decode_rows: 0, attend_tiles: 0 };
     let b = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("step"),
         size: 16,
@@ -630,7 +630,8 @@ fn main() {
                     let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
                     let d = attention.plan_decode(&gpu, &shape, &b, &scratch).unwrap();
                     for sweep in [1, 2, 4, 8, 16, 32, 64, 128].into_iter().filter(|&n| n <= ctx as u32) {
-                        let value = Step { pos0, n_tokens: 1, attn_splits: sweep, decode_rows: 0 };
+                        let value =
+                            Step { pos0, n_tokens: 1, attn_splits: sweep, decode_rows: 0, attend_tiles: 0 };
                         gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
                         let attend = time(&gpu, std::slice::from_ref(&d.attend), Some(sweep), 1, reps);
                         let combine = time(&gpu, std::slice::from_ref(&d.combine), None, 1, reps);
@@ -640,7 +641,13 @@ fn main() {
                             combine * 1e3
                         );
                     }
-                    let value = Step { pos0, n_tokens: 1, attn_splits: splits as u32, decode_rows: 0 };
+                    let value = Step {
+                        pos0,
+                        n_tokens: 1,
+                        attn_splits: splits as u32,
+                        decode_rows: 0,
+                        attend_tiles: 0,
+                    };
                     gpu.queue.write_buffer(&s, 0, bytemuck::bytes_of(&value));
                 }
                 let timings: Vec<(&str, f64)> = if tokens == 1 {

@@ -6,8 +6,8 @@ mod common;
 use common::{Rng, assert_close, bf16_bytes, bf16_round, on_each_backend, reference, run, step_buffer};
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::attention::{
-    AttentionBindings, AttentionShape, CoopLayout, LaneLayout, PagedRows, PagedSplits, QkNormWeights,
-    SplitScratch,
+    AttentionBindings, AttentionShape, CoopLayout, LaneLayout, PagedRow, PagedRows, PagedSplits,
+    QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::bias_act::{Activation, BiasAct};
 use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
@@ -804,9 +804,27 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 // Decode rows run on subgroup lanes where the adapter's take a row.
                 let lanes = LaneLayout::choose(gpu, heads, rot, format).is_some() && max_splits > 1;
                 assert_eq!(attention.decode.is_some(), lanes, "{what}");
+                // Rows of a sequence's chunk share tiles of attend.
+                let paged_rows: Vec<PagedRow> = row_of
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &(s, pos))| PagedRow {
+                        sequence: s,
+                        position: pos,
+                        decode: meta[4 * t + 2] != u32::MAX,
+                    })
+                    .collect();
+                let tiles = attention.tiles(&paged_rows);
+                let chunks = seqs.iter().any(|&(_, rows)| rows > 1);
+                assert_eq!(tiles.iter().any(|t| t & 63 > 1), chunks, "a chunk's rows share tiles: {what}");
+                let mut tiled = meta.clone();
+                for (i, &tile) in tiles.iter().enumerate() {
+                    tiled[4 * i + 3] = tile;
+                }
+                gpu.queue.write_buffer(&meta_b, 0, bytemuck::cast_slice(&tiled));
                 let mut encoder = gpu.device.create_command_encoder(&Default::default());
                 let mut pass = encoder.begin_compute_pass(&Default::default());
-                for (d, rows) in attention.dispatches(n as u32, slots) {
+                for (d, rows) in attention.dispatches(n as u32, slots, tiles.len() as u32) {
                     d.encode(&mut pass, rows);
                 }
                 drop(pass);
@@ -1342,7 +1360,7 @@ fn sample_many(gpu: &Gpu, logits: &[f32], sampling: Sampling, seed: u64, draws: 
     let b = SampleBindings { step: &step, logits: &lb, tokens: &tokens, scratch: &scratch };
     let d = Sample::new(gpu).plan(gpu, logits.len(), sampling, seed, &b).unwrap();
     for i in 0..draws {
-        let s = Step { pos0: i as u32, n_tokens: 1, attn_splits: 1, decode_rows: 0 };
+        let s = Step { pos0: i as u32, n_tokens: 1, attn_splits: 1, decode_rows: 0, attend_tiles: 0 };
         gpu.queue.write_buffer(&step, 0, bytemuck::bytes_of(&s));
         let mut encoder = gpu.device.create_command_encoder(&Default::default());
         {

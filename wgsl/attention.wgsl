@@ -44,7 +44,9 @@ enable wgpu_cooperative_matrix;
 // p.v_stride: the qkv buffer itself (after the keys), or a buffer of
 // their own where the projection wrote them apart (a part in another
 // weight format, which then runs beside the q/k part instead of after it).
-// PAGED (rope_store and attend, one token per workgroup): the step's rows
+// PAGED (rope_store one token per workgroup, attend one tile of up to
+// tokens_per_wg consecutive rows of one sequence, the tiles listed by the
+// host in rows_meta): the step's rows
 // are a ragged batch, each of its own sequence: row t's position and its
 // sequence's block table come from rows_meta, its rotation from row t of
 // cos_sin (the host writes each row's angles), and position j of its
@@ -238,6 +240,9 @@ fn rotary_row(t: u32) -> u32 {
 
 #if PAGED
 const NO_SLOT: u32 = 0xffffffffu;
+// rows_meta[i].w: attend's tile i, its first row << TILE_ROW_BITS | its
+// row count (0: no tile).
+const TILE_ROW_BITS: u32 = 6u;
 
 // Key splits of step row t, which attends n_keys keys.
 fn row_splits(t: u32, n_keys: u32) -> u32 {
@@ -564,9 +569,19 @@ fn load_tile(values: bool, t: u32, k0: u32, n: u32, g: u32, l: u32) {
 @compute @workgroup_size(WG)
 fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
     let g = wid.x;
-    let t0 = wid.y * p.tokens_per_wg;
     let split = wid.z;
+#if PAGED
+    // Tile wid.y: consecutive rows of one sequence (see rows_meta).
+    let tile = rows_meta[wid.y].w;
+    let t0 = tile >> TILE_ROW_BITS;
+    let n_tok = tile & ((1u << TILE_ROW_BITS) - 1u);
+    if (n_tok == 0u) {
+        return;
+    }
+#else
+    let t0 = wid.y * p.tokens_per_wg;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
+#endif
     let rows = n_tok * GROUP;
     let tk = min(32u, TILE_FLOATS / (HEAD_DIM + 1u));
 
@@ -589,8 +604,16 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let splits = step.attn_splits;
 #endif
     let chunk = (n_keys + splits - 1u) / splits;
-    let lo = start + min(split * chunk, n_keys);
+    var lo = start + min(split * chunk, n_keys);
     let hi = start + min((split + 1u) * chunk, n_keys);
+#if PAGED
+    // An unsplit tile's key tiles start at multiples of tk whatever its
+    // first row, so that a row's sums do not depend on the rows tiled with
+    // it (keys before a row's window are masked).
+    if (splits == 1u) {
+        lo -= lo % tk;
+    }
+#endif
 
 #if DECODE
     // The new position's k and v, stored by the split that reads them.

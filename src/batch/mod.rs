@@ -42,7 +42,7 @@ use crate::flow::{
 };
 use crate::gpu::{MapWait, Readback};
 use crate::kernels::Step;
-use crate::kernels::attention::{PagedRows, PagedSplits};
+use crate::kernels::attention::{PagedRow, PagedRows, PagedSplits};
 use crate::kernels::gemm::PrefillPrecision;
 use crate::kernels::sample::{RowSampleBindings, RowSampling, SampleScratch};
 use crate::kv_cache::{KvCache, KvFormat};
@@ -986,12 +986,16 @@ impl<'m> BatchEngine<'m> {
                 table.extend(&self.running[r.seq].blocks);
             }
         }
+        let paged_rows: Vec<PagedRow> =
+            rows.iter().map(|r| PagedRow { sequence: r.seq, position: r.pos, decode: r.decode }).collect();
+        let tiles = self.plan.paged_tiles(&paged_rows);
         let mut slots = 0..;
         let meta: Vec<u32> = rows
             .iter()
-            .flat_map(|r| {
+            .enumerate()
+            .flat_map(|(i, r)| {
                 let slot = if r.decode { slots.next().unwrap() } else { NO_SLOT };
-                [r.pos as u32, table_at[r.seq] as u32, slot, 0]
+                [r.pos as u32, table_at[r.seq] as u32, slot, tiles.get(i).copied().unwrap_or(0)]
             })
             .collect();
         let width = self.rotary_row;
@@ -1018,9 +1022,10 @@ impl<'m> BatchEngine<'m> {
             self.act.write_tokens(gpu, &tokens);
         }
         let decode_rows = rows.iter().filter(|r| r.decode).count() as u32;
-        let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, decode_rows };
+        let attend_tiles = tiles.len() as u32;
+        let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, decode_rows, attend_tiles };
         gpu.queue.write_buffer(&self.act.step, 0, bytemuck::bytes_of(&step));
-        let head_step = Step { pos0: 0, n_tokens: choosing.len() as u32, attn_splits: 1, decode_rows: 0 };
+        let head_step = Step { n_tokens: choosing.len() as u32, attn_splits: 1, ..Step::default() };
         gpu.queue.write_buffer(&b.head_step, 0, bytemuck::bytes_of(&head_step));
         gpu.queue.write_buffer(&b.rows, 0, bytemuck::cast_slice(&meta));
         gpu.queue.write_buffer(&b.block_table, 0, bytemuck::cast_slice(&table));

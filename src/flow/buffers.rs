@@ -215,7 +215,7 @@ impl Activations {
             pos0: pos0 as u32,
             n_tokens: n_tokens as u32,
             attn_splits: attn_splits as u32,
-            decode_rows: 0,
+            ..Step::default()
         };
         gpu.queue.write_buffer(&self.step, 0, bytemuck::bytes_of(&step));
         step

@@ -54,7 +54,7 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor};
 use crate::kernels::Step;
 use crate::kernels::attention::{
-    AttentionBindings, AttentionShape, DecodeAttention, PagedAttention, PagedRows, QkNormWeights,
+    AttentionBindings, AttentionShape, DecodeAttention, PagedAttention, PagedRow, PagedRows, QkNormWeights,
     SplitScratch,
 };
 use crate::kernels::gemm::{Epilogue, Gemm, HalfCopies, PrefillPrecision};
@@ -513,6 +513,14 @@ impl Plan {
         self.gemm_rows = rows.max(2);
     }
 
+    /// The tiles of a ragged batch's `rows` for the paged attention of
+    /// every layer ([`PagedAttention::tiles`]: the layers share the rows'
+    /// buffer, and their heads and decode kernel, hence their tiles).
+    pub(crate) fn paged_tiles(&self, rows: &[PagedRow]) -> Vec<u32> {
+        let paged = self.layers.first().and_then(|l| l.attention.paged.as_ref());
+        paged.map_or_else(Vec::new, |p| p.tiles(rows))
+    }
+
     /// Whether a pass of `n` rows runs its projections through the GEMM.
     pub(crate) fn uses_gemm(&self, n: usize) -> bool {
         n >= self.gemm_rows
@@ -748,7 +756,7 @@ impl AttentionPlan {
         self.qkv.encode(rec, Phase::Layers, n, gemm);
         match (&self.paged, &self.decode) {
             (Some(paged), _) => {
-                for (d, rows) in paged.dispatches(n, step.decode_rows) {
+                for (d, rows) in paged.dispatches(n, step.decode_rows, step.attend_tiles) {
                     rec.encode(Phase::Layers, std::slice::from_ref(d), rows);
                 }
             }

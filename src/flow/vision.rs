@@ -216,7 +216,7 @@ impl Pass<'_> {
 
 fn step_buffer(gpu: &Gpu, n_tokens: usize) -> wgpu::Buffer {
     use wgpu::util::DeviceExt;
-    let step = Step { pos0: 0, n_tokens: n_tokens as u32, attn_splits: 1, decode_rows: 0 };
+    let step = Step { pos0: 0, n_tokens: n_tokens as u32, attn_splits: 1, decode_rows: 0, attend_tiles: 0 };
     gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some("vision.step"),
         contents: bytemuck::bytes_of(&step),

@@ -178,8 +178,9 @@ impl AttentionBindings<'_> {
 /// Where the rows of a ragged batch find their sequences' keys
 /// ([`Attention::plan_paged`]).
 pub struct PagedRows<'a> {
-    /// Per step row, u32 (position, index in `block_table` of the first
-    /// block of the row's sequence).
+    /// Per step row i, u32 (position, index in `block_table` of the first
+    /// block of the row's sequence, partial slot or `u32::MAX`, `attend`'s
+    /// tile i or 0: [`PagedAttention::tiles`]).
     pub rows: &'a wgpu::Buffer,
     /// Per sequence, the cache block of each block of its positions.
     pub block_table: &'a wgpu::Buffer,
@@ -189,6 +190,19 @@ pub struct PagedRows<'a> {
     /// (`max_splits` 1: none does).
     pub splits: PagedSplits<'a>,
 }
+
+/// A row of a ragged batch as its attention sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedRow {
+    /// Which sequence the row belongs to (any id the step's rows share).
+    pub sequence: usize,
+    pub position: usize,
+    /// A decode row: given a partial slot, its keys split.
+    pub decode: bool,
+}
+
+/// Bits of a tile's row count in its `rows` entry ([`PagedAttention::tiles`]).
+const TILE_ROW_BITS: u32 = 6;
 
 /// A ragged batch's attention (see [`Attention::plan_paged`]), encoded by
 /// [`Self::encode`].
@@ -203,20 +217,51 @@ pub struct PagedAttention {
     pub decode: Option<Dispatch>,
     /// The merge of the split rows' partials.
     pub combine: Option<Dispatch>,
+    /// Most rows of one of `attend`'s tiles.
+    pub tile_rows: usize,
 }
 
 impl PagedAttention {
+    /// The tiles `attend` runs over `rows` (a step's rows in order), each
+    /// `first row << 6 | row count`, for the fourth word of the rows'
+    /// entries: runs of up to [`Self::tile_rows`] consecutive positions of
+    /// one sequence share each K/V tile they load; a decode row is a tile
+    /// alone, and none where `attend_lanes` runs it.
+    pub fn tiles(&self, rows: &[PagedRow]) -> Vec<u32> {
+        let mut tiles: Vec<(usize, usize)> = Vec::new();
+        for (t, row) in rows.iter().enumerate() {
+            if row.decode && self.decode.is_some() {
+                continue;
+            }
+            let extends = |&&mut (first, n): &&mut (usize, usize)| {
+                let last = &rows[first + n - 1];
+                !row.decode
+                    && !rows[first].decode
+                    && first + n == t
+                    && n < self.tile_rows
+                    && last.sequence == row.sequence
+                    && last.position + 1 == row.position
+            };
+            match tiles.last_mut().filter(extends) {
+                Some(tile) => tile.1 += 1,
+                None => tiles.push((t, 1)),
+            }
+        }
+        tiles.into_iter().map(|(first, n)| ((first as u32) << TILE_ROW_BITS) | n as u32).collect()
+    }
+
     /// The dispatches of `n_rows` rows, the first `decode_rows` of them
-    /// decode rows, each with the rows its grid covers: `rope_store` and
+    /// decode rows, `attend` over `attend_tiles` [tiles](Self::tiles), each
+    /// with the rows its grid covers: `rope_store` and
     /// `attend` are left out of a step of decode rows alone where
     /// `attend_lanes` runs them (and stores their keys and values): every
     /// one of their workgroups would find nothing to do.
-    pub fn dispatches(&self, n_rows: u32, decode_rows: u32) -> Vec<(&Dispatch, u32)> {
+    pub fn dispatches(&self, n_rows: u32, decode_rows: u32, attend_tiles: u32) -> Vec<(&Dispatch, u32)> {
         let lanes = self.decode.as_ref().filter(|_| decode_rows > 0);
         let others = lanes.is_none() || decode_rows < n_rows;
         let mut out = Vec::new();
         if others {
-            out.extend([(&self.rope, n_rows), (&self.attend, n_rows)]);
+            out.extend([(&self.rope, n_rows), (&self.attend, attend_tiles)]);
         }
         out.extend(lanes.map(|d| (d, decode_rows)));
         out.extend(self.combine.as_ref().map(|d| (d, n_rows)));
@@ -240,6 +285,12 @@ pub struct PagedSplits<'a> {
 pub struct SplitScratch<'a> {
     pub acc: &'a wgpu::Buffer,
     pub max_sum: &'a wgpu::Buffer,
+}
+
+/// Tokens whose query rows `attend` holds at once (each K/V tile it loads
+/// serves them all): as many as its row and width limits allow.
+fn tile_tokens(h: Heads) -> usize {
+    (MAX_ROWS / h.group()).min(MAX_GROUP_WIDTH / (h.group() * h.dim)).max(1)
 }
 
 /// The geometry of one layer's attention.
@@ -550,7 +601,7 @@ impl Attention {
         // The chunk's tokens share each K/V tile among as many query rows as fit.
         let tokens_per_wg = match coop {
             Some(layout) => layout.rows() / group,
-            None => (MAX_ROWS / group).min(MAX_GROUP_WIDTH / (group * h.dim)).max(1),
+            None => tile_tokens(h),
         };
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg, None));
         // K and V heads; for attend_coop, the query rows too (into `out`).
@@ -619,7 +670,9 @@ impl Attention {
         let splits = &paged.splits;
         let lanes =
             LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format).filter(|_| splits.max_splits > 1);
-        let mut params = Self::params(shape, b, 1, Some(paged));
+        let tile_rows = tile_tokens(h);
+        debug_assert!(tile_rows < 1 << TILE_ROW_BITS);
+        let mut params = Self::params(shape, b, tile_rows, Some(paged));
         params.decode_apart = lanes.is_some() as u32;
         let params = ParamsBuffer::new(gpu, "attention.params", &params);
         let rows = [(13, paged.rows), (14, paged.block_table)];
@@ -635,7 +688,8 @@ impl Attention {
             [2 * h.kv as u32, 1, 1],
             1,
         )?;
-        let mut reading = b.rows_and_caches().to_vec();
+        // Its tiles carry their rows too.
+        let mut reading: Vec<_> = b.rows_and_caches().into_iter().filter(|&(i, _)| i != 1).collect();
         reading.extend(rows);
         reading.extend([(7, splits.acc), (8, splits.max_sum)]);
         let entry = Entry::ChunkAttend { bidirectional: false, paged: true };
@@ -667,7 +721,7 @@ impl Attention {
                 Some(self.dispatch(gpu, shape, Entry::Combine { paged: true }, &params, &merging, grid, 1)?)
             }
         };
-        Ok(PagedAttention { rope, attend, decode, combine })
+        Ok(PagedAttention { rope, attend, decode, combine, tile_rows })
     }
 
     /// Whether a chunk's (causal) attention can write its rows as f16 too

@@ -87,6 +87,9 @@ wgsl_struct! {
         /// A ragged batch's decode rows (its first rows), which the
         /// subgroup-lane attention runs apart.
         pub decode_rows: u32,
+        /// A ragged batch's tiles of paged attention
+        /// (`attention::PagedAttention::tiles`).
+        pub attend_tiles: u32,
     }
 }
 

@@ -137,7 +137,7 @@ pub fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize, attn_splits: usize) 
         pos0: pos0 as u32,
         n_tokens: n_tokens as u32,
         attn_splits: attn_splits as u32,
-        decode_rows: 0,
+        ..Default::default()
     };
     gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some("step"),
