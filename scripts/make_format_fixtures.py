@@ -6,6 +6,14 @@ GPU decodings against these bit for bit.
 Block bytes are random except the f16 scales, which are finite (one in
 eight subnormal, some negative) so that every value is a number.
 
+The types: BF16, F16, F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, then FP8 (below), then IQ4_NL (blocks of 32 values: f16 `d`,
+16 bytes of 4-bit indices into the non-linear table) and IQ4_XS (blocks of
+256: f16 `d`, 6-bit sub-block scales as u16 `scales_h` and 4 bytes
+`scales_l`, 128 bytes of indices). The IQ4 matrices come last in the file
+and in the random stream, so the earlier ones keep the bytes they had
+before the IQ4 types were added.
+
 FP8 (`w.F8_E4M3`, stored as I8 bytes) is in the engine's row blocks of 128
 values, each an f32 scale and 128 float8_e4m3fn bytes, on rows of
 FP8_COLS values (the last block partial, zero-padded); its values are
@@ -13,6 +21,7 @@ ml_dtypes' float8_e4m3fn decoding times the scale, in f32. Every byte but
 the two NaN codes occurs.
 
     python3 -m venv /tmp/gv && /tmp/gv/bin/pip install gguf numpy ml_dtypes
+    # gguf 0.19.0 (with IQ4_NL / IQ4_XS in gguf.quants) wrote the file
     /tmp/gv/bin/python scripts/make_format_fixtures.py
 """
 from pathlib import Path
@@ -28,7 +37,10 @@ ROWS, COLS = 5, 512
 SCALES = {
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.IQ4_NL: [0], T.IQ4_XS: [0],
 }
+# Drawn after FP8, so that adding them left the earlier matrices as they were.
+AFTER_FP8 = [T.IQ4_NL, T.IQ4_XS]
 
 
 def random_scales(rng, n):
@@ -75,21 +87,27 @@ def fp8_blocks(rng):
     return raw, values.astype(np.float32)
 
 
+def add_blocks(w, rng, ty):
+    data = blocks(rng, ty)
+    raw = data if data.dtype == np.uint8 else data.view(np.uint8)
+    values = dequantize(raw, ty).astype(np.float32).reshape(ROWS, COLS)
+    assert np.isfinite(values).all()
+    w.add_tensor(f"w.{ty.name}", raw, raw_shape=raw.shape, raw_dtype=ty)
+    w.add_tensor(f"y.{ty.name}", values)
+
+
 def main():
     rng = np.random.default_rng(2026)
     out = Path(__file__).resolve().parent.parent / "tests/fixtures/formats/blocks.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out), arch="formats")
-    for ty in [T.BF16, T.F16, T.F32, *SCALES]:
-        data = blocks(rng, ty)
-        raw = data if data.dtype == np.uint8 else data.view(np.uint8)
-        values = dequantize(raw, ty).astype(np.float32).reshape(ROWS, COLS)
-        assert np.isfinite(values).all()
-        w.add_tensor(f"w.{ty.name}", raw, raw_shape=raw.shape, raw_dtype=ty)
-        w.add_tensor(f"y.{ty.name}", values)
+    for ty in [T.BF16, T.F16, T.F32, *(t for t in SCALES if t not in AFTER_FP8)]:
+        add_blocks(w, rng, ty)
     raw, values = fp8_blocks(rng)
     w.add_tensor("w.F8_E4M3", raw, raw_shape=raw.shape, raw_dtype=T.I8)
     w.add_tensor("y.F8_E4M3", values)
+    for ty in AFTER_FP8:
+        add_blocks(w, rng, ty)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -75,6 +75,14 @@ CASES = {
         "minimax_m2", intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, rotary_dim=32,
         scoring_func="sigmoid", use_routing_bias=True, rope_theta=5000000.0, rms_norm_eps=1e-6,
         bos_token_id=1, eos_token_id=2), "Q4_K_M"),
+    # The non-linear 4-bit types (no importance matrix needed): IQ4_NL in
+    # blocks of 32, IQ4_XS in super-blocks of 256 with 6-bit sub-block scales.
+    "gguf_llama_iq4_nl": ("llama", base("llama"), "IQ4_NL"),
+    "gguf_qwen3_iq4_xs": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6), "IQ4_XS"),
+    "gguf_qwen3moe_iq4_xs": ("qwen3moe", base(
+        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        rms_norm_eps=1e-6), "IQ4_XS"),
 }
 
 

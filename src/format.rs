@@ -6,7 +6,7 @@
 //!
 //! A block format's GPU block is its file block with every field on a
 //! 4-byte boundary: the blocks whose size is 2 mod 4 get two zero bytes
-//! after their leading f16 scale (Q4_0, Q5_0, Q8_0) or after their
+//! after their leading f16 scale (Q4_0, Q5_0, Q8_0, IQ4_NL) or after their
 //! trailing one (Q3_K, Q6_K). The values and their bits are the file's.
 //!
 //! FP8 checkpoints (`float8_e4m3fn` weights with a `weight_scale_inv` per
@@ -49,6 +49,12 @@ pub enum WeightFormat {
     Q6K,
     /// float8_e4m3fn with an f32 scale per 128 values of a row.
     F8E4M3,
+    /// ggml's IQ4_NL: blocks of 32 4-bit indexes into [`IQ4NL_VALUES`]
+    /// and an f16 scale.
+    IQ4NL,
+    /// ggml's IQ4_XS: super-blocks of 256 4-bit indexes into
+    /// [`IQ4NL_VALUES`], an f16 scale and 6-bit scales per 32.
+    IQ4XS,
 }
 
 /// Where a block's two bytes of padding go on the GPU.
@@ -63,7 +69,7 @@ enum Padding {
 
 impl WeightFormat {
     /// Every format, in declaration order.
-    pub const ALL: [WeightFormat; 14] = [
+    pub const ALL: [WeightFormat; 16] = [
         WeightFormat::Bf16,
         WeightFormat::F16,
         WeightFormat::F32,
@@ -78,6 +84,8 @@ impl WeightFormat {
         WeightFormat::Q5K,
         WeightFormat::Q6K,
         WeightFormat::F8E4M3,
+        WeightFormat::IQ4NL,
+        WeightFormat::IQ4XS,
     ];
 
     /// The format's name: its GGUF type's, or safetensors' `F8_E4M3`.
@@ -92,8 +100,8 @@ impl WeightFormat {
     pub fn block_elements(self) -> usize {
         match self {
             Self::Bf16 | Self::F16 | Self::F32 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
-            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4NL => 32,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => 256,
             Self::F8E4M3 => FP8_BLOCK_ELEMS,
         }
     }
@@ -114,12 +122,14 @@ impl WeightFormat {
             Self::Q5K => 176,
             Self::Q6K => 210,
             Self::F8E4M3 => 4 + FP8_BLOCK_ELEMS,
+            Self::IQ4NL => 18,
+            Self::IQ4XS => 136,
         }
     }
 
     fn padding(self) -> Padding {
         match self {
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => Padding::AfterLeadingScale,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL => Padding::AfterLeadingScale,
             Self::Q3K | Self::Q6K => Padding::AtEnd,
             _ => Padding::None,
         }
@@ -181,6 +191,8 @@ impl WeightFormat {
             Self::Q5K => "W_Q5_K",
             Self::Q6K => "W_Q6_K",
             Self::F8E4M3 => "W_F8_E4M3",
+            Self::IQ4NL => "W_IQ4_NL",
+            Self::IQ4XS => "W_IQ4_XS",
         })
     }
 
@@ -238,6 +250,21 @@ pub fn f8_e4m3_to_f32(b: u8) -> f32 {
         (e, _) => (1.0 + mantissa / 8.0) * 2f32.powi(e as i32 - 7),
     };
     if b & 0x80 != 0 { -magnitude } else { magnitude }
+}
+
+/// The 16 values IQ4_NL's and IQ4_XS's 4-bit indexes select (ggml's
+/// `kvalues_iq4nl`).
+pub const IQ4NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// The formats' tables as WGSL constants, for the kernels that read
+/// weights (`wgsl/weights.wgsl`): IQ4NL_WORDS holds `IQ4NL_VALUES` as
+/// bytes, four to a word, the first in the low byte.
+pub fn wgsl_tables() -> String {
+    let words: Vec<String> = IQ4NL_VALUES
+        .chunks(4)
+        .map(|c| format!("0x{:08x}u", u32::from_le_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8])))
+        .collect();
+    format!("const IQ4NL_WORDS = array<u32, 4>({});\n", words.join(", "))
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -339,6 +366,27 @@ fn dequantize_block(format: WeightFormat, b: &[u8], y: &mut [f32]) {
                 let high = (qh[32 * n + r % 32] >> (2 * (r / 32))) & 3;
                 let q = (low | (high << 4)) as f32 - 32.0;
                 *v = d * scales[e / 16] as i8 as f32 * q;
+            }
+        }
+        IQ4NL => {
+            let d = f16_at(b, 0);
+            for (j, &q) in b[2..18].iter().enumerate() {
+                y[j] = d * IQ4NL_VALUES[(q & 0xf) as usize] as f32;
+                y[j + 16] = d * IQ4NL_VALUES[(q >> 4) as usize] as f32;
+            }
+        }
+        IQ4XS => {
+            let d = f16_at(b, 0);
+            let scales_h = u16::from_le_bytes([b[2], b[3]]);
+            let (scales_l, qs) = (&b[4..8], &b[8..136]);
+            for (i, (y, qs)) in y.chunks_exact_mut(32).zip(qs.chunks_exact(16)).enumerate() {
+                let low = (scales_l[i / 2] >> (4 * (i % 2))) & 0xf;
+                let high = ((scales_h >> (2 * i)) & 3) as u8;
+                let dl = d * ((low | (high << 4)) as f32 - 32.0);
+                for (j, &q) in qs.iter().enumerate() {
+                    y[j] = dl * IQ4NL_VALUES[(q & 0xf) as usize] as f32;
+                    y[j + 16] = dl * IQ4NL_VALUES[(q >> 4) as usize] as f32;
+                }
             }
         }
         F8E4M3 => {

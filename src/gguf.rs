@@ -49,7 +49,7 @@ impl std::fmt::Display for Meta {
 }
 
 /// A ggml tensor type: the ones the reader knows. Tensors of the others
-/// (the i-quants, ternary and FP4 types) make [`Gguf::open`] fail.
+/// (the other i-quants, ternary and FP4 types) make [`Gguf::open`] fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
     /// IEEE single precision.
@@ -100,6 +100,12 @@ pub enum GgmlType {
     /// sums per 16 (292 bytes): llama.cpp's activation type, not a weight
     /// format.
     Q8K,
+    /// i-quant: blocks of 32 4-bit indexes into a table of 16 non-linear
+    /// values and an f16 scale (18 bytes).
+    IQ4NL,
+    /// i-quant: super-blocks of 256 4-bit indexes into IQ4_NL's table, with
+    /// 6-bit scales per 32 (136 bytes).
+    IQ4XS,
 }
 
 /// The mapping between GGUF tensor types and the GPU weight formats
@@ -121,6 +127,8 @@ impl WeightFormat {
             GgmlType::Q4K => Self::Q4K,
             GgmlType::Q5K => Self::Q5K,
             GgmlType::Q6K => Self::Q6K,
+            GgmlType::IQ4NL => Self::IQ4NL,
+            GgmlType::IQ4XS => Self::IQ4XS,
             _ => return None,
         })
     }
@@ -141,6 +149,8 @@ impl WeightFormat {
             Self::Q4K => GgmlType::Q4K,
             Self::Q5K => GgmlType::Q5K,
             Self::Q6K => GgmlType::Q6K,
+            Self::IQ4NL => GgmlType::IQ4NL,
+            Self::IQ4XS => GgmlType::IQ4XS,
             Self::F8E4M3 => return None,
         })
     }
@@ -148,7 +158,7 @@ impl WeightFormat {
 
 /// Every type the reader knows: the type, its ggml id, its name, and its
 /// elements and bytes per block.
-const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 20] = [
+const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 22] = [
     (GgmlType::F32, 0, "F32", 1, 4),
     (GgmlType::F16, 1, "F16", 1, 2),
     (GgmlType::Q4_0, 2, "Q4_0", 32, 18),
@@ -163,6 +173,8 @@ const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 20] = [
     (GgmlType::Q5K, 13, "Q5_K", 256, 176),
     (GgmlType::Q6K, 14, "Q6_K", 256, 210),
     (GgmlType::Q8K, 15, "Q8_K", 256, 292),
+    (GgmlType::IQ4NL, 20, "IQ4_NL", 32, 18),
+    (GgmlType::IQ4XS, 23, "IQ4_XS", 256, 136),
     (GgmlType::I8, 24, "I8", 1, 1),
     (GgmlType::I16, 25, "I16", 1, 2),
     (GgmlType::I32, 26, "I32", 1, 4),
@@ -174,15 +186,13 @@ const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 20] = [
 /// ggml's other type ids, named in the error that refuses a tensor of one:
 /// the i-quants, ternary and FP4 types, and the repacked ones llama.cpp
 /// no longer writes.
-const UNREAD_GGML_TYPES: [(u32, &str); 21] = [
+const UNREAD_GGML_TYPES: [(u32, &str); 19] = [
     (16, "IQ2_XXS"),
     (17, "IQ2_XS"),
     (18, "IQ3_XXS"),
     (19, "IQ1_S"),
-    (20, "IQ4_NL"),
     (21, "IQ3_S"),
     (22, "IQ2_S"),
-    (23, "IQ4_XS"),
     (29, "IQ1_M"),
     (31, "Q4_0_4_4"),
     (32, "Q4_0_4_8"),

@@ -222,7 +222,7 @@ fn random_blocks(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) 
         F16 => return values(rng).iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
         F32 => return values(rng).iter().flat_map(|v| v.to_le_bytes()).collect(),
         Bf16 => panic!("bf16 weights are values, not blocks"),
-        Q8_0 | Q4_0 | Q5_0 => &[0],
+        Q8_0 | Q4_0 | Q5_0 | IQ4NL | IQ4XS => &[0],
         Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
         Q2K => &[80, 82],
         Q3K => &[108],

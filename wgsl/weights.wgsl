@@ -3,7 +3,8 @@
 // bound weight part, and `weight_quad(q)`, words 4q .. 4q + 3, in one load
 // where its binding is of quads, else as `words4(4q)`: rows in these
 // formats are whole quads of words). A build with WEIGHT_FORMAT reads one
-// of the formats below (W_F16, W_F32, W_Q4_0, ... W_Q6_K) through
+// of the formats below (W_F16, W_F32, W_Q4_0, ... W_Q6_K, W_IQ4_NL,
+// W_IQ4_XS) through
 //   weights4(row_word, e): elements e .. e + 3 (e % 4 == 0) of the row
 //                          whose first word is row_word (or the same in
 //                          two steps, load4 and decode4: below),
@@ -228,6 +229,60 @@ fn load4(row: u32, e: u32) -> Raw4 {
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     // Signed bytes, biased by 128 to unsigned.
     return f16_lo(r.scale) * uint_f32(fields4(r.q ^ 0x80808080u, 0u, 255u), 128.0);
+}
+#endif
+
+// IQ4_NL's table values of four 4-bit indexes: each index's word of
+// IQ4NL_WORDS (the table's signed bytes, four to a word, prepended from
+// src/format.rs) by two selects, then its byte.
+fn iq4nl_values(q: vec4<u32>) -> vec4<f32> {
+    let odd = (q & vec4<u32>(4u)) != vec4<u32>(0u);
+    let low = select(vec4<u32>(IQ4NL_WORDS[0]), vec4<u32>(IQ4NL_WORDS[1]), odd);
+    let high = select(vec4<u32>(IQ4NL_WORDS[2]), vec4<u32>(IQ4NL_WORDS[3]), odd);
+    let w = select(low, high, q >= vec4<u32>(8u));
+    let b = (w >> (8u * (q & vec4<u32>(3u)))) & vec4<u32>(255u);
+    // Signed bytes, biased by 128 to unsigned.
+    return uint_f32(b ^ vec4<u32>(0x80u), 128.0);
+}
+
+// IQ4_NL: [d f16, pad][16 bytes of nibbles, laid out as Q4_0's]: d v(q),
+// v IQ4_NL's table.
+#if W_IQ4_NL
+const BLOCK_ELEMS: u32 = 32u;
+const BLOCK_WORDS: u32 = 5u;
+alias Raw4 = ScaledWord;
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 32u) * 5u;
+    return Raw4(weight_word(b), nibble_word(b + 1u, e));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    return f16_lo(r.scale) * iq4nl_values(nibbles4(r.q, e));
+}
+#endif
+
+// IQ4_XS: [d f16, scales_h u16][scales_l: 4 bytes][128 bytes of nibbles]:
+// 32 elements per sub-block n, each laid out as a Q4_0 block in bytes
+// 16 n ..; its 6-bit scale is nibble n of scales_l topped by bits 2 n of
+// scales_h, less 32: d (scale) v(q), v IQ4_NL's table.
+#if W_IQ4_XS
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 34u;
+struct Raw4 {
+    head: u32,
+    scales_l: u32,
+    q: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 34u;
+    let i = e % 256u;
+    return Raw4(weight_word(b), weight_word(b + 1u), weight_word(b + 2u + (i / 32u) * 4u + (i % 16u) / 4u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let n = (e % 256u) / 32u;
+    let low = (byte_of(r.scales_l, n / 2u) >> (4u * (n % 2u))) & 15u;
+    let high = (r.head >> (16u + 2u * n)) & 3u;
+    let d = f16_lo(r.head) * (small_uint_f32(low | (high << 4u)) - 32.0);
+    return d * iq4nl_values(nibbles4(r.q, e));
 }
 #endif
 

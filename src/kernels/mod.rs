@@ -309,7 +309,8 @@ pub fn builds() -> Vec<Build> {
 pub fn shader_source(family: &str, flags: &[&str]) -> Option<String> {
     let f = KERNEL_FAMILIES.iter().find(|f| f.name == family)?;
     let structs: String = std::iter::once(Step::WGSL).chain((f.structs)()).collect();
-    let weights = if f.reads_weights { WEIGHTS } else { "" };
+    let weights =
+        if f.reads_weights { format!("{}{WEIGHTS}", crate::format::wgsl_tables()) } else { String::new() };
     let sum = if f.sums_workgroups { WORKGROUP_SUM } else { "" };
     let body = preprocess(f.source, flags);
     let is_enable = |l: &&str| l.starts_with("enable ");
