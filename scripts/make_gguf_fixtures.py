@@ -44,7 +44,8 @@ def base(model_type, **extra):
     return cfg
 
 
-# name -> (gguf architecture, transformers config, llama-quantize type)
+# name -> (gguf architecture, transformers config, llama-quantize type, or
+# its options ending with the type)
 CASES = {
     "gguf_llama_q4_k_m": ("llama", base("llama"), "Q4_K_M"),
     "gguf_llama_q8_0_tied": ("llama", base("llama", tie_word_embeddings=True), "Q8_0"),
@@ -83,6 +84,18 @@ CASES = {
         "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
         rms_norm_eps=1e-6), "IQ4_XS"),
+    # A mix as the "dynamic" quants write them: Q4_K_M's own mix overridden
+    # per tensor and per layer, so that one file holds nine types, the
+    # experts in a different one per layer (a layer's gate and up share
+    # theirs, as wgspark requires) and their down rows in another.
+    "gguf_qwen3moe_mixed": ("qwen3moe", base(
+        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        rms_norm_eps=1e-6), ["--tensor-type", "attn_q=iq4_xs", "--tensor-type", "attn_k=q8_0",
+                             r"--tensor-type", r"blk\.0\.ffn_(gate|up)_exps=iq4_nl",
+                             r"--tensor-type", r"blk\.1\.ffn_(gate|up)_exps=q5_0",
+                             "--tensor-type", "ffn_down_exps=q3_k", "--token-embedding-type", "q6_k",
+                             "--output-tensor-type", "q5_k", "Q4_K_M"]),
 }
 
 
@@ -232,7 +245,9 @@ def case(name, quantize):
         with tempfile.TemporaryDirectory() as tmp:
             f32_path, q_path = Path(tmp) / "f32.gguf", Path(tmp) / "q.gguf"
             write_f32_gguf(f32_path, arch, cfg_dict, sd)
-            subprocess.run([quantize, str(f32_path), str(q_path), qtype], check=True, capture_output=True)
+            options = qtype if isinstance(qtype, list) else [qtype]
+            subprocess.run([quantize, *options[:-1], str(f32_path), str(q_path), options[-1]],
+                           check=True, capture_output=True)
             r = gguf.GGUFReader(str(q_path))
             values = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32)
                       .reshape([int(d) for d in reversed(t.shape)]) for t in r.tensors}
@@ -261,7 +276,7 @@ def case(name, quantize):
             out = ROOT / "tests/fixtures" / name
             out.mkdir(parents=True, exist_ok=True)
             (out / "model.gguf").write_bytes(data[0])
-            expected.update(types=data[1], seed=seed, quantization=qtype)
+            expected.update(types=data[1], seed=seed, quantization=" ".join(options))
             (out / "expected.json").write_text(json.dumps(expected))
             print(f"{name}: seed {seed}, types {data[1]}, ids {expected['generated_ids']}")
             return
