@@ -12,8 +12,9 @@ with a companion `<prefix>.weight_scale_inv` of shape
 
 quantized block by block (scale = max |W| over the block / 448). Embeddings,
 lm_head, every norm (q_norm / k_norm included), the MoE router and its
-e_score_correction_bias stay bf16. config.json carries the release's
-`quantization_config`.
+e_score_correction_bias stay bf16, but for the tensors a case keeps in F32
+(MiniMax-M2's router, as its release stores it). config.json carries the
+release's `quantization_config`.
 
 Each case directory holds config.json, model.safetensors and expected.json
 (prompt_ids, generated_ids, logits), checked by tests/conformance.rs like the
@@ -62,6 +63,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Logits must move by at least this much when the scale grid is misread.
 MIN_SCALE_EFFECT = 1e-2
+# ... and when a tensor kept in F32 is rounded to bf16 (five times the
+# tolerance, F32_TOLERANCE, that such a case asks of the exact
+# configuration in tests/conformance.rs).
+F32_TOLERANCE = 1e-4
+MIN_F32_EFFECT = 5e-4
 # A continuation that varies, so positions and the KV cache matter.
 MIN_DISTINCT_IDS = 5
 
@@ -148,6 +154,12 @@ CASES = {
     "fp8_qwen3_moe": (fp8_qwen3_moe, dict(
         prompt_len=12, steps=8, quantization_config=QWEN3_FP8, scale_dtype=torch.float16,
         must_matter=[dict(num_experts_per_tok=1)])),
+    # The router's gate.weight in F32 with values bf16 cannot hold: an
+    # engine that rounds it to bf16 moves the logits (by
+    # logit_move_when_f32_rounded_to_bf16 in expected.json).
+    "fp8_minimax_m2_f32_router": (fp8_minimax_m2, dict(
+        prompt_len=12, steps=8, quantization_config=MINIMAX_M2_FP8, scale_dtype=torch.bfloat16,
+        must_matter=[dict(rotary_dim=64)], bias_scale=0.15, keep_f32=r"\.block_sparse_moe\.gate\.weight$")),
     "fp8_partial_blocks": (fp8_partial_blocks, dict(
         prompt_len=12, steps=8, quantization_config=QWEN3_FP8, scale_dtype=torch.float32,
         must_matter=[dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0))])),
@@ -181,6 +193,16 @@ def vary_magnitudes(model, seed, sigma=0.5):
                 b.copy_(b.to(torch.bfloat16).to(torch.float32))
 
 
+def keep_full_precision(model, seed, keep_f32):
+    """Jitters the tensors a case keeps in F32 (randomize leaves every
+    value on the bf16 grid), so that bf16 cannot hold them."""
+    g = torch.Generator().manual_seed(40_000 + seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if re.search(keep_f32, name.replace(".mlp.", ".block_sparse_moe.")):
+                p.add_(torch.randn(p.shape, generator=g) * float(p.std()) * 0.01)
+
+
 def expand(scale, rows, cols):
     """One scale per element of a [rows, cols] weight."""
     return scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
@@ -206,11 +228,14 @@ def dequantize(q, scale):
     return q.float() * expand(scale.float(), rows, cols)
 
 
-def fp8_checkpoint(hub, scale_dtype):
-    """The checkpoint as shipped: FP8 projections with their scales, the rest bf16."""
+def fp8_checkpoint(hub, scale_dtype, f32=None):
+    """The checkpoint as shipped: FP8 projections with their scales, the
+    tensors of `f32` (hub name -> f32 values) in F32, the rest bf16."""
     out = {}
     for name, t in hub.items():
-        if FP8_NAME.search(name):
+        if f32 and name in f32:
+            out[name] = f32[name].contiguous()
+        elif FP8_NAME.search(name):
             q, scale = quantize(t, scale_dtype)
             out[name] = q.contiguous()
             out[name + "_scale_inv"] = scale.contiguous()
@@ -356,7 +381,18 @@ def scale_effects(tensors, model, ids):
     return effects
 
 
-def check_fixture(out, model):
+def f32_effect(tensors, model, ids, keep_f32):
+    """Max |logit change| over the teacher-forced ids when the tensors kept
+    in F32 are rounded to bf16."""
+    if not keep_f32:
+        return None
+    rounded = {k: (v.to(torch.bfloat16).float() if re.search(keep_f32, k) else v) for k, v in tensors.items()}
+    alt = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    alt.load_state_dict(in_memory(dequantized_state(rounded), model))
+    return float((mf.teacher_forced(alt, ids) - mf.teacher_forced(model, ids)).abs().max())
+
+
+def check_fixture(out, model, keep_f32=None):
     """Reopens the written checkpoint: dtypes, shapes, names; its dequantized
     weights must equal the reference model's exactly. Returns a summary."""
     scale_dtypes, fp8_count, codes = set(), 0, set()
@@ -376,6 +412,8 @@ def check_fixture(out, model):
             assert name + "_scale_inv" in tensors, f"{name}: no weight_scale_inv"
             fp8_count += 1
             codes.update(t.view(torch.uint8).unique().tolist())
+        elif keep_f32 and re.search(keep_f32, name):
+            assert dtypes[name] == "F32", f"{name}: {dtypes[name]} should stay F32"
         else:
             assert dtypes[name] == "BF16", f"{name}: {dtypes[name]} should stay bf16"
     state = in_memory(dequantized_state(tensors), model)
@@ -414,6 +452,9 @@ def make_case(name, out_root):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         mf.randomize(model, seed, opts.get("bias_scale", 0.0))
         vary_magnitudes(model, seed)
+        if opts.get("keep_f32"):
+            keep_full_precision(model, seed, opts["keep_f32"])
+        full = {k.replace(".mlp.", ".block_sparse_moe."): v.detach().clone() for k, v in model.state_dict().items()}
 
         g = torch.Generator().manual_seed(10_000 + seed)
         prompt = torch.randint(0, config.vocab_size, (opts["prompt_len"],), generator=g).tolist()
@@ -424,8 +465,11 @@ def make_case(name, out_root):
             model.to(torch.bfloat16).save_pretrained(bf16_dir, safe_serialization=True)
             write_config(bf16_dir / "config.json", layout, cfg_dict, None)
             hub = load_file(str(bf16_dir / "model.safetensors"))
+            keep_f32 = opts.get("keep_f32")
+            f32 = {k: full[k] for k in hub if keep_f32 and re.search(keep_f32, k)}
+            assert not keep_f32 or f32, f"{name}: nothing matches {keep_f32}"
             fp8_dir.mkdir()
-            save_file(fp8_checkpoint(hub, opts["scale_dtype"]), str(fp8_dir / "model.safetensors"),
+            save_file(fp8_checkpoint(hub, opts["scale_dtype"], f32), str(fp8_dir / "model.safetensors"),
                       metadata={"format": "pt"})
             shutil.copy(bf16_dir / "config.json", fp8_dir / "config.json")
             write_config(fp8_dir / "config.json", layout, cfg_dict, opts["quantization_config"])
@@ -459,6 +503,10 @@ def make_case(name, out_root):
             weak = {k: v for k, v in effects.items() if v is not None and v < MIN_SCALE_EFFECT}
             if weak:
                 sys.exit(f"{name}: misreading the scale grid moves logits by only {weak}")
+            rounding = f32_effect(tensors, reference, ids, keep_f32)
+            if rounding is not None and rounding < MIN_F32_EFFECT:
+                print(f"{name}: seed {seed}: rounding the F32 tensors moves logits by only {rounding:.2e}")
+                continue
             # Quantization error against the bf16 weights it came from.
             errs = [float((dequantize(tensors[k], tensors[k + "_scale_inv"]) - hub[k].float()).norm()
                           / hub[k].float().norm()) for k in tensors if tensors[k].dtype == FP8]
@@ -470,7 +518,7 @@ def make_case(name, out_root):
             out.mkdir(parents=True)
             shutil.copyfile(fp8_dir / "config.json", out / "config.json")
             shutil.copyfile(fp8_dir / "model.safetensors", out / "model.safetensors")
-            summary = check_fixture(out, reference)
+            summary = check_fixture(out, reference, keep_f32)
             cpu = transformers_fp8_cpu(out, prompt, opts["steps"], rows)
 
         expected = dict(
@@ -489,7 +537,9 @@ def make_case(name, out_root):
                 max_relative_quantization_error=max(errs),
                 logit_move_from_bf16_weights=bf16_move,
                 logit_move_when_scales_misread=effects,
+                logit_move_when_f32_rounded_to_bf16=rounding,
             ),
+            exact_tolerance=F32_TOLERANCE if rounding is not None else None,
             transformers_version=transformers.__version__,
             torch_version=torch.__version__,
         )
@@ -510,6 +560,8 @@ def report(name, out, summary, expected, rows, errs, cpu):
           f"{summary['codes']} distinct fp8 codes, quantization error (relative) "
           f"{min(errs):.4f}..{max(errs):.4f}; bf16 weights instead move logits by "
           f"{fp8['logit_move_from_bf16_weights']:.4f}")
+    if fp8["logit_move_when_f32_rounded_to_bf16"] is not None:
+        print(f"  F32 tensors rounded to bf16 move logits by {fp8['logit_move_when_f32_rounded_to_bf16']:.4f}")
     print("  misread scales move logits by " + ", ".join(
         f"{k} {v:.4f}" if v is not None else f"{k} n/a" for k, v in fp8["logit_move_when_scales_misread"].items()))
     print(f"  transformers' FP8 loading on the CPU: {cpu}")

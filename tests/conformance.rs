@@ -14,11 +14,14 @@ use wgspark::sampling::argmax;
 use wgspark::{Gpu, Model, PrefillPrecision, SessionOptions};
 
 /// (name, options, absolute tolerance, tolerance relative to the row's
-/// largest |logit|): the larger applies. On cooperative matrices also the
+/// largest |logit|): the larger applies. The exact configuration's bound is
+/// 1e-3 unless the case sets its own. On cooperative matrices also the
 /// f32 cache with chunks in one f16 part, so that the printed errors tell
 /// the two roundings apart.
-fn configurations(gpu: &Gpu) -> Vec<(&'static str, SessionOptions, f32, f32)> {
-    let mut out = vec![("exact", exact(), 1e-3, 0.0), ("default", SessionOptions::default(), 0.0, 4e-3)];
+fn configurations(gpu: &Gpu, case: &Case) -> Vec<(&'static str, SessionOptions, f32, f32)> {
+    let exact_bound = case.expected.exact_tolerance.unwrap_or(1e-3);
+    let mut out =
+        vec![("exact", exact(), exact_bound, 0.0), ("default", SessionOptions::default(), 0.0, 4e-3)];
     if gpu.caps.cooperative_matrix {
         let f16_chunks = SessionOptions { prefill_precision: PrefillPrecision::F16, ..exact() };
         out.push(("f16 chunks", f16_chunks, 0.0, 4e-3));
@@ -66,7 +69,7 @@ fn fixtures_match_transformers() {
                 }
             };
             let mut line = format!("{:<28} {:<8?}", case.name, gpu.info.backend);
-            for (name, options, abs, rel) in configurations(gpu) {
+            for (name, options, abs, rel) in configurations(gpu, case) {
                 match run_case(&model, case, &options, (abs, rel)) {
                     Ok(err) => line.push_str(&format!(" {name}: max |logit error| {err:.2e}")),
                     Err(why) => {

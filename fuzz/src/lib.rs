@@ -110,7 +110,10 @@ fn safetensors(dir: &Path) -> String {
     let opened = Checkpoint::open(dir, None);
     steps.push(outcome("open", &opened));
     if let Ok(c) = opened {
-        steps.push(outcome("bf16", &c.bf16_bytes("model.norm.weight", &[64])));
+        steps.push(outcome(
+            "stored",
+            &c.format("model.norm.weight").and_then(|_| c.stored_bytes("model.norm.weight", &[64])),
+        ));
         steps.push(outcome("f32", &c.f32_values("model.layers.0.input_layernorm.weight")));
     }
     let opened = Checkpoint::open(dir, Some(Quantization::Fp8 { block_rows: 128 }));

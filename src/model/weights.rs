@@ -197,60 +197,50 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The tensor as little-endian bf16 bytes, after checking its shape.
-    /// bf16 is borrowed from the map; f16 and f32 are converted (rounding to
-    /// nearest even), one tensor at a time.
-    pub fn bf16_bytes(&self, name: &str, expected_shape: &[usize]) -> Result<Cow<'_, [u8]>> {
+    /// A BF16, F16 or F32 tensor's bytes as stored (borrowed from the
+    /// map), after checking its shape; transposed if stored so.
+    fn float_bytes(&self, name: &str, expected_shape: &[usize]) -> Result<Cow<'_, [u8]>> {
         self.check_shape(name, expected_shape)?;
         let entry = self.entry(name)?;
-        let bytes = Self::bf16_of(name, entry.dtype, &self.files[entry.file].1[entry.bytes.clone()])?;
+        let width = float_width(name, entry.dtype)?;
+        let bytes = &self.files[entry.file].1[entry.bytes.clone()];
         if self.stored_transposed(name, entry, expected_shape) {
             let [e, p, q] = entry.shape[..] else {
                 unreachable!("a fused expert tensor has three dimensions")
             };
-            return Ok(Cow::Owned(transpose_matrices(&bytes, e, p, q, 2)));
+            return Ok(Cow::Owned(transpose_matrices(bytes, e, p, q, width)));
         }
-        Ok(bytes)
+        Ok(Cow::Borrowed(bytes))
     }
+}
 
-    /// `data` of `dtype` as bf16 bytes.
-    fn bf16_of<'d>(name: &str, dtype: Dtype, data: &'d [u8]) -> Result<Cow<'d, [u8]>> {
-        Ok(match dtype {
-            Dtype::BF16 => Cow::Borrowed(data),
-            Dtype::F16 => Cow::Owned(
-                data.chunks_exact(2)
-                    .flat_map(|b| {
-                        let v = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-                        half::bf16::from_f32(v).to_le_bytes()
-                    })
-                    .collect(),
-            ),
-            Dtype::F32 => Cow::Owned(
-                data.chunks_exact(4)
-                    .flat_map(|b| {
-                        let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                        half::bf16::from_f32(v).to_le_bytes()
-                    })
-                    .collect(),
-            ),
-            other => {
-                return Err(Error::WrongDtype {
-                    name: name.to_string(),
-                    expected: "BF16, F16 or F32".to_string(),
-                    found: format!("{other:?}"),
-                });
-            }
-        })
+/// The bytes per element of a tensor kept in its own float format.
+fn float_width(name: &str, dtype: Dtype) -> Result<usize> {
+    match dtype {
+        Dtype::BF16 | Dtype::F16 => Ok(2),
+        Dtype::F32 => Ok(4),
+        other => Err(Error::WrongDtype {
+            name: name.to_string(),
+            expected: "BF16, F16, F32 or F8_E4M3".to_string(),
+            found: format!("{other:?}"),
+        }),
     }
 }
 
 impl Checkpoint {
-    /// The format a tensor is uploaded in: FP8 for float8_e4m3fn weights
-    /// with their scales, else bf16.
+    /// The format a tensor is uploaded in: its own (BF16, F16 or F32: an
+    /// F32 router kept out of a release's quantization stays F32), FP8 for
+    /// float8_e4m3fn weights with their scales.
     pub fn format(&self, name: &str) -> Result<WeightFormat> {
         let entry = self.entry(name)?;
-        if entry.dtype != Dtype::F8_E4M3 {
-            return Ok(WeightFormat::Bf16);
+        match entry.dtype {
+            Dtype::F8_E4M3 => {}
+            Dtype::F32 => return Ok(WeightFormat::F32),
+            Dtype::F16 => return Ok(WeightFormat::F16),
+            other => {
+                float_width(name, other)?;
+                return Ok(WeightFormat::Bf16);
+            }
         }
         if self.fp8_block_rows.is_none() {
             return Err(Error::Unsupported {
@@ -323,12 +313,12 @@ impl Checkpoint {
                 self.check_shape(name, shape)?;
                 Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows, None)?))
             }
-            _ => self.bf16_bytes(name, shape),
+            _ => self.float_bytes(name, shape),
         }
     }
 
     /// Rows `rows` of a tensor read as `[rows, last dim]`, in the layout of
-    /// its [`Self::format`] (bf16 borrowed from the map).
+    /// its [`Self::format`] (floats borrowed from the map).
     pub fn stored_rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Cow<'_, [u8]>> {
         self.check_shape(name, shape)?;
         let entry = self.entry(name)?;
@@ -347,14 +337,13 @@ impl Checkpoint {
             let per_matrix = shape[1];
             let matrices = rows.start / per_matrix..rows.end.div_ceil(per_matrix);
             let (p, q) = (entry.shape[1], entry.shape[2]);
-            let width = entry.dtype.bitsize().div_ceil(8);
+            let width = float_width(name, entry.dtype)?;
             let data = &self.files[entry.file].1[entry.bytes.clone()];
             let part = &data[matrices.start * p * q * width..matrices.end * p * q * width];
-            let bf16 = Self::bf16_of(name, entry.dtype, part)?;
-            let transposed = transpose_matrices(&bf16, matrices.len(), p, q, 2);
+            let transposed = transpose_matrices(part, matrices.len(), p, q, width);
             let first = matrices.start * per_matrix;
             return Ok(Cow::Owned(
-                transposed[(rows.start - first) * cols * 2..(rows.end - first) * cols * 2].to_vec(),
+                transposed[(rows.start - first) * cols * width..(rows.end - first) * cols * width].to_vec(),
             ));
         }
         match (entry.dtype, self.fp8_block_rows) {
@@ -362,10 +351,11 @@ impl Checkpoint {
                 Ok(Cow::Owned(self.fp8_blocks(name, entry, block_rows, Some(rows))?))
             }
             (dtype, _) => {
-                let width = dtype.bitsize().div_ceil(8);
+                let width = float_width(name, dtype)?;
                 let data = &self.files[entry.file].1[entry.bytes.clone()];
-                let part = data.get(rows.start * cols * width..rows.end * cols * width).unwrap_or_default();
-                Self::bf16_of(name, dtype, part)
+                Ok(Cow::Borrowed(
+                    data.get(rows.start * cols * width..rows.end * cols * width).unwrap_or_default(),
+                ))
             }
         }
     }

@@ -8,6 +8,10 @@ pub struct Expected {
     pub prompt_ids: Vec<u32>,
     pub generated_ids: Vec<u32>,
     pub logits: Vec<Vec<f32>>,
+    /// A case's own bound on the exact configuration's error, tighter than
+    /// the default (a checkpoint whose F32 tensors must stay F32).
+    #[serde(default)]
+    pub exact_tolerance: Option<f32>,
 }
 
 pub struct Case {
