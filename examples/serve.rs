@@ -48,6 +48,11 @@ struct Args {
     /// Positions of one sequence (default: the model's, at most 8192).
     #[arg(long)]
     context: Option<usize>,
+    /// Most rows of one step, decode rows and prompt chunks together
+    /// (default 512): fewer bound the pause a new prompt puts in the
+    /// running streams, more prefill faster.
+    #[arg(long)]
+    step_tokens: Option<usize>,
     /// KV cache format: f16 (default) or f32.
     #[arg(long, default_value = "f16")]
     kv_cache: KvFormat,
@@ -122,6 +127,7 @@ fn run(args: Args) -> CliResult<()> {
         queue: args.queue,
         kv_memory: args.kv_memory,
         context_len: args.context,
+        step_tokens: args.step_tokens,
         kv_format: args.kv_cache,
         api_key,
         max_body: usize::try_from(args.max_body)?,

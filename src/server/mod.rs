@@ -65,6 +65,11 @@ pub struct ServerOptions {
     /// Most positions of one sequence (`None`: the model's, at most
     /// [`crate::session::DEFAULT_CONTEXT_CAP`]).
     pub context_len: Option<usize>,
+    /// Most rows of one step, decode rows and prompt chunks together
+    /// (`None`: [`BatchOptions`](crate::batch::BatchOptions)' default).
+    /// Fewer bound the pause a new prompt puts in the running streams;
+    /// more prefill faster.
+    pub step_tokens: Option<usize>,
     /// How the KV pool stores keys and values.
     pub kv_format: KvFormat,
     /// Every endpoint but `/health` wants `Authorization: Bearer` this key.
@@ -95,6 +100,7 @@ impl ServerOptions {
             queue: 64,
             kv_memory: None,
             context_len: None,
+            step_tokens: None,
             kv_format: KvFormat::F16,
             api_key: None,
             max_body: DEFAULT_MAX_BODY,
