@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use clap::Parser;
 use common::{Reporter, parse_size};
-use wgspark::server::{DEFAULT_MAX_BODY, Server, ServerOptions};
+use wgspark::server::{DEFAULT_MAX_BODY, DEFAULT_STEP_TOKENS, Server, ServerOptions};
 use wgspark::{Backend, Gpu, GpuOptions, KvFormat, Progress};
 
 type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -48,11 +48,11 @@ struct Args {
     /// Positions of one sequence (default: the model's, at most 8192).
     #[arg(long)]
     context: Option<usize>,
-    /// Most rows of one step, decode rows and prompt chunks together
-    /// (default 512): fewer bound the pause a new prompt puts in the
-    /// running streams, more prefill faster.
-    #[arg(long)]
-    step_tokens: Option<usize>,
+    /// Most rows of one step, decode rows and prompt chunks together:
+    /// fewer bound the pause a new prompt puts in the running streams,
+    /// more prefill faster.
+    #[arg(long, default_value_t = DEFAULT_STEP_TOKENS)]
+    step_tokens: usize,
     /// KV cache format: f16 (default) or f32.
     #[arg(long, default_value = "f16")]
     kv_cache: KvFormat,

@@ -350,7 +350,26 @@ fn stop_strings_end_the_reply_unsent() {
 /// lengths: each gets the ids of a lone session.
 #[test]
 fn concurrent_requests_each_get_their_lone_ids() {
-    let server = chat_server();
+    concurrent_requests_get_lone_ids(chat_server());
+}
+
+/// Steps of 8 rows: prompts run in chunks over many steps, and the decode
+/// rows of the running streams leave some steps no room for them.
+#[test]
+fn a_small_step_budget_keeps_the_lone_ids() {
+    concurrent_requests_get_lone_ids(&start(ServerOptions { step_tokens: 8, ..chat_options() }));
+}
+
+#[test]
+fn a_step_budget_of_zero_is_an_error() {
+    let options = ServerOptions { step_tokens: 0, listen: "127.0.0.1:0".parse().unwrap(), ..chat_options() };
+    let server = Server::start(&gpu(), options, |_| {}).unwrap();
+    let err = server.wait_until_loaded().expect_err("a step of no rows");
+    assert!(err.to_string().contains("step_tokens 0"), "{err}");
+}
+
+/// 16 requests of different lengths at once, streamed and not.
+fn concurrent_requests_get_lone_ids(server: &Running) {
     let model = Model::load(chat_model(), &gpu()).unwrap();
     let mut rng = common::Rng::new(5);
     let prompts: Vec<Vec<u32>> = (0..16)

@@ -131,7 +131,7 @@ fn batch_options(model: &Model, options: &ServerOptions) -> BatchOptions {
     BatchOptions {
         max_sequences: options.parallel,
         context_len: options.context_len,
-        step_tokens: options.step_tokens.unwrap_or(defaults.step_tokens),
+        step_tokens: options.step_tokens,
         kv_format: options.kv_format,
         kv_blocks: options.kv_memory.map(|bytes| (bytes / block_bytes) as usize),
         ..defaults

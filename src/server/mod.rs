@@ -66,10 +66,9 @@ pub struct ServerOptions {
     /// [`crate::session::DEFAULT_CONTEXT_CAP`]).
     pub context_len: Option<usize>,
     /// Most rows of one step, decode rows and prompt chunks together
-    /// (`None`: [`BatchOptions`](crate::batch::BatchOptions)' default).
-    /// Fewer bound the pause a new prompt puts in the running streams;
-    /// more prefill faster.
-    pub step_tokens: Option<usize>,
+    /// ([`DEFAULT_STEP_TOKENS`]). Fewer bound the pause a new prompt puts
+    /// in the running streams; more prefill faster.
+    pub step_tokens: usize,
     /// How the KV pool stores keys and values.
     pub kv_format: KvFormat,
     /// Every endpoint but `/health` wants `Authorization: Bearer` this key.
@@ -84,6 +83,11 @@ pub struct ServerOptions {
     /// Print a line per request to stderr.
     pub log_requests: bool,
 }
+
+/// Default for [`ServerOptions::step_tokens`]: half the batch engine's, so
+/// that a step that takes in a prompt chunk beside 64 streams stays under
+/// 100 ms on a datacenter GPU with an 8B model (docs/performance.md).
+pub const DEFAULT_STEP_TOKENS: usize = 256;
 
 /// Default for [`ServerOptions::max_body`]: room for a few large images.
 pub const DEFAULT_MAX_BODY: usize = 32 << 20;
@@ -100,7 +104,7 @@ impl ServerOptions {
             queue: 64,
             kv_memory: None,
             context_len: None,
-            step_tokens: None,
+            step_tokens: DEFAULT_STEP_TOKENS,
             kv_format: KvFormat::F16,
             api_key: None,
             max_body: DEFAULT_MAX_BODY,
