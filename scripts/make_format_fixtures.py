@@ -10,9 +10,12 @@ The types: BF16, F16, F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
 Q5_K, Q6_K, then FP8 (below), then IQ4_NL (blocks of 32 values: f16 `d`,
 16 bytes of 4-bit indices into the non-linear table) and IQ4_XS (blocks of
 256: f16 `d`, 6-bit sub-block scales as u16 `scales_h` and 4 bytes
-`scales_l`, 128 bytes of indices). The IQ4 matrices come last in the file
-and in the random stream, so the earlier ones keep the bytes they had
-before the IQ4 types were added.
+`scales_l`, 128 bytes of indices), then the lower i-quants (IQ2_XXS,
+IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S: a leading f16 `d`; IQ1_M: `d` in
+the top nibbles of its four u16 scales) and MXFP4 (its e8m0 scale byte
+kept in 100 .. 154, so that values are normal and finite). Types added
+later come later in the file and in the random stream, so the earlier
+matrices keep the bytes they had.
 
 FP8 (`w.F8_E4M3`, stored as I8 bytes) is in the engine's row blocks of 128
 values, each an f32 scale and 128 float8_e4m3fn bytes, on rows of
@@ -38,9 +41,12 @@ SCALES = {
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
     T.IQ4_NL: [0], T.IQ4_XS: [0],
+    T.IQ2_XXS: [0], T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0],
+    T.IQ1_M: [], T.MXFP4: [],
 }
 # Drawn after FP8, so that adding them left the earlier matrices as they were.
-AFTER_FP8 = [T.IQ4_NL, T.IQ4_XS]
+AFTER_FP8 = [T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
+             T.MXFP4]
 
 
 def random_scales(rng, n):
@@ -63,6 +69,15 @@ def blocks(rng, ty):
     b = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
     for at in SCALES[ty]:
         b[:, at:at + 2] = random_scales(rng, n).view(np.uint8).reshape(n, 2)
+    if ty == T.IQ1_M:
+        # d's four nibbles are the top nibbles of the u16 scales at 48 .. 56.
+        d = random_scales(rng, n).view(np.uint16).astype(np.uint16)
+        sc = b[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for i in range(4):
+            sc[:, i] |= ((d >> np.uint16(4 * i)) & np.uint16(0xF)) << np.uint16(12)
+        b[:, 48:56] = sc.view(np.uint8)
+    if ty == T.MXFP4:
+        b[:, 0] = rng.integers(100, 155, size=n, dtype=np.uint8)
     return b.reshape(ROWS, COLS // block_elems * block_bytes)
 
 

@@ -6,8 +6,13 @@
 //!
 //! A block format's GPU block is its file block with every field on a
 //! 4-byte boundary: the blocks whose size is 2 mod 4 get two zero bytes
-//! after their leading f16 scale (Q4_0, Q5_0, Q8_0, IQ4_NL) or after their
-//! trailing one (Q3_K, Q6_K). The values and their bits are the file's.
+//! after their leading f16 scale (Q4_0, Q5_0, Q8_0, IQ4_NL, IQ2_XXS,
+//! IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S) or after their trailing one (Q3_K,
+//! Q6_K), MXFP4 three after its leading exponent byte. The values and
+//! their bits are the file's.
+//!
+//! The i-quants below 4 bits pick each group of 4 or 8 values from a
+//! lattice (a "grid", [`grids`]) by index, with signs and scales beside.
 //!
 //! FP8 checkpoints (`float8_e4m3fn` weights with a `weight_scale_inv` per
 //! block of rows x 128 columns) are stored on the GPU, and handed over by
@@ -17,6 +22,9 @@
 //! row is read like any other block format.
 
 use std::borrow::Cow;
+
+mod grids;
+pub use grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
 
 /// The storage format of a weight matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -55,21 +63,35 @@ pub enum WeightFormat {
     /// ggml's IQ4_XS: super-blocks of 256 4-bit indexes into
     /// [`IQ4NL_VALUES`], an f16 scale and 6-bit scales per 32.
     IQ4XS,
-}
-
-/// Where a block's two bytes of padding go on the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Padding {
-    None,
-    /// After the leading 2-byte scale.
-    AfterLeadingScale,
-    /// After the trailing 2-byte scale.
-    AtEnd,
+    /// ggml's IQ2_XXS: super-blocks of 256, each 8 values an 8-bit index
+    /// into [`IQ2XXS_GRID`] with 7 sign bits, a 4-bit scale per 32.
+    IQ2XXS,
+    /// ggml's IQ2_XS: as IQ2_XXS with 9-bit indexes into [`IQ2XS_GRID`] and
+    /// a 4-bit scale per 16.
+    IQ2XS,
+    /// ggml's IQ2_S: 10-bit indexes into [`IQ2S_GRID`], 8 sign bits per 8
+    /// values, a 4-bit scale per 16.
+    IQ2S,
+    /// ggml's IQ3_XXS: each 4 values an 8-bit index into [`IQ3XXS_GRID`],
+    /// 7 sign bits per 8, a 4-bit scale per 32.
+    IQ3XXS,
+    /// ggml's IQ3_S: 9-bit indexes into [`IQ3S_GRID`], 8 sign bits per 8, a
+    /// 4-bit odd scale per 32.
+    IQ3S,
+    /// ggml's IQ1_S: each 8 values an 11-bit index into [`IQ1S_GRID`] (of
+    /// -1, 0, 1), a 3-bit scale and a shift of +-1/8 per 32.
+    IQ1S,
+    /// ggml's IQ1_M: as IQ1_S with a scale per 16 and a shift per 8; its
+    /// f16 scale is spread over the top nibbles of the scales.
+    IQ1M,
+    /// ggml's MXFP4 (OCP microscaling): blocks of 32 e2m1 values
+    /// ([`MXFP4_VALUES`], doubled) and a power-of-two scale byte (e8m0).
+    MXFP4,
 }
 
 impl WeightFormat {
     /// Every format, in declaration order.
-    pub const ALL: [WeightFormat; 16] = [
+    pub const ALL: [WeightFormat; 24] = [
         WeightFormat::Bf16,
         WeightFormat::F16,
         WeightFormat::F32,
@@ -86,6 +108,14 @@ impl WeightFormat {
         WeightFormat::F8E4M3,
         WeightFormat::IQ4NL,
         WeightFormat::IQ4XS,
+        WeightFormat::IQ2XXS,
+        WeightFormat::IQ2XS,
+        WeightFormat::IQ2S,
+        WeightFormat::IQ3XXS,
+        WeightFormat::IQ3S,
+        WeightFormat::IQ1S,
+        WeightFormat::IQ1M,
+        WeightFormat::MXFP4,
     ];
 
     /// The format's name: its GGUF type's, or safetensors' `F8_E4M3`.
@@ -100,8 +130,11 @@ impl WeightFormat {
     pub fn block_elements(self) -> usize {
         match self {
             Self::Bf16 | Self::F16 | Self::F32 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4NL => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4NL | Self::MXFP4 => 32,
             Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => 256,
+            Self::IQ2XXS | Self::IQ2XS | Self::IQ2S | Self::IQ3XXS | Self::IQ3S | Self::IQ1S | Self::IQ1M => {
+                256
+            }
             Self::F8E4M3 => FP8_BLOCK_ELEMS,
         }
     }
@@ -124,23 +157,32 @@ impl WeightFormat {
             Self::F8E4M3 => 4 + FP8_BLOCK_ELEMS,
             Self::IQ4NL => 18,
             Self::IQ4XS => 136,
+            Self::IQ2XXS => 66,
+            Self::IQ2XS => 74,
+            Self::IQ2S => 82,
+            Self::IQ3XXS => 98,
+            Self::IQ3S => 110,
+            Self::IQ1S => 50,
+            Self::IQ1M => 56,
+            Self::MXFP4 => 17,
         }
     }
 
-    fn padding(self) -> Padding {
+    /// Where a block gets zero bytes on the GPU, and how many: (offset in
+    /// the file block, bytes).
+    fn padding(self) -> (usize, usize) {
         match self {
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL => Padding::AfterLeadingScale,
-            Self::Q3K | Self::Q6K => Padding::AtEnd,
-            _ => Padding::None,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL => (2, 2),
+            Self::IQ2XXS | Self::IQ2XS | Self::IQ2S | Self::IQ3XXS | Self::IQ3S | Self::IQ1S => (2, 2),
+            Self::Q3K | Self::Q6K => (self.file_block_bytes(), 2),
+            Self::MXFP4 => (1, 3),
+            _ => (0, 0),
         }
     }
 
     /// Bytes per block on the GPU.
     pub fn gpu_block_bytes(self) -> usize {
-        match self.padding() {
-            Padding::None => self.file_block_bytes(),
-            _ => self.file_block_bytes() + 2,
-        }
+        self.file_block_bytes() + self.padding().1
     }
 
     /// Whether a row of `cols` values is whole blocks, and whole words on
@@ -193,21 +235,28 @@ impl WeightFormat {
             Self::F8E4M3 => "W_F8_E4M3",
             Self::IQ4NL => "W_IQ4_NL",
             Self::IQ4XS => "W_IQ4_XS",
+            Self::IQ2XXS => "W_IQ2_XXS",
+            Self::IQ2XS => "W_IQ2_XS",
+            Self::IQ2S => "W_IQ2_S",
+            Self::IQ3XXS => "W_IQ3_XXS",
+            Self::IQ3S => "W_IQ3_S",
+            Self::IQ1S => "W_IQ1_S",
+            Self::IQ1M => "W_IQ1_M",
+            Self::MXFP4 => "W_MXFP4",
         })
     }
 
     /// File bytes (whole blocks) in the GPU layout.
     pub fn to_gpu_layout(self, file_bytes: &[u8]) -> Cow<'_, [u8]> {
         let block = self.file_block_bytes();
-        let pad_at = match self.padding() {
-            Padding::None => return Cow::Borrowed(file_bytes),
-            Padding::AfterLeadingScale => 2,
-            Padding::AtEnd => block,
-        };
+        let (pad_at, pad) = self.padding();
+        if pad == 0 {
+            return Cow::Borrowed(file_bytes);
+        }
         let mut out = Vec::with_capacity(file_bytes.len() / block * self.gpu_block_bytes());
         for b in file_bytes.chunks_exact(block) {
             out.extend_from_slice(&b[..pad_at]);
-            out.extend_from_slice(&[0, 0]);
+            out.extend_from_slice(&[0; 3][..pad]);
             out.extend_from_slice(&b[pad_at..]);
         }
         Cow::Owned(out)
@@ -256,19 +305,125 @@ pub fn f8_e4m3_to_f32(b: u8) -> f32 {
 /// `kvalues_iq4nl`).
 pub const IQ4NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
-/// The formats' tables as WGSL constants, for the kernels that read
-/// weights (`wgsl/weights.wgsl`): IQ4NL_WORDS holds `IQ4NL_VALUES` as
-/// bytes, four to a word, the first in the low byte.
-pub fn wgsl_tables() -> String {
-    let words: Vec<String> = IQ4NL_VALUES
+/// The 16 values of MXFP4's e2m1 codes, doubled (ggml's `kvalues_mxfp4`):
+/// the block's scale is halved to match.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half of MXFP4's e8m0 scale 2^(e - 127), as ggml's
+/// `ggml_e8m0_to_fp32_half` computes it (0 and 1 give subnormals).
+pub fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { (e as u32 - 1) << 23 };
+    f32::from_bits(bits)
+}
+
+/// IQ1_S's and IQ1_M's shift of a grid value: + or - this.
+pub const IQ1S_DELTA: f32 = 0.125;
+
+/// An i-quant's lattice: `entries` of values, each entry's codes in a u16
+/// (`bits` per code, the first value's lowest), `values[code]` the value a
+/// code stands for.
+pub struct Grid {
+    /// Bits per code slot: 2, or 4 (3-bit codes).
+    pub bits: u32,
+    pub values: &'static [i8],
+    pub entries: &'static [u16],
+}
+
+impl Grid {
+    /// Value `j` of entry `index`.
+    pub fn value(&self, index: usize, j: usize) -> f32 {
+        let code = (self.entries[index] >> (self.bits as usize * j)) & ((1 << self.bits) - 1);
+        self.values[code as usize] as f32
+    }
+
+    /// The grid as a WGSL constant `name`: entries of 8 values two to a word
+    /// (the first in the low half), codes as in `entries`; entries of 4
+    /// values one to a word, their values as bytes.
+    fn wgsl(&self, name: &str) -> String {
+        let words: Vec<u32> = if self.bits == 2 {
+            self.entries.chunks(2).map(|p| p[0] as u32 | (p[1] as u32) << 16).collect()
+        } else {
+            (0..self.entries.len())
+                .map(|i| (0..4).map(|j| (self.value(i, j) as u8 as u32) << (8 * j)).sum())
+                .collect()
+        };
+        let list: Vec<String> = words.iter().map(|w| format!("0x{w:x}u")).collect();
+        format!("const {name} = array<u32, {}>({});\n", words.len(), list.join(","))
+    }
+}
+
+/// The sign bits of IQ2_XXS's, IQ2_XS's and IQ3_XXS's 7-bit sign indexes
+/// (ggml's `ksigns_iq2xs`): the eighth makes the count of minus signs even.
+pub fn iq_signs(index: u32) -> u32 {
+    index | ((index.count_ones() & 1) << 7)
+}
+
+/// Sixteen signed bytes as the WGSL `vec4<u32>` `name`, four to a word,
+/// the first in the low byte.
+fn wgsl_bytes16(name: &str, values: &[i8; 16]) -> String {
+    let words: Vec<String> = values
         .chunks(4)
         .map(|c| format!("0x{:08x}u", u32::from_le_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8])))
         .collect();
-    format!("const IQ4NL_WORDS = array<u32, 4>({});\n", words.join(", "))
+    format!("const {name} = vec4<u32>({});\n", words.join(", "))
+}
+
+/// The formats' tables as WGSL constants, for the kernels that read
+/// weights (`wgsl/weights.wgsl`), each in an `#if` section of the formats
+/// that read it: IQ4NL_TABLE and MXFP4_TABLE hold those values as bytes;
+/// the grids as [`Grid::wgsl`] lays them out, and IQ2_VALUES / IQ1_VALUES
+/// the values of the 2-bit grids' codes as bytes (of IQ1's, plus one).
+pub fn wgsl_tables() -> String {
+    let grid_values = |g: &Grid, bias: i8| -> u32 {
+        g.values.iter().enumerate().map(|(i, &v)| ((v + bias) as u8 as u32) << (8 * i)).sum()
+    };
+    let sections = [
+        ("W_IQ4_NL", wgsl_bytes16("IQ4NL_TABLE", &IQ4NL_VALUES)),
+        ("W_IQ4_XS", wgsl_bytes16("IQ4NL_TABLE", &IQ4NL_VALUES)),
+        ("W_MXFP4", wgsl_bytes16("MXFP4_TABLE", &MXFP4_VALUES)),
+        ("W_IQ2_XXS", IQ2XXS_GRID.wgsl("IQ2XXS_GRID")),
+        ("W_IQ2_XS", IQ2XS_GRID.wgsl("IQ2XS_GRID")),
+        ("W_IQ2_S", IQ2S_GRID.wgsl("IQ2S_GRID")),
+        ("W_IQ3_XXS", IQ3XXS_GRID.wgsl("IQ3XXS_GRID")),
+        ("W_IQ3_S", IQ3S_GRID.wgsl("IQ3S_GRID")),
+        ("W_IQ1_S", IQ1S_GRID.wgsl("IQ1S_GRID")),
+        ("W_IQ1_M", IQ1S_GRID.wgsl("IQ1S_GRID")),
+    ];
+    let mut out = format!(
+        "const IQ2_VALUES: u32 = 0x{:x}u;\nconst IQ1_VALUES: u32 = 0x{:x}u;\n",
+        grid_values(&IQ2XXS_GRID, 0),
+        grid_values(&IQ1S_GRID, 1)
+    );
+    for (flag, table) in sections {
+        out.push_str(&format!("#if {flag}\n{table}#endif\n"));
+    }
+    out
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+fn u16_at(b: &[u8], at: usize) -> u32 {
+    u16::from_le_bytes([b[at], b[at + 1]]) as u32
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// `y` (4 or 8 values) from entry `index` of `grid`, times `scale`, negated
+/// where bit j of `signs` is set.
+fn signed_grid(grid: &Grid, index: usize, signs: u32, scale: f32, y: &mut [f32]) {
+    for (j, v) in y.iter_mut().enumerate() {
+        let value = scale * grid.value(index, j);
+        *v = if (signs >> j) & 1 == 1 { -value } else { value };
+    }
+}
+
+/// The 4-bit scale `n` of the bytes `scales`, two to a byte, low nibble first.
+fn nibble(scales: &[u8], n: usize) -> f32 {
+    ((scales[n / 2] >> (4 * (n % 2))) & 15) as f32
 }
 
 /// The 6-bit scale and min `j` of a Q4_K / Q5_K block's 12 scale bytes.
@@ -387,6 +542,87 @@ fn dequantize_block(format: WeightFormat, b: &[u8], y: &mut [f32]) {
                     y[j] = dl * IQ4NL_VALUES[(q & 0xf) as usize] as f32;
                     y[j + 16] = dl * IQ4NL_VALUES[(q >> 4) as usize] as f32;
                 }
+            }
+        }
+        IQ2XXS => {
+            let d = f16_at(b, 0);
+            for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+                let (indexes, aux) = (&b[2 + 8 * ib..6 + 8 * ib], u32_at(b, 6 + 8 * ib));
+                let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
+                for (l, y) in y.chunks_exact_mut(8).enumerate() {
+                    let signs = iq_signs((aux >> (7 * l)) & 127);
+                    signed_grid(&IQ2XXS_GRID, indexes[l] as usize, signs, db, y);
+                }
+            }
+        }
+        IQ2XS => {
+            let (d, scales) = (f16_at(b, 0), &b[66..74]);
+            for (g, y) in y.chunks_exact_mut(8).enumerate() {
+                let q = u16_at(b, 2 + 2 * g);
+                let db = d * (0.5 + nibble(scales, g / 2)) * 0.25;
+                signed_grid(&IQ2XS_GRID, (q & 511) as usize, iq_signs(q >> 9), db, y);
+            }
+        }
+        IQ2S => {
+            let d = f16_at(b, 0);
+            let (low, signs, high, scales) = (&b[2..34], &b[34..66], &b[66..74], &b[74..82]);
+            for (g, y) in y.chunks_exact_mut(8).enumerate() {
+                let index = low[g] as usize | (((high[g / 4] >> (2 * (g % 4))) & 3) as usize) << 8;
+                let db = d * (0.5 + nibble(scales, g / 2)) * 0.25;
+                signed_grid(&IQ2S_GRID, index, signs[g] as u32, db, y);
+            }
+        }
+        IQ3XXS => {
+            let (d, indexes) = (f16_at(b, 0), &b[2..66]);
+            for (k, y) in y.chunks_exact_mut(4).enumerate() {
+                let aux = u32_at(b, 66 + 4 * (k / 8));
+                let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
+                let signs = iq_signs((aux >> (7 * ((k % 8) / 2))) & 127) >> (4 * (k % 2));
+                signed_grid(&IQ3XXS_GRID, indexes[k] as usize, signs, db, y);
+            }
+        }
+        IQ3S => {
+            let d = f16_at(b, 0);
+            let (low, high, signs, scales) = (&b[2..66], &b[66..74], &b[74..106], &b[106..110]);
+            for (k, y) in y.chunks_exact_mut(4).enumerate() {
+                let index = low[k] as usize | (((high[k / 8] >> (k % 8)) & 1) as usize) << 8;
+                let db = d * (1.0 + 2.0 * nibble(scales, k / 8));
+                signed_grid(&IQ3S_GRID, index, (signs[k / 2] as u32) >> (4 * (k % 2)), db, y);
+            }
+        }
+        IQ1S => {
+            let (d, low) = (f16_at(b, 0), &b[2..34]);
+            for (g, y) in y.chunks_exact_mut(8).enumerate() {
+                let qh = u16_at(b, 34 + 2 * (g / 4));
+                let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
+                let delta = if qh & 0x8000 != 0 { -IQ1S_DELTA } else { IQ1S_DELTA };
+                let index = low[g] as usize | (((qh >> (3 * (g % 4))) & 7) as usize) << 8;
+                for (j, v) in y.iter_mut().enumerate() {
+                    *v = dl * (IQ1S_GRID.value(index, j) + delta);
+                }
+            }
+        }
+        IQ1M => {
+            let (low, high) = (&b[..32], &b[32..48]);
+            let sc: Vec<u32> = (0..4).map(|i| u16_at(b, 48 + 2 * i)).collect();
+            let bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) | (sc[3] & 0xf000);
+            let d = half::f16::from_bits(bits as u16).to_f32();
+            for (g, y) in y.chunks_exact_mut(8).enumerate() {
+                let (ib, l) = (g / 4, g % 4);
+                let dl = d * (2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3 * (l / 2))) & 7) + 1) as f32;
+                let h = (high[g / 2] >> (4 * (g % 2))) & 15;
+                let delta = if h & 8 != 0 { -IQ1S_DELTA } else { IQ1S_DELTA };
+                let index = low[g] as usize | ((h & 7) as usize) << 8;
+                for (j, v) in y.iter_mut().enumerate() {
+                    *v = dl * (IQ1S_GRID.value(index, j) + delta);
+                }
+            }
+        }
+        MXFP4 => {
+            let d = e8m0_half(b[0]);
+            for (j, &q) in b[1..17].iter().enumerate() {
+                y[j] = d * MXFP4_VALUES[(q & 0xf) as usize] as f32;
+                y[j + 16] = d * MXFP4_VALUES[(q >> 4) as usize] as f32;
             }
         }
         F8E4M3 => {

@@ -106,6 +106,22 @@ pub enum GgmlType {
     /// i-quant: super-blocks of 256 4-bit indexes into IQ4_NL's table, with
     /// 6-bit scales per 32 (136 bytes).
     IQ4XS,
+    /// i-quant: super-blocks of 256, 8-bit lattice indexes per 8 values (66 bytes).
+    IQ2XXS,
+    /// i-quant: super-blocks of 256, 9-bit lattice indexes per 8 values (74 bytes).
+    IQ2XS,
+    /// i-quant: super-blocks of 256, 10-bit lattice indexes per 8 values (82 bytes).
+    IQ2S,
+    /// i-quant: super-blocks of 256, 8-bit lattice indexes per 4 values (98 bytes).
+    IQ3XXS,
+    /// i-quant: super-blocks of 256, 9-bit lattice indexes per 4 values (110 bytes).
+    IQ3S,
+    /// i-quant: super-blocks of 256, 11-bit ternary lattice indexes per 8 values (50 bytes).
+    IQ1S,
+    /// i-quant: as IQ1_S with finer scales and shifts (56 bytes).
+    IQ1M,
+    /// OCP microscaling FP4: blocks of 32 e2m1 values and an e8m0 scale (17 bytes).
+    MXFP4,
 }
 
 /// The mapping between GGUF tensor types and the GPU weight formats
@@ -129,6 +145,14 @@ impl WeightFormat {
             GgmlType::Q6K => Self::Q6K,
             GgmlType::IQ4NL => Self::IQ4NL,
             GgmlType::IQ4XS => Self::IQ4XS,
+            GgmlType::IQ2XXS => Self::IQ2XXS,
+            GgmlType::IQ2XS => Self::IQ2XS,
+            GgmlType::IQ2S => Self::IQ2S,
+            GgmlType::IQ3XXS => Self::IQ3XXS,
+            GgmlType::IQ3S => Self::IQ3S,
+            GgmlType::IQ1S => Self::IQ1S,
+            GgmlType::IQ1M => Self::IQ1M,
+            GgmlType::MXFP4 => Self::MXFP4,
             _ => return None,
         })
     }
@@ -151,6 +175,14 @@ impl WeightFormat {
             Self::Q6K => GgmlType::Q6K,
             Self::IQ4NL => GgmlType::IQ4NL,
             Self::IQ4XS => GgmlType::IQ4XS,
+            Self::IQ2XXS => GgmlType::IQ2XXS,
+            Self::IQ2XS => GgmlType::IQ2XS,
+            Self::IQ2S => GgmlType::IQ2S,
+            Self::IQ3XXS => GgmlType::IQ3XXS,
+            Self::IQ3S => GgmlType::IQ3S,
+            Self::IQ1S => GgmlType::IQ1S,
+            Self::IQ1M => GgmlType::IQ1M,
+            Self::MXFP4 => GgmlType::MXFP4,
             Self::F8E4M3 => return None,
         })
     }
@@ -158,7 +190,7 @@ impl WeightFormat {
 
 /// Every type the reader knows: the type, its ggml id, its name, and its
 /// elements and bytes per block.
-const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 22] = [
+const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 30] = [
     (GgmlType::F32, 0, "F32", 1, 4),
     (GgmlType::F16, 1, "F16", 1, 2),
     (GgmlType::Q4_0, 2, "Q4_0", 32, 18),
@@ -173,27 +205,28 @@ const GGML_TYPES: [(GgmlType, u32, &str, usize, usize); 22] = [
     (GgmlType::Q5K, 13, "Q5_K", 256, 176),
     (GgmlType::Q6K, 14, "Q6_K", 256, 210),
     (GgmlType::Q8K, 15, "Q8_K", 256, 292),
+    (GgmlType::IQ2XXS, 16, "IQ2_XXS", 256, 66),
+    (GgmlType::IQ2XS, 17, "IQ2_XS", 256, 74),
+    (GgmlType::IQ3XXS, 18, "IQ3_XXS", 256, 98),
+    (GgmlType::IQ1S, 19, "IQ1_S", 256, 50),
     (GgmlType::IQ4NL, 20, "IQ4_NL", 32, 18),
+    (GgmlType::IQ3S, 21, "IQ3_S", 256, 110),
+    (GgmlType::IQ2S, 22, "IQ2_S", 256, 82),
     (GgmlType::IQ4XS, 23, "IQ4_XS", 256, 136),
     (GgmlType::I8, 24, "I8", 1, 1),
     (GgmlType::I16, 25, "I16", 1, 2),
     (GgmlType::I32, 26, "I32", 1, 4),
     (GgmlType::I64, 27, "I64", 1, 8),
     (GgmlType::F64, 28, "F64", 1, 8),
+    (GgmlType::IQ1M, 29, "IQ1_M", 256, 56),
     (GgmlType::BF16, 30, "BF16", 1, 2),
+    (GgmlType::MXFP4, 39, "MXFP4", 32, 17),
 ];
 
 /// ggml's other type ids, named in the error that refuses a tensor of one:
-/// the i-quants, ternary and FP4 types, and the repacked ones llama.cpp
-/// no longer writes.
-const UNREAD_GGML_TYPES: [(u32, &str); 19] = [
-    (16, "IQ2_XXS"),
-    (17, "IQ2_XS"),
-    (18, "IQ3_XXS"),
-    (19, "IQ1_S"),
-    (21, "IQ3_S"),
-    (22, "IQ2_S"),
-    (29, "IQ1_M"),
+/// the ternary types, NVFP4, the 1- and 2-bit Q types, and the repacked
+/// ones llama.cpp no longer writes.
+const UNREAD_GGML_TYPES: [(u32, &str); 11] = [
     (31, "Q4_0_4_4"),
     (32, "Q4_0_4_8"),
     (33, "Q4_0_8_8"),
@@ -202,7 +235,6 @@ const UNREAD_GGML_TYPES: [(u32, &str); 19] = [
     (36, "IQ4_NL_4_4"),
     (37, "IQ4_NL_4_8"),
     (38, "IQ4_NL_8_8"),
-    (39, "MXFP4"),
     (40, "NVFP4"),
     (41, "Q1_0"),
     (42, "Q2_0"),

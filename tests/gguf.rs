@@ -70,8 +70,8 @@ fn malformed_headers_are_rejected_with_the_file_named() {
     let type_at =
         valid.windows(before_type.len()).position(|w| w == before_type).unwrap() + before_type.len();
     bad_type[type_at] = 99;
-    let mut i_quant = bad_type.clone();
-    i_quant[type_at] = 16;
+    let mut ternary = bad_type.clone();
+    ternary[type_at] = 34;
     let mut duplicate_key = GgufWriter::new();
     duplicate_key.meta("k", MetaValue::U32(1)).meta("k", MetaValue::U32(2));
     let duplicate_tensor =
@@ -90,7 +90,7 @@ fn malformed_headers_are_rejected_with_the_file_named() {
         ("bad_version", bad_version, "version 9"),
         ("big_endian", big_endian, "big-endian GGUF"),
         ("unknown_type", bad_type, "unsupported ggml type 99 (an unknown type)"),
-        ("i_quant", i_quant, "tensor t: unsupported ggml type 16 (IQ2_XXS)"),
+        ("ternary", ternary, "tensor t: unsupported ggml type 34 (TQ1_0)"),
         ("duplicate_key", duplicate_key.to_bytes(), "appears twice"),
         ("duplicate_tensor", duplicate_tensor, "tensor t appears twice"),
         ("nested_arrays", nested, "nested more than"),

@@ -4,7 +4,7 @@
 // where its binding is of quads, else as `words4(4q)`: rows in these
 // formats are whole quads of words). A build with WEIGHT_FORMAT reads one
 // of the formats below (W_F16, W_F32, W_Q4_0, ... W_Q6_K, W_IQ4_NL,
-// W_IQ4_XS) through
+// W_IQ4_XS, the lower i-quants W_IQ2_XXS ... W_IQ1_M, W_MXFP4) through
 //   weights4(row_word, e): elements e .. e + 3 (e % 4 == 0) of the row
 //                          whose first word is row_word (or the same in
 //                          two steps, load4 and decode4: below),
@@ -232,18 +232,19 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 }
 #endif
 
-// IQ4_NL's table values of four 4-bit indexes: each index's word of
-// IQ4NL_WORDS (the table's signed bytes, four to a word, prepended from
-// src/format.rs) by two selects, then its byte.
-fn iq4nl_values(q: vec4<u32>) -> vec4<f32> {
+// The values of four 4-bit indexes into a table of 16 signed bytes, four
+// to a word (t, prepended from src/format.rs): each index's word by two
+// selects, then its byte.
+fn table16_values(t: vec4<u32>, q: vec4<u32>) -> vec4<f32> {
     let odd = (q & vec4<u32>(4u)) != vec4<u32>(0u);
-    let low = select(vec4<u32>(IQ4NL_WORDS[0]), vec4<u32>(IQ4NL_WORDS[1]), odd);
-    let high = select(vec4<u32>(IQ4NL_WORDS[2]), vec4<u32>(IQ4NL_WORDS[3]), odd);
+    let low = select(vec4<u32>(t.x), vec4<u32>(t.y), odd);
+    let high = select(vec4<u32>(t.z), vec4<u32>(t.w), odd);
     let w = select(low, high, q >= vec4<u32>(8u));
     let b = (w >> (8u * (q & vec4<u32>(3u)))) & vec4<u32>(255u);
     // Signed bytes, biased by 128 to unsigned.
     return uint_f32(b ^ vec4<u32>(0x80u), 128.0);
 }
+
 
 // IQ4_NL: [d f16, pad][16 bytes of nibbles, laid out as Q4_0's]: d v(q),
 // v IQ4_NL's table.
@@ -256,7 +257,7 @@ fn load4(row: u32, e: u32) -> Raw4 {
     return Raw4(weight_word(b), nibble_word(b + 1u, e));
 }
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
-    return f16_lo(r.scale) * iq4nl_values(nibbles4(r.q, e));
+    return f16_lo(r.scale) * table16_values(IQ4NL_TABLE, nibbles4(r.q, e));
 }
 #endif
 
@@ -282,10 +283,271 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let low = (byte_of(r.scales_l, n / 2u) >> (4u * (n % 2u))) & 15u;
     let high = (r.head >> (16u + 2u * n)) & 3u;
     let d = f16_lo(r.head) * (small_uint_f32(low | (high << 4u)) - 32.0);
-    return d * iq4nl_values(nibbles4(r.q, e));
+    return d * table16_values(IQ4NL_TABLE, nibbles4(r.q, e));
 }
 #endif
 
+// MXFP4: [e, 3 bytes pad][16 bytes of nibbles, laid out as Q4_0's]:
+// 2^(e - 128) v(q), v MXFP4's e2m1 values doubled (ggml's
+// ggml_e8m0_to_fp32_half: e < 2 gives subnormals).
+#if W_MXFP4
+const BLOCK_ELEMS: u32 = 32u;
+const BLOCK_WORDS: u32 = 5u;
+alias Raw4 = ScaledWord;
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 32u) * 5u;
+    return Raw4(weight_word(b), nibble_word(b + 1u, e));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let x = r.scale & 255u;
+    let d = bitcast<f32>(select((x - 1u) << 23u, 0x00200000u << x, x < 2u));
+    return d * table16_values(MXFP4_TABLE, nibbles4(r.q, e));
+}
+#endif
+
+// The i-quants below 4 bits (src/format.rs has their CPU decoding): each
+// group of 8 (IQ2, IQ1) or 4 (IQ3) values is an entry of the format's grid,
+// prepended from src/format.rs. A grid of 8-value entries holds two to a
+// word, each entry's 2-bit codes in 16 bits (the first value's lowest); one
+// of 4-value entries holds an entry a word, its values as bytes.
+
+// The sign bits of a 7-bit sign index: the eighth makes the count of minus
+// signs even.
+fn iq_signs(index: u32) -> u32 {
+    return index | ((countOneBits(index) & 1u) << 7u);
+}
+
+// v, negated where bits shift .. shift + 3 of signs are set.
+fn signed4(v: vec4<f32>, signs: u32, shift: u32) -> vec4<f32> {
+    let bits = (vec4<u32>(signs) >> (vec4<u32>(0u, 1u, 2u, 3u) + shift)) & vec4<u32>(1u);
+    return select(v, -v, bits == vec4<u32>(1u));
+}
+
+// Entry g of a grid of 8-value entries from its word.
+fn grid8_entry(word: u32, g: u32) -> u32 {
+    return (word >> (16u * (g % 2u))) & 0xffffu;
+}
+
+// Values j .. j + 3 (j 0 or 4) of an 8-value entry: each code c is byte c
+// of `values`, less `bias`.
+fn grid8_values(entry: u32, j: u32, values: u32, bias: f32) -> vec4<f32> {
+    let codes = (vec4<u32>(entry) >> (2u * j + vec4<u32>(0u, 2u, 4u, 6u))) & vec4<u32>(3u);
+    return uint_f32((vec4<u32>(values) >> (8u * codes)) & vec4<u32>(255u), bias);
+}
+
+// The values of a 4-value entry (its bytes).
+fn grid4_values(word: u32) -> vec4<f32> {
+    return uint_f32(fields4(word, 0u, 255u), 0.0);
+}
+
+// IQ2_XXS: [d f16, pad][per 32 values: 4 grid indexes (bytes), then 4
+// 7-bit sign indexes and a 4-bit scale s (top bits)]: d (s + 1/2) / 4 v,
+// signed.
+#if W_IQ2_XXS
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 17u;
+struct Raw4 {
+    head: u32,
+    indexes: u32,
+    aux: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 17u;
+    let s = b + 1u + ((e % 256u) / 32u) * 2u;
+    return Raw4(weight_word(b), weight_word(s), weight_word(s + 1u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let l = (e % 32u) / 8u;
+    let g = byte_of(r.indexes, l);
+    let db = f16_lo(r.head) * (small_uint_f32(r.aux >> 28u) + 0.5) * 0.25;
+    let v = db * grid8_values(grid8_entry(IQ2XXS_GRID[g / 2u], g), e % 8u, IQ2_VALUES, 0.0);
+    return signed4(v, iq_signs((r.aux >> (7u * l)) & 127u), e % 8u);
+}
+#endif
+
+// IQ2_XS: [d f16, pad][32 u16: 9-bit grid index, 7-bit sign index][8
+// bytes of two 4-bit scales s, one per 16 values]: d (s + 1/2) / 4 v, signed.
+#if W_IQ2_XS
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 19u;
+struct Raw4 {
+    head: u32,
+    q: u32,
+    scales: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 19u;
+    let i = e % 256u;
+    return Raw4(weight_word(b), weight_word(b + 1u + i / 16u), weight_word(b + 17u + i / 128u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let i = e % 256u;
+    let q = grid8_entry(r.q, i / 8u);
+    let s = (byte_of(r.scales, (i / 32u) % 4u) >> (4u * ((i % 32u) / 16u))) & 15u;
+    let db = f16_lo(r.head) * (small_uint_f32(s) + 0.5) * 0.25;
+    let g = q & 511u;
+    let v = db * grid8_values(grid8_entry(IQ2XS_GRID[g / 2u], g), e % 8u, IQ2_VALUES, 0.0);
+    return signed4(v, iq_signs(q >> 9u), e % 8u);
+}
+#endif
+
+// IQ2_S: [d f16, pad][32 bytes: grid index low bits][32 sign bytes][8
+// bytes: the top 2 bits of 4 indexes][8 bytes of two 4-bit scales s, one
+// per 16 values]: d (s + 1/2) / 4 v, signed.
+#if W_IQ2_S
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 21u;
+struct Raw4 {
+    head: u32,
+    low: u32,
+    signs: u32,
+    high: u32,
+    scales: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 21u;
+    let g = (e % 256u) / 8u;
+    return Raw4(
+        weight_word(b),
+        weight_word(b + 1u + g / 4u),
+        weight_word(b + 9u + g / 4u),
+        weight_word(b + 17u + g / 16u),
+        weight_word(b + 19u + g / 16u),
+    );
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let g = (e % 256u) / 8u;
+    let high = (byte_of(r.high, (g / 4u) % 4u) >> (2u * (g % 4u))) & 3u;
+    let index = byte_of(r.low, g % 4u) | (high << 8u);
+    let s = (byte_of(r.scales, (g / 4u) % 4u) >> (4u * ((g % 4u) / 2u))) & 15u;
+    let db = f16_lo(r.head) * (small_uint_f32(s) + 0.5) * 0.25;
+    let v = db * grid8_values(grid8_entry(IQ2S_GRID[index / 2u], index), e % 8u, IQ2_VALUES, 0.0);
+    return signed4(v, byte_of(r.signs, g % 4u), e % 8u);
+}
+#endif
+
+// IQ3_XXS: [d f16, pad][64 grid indexes (bytes), one per 4 values][per 32
+// values: 4 7-bit sign indexes and a 4-bit scale s (top bits)]:
+// d (s + 1/2) / 2 v, signed.
+#if W_IQ3_XXS
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 25u;
+struct Raw4 {
+    head: u32,
+    indexes: u32,
+    aux: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 25u;
+    let i = e % 256u;
+    return Raw4(weight_word(b), weight_word(b + 1u + i / 16u), weight_word(b + 17u + i / 32u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let k = (e % 256u) / 4u;
+    let db = f16_lo(r.head) * (small_uint_f32(r.aux >> 28u) + 0.5) * 0.5;
+    let v = db * grid4_values(IQ3XXS_GRID[byte_of(r.indexes, k % 4u)]);
+    return signed4(v, iq_signs((r.aux >> (7u * ((k % 8u) / 2u))) & 127u), 4u * (k % 2u));
+}
+#endif
+
+// IQ3_S: [d f16, pad][64 bytes: grid index low bits, one per 4 values][8
+// bytes: their top bits][32 sign bytes][4 bytes of two 4-bit scales s, one
+// per 32 values]: d (1 + 2 s) v, signed.
+#if W_IQ3_S
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 28u;
+struct Raw4 {
+    head: u32,
+    low: u32,
+    high: u32,
+    signs: u32,
+    scales: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 28u;
+    let k = (e % 256u) / 4u;
+    return Raw4(
+        weight_word(b),
+        weight_word(b + 1u + k / 4u),
+        weight_word(b + 17u + k / 32u),
+        weight_word(b + 19u + k / 8u),
+        weight_word(b + 27u),
+    );
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let k = (e % 256u) / 4u;
+    let ib = k / 8u;
+    let index = byte_of(r.low, k % 4u) | (((byte_of(r.high, ib % 4u) >> (k % 8u)) & 1u) << 8u);
+    let s = (byte_of(r.scales, ib / 2u) >> (4u * (ib % 2u))) & 15u;
+    let v = f16_lo(r.head) * small_uint_f32(1u + 2u * s) * grid4_values(IQ3S_GRID[index]);
+    return signed4(v, byte_of(r.signs, (k / 2u) % 4u), 4u * (k % 2u));
+}
+#endif
+
+// IQ1_S / IQ1_M: values j .. j + 3 (j 0 or 4) of the grid entry whose
+// word is grid_word, as dl (v + delta): v -1, 0 or 1 (the code less one),
+// delta -1/8 where `negative`, else 1/8.
+fn iq1_values(grid_word: u32, index: u32, j: u32, dl: f32, negative: bool) -> vec4<f32> {
+    let delta = select(0.125, -0.125, negative);
+    return dl * (grid8_values(grid8_entry(grid_word, index), j, IQ1_VALUES, 1.0) + delta);
+}
+
+// IQ1_S: [d f16, pad][32 bytes: grid index low bits, one per 8 values][8
+// u16, one per 32 values: 4 x 3 top index bits, a 3-bit scale s, the sign
+// of delta]: d (2 s + 1) (v + delta).
+#if W_IQ1_S
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 13u;
+struct Raw4 {
+    head: u32,
+    low: u32,
+    high: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 13u;
+    let g = (e % 256u) / 8u;
+    return Raw4(weight_word(b), weight_word(b + 1u + g / 4u), weight_word(b + 9u + g / 8u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let g = (e % 256u) / 8u;
+    let qh = grid8_entry(r.high, g / 4u);
+    let dl = f16_lo(r.head) * small_uint_f32(2u * ((qh >> 12u) & 7u) + 1u);
+    let index = byte_of(r.low, g % 4u) | (((qh >> (3u * (g % 4u))) & 7u) << 8u);
+    return iq1_values(IQ1S_GRID[index / 2u], index, e % 8u, dl, (qh & 0x8000u) != 0u);
+}
+#endif
+
+// IQ1_M: [32 bytes: grid index low bits, one per 8 values][16 bytes, a
+// nibble per 8 values: 3 top index bits, the sign of delta][4 u16: 3-bit
+// scales s, one per 16 values, and the block's f16 d in their top
+// nibbles]: d (2 s + 1) (v + delta).
+#if W_IQ1_M
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_WORDS: u32 = 14u;
+struct Raw4 {
+    low: u32,
+    high: u32,
+    scales01: u32,
+    scales23: u32,
+}
+fn load4(row: u32, e: u32) -> Raw4 {
+    let b = row + (e / 256u) * 14u;
+    let g = (e % 256u) / 8u;
+    return Raw4(weight_word(b + g / 4u), weight_word(b + 8u + g / 8u), weight_word(b + 12u), weight_word(b + 13u));
+}
+fn decode4(r: Raw4, e: u32) -> vec4<f32> {
+    let g = (e % 256u) / 8u;
+    let top = ((r.scales01 >> 12u) & 0xfu) | ((r.scales01 >> 24u) & 0xf0u)
+        | ((r.scales23 >> 4u) & 0xf00u) | ((r.scales23 >> 16u) & 0xf000u);
+    let ib = g / 4u;
+    let sc = grid8_entry(select(r.scales01, r.scales23, ib >= 4u), ib / 2u);
+    let s = (sc >> (6u * (ib % 2u) + 3u * ((g % 4u) / 2u))) & 7u;
+    let dl = f16_lo(top) * small_uint_f32(2u * s + 1u);
+    let h = (byte_of(r.high, (g / 2u) % 4u) >> (4u * (g % 2u))) & 15u;
+    let index = byte_of(r.low, g % 4u) | ((h & 7u) << 8u);
+    return iq1_values(IQ1S_GRID[index / 2u], index, e % 8u, dl, (h & 8u) != 0u);
+}
+#endif
 // The 2-bit quants of Q2_K / Q3_K: element i (of 256) is bits 2 (i % 128) / 32
 // of byte 32 (i / 128) + i % 32 of the 64 bytes at word `qs`; the word
 // holding elements i .. i + 3, and their fields.
