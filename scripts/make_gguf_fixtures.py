@@ -84,6 +84,14 @@ CASES = {
         "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
         rms_norm_eps=1e-6), "IQ4_XS"),
+    # An i-quant that llama-quantize writes without an importance matrix,
+    # and MXFP4 as gpt-oss files use it (MXFP4_MOE: the experts in MXFP4,
+    # the rest Q8_0).
+    "gguf_llama_iq3_s": ("llama", base("llama"), "IQ3_S"),
+    "gguf_qwen3moe_mxfp4": ("qwen3moe", base(
+        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        rms_norm_eps=1e-6), "MXFP4_MOE"),
     # A mix as the "dynamic" quants write them: Q4_K_M's own mix overridden
     # per tensor and per layer, so that one file holds nine types, the
     # experts in a different one per layer (a layer's gate and up share
