@@ -373,7 +373,15 @@ fn wgsl_bytes16(name: &str, values: &[i8; 16]) -> String {
 /// that read it: IQ4NL_TABLE and MXFP4_TABLE hold those values as bytes;
 /// the grids as [`Grid::wgsl`] lays them out, and IQ2_VALUES / IQ1_VALUES
 /// the values of the 2-bit grids' codes as bytes (of IQ1's, plus one).
-pub fn wgsl_tables() -> String {
+/// Written once: every build of a weight-reading family prepends them.
+pub fn wgsl_tables() -> &'static str {
+    static TABLES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TABLES.get_or_init(write_wgsl_tables)
+}
+
+fn write_wgsl_tables() -> String {
+    // IQ2_VALUES serves the three IQ2 grids: their codes stand for the same values.
+    debug_assert!(IQ2XS_GRID.values == IQ2XXS_GRID.values && IQ2S_GRID.values == IQ2XXS_GRID.values);
     let grid_values = |g: &Grid, bias: i8| -> u32 {
         g.values.iter().enumerate().map(|(i, &v)| ((v + bias) as u8 as u32) << (8 * i)).sum()
     };
