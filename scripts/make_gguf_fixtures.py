@@ -31,6 +31,8 @@ from gguf.quants import dequantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 MIN_TOP2_GAP = 0.02
+# Stands for the path of a random importance matrix in a case's options.
+IMATRIX = "<imatrix>"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -92,6 +94,21 @@ CASES = {
         "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
         rms_norm_eps=1e-6), "MXFP4_MOE"),
+    # The types llama-quantize writes only with an importance matrix (IMATRIX:
+    # a random one, written by write_imatrix), across the families.
+    "gguf_llama_iq2_xxs": ("llama", base("llama"), ["--imatrix", IMATRIX, "IQ2_XXS"]),
+    "gguf_qwen3_iq2_xs": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6),
+                          ["--imatrix", IMATRIX, "IQ2_XS"]),
+    "gguf_qwen3moe_iq2_m": ("qwen3moe", base(
+        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        rms_norm_eps=1e-6), ["--imatrix", IMATRIX, "IQ2_M"]),
+    "gguf_mixtral_iq3_xxs": ("llama", base(
+        "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        ["--imatrix", IMATRIX, "IQ3_XXS"]),
+    "gguf_llama_iq1_s": ("llama", base("llama"), ["--imatrix", IMATRIX, "IQ1_S"]),
+    "gguf_qwen3_iq1_m": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6),
+                         ["--imatrix", IMATRIX, "IQ1_M"]),
     # A mix as the "dynamic" quants write them: Q4_K_M's own mix overridden
     # per tensor and per layer, so that one file holds nine types, the
     # experts in a different one per layer (a layer's gate and up share
@@ -232,6 +249,24 @@ def write_f32_gguf(path, arch, cfg, sd):
     w.close()
 
 
+def write_imatrix(path, f32_path, seed):
+    """A random importance matrix for every matrix of the f32 file, in
+    llama.cpp's legacy imatrix layout: the entry count, then per tensor its
+    name, the number of calls (1) and one positive value per input column
+    (per expert and column for stacked experts), all little-endian."""
+    rng = np.random.default_rng(seed)
+    entries = [t for t in gguf.GGUFReader(str(f32_path)).tensors if len(t.shape) >= 2]
+    with open(path, "wb") as f:
+        f.write(np.int32(len(entries)).tobytes())
+        for t in entries:
+            name = t.name.encode()
+            shape = [int(d) for d in t.shape]  # ggml order: columns first
+            columns = shape[0] * int(np.prod(shape[2:]))
+            f.write(np.int32(len(name)).tobytes() + name)
+            f.write(np.int32(1).tobytes() + np.int32(columns).tobytes())
+            f.write(rng.uniform(0.05, 2.0, columns).astype("<f4").tobytes())
+
+
 def case(name, quantize):
     arch, cfg_dict, qtype = CASES[name]
     cfg = AutoConfig.for_model(**cfg_dict)
@@ -254,6 +289,11 @@ def case(name, quantize):
             f32_path, q_path = Path(tmp) / "f32.gguf", Path(tmp) / "q.gguf"
             write_f32_gguf(f32_path, arch, cfg_dict, sd)
             options = qtype if isinstance(qtype, list) else [qtype]
+            shown = " ".join(options)
+            if IMATRIX in options:
+                imatrix = Path(tmp) / "imatrix.dat"
+                write_imatrix(imatrix, f32_path, seed)
+                options = [str(imatrix) if o == IMATRIX else o for o in options]
             subprocess.run([quantize, *options[:-1], str(f32_path), str(q_path), options[-1]],
                            check=True, capture_output=True)
             r = gguf.GGUFReader(str(q_path))
@@ -284,7 +324,7 @@ def case(name, quantize):
             out = ROOT / "tests/fixtures" / name
             out.mkdir(parents=True, exist_ok=True)
             (out / "model.gguf").write_bytes(data[0])
-            expected.update(types=data[1], seed=seed, quantization=" ".join(options))
+            expected.update(types=data[1], seed=seed, quantization=shown)
             (out / "expected.json").write_text(json.dumps(expected))
             print(f"{name}: seed {seed}, types {data[1]}, ids {expected['generated_ids']}")
             return

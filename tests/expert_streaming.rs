@@ -106,9 +106,14 @@ fn streamed_experts_give_the_resident_logits_bit_for_bit() {
 #[test]
 fn gpu_memory_budgets_become_expert_slots() {
     let gpu = common::gpu(common::backends()[0]);
-    for case in
-        ["mixtral_8x2", "qwen3_moe_norm", "gguf_qwen3moe_q4_k_m", "gguf_qwen3moe_mixed", "fp8_minimax_m2"]
-    {
+    for case in [
+        "mixtral_8x2",
+        "qwen3_moe_norm",
+        "gguf_qwen3moe_q4_k_m",
+        "gguf_qwen3moe_mixed",
+        "gguf_qwen3moe_iq2_m",
+        "fp8_minimax_m2",
+    ] {
         let dir = fixture_dir(case);
         let load = |gpu_memory| {
             Model::load_with(
