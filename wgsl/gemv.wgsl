@@ -36,7 +36,8 @@
 // Grid: workgroups folded over x and z, each taking blocks of ROWS_PER_WG
 // groups' outputs in turn (one block each unless the host caps the grid:
 // then INT8_DOTS stages x once for all of them where it fits one chunk);
-// y = token (SLOTS: token * top_k + slot).
+// y = token (SLOTS: token * top_k + slot), relabelled in main so that
+// tokens vary fastest in launch order.
 
 override ROWS_PER_WG: u32 = 64u;
 override THREADS_PER_ROW: u32 = 1u;
@@ -635,9 +636,19 @@ fn main(
     // workgroups than blocks stages x once for several blocks.
     let per_block = OUTPUTS_PER_GROUP * ROWS_PER_WG;
     let blocks = (p.outputs + per_block - 1u) / per_block;
-    let first = wid.x + wid.z * nwg.x;
+    // The grid's tokens (y) are relabelled to vary fastest in launch
+    // order (x, then y, then z), so that the workgroups of every token that
+    // read one block of rows run side by side and the block comes from
+    // memory once, the other tokens' reads from the cache.
+#if INT8_TABLE
+    // Read after the barrier before the first staging.
+    fill_table16(lid.x, WG);
+#endif
+    let launched = wid.x + nwg.x * (wid.y + nwg.y * wid.z);
+    let gy = launched % nwg.y;
+    let first = launched / nwg.y;
     for (var block = first; block < blocks; block += nwg.x * nwg.z) {
-        output_block(block, wid.y, lid.x, block != first);
+        output_block(block, gy, lid.x, block != first);
     }
 }
 

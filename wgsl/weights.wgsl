@@ -278,12 +278,14 @@ fn load4(row: u32, e: u32) -> Raw4 {
     let i = e % 256u;
     return Raw4(weight_word(b), weight_word(b + 1u), weight_word(b + 2u + (i / 32u) * 4u + (i % 16u) / 4u));
 }
+// The scale of sub-block n of the block whose first words are head and scales_l.
+fn iq4xs_scale(head: u32, scales_l: u32, n: u32) -> f32 {
+    let low = (byte_of(scales_l, n / 2u) >> (4u * (n % 2u))) & 15u;
+    let high = (head >> (16u + 2u * n)) & 3u;
+    return f16_lo(head) * (small_uint_f32(low | (high << 4u)) - 32.0);
+}
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
-    let n = (e % 256u) / 32u;
-    let low = (byte_of(r.scales_l, n / 2u) >> (4u * (n % 2u))) & 15u;
-    let high = (r.head >> (16u + 2u * n)) & 3u;
-    let d = f16_lo(r.head) * (small_uint_f32(low | (high << 4u)) - 32.0);
-    return d * table16_values(IQ4NL_TABLE, nibbles4(r.q, e));
+    return iq4xs_scale(r.head, r.scales_l, (e % 256u) / 32u) * table16_values(IQ4NL_TABLE, nibbles4(r.q, e));
 }
 #endif
 
@@ -298,10 +300,13 @@ fn load4(row: u32, e: u32) -> Raw4 {
     let b = row + (e / 32u) * 5u;
     return Raw4(weight_word(b), nibble_word(b + 1u, e));
 }
+// The scale in the low byte of a block's first word.
+fn mxfp4_scale(word: u32) -> f32 {
+    let x = word & 255u;
+    return bitcast<f32>(select((x - 1u) << 23u, 0x00200000u << x, x < 2u));
+}
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
-    let x = r.scale & 255u;
-    let d = bitcast<f32>(select((x - 1u) << 23u, 0x00200000u << x, x < 2u));
-    return d * table16_values(MXFP4_TABLE, nibbles4(r.q, e));
+    return mxfp4_scale(r.scale) * table16_values(MXFP4_TABLE, nibbles4(r.q, e));
 }
 #endif
 
@@ -833,7 +838,8 @@ fn row_words(n: u32) -> u32 {
 // The quants go to the integer dot units (dot4I8Packed) four at a time
 // as they lie in their bytes, masked into place, never converted to floats
 // one by one: the formats whose quants fit a signed byte have them (Q8_0,
-// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), and those whose quants index
+// a table of signed bytes (IQ4_NL, IQ4_XS, MXFP4).
 #if UNIT_DOTS
 fn sum4(a: vec4<f32>) -> f32 {
     return dot(a, vec4<f32>(1.0));
@@ -1077,6 +1083,67 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let r = 2u * u - r0;
     let dm = weight_word(b);
     return f16_lo(dm) * q5_dots(b, r) + f16_hi(dm) * x_sum32(r);
+}
+#endif
+
+// IQ4_NL, IQ4_XS, MXFP4 (INT8_TABLE): quants are 4-bit indexes into a
+// table of 16 signed bytes. The kernel fills `table_bytes` once
+// (fill_table16, before its first barrier): entry 16 k + i is value i
+// shifted to byte k, so that a word of four values is four lookups and
+// three ors. A lookup instruction's lanes read at most 16 entries, one per
+// bank: in a register table, each value took four selects.
+#if INT8_TABLE
+#if W_IQ4_NL
+const TABLE16 = IQ4NL_TABLE;
+#endif
+#if W_IQ4_XS
+const TABLE16 = IQ4NL_TABLE;
+#endif
+#if W_MXFP4
+const TABLE16 = MXFP4_TABLE;
+#endif
+var<workgroup> table_bytes: array<u32, 64>;
+fn fill_table16(li: u32, wg: u32) {
+    for (var i = li; i < 64u; i += wg) {
+        table_bytes[i] = byte_of(TABLE16[(i % 16u) / 4u], i % 4u) << (8u * (i / 16u));
+    }
+}
+// The table's values of 16 indexes, one in each byte of q.
+fn table16_bytes(q: vec4<u32>) -> vec4<u32> {
+    var r = vec4<u32>(0u);
+    for (var k = 0u; k < 4u; k++) {
+        let i = ((q >> vec4<u32>(8u * k)) & vec4<u32>(15u)) + vec4<u32>(16u * k);
+        r |= vec4<u32>(table_bytes[i.x], table_bytes[i.y], table_bytes[i.z], table_bytes[i.w]);
+    }
+    return r;
+}
+// A Q4_0-like run of 32 (low nibbles run r, high nibbles run r + 1).
+fn table16_run32(q: vec4<u32>, r: u32) -> f32 {
+    return x_run32(table16_bytes(nibbles_lo(q)), table16_bytes(nibbles_hi(q)), r);
+}
+#endif
+#if W_IQ4_NL
+const UNIT_ELEMS: u32 = 32u;
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let b = w + u * 5u;
+    return f16_lo(weight_word(b)) * table16_run32(words4(b + 1u), 2u * u - r0);
+}
+#endif
+// IQ4_XS: a unit is a sub-block of 32 (bytes 16 n .. of block u / 8).
+#if W_IQ4_XS
+const UNIT_ELEMS: u32 = 32u;
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 34u;
+    let d = iq4xs_scale(weight_word(b), weight_word(b + 1u), n);
+    return d * table16_run32(words4(b + 2u + 4u * n), 2u * u - r0);
+}
+#endif
+#if W_MXFP4
+const UNIT_ELEMS: u32 = 32u;
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let b = w + u * 5u;
+    return mxfp4_scale(weight_word(b)) * table16_run32(words4(b + 1u), 2u * u - r0);
 }
 #endif
 

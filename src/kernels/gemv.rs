@@ -381,7 +381,7 @@ impl Gemv {
     fn format_flags(&self, gpu: &Gpu, format: WeightFormat, int8: bool, one_row: bool) -> Vec<&'static str> {
         let mut flags = super::weight_flags(gpu, format);
         if int8 {
-            flags.push(INT8_DOTS);
+            flags.extend(int8_flags(format));
         } else if self.shape.units && has_units(format) {
             flags.push(UNIT_DOTS);
         }
@@ -550,7 +550,17 @@ const INT8_DOTS: &str = "INT8_DOTS";
 /// The formats `weights.wgsl` defines `unit_dots` against byte activations for.
 pub fn has_int8_units(format: WeightFormat) -> bool {
     use WeightFormat::*;
-    matches!(format, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K)
+    matches!(format, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K | IQ4NL | IQ4XS | MXFP4)
+}
+
+/// The flags of a build reading `format` against byte activations: those
+/// whose quants index a table of bytes also fill it in workgroup memory.
+fn int8_flags(format: WeightFormat) -> Vec<&'static str> {
+    use WeightFormat::*;
+    match format {
+        IQ4NL | IQ4XS | MXFP4 => vec![INT8_DOTS, "INT8_TABLE"],
+        _ => vec![INT8_DOTS],
+    }
 }
 
 /// The flag sets of every GEMV the flow builds (for the shader test).
@@ -574,9 +584,10 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     }
     // Every format, in the forms the flow builds, with one reduction.
     for format in WeightFormat::ALL.into_iter().filter(|f| f.flag().is_some()) {
+        let int8 = int8_flags(format);
         let mut reads: Vec<&[&str]> = vec![if has_units(format) { &[UNIT_DOTS] } else { &[] }];
         if has_int8_units(format) {
-            reads.push(&[INT8_DOTS]);
+            reads.push(&int8);
         }
         for weights in super::weight_flag_sets().into_iter().filter(|f| f.contains(&format.flag().unwrap())) {
             for form in [&["NORM"][..], &["NORM", "SWIGLU", "EXPERTS", "SLOTS"], &["ADD", "EXPERTS", "SUM"]] {
@@ -585,7 +596,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
                 }
                 // The byte-activation staging by shuffles.
                 if has_int8_units(format) {
-                    out.push([form, &weights, &[INT8_DOTS, super::SUBGROUPS, SUBGROUP_SUM]].concat());
+                    out.push([form, &weights, &int8, &[super::SUBGROUPS, SUBGROUP_SUM]].concat());
                 }
             }
         }
