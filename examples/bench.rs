@@ -98,6 +98,10 @@ struct Args {
     /// the engine's).
     #[arg(long)]
     gemm_rows: Option<usize>,
+    /// Fewest rows per expert, on average, of a batch step whose experts
+    /// run through the grouped GEMM (--parallel; default: the engine's).
+    #[arg(long)]
+    expert_gemm_rows: Option<usize>,
 }
 
 /// (name, config.json) of every synthetic shape.
@@ -406,6 +410,7 @@ fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
         prefix_cache: false,
         routing,
         gemm_rows: args.gemm_rows,
+        expert_gemm_rows: args.expert_gemm_rows,
         ..Default::default()
     };
     let mut engine = BatchEngine::new(model, &options)?;

@@ -559,3 +559,56 @@ fn f16_cache_decode_rows_on_subgroup_lanes() {
         }
     });
 }
+
+/// A MoE layer's experts take the grouped GEMM only in steps that give each
+/// expert enough rows on average (`BatchOptions::expert_gemm_rows`), else
+/// the GEMV, one chosen expert of a row at a time; the other projections
+/// take the GEMM either way, and every sequence gets its lone ids.
+#[test]
+fn moe_experts_take_the_gemm_by_their_rows_per_expert() {
+    let gpu = common::gpu(common::backends()[0]);
+    assert!(gpu.caps.timestamps, "the step's dispatches are told apart by their timed labels");
+    let model = Model::load(fixture_dir("qwen3_moe_norm"), &gpu).unwrap();
+    let (vocab, layers) = (model.config.vocab, model.config.layers);
+    let moe = model.config.moe.as_ref().unwrap();
+    let requests: Vec<Request> = (0..3)
+        .map(|i| Request { max_tokens: 5, ..Request::new(prompt(vocab, 4 + 2 * i, 140 + i as u64)) })
+        .collect();
+    // Three decode rows choose 6 experts' rows among 8: under one per expert.
+    assert!(requests.len() * moe.top_k < moe.experts);
+    for (expert_rows, gemv_experts) in [(0, false), (1, true), (wgspark::batch::EXPERT_GEMM_ROWS, true)] {
+        let options = BatchOptions {
+            chunk_matmul: ChunkMatmul::Gemm,
+            gemm_rows: Some(2),
+            expert_gemm_rows: Some(expert_rows),
+            time_dispatches: true,
+            in_flight: 0,
+            ..batch_options()
+        };
+        let mut engine = BatchEngine::new(&model, &options).unwrap();
+        let ids: Vec<SequenceId> = requests.iter().map(|r| engine.add(r.clone()).unwrap()).collect();
+        let mut outputs: HashMap<SequenceId, Vec<Output>> = HashMap::new();
+        let mut decode_steps = 0;
+        while !engine.is_idle() {
+            let step = engine.step().unwrap();
+            let all_decode = step.len() == requests.len() && engine.stats().waiting == 0;
+            if all_decode && outputs.len() == requests.len() {
+                decode_steps += 1;
+                let labels: Vec<&str> = engine.stats().last_passes.iter().map(|p| p.0).collect();
+                // One GEMV a layer beside the experts' two: the router's logits.
+                let gemvs = labels.iter().filter(|&&l| l == "gemv").count();
+                let want = if gemv_experts { 3 * layers } else { layers };
+                assert_eq!(gemvs, want, "expert_gemm_rows {expert_rows}: {labels:?}");
+                assert!(labels.contains(&"gemm"), "the other projections take the GEMM: {labels:?}");
+            }
+            for out in step {
+                outputs.entry(out.sequence).or_default().push(out);
+            }
+        }
+        assert!(decode_steps > 0, "no step decoded every sequence");
+        for (request, id) in requests.iter().zip(&ids) {
+            let want = lone_greedy(&model, &request.prompt, request.max_tokens).0;
+            assert_eq!(tokens(&outputs[id]), want, "expert_gemm_rows {expert_rows}");
+        }
+    }
+}

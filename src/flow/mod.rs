@@ -434,6 +434,10 @@ pub struct Plan {
     /// Fewest rows whose projections run through the GEMM (where there is
     /// one): fewer run the GEMV, once per row.
     gemm_rows: usize,
+    /// Fewest rows per expert, on average over a MoE layer's experts, for
+    /// which its experts run through the grouped GEMM (0: whenever the
+    /// projections do).
+    expert_gemm_rows: usize,
 }
 
 impl Plan {
@@ -475,6 +479,7 @@ impl Plan {
             sample: Vec::new(),
             precision,
             gemm_rows: 2,
+            expert_gemm_rows: 0,
         })
     }
 
@@ -521,9 +526,24 @@ impl Plan {
         paged.map_or_else(Vec::new, |p| p.tiles(rows))
     }
 
+    /// Runs a MoE layer's experts through the GEMV, one slot at a time, in
+    /// passes whose rows give its experts fewer than `rows` each on
+    /// average: the grouped GEMM's tiles of at least 32 tokens hold a
+    /// batch step's few rows per expert.
+    pub(crate) fn set_expert_gemm_rows(&mut self, rows: usize) {
+        self.expert_gemm_rows = rows;
+    }
+
     /// Whether a pass of `n` rows runs its projections through the GEMM.
     pub(crate) fn uses_gemm(&self, n: usize) -> bool {
         n >= self.gemm_rows
+    }
+
+    /// Whether a pass of `n` rows runs the experts of `moe` through the
+    /// grouped GEMM.
+    fn experts_use_gemm(&self, n: usize, moe: &MoePlan) -> bool {
+        let (top_k, experts) = moe.routing_shape();
+        self.uses_gemm(n) && n * top_k >= self.expert_gemm_rows * experts
     }
 
     /// Sets how [`Head::Sample`] chooses the next token.
@@ -575,7 +595,7 @@ impl Plan {
                     dense.gate_up.encode(rec, Phase::Layers, n, gemm);
                     dense.down.encode(rec, Phase::Layers, n, gemm);
                 }
-                FfnPlan::Moe(moe) => moe.run(rec, n, routing, gemm)?,
+                FfnPlan::Moe(moe) => moe.run(rec, n, routing, self.experts_use_gemm(n as usize, moe))?,
             }
             // A chunk GEMM's add wrote the next layer's normalised input.
             h_ready = gemm && matches!(layer.ffn, FfnPlan::Dense(_));

@@ -280,10 +280,14 @@ impl MoePlan {
         Ok(())
     }
 
-    /// Router, selection, and the selected experts of the tokens in
-    /// flight, added to the residual.
-    /// Runs the layer's router and experts over `n_tokens` rows, the
-    /// experts grouped by expert through the GEMM where `gemm` says so.
+    /// (experts chosen per token, experts of the layer).
+    pub fn routing_shape(&self) -> (usize, usize) {
+        (self.top_k_slots, self.n_experts)
+    }
+
+    /// Runs the layer's router and experts over `n_tokens` rows, added to
+    /// the residual, the experts grouped by expert through the GEMM where
+    /// `gemm` says so.
     pub fn run<'a>(
         &self,
         rec: &mut Recorder<'a>,
