@@ -336,7 +336,10 @@ impl Grid {
         self.values[code as usize] as f32
     }
 
-    /// The grid as a WGSL constant `name`: entries of 8 values two to a word
+    /// The grid as the WGSL table `name` (a private array that is never
+    /// written: a `const` array indexed at run time is copied at every
+    /// access, which made one GEMV of an IQ2_S row a hundred times slower
+    /// on lavapipe): entries of 8 values two to a word
     /// (the first in the low half), codes as in `entries`; entries of 4
     /// values one to a word, their values as bytes.
     fn wgsl(&self, name: &str) -> String {
@@ -348,7 +351,7 @@ impl Grid {
                 .collect()
         };
         let list: Vec<String> = words.iter().map(|w| format!("0x{w:x}u")).collect();
-        format!("const {name} = array<u32, {}>({});\n", words.len(), list.join(","))
+        format!("var<private> {name}: array<u32, {n}> = array<u32, {n}>({});\n", list.join(","), n = words.len())
     }
 }
 
@@ -368,7 +371,7 @@ fn wgsl_bytes16(name: &str, values: &[i8; 16]) -> String {
     format!("const {name} = vec4<u32>({});\n", words.join(", "))
 }
 
-/// The formats' tables as WGSL constants, for the kernels that read
+/// The formats' tables in WGSL, for the kernels that read
 /// weights (`wgsl/weights.wgsl`), each in an `#if` section of the formats
 /// that read it: IQ4NL_TABLE and MXFP4_TABLE hold those values as bytes;
 /// the grids as [`Grid::wgsl`] lays them out, and IQ2_VALUES / IQ1_VALUES

@@ -838,8 +838,9 @@ fn row_words(n: u32) -> u32 {
 // The quants go to the integer dot units (dot4I8Packed) four at a time
 // as they lie in their bytes, masked into place, never converted to floats
 // one by one: the formats whose quants fit a signed byte have them (Q8_0,
-// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), and those whose quants index
-// a table of signed bytes (IQ4_NL, IQ4_XS, MXFP4).
+// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), those whose quants index
+// a table of signed bytes (IQ4_NL, IQ4_XS, MXFP4), and the i-quants below
+// 4 bits, whose grid entries become signed bytes.
 #if UNIT_DOTS
 fn sum4(a: vec4<f32>) -> f32 {
     return dot(a, vec4<f32>(1.0));
@@ -1144,6 +1145,203 @@ const UNIT_ELEMS: u32 = 32u;
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + u * 5u;
     return mxfp4_scale(weight_word(b)) * table16_run32(words4(b + 1u), 2u * u - r0);
+}
+#endif
+
+// The i-quants below 4 bits: a unit is 32 values (the block's 32-value
+// group that shares its scale and sign indexes), whose grid entries become
+// signed bytes: their codes' values as bytes (below 128 and never 0),
+// negated where their sign bits are set, or for IQ1, 8 v + 8 delta (odd,
+// within -9 .. 9) against an eighth of the scale.
+
+// Four bytes as one word (each below 256).
+fn pack_bytes4(b: vec4<u32>) -> u32 {
+    return b.x | (b.y << 8u) | (b.z << 16u) | (b.w << 24u);
+}
+
+// Codes 4 h .. 4 h + 3 (h 0 or 1) of an 8-value entry.
+fn grid8_codes(entry: u32, h: u32) -> vec4<u32> {
+    return (vec4<u32>(entry) >> (8u * h + vec4<u32>(0u, 2u, 4u, 6u))) & vec4<u32>(3u);
+}
+
+// Bytes 1 .. 127 of w negated where bits 0 .. 3 of signs are set: (v ^ 0xff)
+// + 1 is 256 - v, which carries into no other byte.
+fn negate_bytes(w: u32, signs: u32) -> u32 {
+    let mask = (((signs & 15u) * 0x00204081u) & 0x01010101u) * 255u;
+    return (w ^ mask) + (mask & 0x01010101u);
+}
+
+// An IQ2 grid's 8-value entry as signed bytes (two words), `signs` its 8
+// sign bits.
+fn iq2_bytes(entry: u32, signs: u32) -> vec2<u32> {
+    let lo = pack_bytes4((vec4<u32>(IQ2_VALUES) >> (8u * grid8_codes(entry, 0u))) & vec4<u32>(255u));
+    let hi = pack_bytes4((vec4<u32>(IQ2_VALUES) >> (8u * grid8_codes(entry, 1u))) & vec4<u32>(255u));
+    return vec2<u32>(negate_bytes(lo, signs), negate_bytes(hi, signs >> 4u));
+}
+
+#if W_IQ2_XXS
+const UNIT_ELEMS: u32 = 32u;
+// Entry l of the group whose indexes and aux words are given.
+fn iq2xxs_pair(indexes: u32, aux: u32, l: u32) -> vec2<u32> {
+    let g = byte_of(indexes, l);
+    return iq2_bytes(grid8_entry(IQ2XXS_GRID[g / 2u], g), iq_signs((aux >> (7u * l)) & 127u));
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let b = w + (u / 8u) * 17u;
+    let indexes = weight_word(b + 1u + (u % 8u) * 2u);
+    let aux = weight_word(b + 2u + (u % 8u) * 2u);
+    let qa = vec4<u32>(iq2xxs_pair(indexes, aux, 0u), iq2xxs_pair(indexes, aux, 1u));
+    let qb = vec4<u32>(iq2xxs_pair(indexes, aux, 2u), iq2xxs_pair(indexes, aux, 3u));
+    let db = f16_lo(weight_word(b)) * (small_uint_f32(aux >> 28u) + 0.5) * 0.25;
+    return db * x_run32(qa, qb, 2u * u - r0);
+}
+#endif
+
+#if W_IQ2_XS
+const UNIT_ELEMS: u32 = 32u;
+// Entry h of the two (9-bit grid index, 7-bit sign index) in word q.
+fn iq2xs_pair(q: u32, h: u32) -> vec2<u32> {
+    let e = grid8_entry(q, h);
+    let g = e & 511u;
+    return iq2_bytes(grid8_entry(IQ2XS_GRID[g / 2u], g), iq_signs(e >> 9u));
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 19u;
+    let q0 = weight_word(b + 1u + 2u * n);
+    let q1 = weight_word(b + 2u + 2u * n);
+    let qa = vec4<u32>(iq2xs_pair(q0, 0u), iq2xs_pair(q0, 1u));
+    let qb = vec4<u32>(iq2xs_pair(q1, 0u), iq2xs_pair(q1, 1u));
+    let sc = byte_of(weight_word(b + 17u + n / 4u), n % 4u);
+    let r = 2u * u - r0;
+    let d = f16_lo(weight_word(b)) * 0.25;
+    return d * ((small_uint_f32(sc & 15u) + 0.5) * x_run16(qa, r) + (small_uint_f32(sc >> 4u) + 0.5) * x_run16(qb, r + 1u));
+}
+#endif
+
+#if W_IQ2_S
+const UNIT_ELEMS: u32 = 32u;
+// Entry l of the group whose low index bytes, top bits and sign bytes are given.
+fn iq2s_pair(low: u32, high: u32, signs: u32, l: u32) -> vec2<u32> {
+    let index = byte_of(low, l) | (((high >> (2u * l)) & 3u) << 8u);
+    return iq2_bytes(grid8_entry(IQ2S_GRID[index / 2u], index), byte_of(signs, l));
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 21u;
+    let low = weight_word(b + 1u + n);
+    let signs = weight_word(b + 9u + n);
+    let high = byte_of(weight_word(b + 17u + n / 4u), n % 4u);
+    let qa = vec4<u32>(iq2s_pair(low, high, signs, 0u), iq2s_pair(low, high, signs, 1u));
+    let qb = vec4<u32>(iq2s_pair(low, high, signs, 2u), iq2s_pair(low, high, signs, 3u));
+    let sc = byte_of(weight_word(b + 19u + n / 4u), n % 4u);
+    let r = 2u * u - r0;
+    let d = f16_lo(weight_word(b)) * 0.25;
+    return d * ((small_uint_f32(sc & 15u) + 0.5) * x_run16(qa, r) + (small_uint_f32(sc >> 4u) + 0.5) * x_run16(qb, r + 1u));
+}
+#endif
+
+#if W_IQ3_XXS
+const UNIT_ELEMS: u32 = 32u;
+// Entries 2 l and 2 l + 1 (of the 8 whose index bytes are in words i0, i1).
+fn iq3xxs_pair(i0: u32, i1: u32, aux: u32, l: u32) -> vec2<u32> {
+    let indexes = select(i0, i1, l >= 2u);
+    let signs = iq_signs((aux >> (7u * l)) & 127u);
+    let a = IQ3XXS_GRID[byte_of(indexes, 2u * (l % 2u))];
+    let c = IQ3XXS_GRID[byte_of(indexes, 2u * (l % 2u) + 1u)];
+    return vec2<u32>(negate_bytes(a, signs), negate_bytes(c, signs >> 4u));
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 25u;
+    let i0 = weight_word(b + 1u + 2u * n);
+    let i1 = weight_word(b + 2u + 2u * n);
+    let aux = weight_word(b + 17u + n);
+    let qa = vec4<u32>(iq3xxs_pair(i0, i1, aux, 0u), iq3xxs_pair(i0, i1, aux, 1u));
+    let qb = vec4<u32>(iq3xxs_pair(i0, i1, aux, 2u), iq3xxs_pair(i0, i1, aux, 3u));
+    let db = f16_lo(weight_word(b)) * (small_uint_f32(aux >> 28u) + 0.5) * 0.5;
+    return db * x_run32(qa, qb, 2u * u - r0);
+}
+#endif
+
+#if W_IQ3_S
+const UNIT_ELEMS: u32 = 32u;
+// Entries 2 l and 2 l + 1 (of the 8 whose low index bytes are in words
+// l0, l1 and top bits in `high`), signed by byte l of `signs`.
+fn iq3s_pair(l0: u32, l1: u32, high: u32, signs: u32, l: u32) -> vec2<u32> {
+    let low = select(l0, l1, l >= 2u);
+    let k = 2u * l;
+    let a = byte_of(low, k % 4u) | (((high >> k) & 1u) << 8u);
+    let c = byte_of(low, k % 4u + 1u) | (((high >> (k + 1u)) & 1u) << 8u);
+    let s = byte_of(signs, l);
+    return vec2<u32>(negate_bytes(IQ3S_GRID[a], s), negate_bytes(IQ3S_GRID[c], s >> 4u));
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 28u;
+    let l0 = weight_word(b + 1u + 2u * n);
+    let l1 = weight_word(b + 2u + 2u * n);
+    let high = byte_of(weight_word(b + 17u + n / 4u), n % 4u);
+    let signs = weight_word(b + 19u + n);
+    let qa = vec4<u32>(iq3s_pair(l0, l1, high, signs, 0u), iq3s_pair(l0, l1, high, signs, 1u));
+    let qb = vec4<u32>(iq3s_pair(l0, l1, high, signs, 2u), iq3s_pair(l0, l1, high, signs, 3u));
+    let s = (byte_of(weight_word(b + 27u), n / 2u) >> (4u * (n % 2u))) & 15u;
+    return f16_lo(weight_word(b)) * small_uint_f32(1u + 2u * s) * x_run32(qa, qb, 2u * u - r0);
+}
+#endif
+
+// IQ1: an entry as the bytes 8 v + 8 delta, v = its code's value (byte c
+// of IQ1_VALUES, less one), delta -1/8 where `negative`, else 1/8.
+fn iq1_bytes(entry: u32, negative: bool) -> vec2<u32> {
+    let lo = (vec4<u32>(IQ1_VALUES) >> (8u * grid8_codes(entry, 0u))) & vec4<u32>(255u);
+    let hi = (vec4<u32>(IQ1_VALUES) >> (8u * grid8_codes(entry, 1u))) & vec4<u32>(255u);
+    // 8 (v + 1) - 7 or - 9, as a byte.
+    let bias = vec4<u32>(select(7u, 9u, negative));
+    return vec2<u32>(pack_bytes4(((8u * lo) - bias) & vec4<u32>(255u)), pack_bytes4(((8u * hi) - bias) & vec4<u32>(255u)));
+}
+
+#if W_IQ1_S
+const UNIT_ELEMS: u32 = 32u;
+fn iq1s_pair(low: u32, qh: u32, l: u32) -> vec2<u32> {
+    let index = byte_of(low, l) | (((qh >> (3u * l)) & 7u) << 8u);
+    return iq1_bytes(grid8_entry(IQ1S_GRID[index / 2u], index), (qh & 0x8000u) != 0u);
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 13u;
+    let low = weight_word(b + 1u + n);
+    let qh = grid8_entry(weight_word(b + 9u + n / 2u), n);
+    let qa = vec4<u32>(iq1s_pair(low, qh, 0u), iq1s_pair(low, qh, 1u));
+    let qb = vec4<u32>(iq1s_pair(low, qh, 2u), iq1s_pair(low, qh, 3u));
+    let dl = f16_lo(weight_word(b)) * small_uint_f32(2u * ((qh >> 12u) & 7u) + 1u);
+    return 0.125 * dl * x_run32(qa, qb, 2u * u - r0);
+}
+#endif
+
+#if W_IQ1_M
+const UNIT_ELEMS: u32 = 32u;
+// Entry l of the group whose low index bytes are in `low` and nibbles
+// (3 top index bits, the sign of delta) in the 16 bits `high`.
+fn iq1m_pair(low: u32, high: u32, l: u32) -> vec2<u32> {
+    let h = (high >> (4u * l)) & 15u;
+    let index = byte_of(low, l) | ((h & 7u) << 8u);
+    return iq1_bytes(grid8_entry(IQ1S_GRID[index / 2u], index), (h & 8u) != 0u);
+}
+fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
+    let n = u % 8u;
+    let b = w + (u / 8u) * 14u;
+    let low = weight_word(b + n);
+    let high = grid8_entry(weight_word(b + 8u + n / 2u), n);
+    let qa = vec4<u32>(iq1m_pair(low, high, 0u), iq1m_pair(low, high, 1u));
+    let qb = vec4<u32>(iq1m_pair(low, high, 2u), iq1m_pair(low, high, 3u));
+    let scales01 = weight_word(b + 12u);
+    let scales23 = weight_word(b + 13u);
+    let top = ((scales01 >> 12u) & 0xfu) | ((scales01 >> 24u) & 0xf0u)
+        | ((scales23 >> 4u) & 0xf00u) | ((scales23 >> 16u) & 0xf000u);
+    let sc = grid8_entry(select(scales01, scales23, n >= 4u), n / 2u) >> (6u * (n % 2u));
+    let d = 0.125 * f16_lo(top);
+    let r = 2u * u - r0;
+    return d * (small_uint_f32(2u * (sc & 7u) + 1u) * x_run16(qa, r) + small_uint_f32(2u * ((sc >> 3u) & 7u) + 1u) * x_run16(qb, r + 1u));
 }
 #endif
 

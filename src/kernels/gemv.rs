@@ -550,7 +550,26 @@ const INT8_DOTS: &str = "INT8_DOTS";
 /// The formats `weights.wgsl` defines `unit_dots` against byte activations for.
 pub fn has_int8_units(format: WeightFormat) -> bool {
     use WeightFormat::*;
-    matches!(format, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K | IQ4NL | IQ4XS | MXFP4)
+    matches!(
+        format,
+        Q8_0 | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q4K
+            | Q5K
+            | Q6K
+            | IQ4NL
+            | IQ4XS
+            | MXFP4
+            | IQ2XXS
+            | IQ2XS
+            | IQ2S
+            | IQ3XXS
+            | IQ3S
+            | IQ1S
+            | IQ1M
+    )
 }
 
 /// The flags of a build reading `format` against byte activations: those
