@@ -32,7 +32,8 @@
 // units (UNIT_DOTS: the 256-element block formats), consecutive lanes on
 // consecutive units, or else four weights at a time, consecutive lanes on
 // consecutive quads; INT8_DOTS: by units against x staged by the whole
-// workgroup as bytes (below), for the formats whose quants fit a byte.
+// workgroup as bytes (below), for the formats whose quants fit a byte or
+// become bytes through a table or grid (weights.wgsl).
 // Grid: workgroups folded over x and z, each taking blocks of ROWS_PER_WG
 // groups' outputs in turn (one block each unless the host caps the grid:
 // then INT8_DOTS stages x once for all of them where it fits one chunk);

@@ -1154,11 +1154,6 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
 // negated where their sign bits are set, or for IQ1, 8 v + 8 delta (odd,
 // within -9 .. 9) against an eighth of the scale.
 
-// Four bytes as one word (each below 256).
-fn pack_bytes4(b: vec4<u32>) -> u32 {
-    return b.x | (b.y << 8u) | (b.z << 16u) | (b.w << 24u);
-}
-
 // Codes 4 h .. 4 h + 3 (h 0 or 1) of an 8-value entry.
 fn grid8_codes(entry: u32, h: u32) -> vec4<u32> {
     return (vec4<u32>(entry) >> (8u * h + vec4<u32>(0u, 2u, 4u, 6u))) & vec4<u32>(3u);
@@ -1174,8 +1169,8 @@ fn negate_bytes(w: u32, signs: u32) -> u32 {
 // An IQ2 grid's 8-value entry as signed bytes (two words), `signs` its 8
 // sign bits.
 fn iq2_bytes(entry: u32, signs: u32) -> vec2<u32> {
-    let lo = pack_bytes4((vec4<u32>(IQ2_VALUES) >> (8u * grid8_codes(entry, 0u))) & vec4<u32>(255u));
-    let hi = pack_bytes4((vec4<u32>(IQ2_VALUES) >> (8u * grid8_codes(entry, 1u))) & vec4<u32>(255u));
+    let lo = pack_bytes(bitcast<vec4<i32>>(vec4<u32>(IQ2_VALUES) >> (8u * grid8_codes(entry, 0u))));
+    let hi = pack_bytes(bitcast<vec4<i32>>(vec4<u32>(IQ2_VALUES) >> (8u * grid8_codes(entry, 1u))));
     return vec2<u32>(negate_bytes(lo, signs), negate_bytes(hi, signs >> 4u));
 }
 
@@ -1293,11 +1288,11 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
 // IQ1: an entry as the bytes 8 v + 8 delta, v = its code's value (byte c
 // of IQ1_VALUES, less one), delta -1/8 where `negative`, else 1/8.
 fn iq1_bytes(entry: u32, negative: bool) -> vec2<u32> {
-    let lo = (vec4<u32>(IQ1_VALUES) >> (8u * grid8_codes(entry, 0u))) & vec4<u32>(255u);
-    let hi = (vec4<u32>(IQ1_VALUES) >> (8u * grid8_codes(entry, 1u))) & vec4<u32>(255u);
-    // 8 (v + 1) - 7 or - 9, as a byte.
-    let bias = vec4<u32>(select(7u, 9u, negative));
-    return vec2<u32>(pack_bytes4(((8u * lo) - bias) & vec4<u32>(255u)), pack_bytes4(((8u * hi) - bias) & vec4<u32>(255u)));
+    let lo = bitcast<vec4<i32>>((vec4<u32>(IQ1_VALUES) >> (8u * grid8_codes(entry, 0u))) & vec4<u32>(255u));
+    let hi = bitcast<vec4<i32>>((vec4<u32>(IQ1_VALUES) >> (8u * grid8_codes(entry, 1u))) & vec4<u32>(255u));
+    // 8 (v + 1) - 7 or - 9.
+    let bias = vec4<i32>(select(7, 9, negative));
+    return vec2<u32>(pack_bytes(8 * lo - bias), pack_bytes(8 * hi - bias));
 }
 
 #if W_IQ1_S
