@@ -46,20 +46,27 @@ def base(model_type, **extra):
     return cfg
 
 
+# Qwen3's RoPE base and norm epsilon.
+QWEN3_ROPE = dict(rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def qwen3moe():
+    """A Qwen3-MoE of 4 experts, 2 chosen, with normalised routing weights."""
+    return base("qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **QWEN3_ROPE)
+
+
 # name -> (gguf architecture, transformers config, llama-quantize type, or
 # its options ending with the type)
 CASES = {
     "gguf_llama_q4_k_m": ("llama", base("llama"), "Q4_K_M"),
     "gguf_llama_q8_0_tied": ("llama", base("llama", tie_word_embeddings=True), "Q8_0"),
     "gguf_llama_q2_k": ("llama", base("llama"), "Q2_K"),
-    "gguf_qwen3_q5_k_m": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6), "Q5_K_M"),
-    "gguf_qwen3_q3_k_m": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6), "Q3_K_M"),
+    "gguf_qwen3_q5_k_m": ("qwen3", base("qwen3", **QWEN3_ROPE), "Q5_K_M"),
+    "gguf_qwen3_q3_k_m": ("qwen3", base("qwen3", **QWEN3_ROPE), "Q3_K_M"),
     "gguf_qwen3_q4_0": ("qwen3", base("qwen3", tie_word_embeddings=True), "Q4_0"),
     "gguf_qwen3_q5_0": ("qwen3", base("qwen3", rope_theta=1000000.0), "Q5_0"),
-    "gguf_qwen3moe_q4_k_m": ("qwen3moe", base(
-        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
-        rms_norm_eps=1e-6), "Q4_K_M"),
+    "gguf_qwen3moe_q4_k_m": ("qwen3moe", qwen3moe(), "Q4_K_M"),
     "gguf_mixtral_q5_1": ("llama", base(
         "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None), "Q5_1"),
     "gguf_llama_q4_1": ("llama", base("llama"), "Q4_1"),
@@ -81,46 +88,33 @@ CASES = {
     # The non-linear 4-bit types (no importance matrix needed): IQ4_NL in
     # blocks of 32, IQ4_XS in super-blocks of 256 with 6-bit sub-block scales.
     "gguf_llama_iq4_nl": ("llama", base("llama"), "IQ4_NL"),
-    "gguf_qwen3_iq4_xs": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6), "IQ4_XS"),
-    "gguf_qwen3moe_iq4_xs": ("qwen3moe", base(
-        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
-        rms_norm_eps=1e-6), "IQ4_XS"),
+    "gguf_qwen3_iq4_xs": ("qwen3", base("qwen3", **QWEN3_ROPE), "IQ4_XS"),
+    "gguf_qwen3moe_iq4_xs": ("qwen3moe", qwen3moe(), "IQ4_XS"),
     # An i-quant that llama-quantize writes without an importance matrix,
     # and MXFP4 as gpt-oss files use it (MXFP4_MOE: the experts in MXFP4,
     # the rest Q8_0).
     "gguf_llama_iq3_s": ("llama", base("llama"), "IQ3_S"),
-    "gguf_qwen3moe_mxfp4": ("qwen3moe", base(
-        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
-        rms_norm_eps=1e-6), "MXFP4_MOE"),
+    "gguf_qwen3moe_mxfp4": ("qwen3moe", qwen3moe(), "MXFP4_MOE"),
     # The types llama-quantize writes only with an importance matrix (IMATRIX:
     # a random one, written by write_imatrix), across the families.
     "gguf_llama_iq2_xxs": ("llama", base("llama"), ["--imatrix", IMATRIX, "IQ2_XXS"]),
-    "gguf_qwen3_iq2_xs": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6),
-                          ["--imatrix", IMATRIX, "IQ2_XS"]),
-    "gguf_qwen3moe_iq2_m": ("qwen3moe", base(
-        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
-        rms_norm_eps=1e-6), ["--imatrix", IMATRIX, "IQ2_M"]),
+    "gguf_qwen3_iq2_xs": ("qwen3", base("qwen3", **QWEN3_ROPE), ["--imatrix", IMATRIX, "IQ2_XS"]),
+    "gguf_qwen3moe_iq2_m": ("qwen3moe", qwen3moe(), ["--imatrix", IMATRIX, "IQ2_M"]),
     "gguf_mixtral_iq3_xxs": ("llama", base(
         "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
         ["--imatrix", IMATRIX, "IQ3_XXS"]),
     "gguf_llama_iq1_s": ("llama", base("llama"), ["--imatrix", IMATRIX, "IQ1_S"]),
-    "gguf_qwen3_iq1_m": ("qwen3", base("qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6),
-                         ["--imatrix", IMATRIX, "IQ1_M"]),
+    "gguf_qwen3_iq1_m": ("qwen3", base("qwen3", **QWEN3_ROPE), ["--imatrix", IMATRIX, "IQ1_M"]),
     # A mix as the "dynamic" quants write them: Q4_K_M's own mix overridden
     # per tensor and per layer, so that one file holds nine types, the
     # experts in a different one per layer (a layer's gate and up share
     # theirs, as wgspark requires) and their down rows in another.
-    "gguf_qwen3moe_mixed": ("qwen3moe", base(
-        "qwen3_moe", moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
-        rms_norm_eps=1e-6), ["--tensor-type", "attn_q=iq4_xs", "--tensor-type", "attn_k=q8_0",
-                             r"--tensor-type", r"blk\.0\.ffn_(gate|up)_exps=iq4_nl",
-                             r"--tensor-type", r"blk\.1\.ffn_(gate|up)_exps=q5_0",
-                             "--tensor-type", "ffn_down_exps=q3_k", "--token-embedding-type", "q6_k",
-                             "--output-tensor-type", "q5_k", "Q4_K_M"]),
+    "gguf_qwen3moe_mixed": ("qwen3moe", qwen3moe(), [
+        "--tensor-type", "attn_q=iq4_xs", "--tensor-type", "attn_k=q8_0",
+        r"--tensor-type", r"blk\.0\.ffn_(gate|up)_exps=iq4_nl",
+        r"--tensor-type", r"blk\.1\.ffn_(gate|up)_exps=q5_0",
+        "--tensor-type", "ffn_down_exps=q3_k", "--token-embedding-type", "q6_k",
+        "--output-tensor-type", "q5_k", "Q4_K_M"]),
 }
 
 

@@ -1174,6 +1174,13 @@ fn iq2_bytes(entry: u32, signs: u32) -> vec2<u32> {
     return vec2<u32>(negate_bytes(lo, signs), negate_bytes(hi, signs >> 4u));
 }
 
+// IQ2_XS / IQ2_S: a unit's two halves (runs r and r + 1), each with its
+// 4-bit scale s (the low and high nibbles of `scales`): d (s + 1/2) / 4.
+fn iq2_scaled_halves(head: u32, scales: u32, qa: vec4<u32>, qb: vec4<u32>, r: u32) -> f32 {
+    let s = vec2<f32>(small_uint_f32(scales & 15u), small_uint_f32(scales >> 4u)) + 0.5;
+    return f16_lo(head) * 0.25 * (s.x * x_run16(qa, r) + s.y * x_run16(qb, r + 1u));
+}
+
 #if W_IQ2_XXS
 const UNIT_ELEMS: u32 = 32u;
 // Entry l of the group whose indexes and aux words are given.
@@ -1207,10 +1214,7 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let q1 = weight_word(b + 2u + 2u * n);
     let qa = vec4<u32>(iq2xs_pair(q0, 0u), iq2xs_pair(q0, 1u));
     let qb = vec4<u32>(iq2xs_pair(q1, 0u), iq2xs_pair(q1, 1u));
-    let sc = byte_of(weight_word(b + 17u + n / 4u), n % 4u);
-    let r = 2u * u - r0;
-    let d = f16_lo(weight_word(b)) * 0.25;
-    return d * ((small_uint_f32(sc & 15u) + 0.5) * x_run16(qa, r) + (small_uint_f32(sc >> 4u) + 0.5) * x_run16(qb, r + 1u));
+    return iq2_scaled_halves(weight_word(b), byte_of(weight_word(b + 17u + n / 4u), n % 4u), qa, qb, 2u * u - r0);
 }
 #endif
 
@@ -1229,10 +1233,7 @@ fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let high = byte_of(weight_word(b + 17u + n / 4u), n % 4u);
     let qa = vec4<u32>(iq2s_pair(low, high, signs, 0u), iq2s_pair(low, high, signs, 1u));
     let qb = vec4<u32>(iq2s_pair(low, high, signs, 2u), iq2s_pair(low, high, signs, 3u));
-    let sc = byte_of(weight_word(b + 19u + n / 4u), n % 4u);
-    let r = 2u * u - r0;
-    let d = f16_lo(weight_word(b)) * 0.25;
-    return d * ((small_uint_f32(sc & 15u) + 0.5) * x_run16(qa, r) + (small_uint_f32(sc >> 4u) + 0.5) * x_run16(qb, r + 1u));
+    return iq2_scaled_halves(weight_word(b), byte_of(weight_word(b + 19u + n / 4u), n % 4u), qa, qb, 2u * u - r0);
 }
 #endif
 
