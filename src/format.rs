@@ -351,7 +351,11 @@ impl Grid {
                 .collect()
         };
         let list: Vec<String> = words.iter().map(|w| format!("0x{w:x}u")).collect();
-        format!("var<private> {name}: array<u32, {n}> = array<u32, {n}>({});\n", list.join(","), n = words.len())
+        format!(
+            "var<private> {name}: array<u32, {n}> = array<u32, {n}>({});\n",
+            list.join(","),
+            n = words.len()
+        )
     }
 }
 

@@ -209,7 +209,7 @@ fn check_tower(dir: &Path) {
             let patches = processor.patches(&image, name).unwrap();
             for matmul in [wgspark::ChunkMatmul::Gemm, wgspark::ChunkMatmul::Gemv] {
                 let what = format!("{name} on {:?} with {matmul:?}", gpu.info.backend);
-                let gemm = matmul.gemm(gpu, Default::default()).unwrap();
+                let gemm = matmul.gemm(&model, Default::default()).unwrap();
                 let got = wgspark::flow::vision::encode_image(&model, &patches, gemm.as_ref()).unwrap();
                 let (merged, deepstack) = got.read(gpu, width).unwrap();
                 let want_merged = rows(&want["merged"]);

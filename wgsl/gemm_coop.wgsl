@@ -30,6 +30,10 @@ enable wgpu_cooperative_matrix;
 // same kernel runs far slower (kernels::gemm_coop::Tile::reads_f16).
 // Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
 // product after it to read with X_F16.
+// W_COPY (without WEIGHT_FORMAT): W is the f16 copy of a quantized part
+// that dequant.wgsl wrote before the product (eight values a 16-byte load,
+// as bf16 rows): the values its WEIGHT_FORMAT build would decode and round
+// to f16 in each tile of tokens, decoded once.
 // K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
 // summing one of K_SPLITS consecutive ranges of k, and write their partial
 // sums side by side, y packed [tokens, K_SPLITS, y_stride], for the
@@ -356,10 +360,15 @@ fn store_step(st: Staged, k0: u32, li: u32) {
         ws[at] = vec4<f16>(hi[0]);
         ws[at + 1u] = vec4<f16>(hi[1]);
 #else
-        // bf16 pairs to f16 pairs: exact within f16's range.
         let w = st.w[r];
+#if W_COPY
+        ws[at] = vec4<f16>(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)));
+        ws[at + 1u] = vec4<f16>(vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));
+#else
+        // bf16 pairs to f16 pairs: exact within f16's range.
         ws[at] = vec4<f16>(bf16x4_lo(w));
         ws[at + 1u] = vec4<f16>(bf16x4_hi(w));
+#endif
 #endif
     }
 }
