@@ -20,7 +20,8 @@ enable wgpu_cooperative_matrix;
 // Entry points:
 //   attend_coop (COOP) the chunk's attention on cooperative matrices (below);
 //               OUT_F16: its rows also go to out16 as f16, for the
-//               o-projection's GEMM to read (kernels::gemm::HalfCopies).
+//               o-projection's GEMM to read (kernels::gemm::HalfCopies);
+//               BIDIRECTIONAL as attend's.
 //   rope_store  (a chunk) one workgroup per (KV head, token): k heads
 //               normalised, rotated and stored, v heads copied, into the cache.
 //   attend      (BIDIRECTIONAL: every row sees every key of the cache up to
@@ -1175,11 +1176,15 @@ fn attend_lanes(
 // of products, no next tile held in registers.
 // The staged tiles are arrays of vec4<f16> (as in gemm_coop.wgsl: 8-byte
 // stores, strides in vec4s).
-// Needs KV_F16, head_dim a multiple of 16 up to 128 (HD_FRAGS = head_dim /
-// 16), a group dividing 16 and subgroups of 32; workgroup memory of
+// BIDIRECTIONAL: every row sees every key of the chunk (the vision
+// tower's attention over an image's patches).
+// Needs KV_F16, head_dim a multiple of 8 up to 128 (HD_FRAGS = head_dim /
+// 16 rounded up: a head of 72, the vision tower's, runs as 80 whose last
+// 8 dimensions are zero in q, K and V and never written out), a group
+// dividing 16 and subgroups of 32; workgroup memory of
 // kernels::attention::CoopLayout::workgroup_bytes.
 
-override HD_FRAGS: u32 = HEAD_DIM / 16u;
+override HD_FRAGS: u32 = (HEAD_DIM + 15u) / 16u;
 // 8, or 4 where workgroup memory is short.
 override C_SUBGROUPS: u32 = 8u;
 override C_WG: u32 = 32u * C_SUBGROUPS;
@@ -1335,7 +1340,7 @@ fn write_rows(o: coop_mat16x16<f32, C>, sg: u32, lane: u32, i: u32, t0: u32, g: 
     for (var c = 0u; c < 8u; c++) {
         let e = lane + 32u * c;
         let row = sg * 16u + e / 16u;
-        if (row < rows) {
+        if (row < rows && 16u * i + e % 16u < HEAD_DIM) {
             let t = t0 + row / GROUP;
             let head = g * GROUP + row % GROUP;
             let v = sc_sh[at + e] * alpha_sh[row];
@@ -1363,10 +1368,22 @@ fn attend_coop(
     let t0 = (nwg.y - 1u - wid.y) * p.tokens_per_wg;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
     let rows = n_tok * GROUP;
+#if BIDIRECTIONAL
+    let start = 0u;
+    let end = step.pos0 + step.n_tokens;
+#else
     let start = first_key(step.pos0 + t0);
     let end = step.pos0 + t0 + n_tok;
+#endif
     // The first tile's loads are in flight while q is staged.
     var tile = load_coop_tile(start, end, g, l);
+    // A head narrower than its fragments: the 8 columns past it in every K
+    // and V row of the tile, which no store reaches, are zero.
+    if (HEAD_DIM % 16u != 0u) {
+        for (var i = l; i < 4u * C_KEYS; i += C_WG) {
+            kv_sh[(i / 2u) * C_STRIDE + HEAD_DIM / 4u + i % 2u] = vec4<f16>(0.0);
+        }
+    }
     let q01 = q_pair(false, 0u, t0, g, rows, sg, lane);
     let q23 = q_pair(false, 1u, t0, g, rows, sg, lane);
     let q45 = q_pair(false, 2u, t0, g, rows, sg, lane);
@@ -1456,7 +1473,11 @@ fn attend_coop(
         for (var c = 0u; c < 16u; c++) {
             let j = 16u * half + c;
             let key = k0 + j;
+#if BIDIRECTIONAL
+            let valid = j < n && row < rows;
+#else
             let valid = j < n && row < rows && key <= row_pos && key >= first_key(row_pos);
+#endif
             s[c] = select(NEG_BIG, sc_sh[s_at + r * S_STRIDE + j] * p.scale, valid);
             m_tile = max(m_tile, s[c]);
         }

@@ -274,15 +274,18 @@ pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Re
     let sum = kernels.residual.plan_weighted(gpu, h, 4, &weights, &taps, &x, &LayerOutput::default())?;
     pass.push(sum, n);
 
+    // Where the GEMM rounds its operands to f16, so does the attention: it
+    // runs on cooperative matrices (where its heads fit them) over an f16
+    // cache; elsewhere on the tiled f32 kernel over an f32 one.
+    let f16 = gemm.is_some_and(|g| g.keeps_half_copies());
     let shape = AttentionShape {
         heads: Heads { q: v.heads, kv: v.heads, dim: hd },
         rotary_dim: hd,
         scale: (hd as f32).powf(-0.5),
         window: 0,
         qk_norm: None,
-        kv_format: KvFormat::F32,
-        // Bidirectional: never on cooperative matrices.
-        chunk_precision: PrefillPrecision::Split,
+        kv_format: if f16 { KvFormat::F16 } else { KvFormat::F32 },
+        chunk_precision: if f16 { PrefillPrecision::F16 } else { PrefillPrecision::Split },
     };
     let bindings = AttentionBindings {
         step: &step,

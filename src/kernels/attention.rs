@@ -322,8 +322,9 @@ enum Entry {
     /// batch's decode rows (PAGED).
     LanesAttend { layout: LaneLayout, paged: bool },
     /// `attend_coop`: a chunk on cooperative matrices, with `f16_copy` its
-    /// rows also as f16 (binding 12).
-    CoopAttend { layout: CoopLayout, f16_copy: bool },
+    /// rows also as f16 (binding 12); `bidirectional`: every row over
+    /// every key (BIDIRECTIONAL).
+    CoopAttend { layout: CoopLayout, f16_copy: bool, bidirectional: bool },
     /// `combine`; `paged`: each split row's partials (PAGED).
     Combine { paged: bool },
 }
@@ -486,8 +487,11 @@ impl Attention {
         match entry {
             Entry::TokenAttend => flags.push("DECODE"),
             Entry::LanesAttend { .. } => flags.push(super::SUBGROUPS),
-            Entry::CoopAttend { f16_copy, .. } => {
+            Entry::CoopAttend { f16_copy, bidirectional, .. } => {
                 flags.push(COOP);
+                if bidirectional {
+                    flags.push(BIDIRECTIONAL);
+                }
                 if f16_copy {
                     flags.push(OUT_F16);
                 }
@@ -597,7 +601,7 @@ impl Attention {
         let h = shape.heads;
         let group = h.group();
         debug_assert!(h.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * h.dim <= MAX_GROUP_WIDTH);
-        let coop = self.coop.filter(|_| !bidirectional && self.coop_fits(shape));
+        let coop = self.coop.filter(|_| self.coop_fits(shape));
         // The chunk's tokens share each K/V tile among as many query rows as fit.
         let tokens_per_wg = match coop {
             Some(layout) => layout.rows() / group,
@@ -629,7 +633,7 @@ impl Attention {
             self.dispatch(
                 gpu,
                 shape,
-                Entry::CoopAttend { layout, f16_copy },
+                Entry::CoopAttend { layout, f16_copy, bidirectional },
                 &params,
                 &bound,
                 [h.kv as u32, 1, 1],
@@ -734,13 +738,14 @@ impl Attention {
     /// A chunk's attention runs on cooperative matrices: the device has
     /// them (and workgroup memory for a layout), the cache is f16 (an f32
     /// cache is asked for its precision, which f16 tiles would lose), heads
-    /// are whole 16-wide fragments of at most `COOP_MAX_HEAD_DIM`, and a
-    /// group divides a subgroup's 16 rows.
+    /// are whole runs of 8 (the last 16-wide fragment may be half empty) of
+    /// at most `COOP_MAX_HEAD_DIM`, and a group divides a subgroup's 16
+    /// rows.
     pub fn coop_fits(&self, shape: &AttentionShape<'_>) -> bool {
         let h = shape.heads;
         self.coop.is_some()
             && shape.kv_format == KvFormat::F16
-            && h.dim.is_multiple_of(16)
+            && h.dim.is_multiple_of(8)
             && h.dim <= COOP_MAX_HEAD_DIM
             && 16usize.is_multiple_of(h.group())
     }
@@ -793,6 +798,8 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
                 out.push([kv, &[COOP][..]].concat());
                 out.push([kv, &[COOP, OUT_F16][..]].concat());
                 out.push([kv, &[COOP, Q_SPLIT][..]].concat());
+                out.push([kv, &[COOP, BIDIRECTIONAL][..]].concat());
+                out.push([kv, &[COOP, BIDIRECTIONAL, Q_SPLIT][..]].concat());
             }
             if norm.is_empty() {
                 out.push([kv, &[BIDIRECTIONAL][..]].concat());
