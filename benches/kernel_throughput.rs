@@ -11,6 +11,7 @@ use wgspark::kernels::attention::{
     AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling};
+use wgspark::kernels::gemm_coop::FEW_TOKENS;
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Step};
@@ -315,16 +316,33 @@ fn main() {
                     let chosen = matches!(kernel, GemmKernel::Cooperative { tile: None, .. });
                     let reads =
                         if chosen && gemm.takes_half_copies(&w) { vec![false, true] } else { vec![false] };
-                    for f16_copies in reads {
+                    // The chosen tile also multiplying an f16 copy of the
+                    // weights, the copy's dispatch included (the flow's
+                    // default for quantized products over many tokens).
+                    let copied =
+                        Gemm::with_kernel(&gpu, *kernel).unwrap().with_weight_copy(&gpu, [&w]).unwrap();
+                    let weight_copies =
+                        if chosen && tokens as usize > FEW_TOKENS && format != WeightFormat::Bf16 {
+                            vec![false, true]
+                        } else {
+                            vec![false]
+                        };
+                    let variants = reads.iter().flat_map(|&r| weight_copies.iter().map(move |&c| (r, c)));
+                    for (f16_copies, weight_copy) in variants {
                         let half = if f16_copies { copies } else { HalfCopies::default() };
                         let (n, step) = (tokens as usize, &s);
+                        let gemm = if weight_copy { &copied } else { &gemm };
                         let d = gemm
                             .plan_apart(&gpu, &w, Epilogue::Plain, n, step, &x, (&y, None), half)
                             .unwrap();
                         time(&gpu, &d, None, tokens, 1);
                         let secs = time(&gpu, &d, None, tokens, if cpu { 1 } else { 5 });
                         let flops = 2.0 * (rows * cols) as f64 * tokens as f64;
-                        let label = format!("{kernel:?}{}", if f16_copies { " f16 copies" } else { "" });
+                        let label = format!(
+                            "{kernel:?}{}{}",
+                            if f16_copies { " f16 copies" } else { "" },
+                            if weight_copy { " weight copy" } else { "" }
+                        );
                         println!(
                             "gemm {format:<5} {tokens:>4} x {rows:>6} x {cols:>5} {label:<47}: {:8.3} ms, {:6.2} TFLOP/s",
                             secs * 1e3,

@@ -108,13 +108,18 @@ CASES = {
     # A mix as the "dynamic" quants write them: Q4_K_M's own mix overridden
     # per tensor and per layer, so that one file holds nine types, the
     # experts in a different one per layer (a layer's gate and up share
-    # theirs, as wgspark requires) and their down rows in another.
+    # theirs, as streaming them requires) and their down rows in another.
     "gguf_qwen3moe_mixed": ("qwen3moe", qwen3moe(), [
         "--tensor-type", "attn_q=iq4_xs", "--tensor-type", "attn_k=q8_0",
         r"--tensor-type", r"blk\.0\.ffn_(gate|up)_exps=iq4_nl",
         r"--tensor-type", r"blk\.1\.ffn_(gate|up)_exps=q5_0",
         "--tensor-type", "ffn_down_exps=q3_k", "--token-embedding-type", "q6_k",
         "--output-tensor-type", "q5_k", "Q4_K_M"]),
+    # A dense layer's gate and up in types of their own (decoded to f32 on
+    # load, where their rows are interleaved), its down in a third.
+    "gguf_llama_gate_up_apart": ("llama", base("llama"), [
+        "--tensor-type", "ffn_gate=q5_k", "--tensor-type", "ffn_up=iq4_nl",
+        "--tensor-type", "ffn_down=q8_0", "Q4_K_M"]),
 }
 
 

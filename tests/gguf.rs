@@ -589,3 +589,30 @@ fn value_rows_in_their_own_format_are_written_apart() {
     let v_part = model.weights().layers[1].qkv.parts.last().unwrap();
     assert_eq!(v_part.first_row, (heads.q + heads.kv) * heads.dim);
 }
+
+/// A mixed file whose dense layers hold gate (Q5_K) and up (IQ4_NL) in
+/// types of their own: their interleaved rows load as f32 (which holds
+/// both exactly), the down projection stays in its own type (Q8_0), and
+/// the weights' byte count before loading counts the pair as f32. (The
+/// conformance test checks the logits.)
+#[test]
+fn gate_and_up_of_different_types_load_as_f32() {
+    use wgspark::WeightFormat;
+    use wgspark::model::layers::FfnWeights;
+    let gpu = common::gpu(common::backends()[0]);
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf_llama_gate_up_apart/model.gguf");
+    let model = wgspark::Model::load(std::path::Path::new(path), &gpu).unwrap();
+    for (i, layer) in model.weights().layers.iter().enumerate() {
+        let FfnWeights::Dense { gate_up, down } = &layer.ffn else { panic!("layer {i} is dense") };
+        let formats = |t: &wgspark::gpu::GpuTensor| t.parts.iter().map(|p| p.format).collect::<Vec<_>>();
+        assert!(
+            formats(gate_up).iter().all(|&f| f == WeightFormat::F32),
+            "layer {i}: {:?}",
+            formats(gate_up)
+        );
+        assert!(formats(down).iter().all(|&f| f == WeightFormat::Q8_0), "layer {i}: {:?}", formats(down));
+    }
+    let checkpoint =
+        wgspark::model::gguf_checkpoint::GgufCheckpoint::open(std::path::Path::new(path)).unwrap();
+    assert_eq!(checkpoint.gpu_bytes(), model.weights().bytes(), "bytes counted before loading");
+}

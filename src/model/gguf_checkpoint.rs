@@ -371,14 +371,27 @@ impl GgufCheckpoint {
         Ok(())
     }
 
-    /// Bytes the tensors take on the GPU.
+    /// Bytes the tensors take on the GPU: in their formats, but a gate and
+    /// up projection of different types in f32 (see
+    /// `Uploader::gate_up`).
     pub fn gpu_bytes(&self) -> u64 {
+        let types: HashMap<&str, crate::gguf::GgmlType> =
+            self.files.iter().flat_map(|g| g.tensors.iter().map(|t| (t.name.as_str(), t.ty))).collect();
+        let partner = |name: &str| {
+            let other = match name.contains(".ffn_gate") {
+                true => name.replacen(".ffn_gate", ".ffn_up", 1),
+                false => name.replacen(".ffn_up", ".ffn_gate", 1),
+            };
+            types.get(other.as_str()).copied()
+        };
         let mut total = 0u64;
         for g in &self.files {
             for t in &g.tensors {
                 // A tensor of no dimensions (a scalar) is one row of one value.
                 let cols = t.dims.first().copied().unwrap_or(1);
+                let mixed_pair = partner(&t.name).is_some_and(|ty| ty != t.ty);
                 let bytes = match WeightFormat::from_ggml(t.ty) {
+                    Some(_) if mixed_pair => 4 * t.elements(),
                     Some(f) if cols.is_multiple_of(f.block_elements()) => {
                         f.gpu_row_bytes(cols) * (t.elements() / cols.max(1))
                     }

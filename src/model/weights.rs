@@ -538,7 +538,10 @@ impl<'a> Uploader<'a> {
     /// `2 * n` rows: `n` gate rows then `n` up rows (`[gate; up]` of a
     /// dense layer, per-expert gate and up tensors one after the other, or
     /// the fused 3-D `gate_up_proj` of transformers 5). Each group of `2n`
-    /// rows is written interleaved at the same place.
+    /// rows is written interleaved at the same place. Sources stored in
+    /// different formats (a mixed GGUF may give gate and up types of their
+    /// own) are all decoded to f32, which holds every format's values
+    /// exactly: the interleaved rows share one format.
     pub fn gate_up(
         &mut self,
         label: &str,
@@ -547,13 +550,8 @@ impl<'a> Uploader<'a> {
         cols: usize,
     ) -> Result<GpuTensor> {
         let formats = self.formats(sources, cols)?;
-        let format = formats[0];
-        if let Some((name, other)) = sources.iter().zip(&formats).find(|(_, f)| **f != format) {
-            return Err(Error::Unsupported {
-                what: "gate and up projections stored in different formats",
-                value: format!("{} is {other}, {} is {format}", name.0, sources[0].0),
-            });
-        }
+        let same = formats.iter().all(|&f| f == formats[0]);
+        let format = if same { formats[0] } else { WeightFormat::F32 };
         let total_rows: usize = sources.iter().map(|(_, s)| s.iter().product::<usize>() / cols).sum();
         let tensor = GpuTensor::alloc_in(self.gpu, label, format, total_rows, cols, 2 * n)?;
         let row_bytes = format.gpu_row_bytes(cols);
@@ -561,9 +559,12 @@ impl<'a> Uploader<'a> {
         let mut group: Vec<u8> = Vec::with_capacity(group_bytes);
         let mut interleaved = vec![0u8; group_bytes];
         let mut first_row = 0;
-        for (name, shape) in sources {
+        for ((name, shape), &stored) in sources.iter().zip(&formats) {
             let bytes = self.checkpoint.stored_bytes(name, shape)?;
-            let bytes = format.to_gpu_layout(&bytes);
+            let bytes = match stored == format {
+                true => format.to_gpu_layout(&bytes),
+                false => Cow::Owned(bytemuck::cast_slice(&stored.dequantize(&bytes, cols)).to_vec()),
+            };
             let mut rest: &[u8] = &bytes;
             while !rest.is_empty() {
                 let take = (group_bytes - group.len()).min(rest.len());
