@@ -10,8 +10,8 @@ use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{
     AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
 };
-use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling};
-use wgspark::kernels::gemm_coop::FEW_TOKENS;
+use wgspark::kernels::dequant;
+use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling, WEIGHT_COPY_ABOVE_TOKENS};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Step};
@@ -319,19 +319,24 @@ fn main() {
                     // The chosen tile also multiplying an f16 copy of the
                     // weights, the copy's dispatch included (the flow's
                     // default for quantized products over many tokens).
-                    let copied =
-                        Gemm::with_kernel(&gpu, *kernel).unwrap().with_weight_copy(&gpu, [&w]).unwrap();
-                    let weight_copies =
-                        if chosen && tokens as usize > FEW_TOKENS && format != WeightFormat::Bf16 {
-                            vec![false, true]
-                        } else {
-                            vec![false]
-                        };
+                    let copies_weights = *kernel == GemmKernel::Cooperative { split: false, tile: None }
+                        && tokens as usize > WEIGHT_COPY_ABOVE_TOKENS
+                        && dequant::takes(&gpu, format, cols);
+                    let copied = match copies_weights {
+                        true => Some(
+                            Gemm::with_kernel(&gpu, *kernel).unwrap().with_weight_copy(&gpu, [&w]).unwrap(),
+                        ),
+                        false => None,
+                    };
+                    let weight_copies = if copies_weights { vec![false, true] } else { vec![false] };
                     let variants = reads.iter().flat_map(|&r| weight_copies.iter().map(move |&c| (r, c)));
                     for (f16_copies, weight_copy) in variants {
                         let half = if f16_copies { copies } else { HalfCopies::default() };
                         let (n, step) = (tokens as usize, &s);
-                        let gemm = if weight_copy { &copied } else { &gemm };
+                        let gemm = match (weight_copy, &copied) {
+                            (true, Some(copied)) => copied,
+                            _ => &gemm,
+                        };
                         let d = gemm
                             .plan_apart(&gpu, &w, Epilogue::Plain, n, step, &x, (&y, None), half)
                             .unwrap();

@@ -13,8 +13,7 @@ use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
 use wgspark::kernels::dequant;
-use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies};
-use wgspark::kernels::gemm_coop::FEW_TOKENS;
+use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, WEIGHT_COPY_ABOVE_TOKENS};
 use wgspark::kernels::gemv::{
     EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units, x_chunk,
 };
@@ -688,9 +687,9 @@ fn weight_copies_hold_every_value_rounded_to_f16() {
 
 /// A GEMM with room for weight copies ([`Gemm::with_weight_copy`]) on
 /// cooperative matrices in f16: a dense product of a quantized part over
-/// more than `FEW_TOKENS` tokens copies the part to f16 and multiplies the
-/// copy, matching the CPU product of the values (and its SwiGLU); over
-/// fewer, and for the other kernels, nothing is copied. The product part
+/// more than `WEIGHT_COPY_ABOVE_TOKENS` tokens copies the part to f16 and
+/// multiplies the copy, matching the CPU product of the values (and its
+/// SwiGLU); over fewer, and without room reserved, nothing is copied. The product part
 /// runs where the adapter has cooperative matrices (a GPU's Vulkan
 /// driver); elsewhere the test checks that no copy is planned.
 #[test]
@@ -703,7 +702,8 @@ fn quantized_products_over_many_tokens_multiply_an_f16_copy_of_their_weights() {
             let (rows, cols) = (c.rows, c.cols);
             let plain = Gemm::new(gpu, Default::default()).unwrap();
             let gemm = Gemm::new(gpu, Default::default()).unwrap().with_weight_copy(gpu, [&weight]).unwrap();
-            for tokens in [FEW_TOKENS, FEW_TOKENS + 1, 3 * FEW_TOKENS + 5] {
+            let above = WEIGHT_COPY_ABOVE_TOKENS;
+            for tokens in [above, above + 1, 2 * above + 77] {
                 let what = format!("{} {rows} x {cols}, {tokens} tokens", c.format);
                 let x = rng.vec(tokens * cols, 1.0);
                 let xb = gpu.storage_buffer_init("x", &x);
@@ -714,7 +714,7 @@ fn quantized_products_over_many_tokens_multiply_an_f16_copy_of_their_weights() {
                     let outputs = if epilogue == Epilogue::Plain { rows } else { rows / 2 };
                     let yb = gpu.storage_buffer("y", tokens * outputs).unwrap();
                     let d = gemm.plan(gpu, &weight, epilogue, tokens, &step, &xb, &yb).unwrap();
-                    let copies = gpu.caps.cooperative_matrix && tokens > FEW_TOKENS;
+                    let copies = gpu.caps.cooperative_matrix && tokens > above;
                     let want_labels = if copies { vec!["dequant", "gemm"] } else { vec!["gemm"] };
                     assert_eq!(labels(&d), want_labels, "{what}");
                     let unreserved = plain.plan(gpu, &weight, epilogue, tokens, &step, &xb, &yb).unwrap();

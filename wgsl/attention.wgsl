@@ -1221,7 +1221,7 @@ struct TileLoads {
 
 // Whether quad slot c of each invocation lies in the tile.
 fn slot_used(c: u32) -> bool {
-    return c * C_WG < C_KEYS * 2u * HD_FRAGS;
+    return c * C_WG < C_KEYS * (HEAD_DIM / 8u);
 }
 
 // This invocation's quads of the tile of keys from k0 (k0 < end) of KV

@@ -43,8 +43,8 @@ enable wgpu_cooperative_matrix;
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
-// Needs cols % 8 == 0 for bf16 weights and with X_F16, cols % 4 == 0
-// otherwise.
+// Needs cols % 8 == 0 for bf16 weights, with W_COPY and with X_F16,
+// cols % 4 == 0 otherwise.
 // Grid: dense: x = row tiles (K_SPLIT: of each range of k in turn; folded
 // into z), y = token tiles, walked token tiles first (consecutive
 // workgroups share a weight tile, read once from memory while it sits in

@@ -274,18 +274,24 @@ pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Re
     let sum = kernels.residual.plan_weighted(gpu, h, 4, &weights, &taps, &x, &LayerOutput::default())?;
     pass.push(sum, n);
 
-    // Where the GEMM rounds its operands to f16, so does the attention: it
-    // runs on cooperative matrices (where its heads fit them) over an f16
-    // cache; elsewhere on the tiled f32 kernel over an f32 one.
-    let f16 = gemm.is_some_and(|g| g.keeps_half_copies());
-    let shape = AttentionShape {
+    // Where the GEMM rounds its operands to f16 and the heads fit the
+    // cooperative-matrix attention, it runs there, over an f16 cache;
+    // elsewhere on the tiled f32 kernel over an f32 one.
+    let f16_shape = AttentionShape {
         heads: Heads { q: v.heads, kv: v.heads, dim: hd },
         rotary_dim: hd,
         scale: (hd as f32).powf(-0.5),
         window: 0,
         qk_norm: None,
-        kv_format: if f16 { KvFormat::F16 } else { KvFormat::F32 },
-        chunk_precision: if f16 { PrefillPrecision::F16 } else { PrefillPrecision::Split },
+        kv_format: KvFormat::F16,
+        chunk_precision: PrefillPrecision::F16,
+    };
+    let f16 = gemm.is_some_and(|g| g.keeps_half_copies()) && kernels.attention.coop_fits(&f16_shape);
+    let shape = match f16 {
+        true => f16_shape,
+        false => {
+            AttentionShape { kv_format: KvFormat::F32, chunk_precision: PrefillPrecision::Split, ..f16_shape }
+        }
     };
     let bindings = AttentionBindings {
         step: &step,

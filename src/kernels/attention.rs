@@ -800,6 +800,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
                 out.push([kv, &[COOP, Q_SPLIT][..]].concat());
                 out.push([kv, &[COOP, BIDIRECTIONAL][..]].concat());
                 out.push([kv, &[COOP, BIDIRECTIONAL, Q_SPLIT][..]].concat());
+                out.push([kv, &[COOP, BIDIRECTIONAL, OUT_F16][..]].concat());
             }
             if norm.is_empty() {
                 out.push([kv, &[BIDIRECTIONAL][..]].concat());

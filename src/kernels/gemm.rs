@@ -37,6 +37,13 @@ pub enum Tiling {
     Auto,
 }
 
+/// A dense product of a quantized part over more than this many tokens
+/// reads an f16 copy of its weights where room for one is reserved
+/// ([`Gemm::with_weight_copy`]): a product over at most one tile of 128
+/// tokens decodes each weight once either way, and the copy would only add
+/// its traffic.
+pub const WEIGHT_COPY_ABOVE_TOKENS: usize = 128;
+
 /// Fewest 128 x 128 tiles for which the wide tiling beats the narrow one
 /// (below it a large GPU runs short of workgroups).
 pub const WIDE_MIN_WORKGROUPS: usize = 128;
@@ -328,13 +335,17 @@ impl Gemm {
     /// With room for the f16 copy of the largest part of `weights` that
     /// [`dequant`] takes (and one binding holds): on cooperative matrices in
     /// f16, a dense product of such a part over more than
-    /// [`gemm_coop::FEW_TOKENS`] tokens then decodes its weights once, into
-    /// that copy, and multiplies them as it does bf16 rows, rather than
-    /// decoding them again in every tile of tokens. Both multiply the same
-    /// f16 values; the copy costs a write and a read of two bytes a weight
-    /// per product. (On an NVIDIA H200 the 8B shape's products of 512
-    /// tokens in Q4_K decoding in their tiles ran at half the speed of its
-    /// bf16 products.) A no-op for the other kernels.
+    /// [`WEIGHT_COPY_ABOVE_TOKENS`] tokens then decodes its weights once,
+    /// into that copy, and multiplies them as it does bf16 rows, rather
+    /// than decoding them again in every tile of tokens. Both multiply the
+    /// same f16 values; the copy costs a write and a read of two bytes a
+    /// weight per product. (On an NVIDIA H200 the 8B shape's products of
+    /// 512 tokens in Q4_K decoding in their tiles ran at half the speed of
+    /// its bf16 products.) A no-op for the other kernels.
+    /// Every product that copies writes the same buffer: each copy and its
+    /// product are ordered by their places in the queue (wgpu puts a
+    /// barrier between a dispatch that writes a buffer and the next that
+    /// uses it), so two such products never overlap.
     pub fn with_weight_copy<'w>(
         mut self,
         gpu: &Gpu,
@@ -364,7 +375,7 @@ impl Gemm {
         (weight, part): (&GpuTensor, &TensorPart),
         shape: &Shape,
     ) -> Option<&wgpu::Buffer> {
-        let dense_chunk = shape.experts == 0 && shape.tokens > gemm_coop::FEW_TOKENS;
+        let dense_chunk = shape.experts == 0 && shape.tokens > WEIGHT_COPY_ABOVE_TOKENS;
         self.weight_copy.as_ref().filter(|copy| {
             dense_chunk
                 && dequant::takes(gpu, part.format, weight.cols)
@@ -426,7 +437,10 @@ impl Gemm {
             });
         }
         let [step, x, y, groups, pairs] = b;
-        let copy = self.weight_copy(gpu, (weight, part), &shape);
+        let copy = match kernel {
+            GemmKernel::Cooperative { split: false, .. } => self.weight_copy(gpu, (weight, part), &shape),
+            _ => None,
+        };
         let build = match kernel {
             GemmKernel::Alu(tiling) => Build::alu(gpu, part.format, epilogue, tiling, &shape)?,
             GemmKernel::Cooperative { split, tile } => Build::cooperative(

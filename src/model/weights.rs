@@ -560,12 +560,19 @@ impl<'a> Uploader<'a> {
         let mut interleaved = vec![0u8; group_bytes];
         let mut first_row = 0;
         for ((name, shape), &stored) in sources.iter().zip(&formats) {
-            let bytes = self.checkpoint.stored_bytes(name, shape)?;
-            let bytes = match stored == format {
-                true => format.to_gpu_layout(&bytes),
-                false => Cow::Owned(bytemuck::cast_slice(&stored.dequantize(&bytes, cols)).to_vec()),
+            let stored_bytes = self.checkpoint.stored_bytes(name, shape)?;
+            let (gpu_layout, decoded);
+            let bytes: &[u8] = match stored == format {
+                true => {
+                    gpu_layout = format.to_gpu_layout(&stored_bytes);
+                    &gpu_layout
+                }
+                false => {
+                    decoded = stored.dequantize(&stored_bytes, cols);
+                    bytemuck::cast_slice(&decoded)
+                }
             };
-            let mut rest: &[u8] = &bytes;
+            let mut rest: &[u8] = bytes;
             while !rest.is_empty() {
                 let take = (group_bytes - group.len()).min(rest.len());
                 group.extend_from_slice(&rest[..take]);
