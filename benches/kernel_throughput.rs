@@ -10,8 +10,7 @@ use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{
     AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
 };
-use wgspark::kernels::dequant;
-use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling, WEIGHT_COPY_ABOVE_TOKENS};
+use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
 use wgspark::kernels::residual::LayerOutput;
 use wgspark::kernels::{Attention, Gemm, Gemv, Step};
@@ -83,7 +82,7 @@ fn step(gpu: &Gpu, pos0: u32, n_tokens: u32, attn_splits: u32) -> wgpu::Buffer {
     let s = Step { pos0, n_tokens, attn_splits, decode_rows: 0, attend_tiles: 0 };
     let b = gpu.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("step"),
-        size: 16,
+        size: (std::mem::size_of::<Step>() as u64).next_multiple_of(16),
         usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
@@ -316,38 +315,16 @@ fn main() {
                     let chosen = matches!(kernel, GemmKernel::Cooperative { tile: None, .. });
                     let reads =
                         if chosen && gemm.takes_half_copies(&w) { vec![false, true] } else { vec![false] };
-                    // The chosen tile also multiplying an f16 copy of the
-                    // weights, the copy's dispatch included (the flow's
-                    // default for quantized products over many tokens).
-                    let copies_weights = *kernel == GemmKernel::Cooperative { split: false, tile: None }
-                        && tokens as usize > WEIGHT_COPY_ABOVE_TOKENS
-                        && dequant::takes(&gpu, format, cols);
-                    let copied = match copies_weights {
-                        true => Some(
-                            Gemm::with_kernel(&gpu, *kernel).unwrap().with_weight_copy(&gpu, [&w]).unwrap(),
-                        ),
-                        false => None,
-                    };
-                    let weight_copies = if copies_weights { vec![false, true] } else { vec![false] };
-                    let variants = reads.iter().flat_map(|&r| weight_copies.iter().map(move |&c| (r, c)));
-                    for (f16_copies, weight_copy) in variants {
+                    for f16_copies in reads {
                         let half = if f16_copies { copies } else { HalfCopies::default() };
                         let (n, step) = (tokens as usize, &s);
-                        let gemm = match (weight_copy, &copied) {
-                            (true, Some(copied)) => copied,
-                            _ => &gemm,
-                        };
                         let d = gemm
                             .plan_apart(&gpu, &w, Epilogue::Plain, n, step, &x, (&y, None), half)
                             .unwrap();
                         time(&gpu, &d, None, tokens, 1);
                         let secs = time(&gpu, &d, None, tokens, if cpu { 1 } else { 5 });
                         let flops = 2.0 * (rows * cols) as f64 * tokens as f64;
-                        let label = format!(
-                            "{kernel:?}{}{}",
-                            if f16_copies { " f16 copies" } else { "" },
-                            if weight_copy { " weight copy" } else { "" }
-                        );
+                        let label = format!("{kernel:?}{}", if f16_copies { " f16 copies" } else { "" });
                         println!(
                             "gemm {format:<5} {tokens:>4} x {rows:>6} x {cols:>5} {label:<47}: {:8.3} ms, {:6.2} TFLOP/s",
                             secs * 1e3,
@@ -444,10 +421,11 @@ fn main() {
         ("f32", GemvShape { int8: false, ..default_shape }),
         ("f32 quads", GemvShape { units: false, int8: false, ..default_shape }),
     ];
-    for format in formats
-        .into_iter()
-        .filter(|f| runs("quantized") && (section_args.is_empty() || section_args.contains(&f.to_string())))
-    {
+    // `quantized IQ2_XXS ...`: any formats named, else the list above.
+    let named: Vec<WeightFormat> =
+        WeightFormat::ALL.into_iter().filter(|f| section_args.contains(&f.to_string())).collect();
+    let formats = if named.is_empty() { formats.to_vec() } else { named };
+    for format in formats.into_iter().filter(|_| runs("quantized")) {
         for &(rows, cols) in sizes {
             let bytes = rows * format.gpu_row_bytes(cols);
             // Enough copies that they do not stay in the GPU's cache.

@@ -768,7 +768,7 @@ fn decode_bytes(model: &Model, pos: usize, format: KvFormat) -> u64 {
 /// Qwen3-VL's processor cuts it (16-pixel patches, 2 x 2 merged), best of
 /// `--reps` after a warm-up.
 fn measure_vision_tower(args: &Args, model: &Model) -> BenchResult<()> {
-    let gemm = wgspark::ChunkMatmul::Auto.gemm(model, args.prefill_precision)?;
+    let gemm = wgspark::ChunkMatmul::Auto.gemm(model.gpu(), args.prefill_precision)?;
     let gemm = gemm.as_ref();
     let v = model.config.vision.as_ref().expect("a vision tower");
     let processor =

@@ -195,7 +195,7 @@ impl<'m> Session<'m> {
         // No prompt chunk is longer than the context.
         let wanted = options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).min(context_len);
         let chunk = Activations::max_chunk(gpu, c, wanted);
-        let gemm = options.chunk_matmul.gemm(model, options.prefill_precision)?;
+        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
         let values_apart =
             model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
         let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());

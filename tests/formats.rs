@@ -12,8 +12,7 @@ use common::{Rng, assert_close, on_each_backend, reference, run, step_buffer};
 use wgspark::format::WeightFormat;
 use wgspark::gguf::Gguf;
 use wgspark::gpu::{Gpu, GpuOptions, GpuTensor};
-use wgspark::kernels::dequant;
-use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, WEIGHT_COPY_ABOVE_TOKENS};
+use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies};
 use wgspark::kernels::gemv::{
     EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units, x_chunk,
 };
@@ -644,109 +643,6 @@ fn gemm_in_every_format_matches_the_cpu_product_of_its_values() {
             let got = gpu.read_buffer(&yb, want.len()).unwrap();
             let tolerance = product_tolerance(kernel, &c.values, &x, rows, cols);
             assert_close(&got, &want, tolerance, &format!("{} {kernel:?}", c.format));
-        }
-    });
-}
-
-/// The f16 copy of a quantized part (`dequant.wgsl`) holds each decoded
-/// value rounded to f16, in every format it takes, on random blocks of
-/// random shapes; a backend without f16 conversions refuses it by name.
-#[test]
-fn weight_copies_hold_every_value_rounded_to_f16() {
-    on_each_backend(|gpu| {
-        let mut rng = Rng::new(31);
-        for format in WeightFormat::ALL.into_iter().filter(|f| !matches!(f, WeightFormat::Bf16)) {
-            let (rows, cols) = random_shape(&mut rng, format, 2400);
-            let cols = cols.next_multiple_of(8.max(format.block_elements()));
-            let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
-            let part = &weight.parts[0];
-            let copy = gpu.storage_buffer_bytes("copy", dequant::copy_bytes(rows, cols)).unwrap();
-            let what = format!("{format} {rows} x {cols}");
-            if !dequant::takes(gpu, format, cols) {
-                assert!(format == WeightFormat::F16 || !gpu.caps.f16_in_f32, "{what} not taken");
-                let err = dequant::plan(gpu, part, cols, &copy).unwrap_err().to_string();
-                assert!(err.contains("f16 copy of a weight part"), "{what}: {err}");
-                continue;
-            }
-            run(gpu, &[dequant::plan(gpu, part, cols, &copy).unwrap()], 1);
-            let got: Vec<u32> = gpu.read_buffer(&copy, rows * cols / 2).unwrap();
-            let got = got.iter().flat_map(|w| [*w as u16, (*w >> 16) as u16]);
-            for (i, (g, v)) in got.zip(&values).enumerate() {
-                let want = half::f16::from_f32(*v);
-                // Every NaN is as good as another.
-                let same = g == want.to_bits() || (want.is_nan() && half::f16::from_bits(g).is_nan());
-                assert!(same, "{what}: value {i} {v} copied as {:?}", half::f16::from_bits(g));
-            }
-        }
-        let small = GpuTensor::alloc_in(gpu, "w", WeightFormat::Q8_0, 4, 64, 1).unwrap();
-        let short = gpu.storage_buffer_bytes("short", dequant::copy_bytes(4, 64) - 16).unwrap();
-        let err = dequant::plan(gpu, &small.parts[0], 64, &short).unwrap_err().to_string();
-        assert!(err.contains("f16 copy of a weight part"), "{err}");
-    });
-}
-
-/// A GEMM with room for weight copies ([`Gemm::with_weight_copy`]) on
-/// cooperative matrices in f16: a dense product of a quantized part over
-/// more than `WEIGHT_COPY_ABOVE_TOKENS` tokens copies the part to f16 and
-/// multiplies the copy, matching the CPU product of the values (and its
-/// SwiGLU); over fewer, and without room reserved, nothing is copied. The product part
-/// runs where the adapter has cooperative matrices (a GPU's Vulkan
-/// driver); elsewhere the test checks that no copy is planned.
-#[test]
-fn quantized_products_over_many_tokens_multiply_an_f16_copy_of_their_weights() {
-    on_each_backend(|gpu| {
-        let mut rng = Rng::new(32);
-        let labels = |d: &[wgspark::gpu::Dispatch]| d.iter().map(|d| d.label).collect::<Vec<_>>();
-        for c in cases().iter().filter(|c| dequant::takes(gpu, c.format, c.cols)) {
-            let weight = upload(gpu, c);
-            let (rows, cols) = (c.rows, c.cols);
-            let plain = Gemm::new(gpu, Default::default()).unwrap();
-            let gemm = Gemm::new(gpu, Default::default()).unwrap().with_weight_copy(gpu, [&weight]).unwrap();
-            let above = WEIGHT_COPY_ABOVE_TOKENS;
-            for tokens in [above, above + 1, 2 * above + 77] {
-                let what = format!("{} {rows} x {cols}, {tokens} tokens", c.format);
-                let x = rng.vec(tokens * cols, 1.0);
-                let xb = gpu.storage_buffer_init("x", &x);
-                let step = step_buffer(gpu, 0, tokens, 1);
-                let epilogues =
-                    if rows % 2 == 0 { &[Epilogue::Plain, Epilogue::Swiglu][..] } else { &[Epilogue::Plain] };
-                for &epilogue in epilogues {
-                    let outputs = if epilogue == Epilogue::Plain { rows } else { rows / 2 };
-                    let yb = gpu.storage_buffer("y", tokens * outputs).unwrap();
-                    let d = gemm.plan(gpu, &weight, epilogue, tokens, &step, &xb, &yb).unwrap();
-                    let copies = gpu.caps.cooperative_matrix && tokens > above;
-                    let want_labels = if copies { vec!["dequant", "gemm"] } else { vec!["gemm"] };
-                    assert_eq!(labels(&d), want_labels, "{what}");
-                    let unreserved = plain.plan(gpu, &weight, epilogue, tokens, &step, &xb, &yb).unwrap();
-                    assert_eq!(labels(&unreserved), ["gemm"], "{what}");
-                    if !copies {
-                        continue;
-                    }
-                    run(gpu, &d, tokens as u32);
-                    let want: Vec<f32> = x
-                        .chunks_exact(cols)
-                        .flat_map(|x| reference::gemv(&c.values, rows, cols, x))
-                        .collect();
-                    let tolerance = product_tolerance(gemm.kernel(), &c.values, &x, rows, cols);
-                    let got: Vec<f32> = gpu.read_buffer(&yb, tokens * outputs).unwrap();
-                    if epilogue == Epilogue::Plain {
-                        assert_close(&got, &want, tolerance, &what);
-                        continue;
-                    }
-                    // An error e in the gate and up moves silu(g) u by at most
-                    // e (1.1 |u| + |silu(g)| + e) (silu's slope is under 1.1).
-                    for (i, (got, pair)) in got.iter().zip(want.chunks_exact(2)).enumerate() {
-                        let (g, u) = (pair[0], pair[1]);
-                        let bound = tolerance * (1.1 * u.abs() + reference::silu(g).abs() + tolerance);
-                        let err = (got - reference::silu(g) * u).abs();
-                        assert!(
-                            err <= bound,
-                            "{what}, gated: output {i}: got {got}, want {}",
-                            reference::silu(g) * u
-                        );
-                    }
-                }
-            }
         }
     });
 }

@@ -30,10 +30,6 @@ enable wgpu_cooperative_matrix;
 // same kernel runs far slower (kernels::gemm_coop::Tile::reads_f16).
 // Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
 // product after it to read with X_F16.
-// W_COPY (without WEIGHT_FORMAT): W is the f16 copy of a quantized part
-// that dequant.wgsl wrote before the product (eight values a 16-byte load,
-// as bf16 rows): the values its WEIGHT_FORMAT build would decode and round
-// to f16 in each tile of tokens, decoded once.
 // K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
 // summing one of K_SPLITS consecutive ranges of k, and write their partial
 // sums side by side, y packed [tokens, K_SPLITS, y_stride], for the
@@ -43,8 +39,8 @@ enable wgpu_cooperative_matrix;
 // The accumulators go out through workgroup memory, 16 x 16 at a time, so
 // that ragged tiles and the grouped mode's scattered rows are written by
 // plain invocations.
-// Needs cols % 8 == 0 for bf16 weights, with W_COPY and with X_F16,
-// cols % 4 == 0 otherwise.
+// Needs cols % 8 == 0 for bf16 weights and with X_F16, cols % 4 == 0
+// otherwise.
 // Grid: dense: x = row tiles (K_SPLIT: of each range of k in turn; folded
 // into z), y = token tiles, walked token tiles first (consecutive
 // workgroups share a weight tile, read once from memory while it sits in
@@ -360,15 +356,10 @@ fn store_step(st: Staged, k0: u32, li: u32) {
         ws[at] = vec4<f16>(hi[0]);
         ws[at + 1u] = vec4<f16>(hi[1]);
 #else
-        let w = st.w[r];
-#if W_COPY
-        ws[at] = vec4<f16>(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)));
-        ws[at + 1u] = vec4<f16>(vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));
-#else
         // bf16 pairs to f16 pairs: exact within f16's range.
+        let w = st.w[r];
         ws[at] = vec4<f16>(bf16x4_lo(w));
         ws[at + 1u] = vec4<f16>(bf16x4_hi(w));
-#endif
 #endif
     }
 }

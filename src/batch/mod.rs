@@ -473,7 +473,7 @@ impl<'m> BatchEngine<'m> {
         let kv = KvCache::new(gpu, c.layers, c.heads, pool_positions, options.kv_format)?;
         let max_rows = Activations::max_chunk(gpu, c, options.step_tokens);
         let max_seqs = options.max_sequences.min(max_rows);
-        let gemm = options.chunk_matmul.gemm(model, options.prefill_precision)?;
+        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
         let values_apart = model
             .weights
             .layers

@@ -112,19 +112,9 @@ impl ChunkMatmul {
         }
     }
 
-    /// The GEMM that runs `model`'s chunks, in `precision` (with room for
-    /// the f16 copy of its quantized dense projections,
-    /// [`Gemm::with_weight_copy`]); `None` where the GEMV does.
-    pub fn gemm(self, model: &Model, precision: PrefillPrecision) -> Result<Option<Gemm>> {
-        let gpu = &model.gpu;
-        let dense = model.weights.layers.iter().flat_map(|l| {
-            let ffn = match &l.ffn {
-                FfnWeights::Dense { gate_up, down } => vec![gate_up, down],
-                FfnWeights::Moe(_) => vec![],
-            };
-            [&l.qkv, &l.o_proj].into_iter().chain(ffn)
-        });
-        self.uses_gemm(gpu).then(|| Gemm::new(gpu, precision)?.with_weight_copy(gpu, dense)).transpose()
+    /// The GEMM that runs chunks, in `precision`; `None` where the GEMV does.
+    pub fn gemm(self, gpu: &Gpu, precision: PrefillPrecision) -> Result<Option<Gemm>> {
+        self.uses_gemm(gpu).then(|| Gemm::new(gpu, precision)).transpose()
     }
 }
 

@@ -3,7 +3,7 @@
 //! matrices (`wgsl/gemm_coop.wgsl`, same parameters and bindings) where the
 //! device was opened with them.
 
-use super::{dequant, gemm_coop};
+use super::gemm_coop;
 use crate::error::Result;
 use crate::format::WeightFormat;
 use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
@@ -36,13 +36,6 @@ pub enum Tiling {
     /// workgroups for a full chunk, else narrow.
     Auto,
 }
-
-/// A dense product of a quantized part over more than this many tokens
-/// reads an f16 copy of its weights where room for one is reserved
-/// ([`Gemm::with_weight_copy`]): a product over at most one tile of 128
-/// tokens decodes each weight once either way, and the copy would only add
-/// its traffic.
-pub const WEIGHT_COPY_ABOVE_TOKENS: usize = 128;
 
 /// Fewest 128 x 128 tiles for which the wide tiling beats the narrow one
 /// (below it a large GPU runs short of workgroups).
@@ -164,19 +157,17 @@ impl<'b> Build<'b> {
     /// `gemm_coop.wgsl` in `tile` where given and the build fits it, else
     /// in the tile it reads f16 copies in (where `half` has them and the
     /// product suits it), else in the tile [`gemm_coop::Tile::choose`]
-    /// picks; split over k where `shape` is; reading the f16 copy of the
-    /// part's weights with `weight_copy`.
+    /// picks; split over k where `shape` is.
     fn cooperative(
         gpu: &Gpu,
         (weight, part): (&GpuTensor, &TensorPart),
         epilogue: Epilogue,
         (split, tile): (bool, Option<gemm_coop::Tile>),
         shape: &Shape,
-        (half, weight_copy): (HalfCopies<'b>, bool),
+        half: HalfCopies<'b>,
     ) -> Result<Self> {
         let (n_rows, max_tokens) = shape.whole();
-        let mut flags =
-            if weight_copy { vec![gemm_coop::W_COPY] } else { gemm_coop::flags(gpu, part.format, split) };
+        let mut flags = gemm_coop::flags(gpu, part.format, split);
         if epilogue == Epilogue::Swiglu {
             flags.push(SWIGLU);
         }
@@ -303,9 +294,6 @@ pub struct Gemm {
     kernel: GemmKernel,
     /// Bound as `groups` and `pairs` by dense products, which never read them.
     no_groups: wgpu::Buffer,
-    /// Where a quantized part's f16 copy is written before its product
-    /// (see [`Self::with_weight_copy`]).
-    weight_copy: Option<wgpu::Buffer>,
 }
 
 impl Gemm {
@@ -329,58 +317,7 @@ impl Gemm {
                 value: format!("{} was opened without cooperative matrices", gpu.info.name),
             });
         }
-        Ok(Gemm { kernel, no_groups: gpu.storage_buffer("gemm.no_groups", 2)?, weight_copy: None })
-    }
-
-    /// With room for the f16 copy of the largest part of `weights` that
-    /// [`dequant`] takes (and one binding holds): on cooperative matrices in
-    /// f16, a dense product of such a part over more than
-    /// [`WEIGHT_COPY_ABOVE_TOKENS`] tokens then decodes its weights once,
-    /// into that copy, and multiplies them as it does bf16 rows, rather
-    /// than decoding them again in every tile of tokens. Both multiply the
-    /// same f16 values; the copy costs a write and a read of two bytes a
-    /// weight per product. (On an NVIDIA H200 the 8B shape's products of
-    /// 512 tokens in Q4_K decoding in their tiles ran at half the speed of
-    /// its bf16 products.) A no-op for the other kernels.
-    /// Every product that copies writes the same buffer: each copy and its
-    /// product are ordered by their places in the queue (wgpu puts a
-    /// barrier between a dispatch that writes a buffer and the next that
-    /// uses it), so two such products never overlap.
-    pub fn with_weight_copy<'w>(
-        mut self,
-        gpu: &Gpu,
-        weights: impl IntoIterator<Item = &'w GpuTensor>,
-    ) -> Result<Self> {
-        if self.kernel != (GemmKernel::Cooperative { split: false, tile: None }) {
-            return Ok(self);
-        }
-        let bytes = weights
-            .into_iter()
-            .flat_map(|w| w.parts.iter().map(move |p| (p, w.cols)))
-            .filter(|(p, cols)| dequant::takes(gpu, p.format, *cols))
-            .map(|(p, cols)| dequant::copy_bytes(p.rows, cols))
-            .filter(|&bytes| bytes <= gpu.caps.max_storage_binding)
-            .max();
-        if let Some(bytes) = bytes {
-            self.weight_copy = Some(gpu.storage_buffer_bytes("gemm.weight_copy", bytes)?);
-        }
-        Ok(self)
-    }
-
-    /// The f16 copy `part`'s product over `shape` reads its weights from
-    /// (see [`Self::with_weight_copy`]), if it does.
-    fn weight_copy(
-        &self,
-        gpu: &Gpu,
-        (weight, part): (&GpuTensor, &TensorPart),
-        shape: &Shape,
-    ) -> Option<&wgpu::Buffer> {
-        let dense_chunk = shape.experts == 0 && shape.tokens > WEIGHT_COPY_ABOVE_TOKENS;
-        self.weight_copy.as_ref().filter(|copy| {
-            dense_chunk
-                && dequant::takes(gpu, part.format, weight.cols)
-                && copy.size() >= dequant::copy_bytes(part.rows, weight.cols)
-        })
+        Ok(Gemm { kernel, no_groups: gpu.storage_buffer("gemm.no_groups", 2)? })
     }
 
     /// Every kernel `gpu` can run, in every tiling and precision.
@@ -422,7 +359,7 @@ impl Gemm {
         shape: Shape,
         b: [&wgpu::Buffer; 5],
         half: HalfCopies<'_>,
-    ) -> Result<Vec<Dispatch>> {
+    ) -> Result<Dispatch> {
         check_product(weight, part, epilogue, &shape)?;
         let kernel = match self.kernel {
             GemmKernel::Cooperative { .. } if !gemm_coop::takes(part.format, weight.cols) => {
@@ -437,36 +374,23 @@ impl Gemm {
             });
         }
         let [step, x, y, groups, pairs] = b;
-        let copy = match kernel {
-            GemmKernel::Cooperative { split: false, .. } => self.weight_copy(gpu, (weight, part), &shape),
-            _ => None,
-        };
         let build = match kernel {
             GemmKernel::Alu(tiling) => Build::alu(gpu, part.format, epilogue, tiling, &shape)?,
-            GemmKernel::Cooperative { split, tile } => Build::cooperative(
-                gpu,
-                (weight, part),
-                epilogue,
-                (split, tile),
-                &shape,
-                (half, copy.is_some()),
-            )?,
+            GemmKernel::Cooperative { split, tile } => {
+                Build::cooperative(gpu, (weight, part), epilogue, (split, tile), &shape, half)?
+            }
         };
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
         let x = build.x16.unwrap_or(x);
-        let w = copy.unwrap_or(&part.buffer);
-        let buffers = [[&params.0, step, w, x, y, groups, pairs].as_slice(), &build.extra].concat();
-        let product = Dispatch {
+        let buffers =
+            [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &build.extra].concat();
+        Ok(Dispatch {
             label: "gemm",
             bind_group: gpu.bind("gemm", &build.pipeline, &buffers),
             pipeline: build.pipeline,
             workgroups: shape.grid(gpu, &weight.name, build.tile_rows)?,
             tokens_per_workgroup: build.tile_tokens,
-        };
-        match copy {
-            Some(copy) => Ok(vec![dequant::plan(gpu, part, weight.cols, copy)?, product]),
-            None => Ok(vec![product]),
-        }
+        })
     }
 
     /// `y[t] = W x[t]` for the `step.n_tokens` tokens in flight (at most
@@ -559,8 +483,7 @@ impl Gemm {
                 let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits };
                 self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g], half)
             })
-            .collect::<Result<Vec<_>>>()
-            .map(|d| d.concat())
+            .collect()
     }
 
     /// The ranges of k [`Self::plan_summed`] splits `weight`'s product over
@@ -654,7 +577,6 @@ impl Gemm {
                 let b = [step, b.x, b.y, b.groups, b.pairs];
                 self.dispatch(gpu, (weight, part), epilogue, params, shape, b, HalfCopies::default())
             })
-            .collect::<Result<Vec<_>>>()
-            .map(|d| d.concat())
+            .collect()
     }
 }

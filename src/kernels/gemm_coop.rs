@@ -15,9 +15,6 @@ pub const X_F16: &str = "X_F16";
 pub const Y_F16: &str = "Y_F16";
 /// A plain product as partial sums over ranges of k (see [`Tile::k_splits`]).
 pub const K_SPLIT: &str = "K_SPLIT";
-/// Weights read from the f16 copy [`super::dequant`] writes of a quantized
-/// part, as bf16 rows are read (see [`super::gemm::Gemm`]).
-pub const W_COPY: &str = "W_COPY";
 
 /// Most ranges of k a product is split into.
 const MAX_K_SPLITS: usize = 4;
@@ -315,14 +312,12 @@ const COPY_TILE_FIXED_ROWS: u32 = 300;
 pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and
-/// without splits, plain and with SwiGLU, and the f16 copy of a quantized
-/// part ([`W_COPY`]); unsplit, also reading f16 copies of the activations
-/// (plain, also split over k; with SwiGLU writing them).
+/// without splits, plain and with SwiGLU; unsplit, also reading f16
+/// copies (plain, also split over k; with SwiGLU writing them).
 #[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = super::gemm::with_epilogues(precision_flag_sets());
-    out.extend(super::gemm::with_epilogues(vec![vec![W_COPY]]));
-    for flags in super::weight_flag_sets().into_iter().chain([vec![W_COPY]]) {
+    for flags in super::weight_flag_sets() {
         out.push([flags.clone(), vec![X_F16]].concat());
         out.push([flags.clone(), vec![X_F16, K_SPLIT]].concat());
         out.push([flags.clone(), vec![X_F16, super::gemm::SWIGLU, Y_F16]].concat());

@@ -23,7 +23,6 @@
 pub mod attention;
 pub mod bias_act;
 pub mod copy;
-pub mod dequant;
 pub mod embed;
 pub mod gemm;
 pub mod gemm_coop;
@@ -129,13 +128,6 @@ pub const KERNEL_FAMILIES: &[KernelFamily] = &[
         source: include_str!("../../wgsl/copy.wgsl"),
         structs: copy::structs,
         reads_weights: false,
-        sums_workgroups: false,
-    },
-    KernelFamily {
-        name: "dequant",
-        source: include_str!("../../wgsl/dequant.wgsl"),
-        structs: dequant::structs,
-        reads_weights: true,
         sums_workgroups: false,
     },
     KernelFamily {
@@ -294,7 +286,6 @@ pub fn builds() -> Vec<Build> {
         let flag_sets = match family.name {
             "gemv" => gemv::flag_sets(),
             "embed" => weight_flag_sets(),
-            "dequant" => dequant::flag_sets(),
             "gemm" => gemm::flag_sets(),
             "gemm_coop" => gemm_coop::flag_sets(),
             "attention" => attention::flag_sets(),
