@@ -336,26 +336,42 @@ impl Grid {
         self.values[code as usize] as f32
     }
 
-    /// The grid as the WGSL table `name` (a private array that is never
-    /// written: a `const` array indexed at run time is copied at every
-    /// access, which made one GEMV of an IQ2_S row a hundred times slower
-    /// on lavapipe): entries of 8 values two to a word
-    /// (the first in the low half), codes as in `entries`; entries of 4
-    /// values one to a word, their values as bytes.
-    fn wgsl(&self, name: &str) -> String {
-        let words: Vec<u32> = if self.bits == 2 {
+    /// The grid as the kernels read it ([`WeightFormat::grid`]): entries
+    /// of 8 values two to a word (the first in the low half), codes as in
+    /// `entries`; entries of 4 values one to a word, their values as bytes.
+    pub fn words(&self) -> Vec<u32> {
+        if self.bits == 2 {
             self.entries.chunks(2).map(|p| p[0] as u32 | (p[1] as u32) << 16).collect()
         } else {
             (0..self.entries.len())
                 .map(|i| (0..4).map(|j| (self.value(i, j) as u8 as u32) << (8 * j)).sum())
                 .collect()
-        };
-        let list: Vec<String> = words.iter().map(|w| format!("0x{w:x}u")).collect();
-        format!(
-            "var<private> {name}: array<u32, {n}> = array<u32, {n}>({});\n",
-            list.join(","),
-            n = words.len()
-        )
+        }
+    }
+}
+
+/// The binding of a format's grid ([`WeightFormat::grid`]) in every kernel
+/// that reads weights: a storage buffer of [`Grid::words`] (`wgsl/weights.wgsl`'s
+/// `GRID`). A grid in the shader itself, a `const` array indexed at run
+/// time, is copied at every access (one GEMV of an IQ2_S row ran a hundred
+/// times slower on lavapipe); a `private` one is a copy per invocation
+/// (IQ2_XXS GEMVs on an NVIDIA H100 read 2 % of the copy bandwidth, larger
+/// ones did not finish).
+pub const GRID_BINDING: u32 = 16;
+
+impl WeightFormat {
+    /// The grid this format's indexes point into, for the i-quants that
+    /// have one.
+    pub fn grid(self) -> Option<&'static Grid> {
+        match self {
+            Self::IQ2XXS => Some(&IQ2XXS_GRID),
+            Self::IQ2XS => Some(&IQ2XS_GRID),
+            Self::IQ2S => Some(&IQ2S_GRID),
+            Self::IQ3XXS => Some(&IQ3XXS_GRID),
+            Self::IQ3S => Some(&IQ3S_GRID),
+            Self::IQ1S | Self::IQ1M => Some(&IQ1S_GRID),
+            _ => None,
+        }
     }
 }
 
@@ -378,8 +394,9 @@ fn wgsl_bytes16(name: &str, values: &[i8; 16]) -> String {
 /// The formats' tables in WGSL, for the kernels that read
 /// weights (`wgsl/weights.wgsl`), each in an `#if` section of the formats
 /// that read it: IQ4NL_TABLE and MXFP4_TABLE hold those values as bytes;
-/// the grids as [`Grid::wgsl`] lays them out, and IQ2_VALUES / IQ1_VALUES
-/// the values of the 2-bit grids' codes as bytes (of IQ1's, plus one).
+/// GRID, the format's grid, is bound at [`GRID_BINDING`]; IQ2_VALUES /
+/// IQ1_VALUES hold the values of the 2-bit grids' codes as bytes (of
+/// IQ1's, plus one).
 /// Written once: every build of a weight-reading family prepends them.
 pub fn wgsl_tables() -> &'static str {
     static TABLES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -396,13 +413,6 @@ fn write_wgsl_tables() -> String {
         ("W_IQ4_NL", wgsl_bytes16("IQ4NL_TABLE", &IQ4NL_VALUES)),
         ("W_IQ4_XS", wgsl_bytes16("IQ4NL_TABLE", &IQ4NL_VALUES)),
         ("W_MXFP4", wgsl_bytes16("MXFP4_TABLE", &MXFP4_VALUES)),
-        ("W_IQ2_XXS", IQ2XXS_GRID.wgsl("IQ2XXS_GRID")),
-        ("W_IQ2_XS", IQ2XS_GRID.wgsl("IQ2XS_GRID")),
-        ("W_IQ2_S", IQ2S_GRID.wgsl("IQ2S_GRID")),
-        ("W_IQ3_XXS", IQ3XXS_GRID.wgsl("IQ3XXS_GRID")),
-        ("W_IQ3_S", IQ3S_GRID.wgsl("IQ3S_GRID")),
-        ("W_IQ1_S", IQ1S_GRID.wgsl("IQ1S_GRID")),
-        ("W_IQ1_M", IQ1S_GRID.wgsl("IQ1S_GRID")),
     ];
     let mut out = format!(
         "const IQ2_VALUES: u32 = 0x{:x}u;\nconst IQ1_VALUES: u32 = 0x{:x}u;\n",
@@ -411,6 +421,10 @@ fn write_wgsl_tables() -> String {
     );
     for (flag, table) in sections {
         out.push_str(&format!("#if {flag}\n{table}#endif\n"));
+    }
+    let grid = format!("@group(0) @binding({GRID_BINDING}) var<storage, read> GRID: array<u32>;\n");
+    for format in WeightFormat::ALL.into_iter().filter(|f| f.grid().is_some()) {
+        out.push_str(&format!("#if {}\n{grid}#endif\n", format.flag().expect("a quantized format")));
     }
     out
 }

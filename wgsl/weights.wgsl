@@ -312,7 +312,8 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 
 // The i-quants below 4 bits (src/format.rs has their CPU decoding): each
 // group of 8 (IQ2, IQ1) or 4 (IQ3) values is an entry of the format's grid,
-// prepended from src/format.rs. A grid of 8-value entries holds two to a
+// GRID, a storage buffer bound at binding 16 (src/format.rs: GRID_BINDING,
+// Grid::words). A grid of 8-value entries holds two to a
 // word, each entry's 2-bit codes in 16 bits (the first value's lowest); one
 // of 4-value entries holds an entry a word, its values as bytes.
 
@@ -365,7 +366,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let l = (e % 32u) / 8u;
     let g = byte_of(r.indexes, l);
     let db = f16_lo(r.head) * (small_uint_f32(r.aux >> 28u) + 0.5) * 0.25;
-    let v = db * grid8_values(grid8_entry(IQ2XXS_GRID[g / 2u], g), e % 8u, IQ2_VALUES, 0.0);
+    let v = db * grid8_values(grid8_entry(GRID[g / 2u], g), e % 8u, IQ2_VALUES, 0.0);
     return signed4(v, iq_signs((r.aux >> (7u * l)) & 127u), e % 8u);
 }
 #endif
@@ -391,7 +392,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let s = (byte_of(r.scales, (i / 32u) % 4u) >> (4u * ((i % 32u) / 16u))) & 15u;
     let db = f16_lo(r.head) * (small_uint_f32(s) + 0.5) * 0.25;
     let g = q & 511u;
-    let v = db * grid8_values(grid8_entry(IQ2XS_GRID[g / 2u], g), e % 8u, IQ2_VALUES, 0.0);
+    let v = db * grid8_values(grid8_entry(GRID[g / 2u], g), e % 8u, IQ2_VALUES, 0.0);
     return signed4(v, iq_signs(q >> 9u), e % 8u);
 }
 #endif
@@ -426,7 +427,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let index = byte_of(r.low, g % 4u) | (high << 8u);
     let s = (byte_of(r.scales, (g / 4u) % 4u) >> (4u * ((g % 4u) / 2u))) & 15u;
     let db = f16_lo(r.head) * (small_uint_f32(s) + 0.5) * 0.25;
-    let v = db * grid8_values(grid8_entry(IQ2S_GRID[index / 2u], index), e % 8u, IQ2_VALUES, 0.0);
+    let v = db * grid8_values(grid8_entry(GRID[index / 2u], index), e % 8u, IQ2_VALUES, 0.0);
     return signed4(v, byte_of(r.signs, g % 4u), e % 8u);
 }
 #endif
@@ -450,7 +451,7 @@ fn load4(row: u32, e: u32) -> Raw4 {
 fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let k = (e % 256u) / 4u;
     let db = f16_lo(r.head) * (small_uint_f32(r.aux >> 28u) + 0.5) * 0.5;
-    let v = db * grid4_values(IQ3XXS_GRID[byte_of(r.indexes, k % 4u)]);
+    let v = db * grid4_values(GRID[byte_of(r.indexes, k % 4u)]);
     return signed4(v, iq_signs((r.aux >> (7u * ((k % 8u) / 2u))) & 127u), 4u * (k % 2u));
 }
 #endif
@@ -484,7 +485,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let ib = k / 8u;
     let index = byte_of(r.low, k % 4u) | (((byte_of(r.high, ib % 4u) >> (k % 8u)) & 1u) << 8u);
     let s = (byte_of(r.scales, ib / 2u) >> (4u * (ib % 2u))) & 15u;
-    let v = f16_lo(r.head) * small_uint_f32(1u + 2u * s) * grid4_values(IQ3S_GRID[index]);
+    let v = f16_lo(r.head) * small_uint_f32(1u + 2u * s) * grid4_values(GRID[index]);
     return signed4(v, byte_of(r.signs, (k / 2u) % 4u), 4u * (k % 2u));
 }
 #endif
@@ -518,7 +519,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let qh = grid8_entry(r.high, g / 4u);
     let dl = f16_lo(r.head) * small_uint_f32(2u * ((qh >> 12u) & 7u) + 1u);
     let index = byte_of(r.low, g % 4u) | (((qh >> (3u * (g % 4u))) & 7u) << 8u);
-    return iq1_values(IQ1S_GRID[index / 2u], index, e % 8u, dl, (qh & 0x8000u) != 0u);
+    return iq1_values(GRID[index / 2u], index, e % 8u, dl, (qh & 0x8000u) != 0u);
 }
 #endif
 
@@ -550,7 +551,7 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
     let dl = f16_lo(top) * small_uint_f32(2u * s + 1u);
     let h = (byte_of(r.high, (g / 2u) % 4u) >> (4u * (g % 2u))) & 15u;
     let index = byte_of(r.low, g % 4u) | ((h & 7u) << 8u);
-    return iq1_values(IQ1S_GRID[index / 2u], index, e % 8u, dl, (h & 8u) != 0u);
+    return iq1_values(GRID[index / 2u], index, e % 8u, dl, (h & 8u) != 0u);
 }
 #endif
 // The 2-bit quants of Q2_K / Q3_K: element i (of 256) is bits 2 (i % 128) / 32
@@ -1186,7 +1187,7 @@ const UNIT_ELEMS: u32 = 32u;
 // Entry l of the group whose indexes and aux words are given.
 fn iq2xxs_pair(indexes: u32, aux: u32, l: u32) -> vec2<u32> {
     let g = byte_of(indexes, l);
-    return iq2_bytes(grid8_entry(IQ2XXS_GRID[g / 2u], g), iq_signs((aux >> (7u * l)) & 127u));
+    return iq2_bytes(grid8_entry(GRID[g / 2u], g), iq_signs((aux >> (7u * l)) & 127u));
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let b = w + (u / 8u) * 17u;
@@ -1205,7 +1206,7 @@ const UNIT_ELEMS: u32 = 32u;
 fn iq2xs_pair(q: u32, h: u32) -> vec2<u32> {
     let e = grid8_entry(q, h);
     let g = e & 511u;
-    return iq2_bytes(grid8_entry(IQ2XS_GRID[g / 2u], g), iq_signs(e >> 9u));
+    return iq2_bytes(grid8_entry(GRID[g / 2u], g), iq_signs(e >> 9u));
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let n = u % 8u;
@@ -1223,7 +1224,7 @@ const UNIT_ELEMS: u32 = 32u;
 // Entry l of the group whose low index bytes, top bits and sign bytes are given.
 fn iq2s_pair(low: u32, high: u32, signs: u32, l: u32) -> vec2<u32> {
     let index = byte_of(low, l) | (((high >> (2u * l)) & 3u) << 8u);
-    return iq2_bytes(grid8_entry(IQ2S_GRID[index / 2u], index), byte_of(signs, l));
+    return iq2_bytes(grid8_entry(GRID[index / 2u], index), byte_of(signs, l));
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let n = u % 8u;
@@ -1243,8 +1244,8 @@ const UNIT_ELEMS: u32 = 32u;
 fn iq3xxs_pair(i0: u32, i1: u32, aux: u32, l: u32) -> vec2<u32> {
     let indexes = select(i0, i1, l >= 2u);
     let signs = iq_signs((aux >> (7u * l)) & 127u);
-    let a = IQ3XXS_GRID[byte_of(indexes, 2u * (l % 2u))];
-    let c = IQ3XXS_GRID[byte_of(indexes, 2u * (l % 2u) + 1u)];
+    let a = GRID[byte_of(indexes, 2u * (l % 2u))];
+    let c = GRID[byte_of(indexes, 2u * (l % 2u) + 1u)];
     return vec2<u32>(negate_bytes(a, signs), negate_bytes(c, signs >> 4u));
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
@@ -1270,7 +1271,7 @@ fn iq3s_pair(l0: u32, l1: u32, high: u32, signs: u32, l: u32) -> vec2<u32> {
     let a = byte_of(low, k % 4u) | (((high >> k) & 1u) << 8u);
     let c = byte_of(low, k % 4u + 1u) | (((high >> (k + 1u)) & 1u) << 8u);
     let s = byte_of(signs, l);
-    return vec2<u32>(negate_bytes(IQ3S_GRID[a], s), negate_bytes(IQ3S_GRID[c], s >> 4u));
+    return vec2<u32>(negate_bytes(GRID[a], s), negate_bytes(GRID[c], s >> 4u));
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let n = u % 8u;
@@ -1300,7 +1301,7 @@ fn iq1_bytes(entry: u32, negative: bool) -> vec2<u32> {
 const UNIT_ELEMS: u32 = 32u;
 fn iq1s_pair(low: u32, qh: u32, l: u32) -> vec2<u32> {
     let index = byte_of(low, l) | (((qh >> (3u * l)) & 7u) << 8u);
-    return iq1_bytes(grid8_entry(IQ1S_GRID[index / 2u], index), (qh & 0x8000u) != 0u);
+    return iq1_bytes(grid8_entry(GRID[index / 2u], index), (qh & 0x8000u) != 0u);
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let n = u % 8u;
@@ -1321,7 +1322,7 @@ const UNIT_ELEMS: u32 = 32u;
 fn iq1m_pair(low: u32, high: u32, l: u32) -> vec2<u32> {
     let h = (high >> (4u * l)) & 15u;
     let index = byte_of(low, l) | ((h & 7u) << 8u);
-    return iq1_bytes(grid8_entry(IQ1S_GRID[index / 2u], index), (h & 8u) != 0u);
+    return iq1_bytes(grid8_entry(GRID[index / 2u], index), (h & 8u) != 0u);
 }
 fn int8_unit(w: u32, u: u32, r0: u32) -> f32 {
     let n = u % 8u;

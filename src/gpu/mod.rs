@@ -536,11 +536,13 @@ mod tests {
 
 /// A device's compute pipelines by key, each built once, on first request
 /// (a driver compiles a shader when its pipeline is created: never per
-/// token). What a key means, and how its pipeline is built, is the
-/// kernels' business.
+/// token), and the read-only tables their bindings share (a weight
+/// format's grid), each uploaded once. What a key means, and how its
+/// pipeline or table is made, is the kernels' business.
 #[derive(Debug, Default)]
 pub(crate) struct PipelineCache {
     pipelines: Mutex<std::collections::HashMap<String, wgpu::ComputePipeline>>,
+    tables: Mutex<std::collections::HashMap<&'static str, wgpu::Buffer>>,
 }
 
 impl PipelineCache {
@@ -556,5 +558,10 @@ impl PipelineCache {
         let pipeline = build()?;
         self.pipelines.lock().unwrap().insert(key, pipeline.clone());
         Ok(pipeline)
+    }
+
+    /// The table cached under `name`, made by `make` if there is none.
+    pub(crate) fn table(&self, name: &'static str, make: impl FnOnce() -> wgpu::Buffer) -> wgpu::Buffer {
+        self.tables.lock().unwrap().entry(name).or_insert_with(make).clone()
     }
 }

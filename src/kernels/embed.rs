@@ -57,7 +57,17 @@ impl Embed {
                 );
                 Ok(Dispatch {
                     label: "embed",
-                    bind_group: gpu.bind("embed", &pipeline, &[&params.0, &part.buffer, tokens, x]),
+                    bind_group: super::bind_reading(
+                        gpu,
+                        "embed",
+                        &pipeline,
+                        part.format,
+                        &[&params.0, &part.buffer, tokens, x]
+                            .iter()
+                            .enumerate()
+                            .map(|(i, b)| (i as u32, b.as_entire_buffer_binding()))
+                            .collect::<Vec<_>>(),
+                    ),
                     pipeline,
                     workgroups: [((table.cols / per_invocation) as u32).div_ceil(64), 1, 1],
                     tokens_per_workgroup: 1,

@@ -384,9 +384,11 @@ impl Gemm {
         let x = build.x16.unwrap_or(x);
         let buffers =
             [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &build.extra].concat();
+        let buffers: Vec<_> =
+            buffers.iter().enumerate().map(|(i, b)| (i as u32, b.as_entire_buffer_binding())).collect();
         Ok(Dispatch {
             label: "gemm",
-            bind_group: gpu.bind("gemm", &build.pipeline, &buffers),
+            bind_group: super::bind_reading(gpu, "gemm", &build.pipeline, part.format, &buffers),
             pipeline: build.pipeline,
             workgroups: shape.grid(gpu, &weight.name, build.tile_rows)?,
             tokens_per_workgroup: build.tile_tokens,

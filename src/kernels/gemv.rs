@@ -369,7 +369,7 @@ impl Gemv {
         workgroups[1] = grid_y;
         Ok(Dispatch {
             label: "gemv",
-            bind_group: gpu.bind_ranges("gemv", &pipeline, &b.buffers),
+            bind_group: super::bind_reading(gpu, "gemv", &pipeline, part.format, &b.buffers),
             pipeline,
             workgroups,
             tokens_per_workgroup: 1,

@@ -263,6 +263,24 @@ pub fn weight_flags(gpu: &Gpu, format: WeightFormat) -> Vec<&'static str> {
     }
 }
 
+/// `buffers` bound for `pipeline`, a kernel reading weights in `format`,
+/// with the format's grid at [`crate::format::GRID_BINDING`] where it has
+/// one (uploaded once per device).
+pub(crate) fn bind_reading(
+    gpu: &Gpu,
+    label: &str,
+    pipeline: &wgpu::ComputePipeline,
+    format: WeightFormat,
+    buffers: &[(u32, wgpu::BufferBinding<'_>)],
+) -> wgpu::BindGroup {
+    let grid = format.grid().zip(format.flag()).map(|(grid, name)| {
+        gpu.pipelines.table(name, || gpu.storage_buffer_init(&format!("{name} grid"), &grid.words()))
+    });
+    let mut all = buffers.to_vec();
+    all.extend(grid.as_ref().map(|g| (crate::format::GRID_BINDING, g.as_entire_buffer_binding())));
+    gpu.bind_ranges(label, pipeline, &all)
+}
+
 /// The flag sets [`weight_flags`] gives, on adapters with and without
 /// f16 conversions.
 #[cfg(feature = "internals")]
