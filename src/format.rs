@@ -354,9 +354,9 @@ impl Grid {
 /// that reads weights: a storage buffer of [`Grid::words`] (`wgsl/weights.wgsl`'s
 /// `GRID`). A grid in the shader itself, a `const` array indexed at run
 /// time, is copied at every access (one GEMV of an IQ2_S row ran a hundred
-/// times slower on lavapipe); a `private` one is a copy per invocation
-/// (IQ2_XXS GEMVs on an NVIDIA H100 read 2 % of the copy bandwidth, larger
-/// ones did not finish).
+/// times slower on lavapipe); a `private` one is a copy per invocation (an
+/// IQ2_XXS GEMV of 1024 x 4096 took 21.2 us on an NVIDIA H100, 12.9 us
+/// with the grid bound).
 pub const GRID_BINDING: u32 = 16;
 
 impl WeightFormat {
