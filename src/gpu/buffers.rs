@@ -36,6 +36,11 @@ impl Dispatch {
     }
 }
 
+/// `buffers` whole, as bindings 0, 1, ... in order.
+pub fn in_order<'b>(buffers: &[&'b wgpu::Buffer]) -> Vec<(u32, wgpu::BufferBinding<'b>)> {
+    buffers.iter().enumerate().map(|(i, b)| (i as u32, b.as_entire_buffer_binding())).collect()
+}
+
 #[cfg(feature = "internals")]
 pub fn encode_all(dispatches: &[Dispatch], pass: &mut wgpu::ComputePass<'_>, n_tokens: u32) {
     for d in dispatches {
@@ -133,9 +138,7 @@ impl Gpu {
         pipeline: &wgpu::ComputePipeline,
         buffers: &[&wgpu::Buffer],
     ) -> wgpu::BindGroup {
-        let indexed: Vec<(u32, &wgpu::Buffer)> =
-            buffers.iter().enumerate().map(|(i, b)| (i as u32, *b)).collect();
-        self.bind_at(label, pipeline, &indexed)
+        self.bind_ranges(label, pipeline, &in_order(buffers))
     }
 
     /// Binds buffers at the given binding indices (an entry point that uses

@@ -1,7 +1,7 @@
 //! `wgsl/embed.wgsl`: embedding rows for the tokens in flight.
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer};
+use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, in_order};
 
 crate::wgsl_struct! {
     pub struct EmbedParams {
@@ -62,11 +62,7 @@ impl Embed {
                         "embed",
                         &pipeline,
                         part.format,
-                        &[&params.0, &part.buffer, tokens, x]
-                            .iter()
-                            .enumerate()
-                            .map(|(i, b)| (i as u32, b.as_entire_buffer_binding()))
-                            .collect::<Vec<_>>(),
+                        &in_order(&[&params.0, &part.buffer, tokens, x]),
                     ),
                     pipeline,
                     workgroups: [((table.cols / per_invocation) as u32).div_ceil(64), 1, 1],

@@ -6,7 +6,7 @@
 use super::gemm_coop;
 use crate::error::Result;
 use crate::format::WeightFormat;
-use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart};
+use crate::gpu::{Dispatch, Gpu, GpuTensor, ParamsBuffer, TensorPart, in_order};
 
 crate::wgsl_struct! {
     pub struct GemmParams {
@@ -384,11 +384,9 @@ impl Gemm {
         let x = build.x16.unwrap_or(x);
         let buffers =
             [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &build.extra].concat();
-        let buffers: Vec<_> =
-            buffers.iter().enumerate().map(|(i, b)| (i as u32, b.as_entire_buffer_binding())).collect();
         Ok(Dispatch {
             label: "gemm",
-            bind_group: super::bind_reading(gpu, "gemm", &build.pipeline, part.format, &buffers),
+            bind_group: super::bind_reading(gpu, "gemm", &build.pipeline, part.format, &in_order(&buffers)),
             pipeline: build.pipeline,
             workgroups: shape.grid(gpu, &weight.name, build.tile_rows)?,
             tokens_per_workgroup: build.tile_tokens,
