@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use wgspark::model::experts::ExpertCacheStats;
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, ExpertPrefetch, GenerateOptions, Gpu, GpuOptions, KvFormat,
-    Model, ModelConfig, PrefillPrecision, RoutingMode, Sampling, Session, SessionOptions, Steering,
+    CaptureOptions, ControlVector, ExpertPrefetch, GenerateOptions, Gpu, GpuOptions, KvFormat, Model,
+    ModelConfig, PrefillPrecision, RoutingMode, Sampling, Session, SessionOptions, Steering,
 };
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -212,12 +212,11 @@ fn main() {
 }
 
 fn run(args: Args) -> BenchResult<()> {
-    let backend = match &args.backend {
-        Some(name) => name.parse()?,
-        None => Backend::from_env()?,
-    };
-    let cooperative_matrix = wgspark::CooperativeMatrix::from_env()?;
-    let gpu = Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?;
+    let mut options = GpuOptions::from_env()?;
+    if let Some(name) = &args.backend {
+        options.backend = name.parse()?;
+    }
+    let gpu = Gpu::new(&options)?;
     println!("adapter: {}", gpu.describe());
     let copy = wgspark::kernels::copy::bandwidth(&gpu, 1 << 30, 10)?;
     println!(

@@ -27,9 +27,8 @@ use wgspark::model::vision::ImageTokens;
 use wgspark::tokenizer::{TextStream, Tokenizer};
 use wgspark::vision::RgbImage;
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, CooperativeMatrix, GenerateOptions, Gpu, GpuOptions, KvFormat,
-    Model, PromptPart, PromptRows, RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering,
-    StopReason,
+    CaptureOptions, ControlVector, GenerateOptions, Gpu, GpuOptions, KvFormat, Model, PromptPart, PromptRows,
+    RoutingMode, Sampler, Sampling, Session, SessionOptions, Stats, Steering, StopReason,
 };
 
 type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -91,6 +90,13 @@ struct Args {
     /// vulkan, metal, dx12 or gl (default: WGSPARK_BACKEND, else the best adapter).
     #[arg(long)]
     backend: Option<String>,
+    /// Which adapter of the backend to run on, by its number in
+    /// --list-adapters (default: WGSPARK_ADAPTER, else the first, the best).
+    #[arg(long)]
+    adapter: Option<usize>,
+    /// List the adapters of the backend, numbered for --adapter, and exit.
+    #[arg(long)]
+    list_adapters: bool,
     /// Prefill on cooperative matrices: auto, on or off (default:
     /// WGSPARK_COOPERATIVE_MATRIX, else auto).
     #[arg(long)]
@@ -221,6 +227,9 @@ fn sampling(args: &Args) -> CliResult<Sampling> {
 }
 
 fn run(args: Args) -> CliResult<()> {
+    if args.list_adapters {
+        return list_adapters(&args);
+    }
     // Before anything is loaded or printed.
     let sampling = sampling(&args)?;
     if args.max_new_tokens == Some(0) {
@@ -356,15 +365,35 @@ fn stop_tokens(
 /// The device on the backend and with the matrix units the flags (or the
 /// environment) ask for.
 fn open_gpu(args: &Args) -> CliResult<Gpu> {
-    let backend = match &args.backend {
-        Some(name) => name.parse()?,
-        None => Backend::from_env()?,
-    };
-    let cooperative_matrix = match &args.cooperative_matrix {
-        Some(name) => name.parse()?,
-        None => CooperativeMatrix::from_env()?,
-    };
-    Ok(Gpu::new(&GpuOptions { backend, cooperative_matrix, ..Default::default() })?)
+    Ok(Gpu::new(&gpu_options(args)?)?)
+}
+
+/// The environment's device options, overridden by the flags.
+fn gpu_options(args: &Args) -> CliResult<GpuOptions> {
+    let mut options = GpuOptions::from_env()?;
+    if let Some(name) = &args.backend {
+        options.backend = name.parse()?;
+    }
+    if let Some(name) = &args.cooperative_matrix {
+        options.cooperative_matrix = name.parse()?;
+    }
+    options.adapter = args.adapter.or(options.adapter);
+    Ok(options)
+}
+
+/// Prints the backend's adapters, numbered as --adapter takes them.
+fn list_adapters(args: &Args) -> CliResult<()> {
+    let adapters = Gpu::adapters(gpu_options(args)?.backend);
+    if adapters.is_empty() {
+        return Err("no adapter with compute shaders".into());
+    }
+    for (i, a) in adapters.iter().enumerate() {
+        println!(
+            "{i}: {} ({:?}, {:?}, driver {} {})",
+            a.name, a.backend, a.device_type, a.driver, a.driver_info
+        );
+    }
+    Ok(())
 }
 
 /// The model of `--model` (by default SmolLM2, fetched on first use) and

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use clap::Parser;
 use common::{Reporter, parse_size};
 use wgspark::server::{DEFAULT_MAX_BODY, DEFAULT_STEP_TOKENS, Server, ServerOptions};
-use wgspark::{Backend, Gpu, GpuOptions, KvFormat, Progress};
+use wgspark::{Gpu, GpuOptions, KvFormat, Progress};
 
 type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -75,6 +75,10 @@ struct Args {
     /// vulkan, metal, dx12 or gl (default: WGSPARK_BACKEND, else the best adapter).
     #[arg(long)]
     backend: Option<String>,
+    /// Which adapter of the backend to run on, by its number in `generate
+    /// --list-adapters` (default: WGSPARK_ADAPTER, else the first, the best).
+    #[arg(long)]
+    adapter: Option<usize>,
 }
 
 /// `NAME=FILE`.
@@ -105,11 +109,12 @@ fn run(args: Args) -> CliResult<()> {
     if args.control_vector_layer_range.is_some() && args.control_vector.is_empty() {
         return Err("--control-vector-layer-range needs --control-vector".into());
     }
-    let backend = match &args.backend {
-        Some(name) => name.parse()?,
-        None => Backend::from_env()?,
-    };
-    let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() })?;
+    let mut options = GpuOptions::from_env()?;
+    if let Some(name) = &args.backend {
+        options.backend = name.parse()?;
+    }
+    options.adapter = args.adapter.or(options.adapter);
+    let gpu = Gpu::new(&options)?;
     eprintln!("adapter: {}", gpu.describe());
     let reporter = Arc::new(Mutex::new(Reporter::default()));
     let report = {

@@ -18,6 +18,23 @@ pub enum Error {
         tried: String,
     },
 
+    /// [`crate::GpuOptions::adapter`] (`--adapter`) numbers no adapter of
+    /// the backend: [`crate::Gpu::adapters`] lists them.
+    #[error("no adapter {index}: there are {} ({})", adapters.len(), adapters.join(", "))]
+    AdapterOutOfRange {
+        /// The index asked for.
+        index: usize,
+        /// The adapters there are, in their numbering: "name (backend)".
+        adapters: Vec<String>,
+    },
+
+    /// `WGSPARK_ADAPTER` is not an adapter number.
+    #[error("WGSPARK_ADAPTER={given:?} is not an adapter number (generate --list-adapters lists them)")]
+    InvalidAdapterIndex {
+        /// The value given.
+        given: String,
+    },
+
     /// A backend name (`WGSPARK_BACKEND`, or a string parsed as
     /// [`crate::Backend`]) that is none of auto, vulkan, metal, dx12 or gl.
     #[error("unknown backend {0:?} (expected vulkan, metal, dx12 or gl)")]

@@ -7,8 +7,8 @@ use common::checkpoint::{Scratch, edited_fixture, fixture_dir, temp_dir};
 use safetensors::Dtype;
 use wgspark::gguf::{GgmlType, GgufWriter, MetaValue};
 use wgspark::{
-    Backend, CaptureOptions, ControlVector, ControlVectorProblem, Error, GenerateOptions, Gpu, Model,
-    Sampler, Sampling, SessionOptions, Steering,
+    Backend, CaptureOptions, ControlVector, ControlVectorProblem, Error, GenerateOptions, Gpu, GpuOptions,
+    Model, Sampler, Sampling, SessionOptions, Steering,
 };
 
 fn gpu() -> Gpu {
@@ -421,6 +421,27 @@ fn sparse_with_embedding(source: &std::path::Path, dest: &std::path::Path, shape
         }
     }
     out.set_len(base + offset as u64).unwrap();
+}
+
+/// An adapter number past those `Gpu::adapters` lists is an error that
+/// lists them; each number in range opens the adapter it names.
+#[test]
+fn adapters_by_number() {
+    let adapters = Gpu::adapters(Backend::Auto);
+    assert!(!adapters.is_empty(), "no adapter on this machine");
+    for (i, a) in adapters.iter().enumerate() {
+        let gpu = Gpu::new(&GpuOptions { adapter: Some(i), ..GpuOptions::default() }).unwrap();
+        assert_eq!((&gpu.info.name, gpu.info.backend), (&a.name, a.backend), "adapter {i}");
+    }
+    let past = GpuOptions { adapter: Some(adapters.len()), ..GpuOptions::default() };
+    match Gpu::new(&past) {
+        Err(Error::AdapterOutOfRange { index, adapters: listed }) => {
+            assert_eq!(index, adapters.len());
+            assert_eq!(listed.len(), adapters.len());
+            assert!(listed[0].starts_with(&format!("0: {}", adapters[0].name)), "{listed:?}");
+        }
+        other => panic!("adapter {} of {}: {other:?}", adapters.len(), adapters.len()),
+    }
 }
 
 #[test]

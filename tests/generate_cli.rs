@@ -267,6 +267,8 @@ fn bad_input_exits_with_a_message() {
         (on_fixture(&["--top-p", "0.9"]), "give a --temperature above 0"),
         (on_fixture(&["--top-k", "40"]), "give a --temperature above 0"),
         (on_fixture(&["--context", "1", "--prompt-ids", "1,2"]), "context overflow"),
+        (on_fixture(&["--adapter", "99"]), "no adapter 99: there are"),
+        (on_fixture(&["--adapter", "-1"]), "--adapter"),
     ] {
         let out = Command::new(&bin).args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -527,4 +529,42 @@ fn streamed_text_keeps_characters_split_over_tokens_whole() {
         assert!(out.status.success(), "on {backend:?}: {}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(String::from_utf8(out.stdout).unwrap(), expected, "on {backend:?}");
     }
+}
+
+/// `--list-adapters` numbers the adapters as `--adapter` takes them, and
+/// `--adapter N` runs on adapter N; `WGSPARK_ADAPTER` that is not a number
+/// is an error naming it.
+#[test]
+fn adapters_are_listed_and_chosen_by_number() {
+    let bin = generate_bin();
+    let out = Command::new(&bin).arg("--list-adapters").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = listed.lines().collect();
+    assert!(!lines.is_empty(), "no adapter listed");
+    let fixture = common::checkpoint::fixture_dir("llama_untied").display().to_string();
+    for (i, line) in lines.iter().enumerate() {
+        let (number, description) = line.split_once(": ").expect("N: adapter");
+        assert_eq!(number, i.to_string());
+        let name = description.split(" (").next().unwrap();
+        let out = Command::new(&bin)
+            .args(["--model", &fixture, "--prompt-ids", "1", "--max-new-tokens", "1", "--greedy"])
+            .args(["--adapter", &i.to_string()])
+            .env_remove("WGSPARK_BACKEND")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "--adapter {i}: {stderr}");
+        let adapter = stderr.lines().find_map(|l| l.strip_prefix("adapter: ")).expect("the adapter line");
+        assert!(adapter.starts_with(name), "--adapter {i} opened {adapter}, listed as {line}");
+    }
+    let out = Command::new(&bin)
+        .args(["--model", &fixture, "--prompt-ids", "1"])
+        .env("WGSPARK_ADAPTER", "first")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("WGSPARK_ADAPTER=\"first\" is not an adapter number")
+    );
 }

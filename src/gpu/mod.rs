@@ -87,6 +87,29 @@ pub struct GpuOptions {
     pub memory_budget: Option<u64>,
     /// Whether chunk products (prefill) run on cooperative matrices.
     pub cooperative_matrix: CooperativeMatrix,
+    /// Which of [`Gpu::adapters`] of `backend` to open (`generate
+    /// --adapter N`); `None`: the first, the best one.
+    pub adapter: Option<usize>,
+}
+
+impl GpuOptions {
+    /// The defaults, with the backend, the cooperative-matrix mode and the
+    /// adapter that `WGSPARK_BACKEND`, `WGSPARK_COOPERATIVE_MATRIX` and
+    /// `WGSPARK_ADAPTER` (an index into [`Gpu::adapters`]) name.
+    pub fn from_env() -> Result<Self> {
+        let adapter = match std::env::var("WGSPARK_ADAPTER") {
+            Ok(n) if !n.trim().is_empty() => {
+                Some(n.trim().parse().map_err(|_| Error::InvalidAdapterIndex { given: n.clone() })?)
+            }
+            _ => None,
+        };
+        Ok(GpuOptions {
+            backend: Backend::from_env()?,
+            cooperative_matrix: CooperativeMatrix::from_env()?,
+            adapter,
+            ..GpuOptions::default()
+        })
+    }
 }
 
 impl Default for GpuOptions {
@@ -96,6 +119,7 @@ impl Default for GpuOptions {
             max_storage_binding: None,
             memory_budget: None,
             cooperative_matrix: CooperativeMatrix::Auto,
+            adapter: None,
         }
     }
 }
@@ -270,7 +294,8 @@ fn gl_context_hint(backend: wgpu::Backend, driver_info: &str) -> Option<String> 
 }
 
 impl Gpu {
-    /// Opens the backend named by `WGSPARK_BACKEND` (or the best adapter),
+    /// Opens the device [`GpuOptions::from_env`] describes: the best
+    /// adapter of `WGSPARK_BACKEND` (or adapter `WGSPARK_ADAPTER` of it),
     /// with cooperative matrices as `WGSPARK_COOPERATIVE_MATRIX` says.
     ///
     /// ```no_run
@@ -280,8 +305,25 @@ impl Gpu {
     /// # Ok(()) }
     /// ```
     pub fn from_env() -> Result<Self> {
-        let cooperative_matrix = CooperativeMatrix::from_env()?;
-        Self::new(&GpuOptions { backend: Backend::from_env()?, cooperative_matrix, ..GpuOptions::default() })
+        Self::new(&GpuOptions::from_env()?)
+    }
+
+    /// The adapters of `backend` the engine can run on (those with compute
+    /// shaders), numbered as [`GpuOptions::adapter`] chooses them: each
+    /// API's discrete GPUs first, then integrated, virtual and other ones,
+    /// CPU rasterisers last; with [`Backend::Auto`], Vulkan's, Metal's and
+    /// DX12's, then GL's.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// for (i, a) in wgspark::Gpu::adapters(wgspark::Backend::Auto).iter().enumerate() {
+    ///     println!("{i}: {} ({:?}, {:?})", a.name, a.backend, a.device_type);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn adapters(backend: Backend) -> Vec<wgpu::AdapterInfo> {
+        let all = pollster::block_on(Self::candidates(backend, true));
+        all.iter().map(|a| a.get_info()).collect()
     }
 
     /// Opens the best adapter of `options.backend` (a discrete GPU before
@@ -311,7 +353,7 @@ impl Gpu {
     }
 
     async fn open(options: &GpuOptions) -> Result<Self> {
-        let adapter = Self::adapter(options.backend).await?;
+        let adapter = Self::adapter(options.backend, options.adapter).await?;
         let info = adapter.get_info();
         let downlevel = adapter.get_downlevel_capabilities().flags;
         let mut features = adapter.features() & WANTED_FEATURES;
@@ -381,33 +423,57 @@ impl Gpu {
         Ok(Gpu { device, queue, info, features, limits, caps, errors, lost, pipelines: Arc::default() })
     }
 
-    /// The best adapter of `backend`; with `Backend::Auto`, GL's where no
-    /// other backend has one.
-    async fn adapter(backend: Backend) -> Result<wgpu::Adapter> {
-        let mut tried = vec![backend.wgpu_backends()];
-        let mut adapter = Self::best_adapter(backend.wgpu_backends()).await;
-        if adapter.is_none() && backend == Backend::Auto {
-            tried.push(wgpu::Backends::GL);
-            adapter = Self::best_adapter(wgpu::Backends::GL).await;
+    /// Adapter `index` of [`Self::adapters`], or the best adapter of
+    /// `backend` (with `Backend::Auto`, GL's where no other backend has one).
+    async fn adapter(backend: Backend, index: Option<usize>) -> Result<wgpu::Adapter> {
+        let Some(index) = index else {
+            let adapter = Self::candidates(backend, false).await.into_iter().next();
+            return adapter.ok_or_else(|| Error::NoAdapter { tried: Self::tried(backend) });
+        };
+        let mut all = Self::candidates(backend, true).await;
+        if index >= all.len() {
+            let info = all.iter().map(|a| a.get_info());
+            let adapters =
+                info.enumerate().map(|(i, a)| format!("{i}: {} ({:?})", a.name, a.backend)).collect();
+            return Err(Error::AdapterOutOfRange { index, adapters });
         }
-        adapter.ok_or_else(|| Error::NoAdapter {
-            tried: tried.iter().map(|b| format!("{b:?}")).collect::<Vec<_>>().join(", "),
-        })
+        Ok(all.swap_remove(index))
     }
 
-    async fn best_adapter(backends: wgpu::Backends) -> Option<wgpu::Adapter> {
+    /// The wgpu backends `backend` searches, as errors name them.
+    fn tried(backend: Backend) -> String {
+        let mut tried = vec![backend.wgpu_backends()];
+        if backend == Backend::Auto {
+            tried.push(wgpu::Backends::GL);
+        }
+        tried.iter().map(|b| format!("{b:?}")).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The adapters of `backend` with compute shaders, best first; with
+    /// `Backend::Auto`, GL's after the others' (`with_gl`), or only where
+    /// there are no others.
+    async fn candidates(backend: Backend, with_gl: bool) -> Vec<wgpu::Adapter> {
+        let mut all = Self::ranked_adapters(backend.wgpu_backends()).await;
+        if backend == Backend::Auto && (with_gl || all.is_empty()) {
+            all.extend(Self::ranked_adapters(wgpu::Backends::GL).await);
+        }
+        all
+    }
+
+    async fn ranked_adapters(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
         let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
             backends,
             ..wgpu::InstanceDescriptor::new_without_display_handle()
         });
-        let adapters = instance.enumerate_adapters(backends).await;
-        adapters
+        let mut adapters: Vec<wgpu::Adapter> = instance
+            .enumerate_adapters(backends)
+            .await
             .into_iter()
-            .filter(|a| {
-                // Compute shaders are all this engine needs.
-                a.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
-            })
-            .min_by_key(|a| device_type_rank(a.get_info().device_type))
+            // Compute shaders are all this engine needs.
+            .filter(|a| a.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::COMPUTE_SHADERS))
+            .collect();
+        adapters.sort_by_key(|a| device_type_rank(a.get_info().device_type));
+        adapters
     }
 
     /// One line naming the adapter and backend, for logs.
