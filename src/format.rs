@@ -57,35 +57,35 @@ pub enum WeightFormat {
     Q6K,
     /// float8_e4m3fn with an f32 scale per 128 values of a row.
     F8E4M3,
-    /// ggml's IQ4_NL: blocks of 32 4-bit indexes into [`IQ4NL_VALUES`]
+    /// ggml's IQ4_NL: blocks of 32 4-bit indexes into `IQ4NL_VALUES`
     /// and an f16 scale.
     IQ4NL,
     /// ggml's IQ4_XS: super-blocks of 256 4-bit indexes into
-    /// [`IQ4NL_VALUES`], an f16 scale and 6-bit scales per 32.
+    /// `IQ4NL_VALUES`, an f16 scale and 6-bit scales per 32.
     IQ4XS,
     /// ggml's IQ2_XXS: super-blocks of 256, each 8 values an 8-bit index
-    /// into [`IQ2XXS_GRID`] with 7 sign bits, a 4-bit scale per 32.
+    /// into `IQ2XXS_GRID` with 7 sign bits, a 4-bit scale per 32.
     IQ2XXS,
-    /// ggml's IQ2_XS: as IQ2_XXS with 9-bit indexes into [`IQ2XS_GRID`] and
+    /// ggml's IQ2_XS: as IQ2_XXS with 9-bit indexes into `IQ2XS_GRID` and
     /// a 4-bit scale per 16.
     IQ2XS,
-    /// ggml's IQ2_S: 10-bit indexes into [`IQ2S_GRID`], 8 sign bits per 8
+    /// ggml's IQ2_S: 10-bit indexes into `IQ2S_GRID`, 8 sign bits per 8
     /// values, a 4-bit scale per 16.
     IQ2S,
-    /// ggml's IQ3_XXS: each 4 values an 8-bit index into [`IQ3XXS_GRID`],
+    /// ggml's IQ3_XXS: each 4 values an 8-bit index into `IQ3XXS_GRID`,
     /// 7 sign bits per 8, a 4-bit scale per 32.
     IQ3XXS,
-    /// ggml's IQ3_S: 9-bit indexes into [`IQ3S_GRID`], 8 sign bits per 8, a
+    /// ggml's IQ3_S: 9-bit indexes into `IQ3S_GRID`, 8 sign bits per 8, a
     /// 4-bit odd scale per 32.
     IQ3S,
-    /// ggml's IQ1_S: each 8 values an 11-bit index into [`IQ1S_GRID`] (of
+    /// ggml's IQ1_S: each 8 values an 11-bit index into `IQ1S_GRID` (of
     /// -1, 0, 1), a 3-bit scale and a shift of +-1/8 per 32.
     IQ1S,
     /// ggml's IQ1_M: as IQ1_S with a scale per 16 and a shift per 8; its
     /// f16 scale is spread over the top nibbles of the scales.
     IQ1M,
     /// ggml's MXFP4 (OCP microscaling): blocks of 32 e2m1 values
-    /// ([`MXFP4_VALUES`], doubled) and a power-of-two scale byte (e8m0).
+    /// (`MXFP4_VALUES`, doubled) and a power-of-two scale byte (e8m0).
     MXFP4,
 }
 
