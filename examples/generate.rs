@@ -388,9 +388,18 @@ fn list_adapters(args: &Args) -> CliResult<()> {
         return Err("no adapter with compute shaders".into());
     }
     for (i, a) in adapters.iter().enumerate() {
+        let info = &a.info;
+        let memory = a.device_memory.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64));
+        let units = a.multiprocessors.map(|n| format!(", {n} multiprocessors"));
         println!(
-            "{i}: {} ({:?}, {:?}, driver {} {})",
-            a.name, a.backend, a.device_type, a.driver, a.driver_info
+            "{i}: {} ({:?}, {:?}{}{}, driver {} {})",
+            info.name,
+            info.backend,
+            info.device_type,
+            memory.unwrap_or_default(),
+            units.unwrap_or_default(),
+            info.driver,
+            info.driver_info
         );
     }
     Ok(())

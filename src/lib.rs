@@ -96,7 +96,9 @@ pub use chat::{ChatTemplate, Message};
 pub use error::{ControlVectorProblem, Error, Result};
 pub use flow::{ChunkMatmul, ExpertPrefetch, RoutingMode};
 pub use format::WeightFormat;
-pub use gpu::{Backend, Caps, CooperativeMatrix, Gpu, GpuOptions, set_runtime_dir_if_missing};
+pub use gpu::{
+    AdapterSummary, Backend, Caps, CooperativeMatrix, Gpu, GpuOptions, set_runtime_dir_if_missing,
+};
 pub use kernels::gemm::PrefillPrecision;
 pub use kv_cache::KvFormat;
 pub use model::{LoadOptions, Model, ModelConfig};

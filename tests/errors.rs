@@ -431,14 +431,15 @@ fn adapters_by_number() {
     assert!(!adapters.is_empty(), "no adapter on this machine");
     for (i, a) in adapters.iter().enumerate() {
         let gpu = Gpu::new(&GpuOptions { adapter: Some(i), ..GpuOptions::default() }).unwrap();
-        assert_eq!((&gpu.info.name, gpu.info.backend), (&a.name, a.backend), "adapter {i}");
+        assert_eq!((&gpu.info.name, gpu.info.backend), (&a.info.name, a.info.backend), "adapter {i}");
+        assert_eq!(gpu.caps.device_memory, a.device_memory, "adapter {i}");
     }
     let past = GpuOptions { adapter: Some(adapters.len()), ..GpuOptions::default() };
     match Gpu::new(&past) {
         Err(Error::AdapterOutOfRange { index, adapters: listed }) => {
             assert_eq!(index, adapters.len());
             assert_eq!(listed.len(), adapters.len());
-            assert!(listed[0].starts_with(&format!("0: {}", adapters[0].name)), "{listed:?}");
+            assert!(listed[0].starts_with(&format!("0: {}", adapters[0].info.name)), "{listed:?}");
         }
         other => panic!("adapter {} of {}: {other:?}", adapters.len(), adapters.len()),
     }

@@ -202,6 +202,18 @@ pub struct Caps {
     pub multiprocessors: Option<u32>,
 }
 
+/// An adapter as [`Gpu::adapters`] lists it, before a device is opened on it.
+#[derive(Debug, Clone)]
+pub struct AdapterSummary {
+    /// Its name, backend, device type and driver.
+    pub info: wgpu::AdapterInfo,
+    /// Its largest device-local memory heap (the host's memory for a CPU
+    /// rasteriser), where the driver reports it.
+    pub device_memory: Option<u64>,
+    /// Its multiprocessors (SMs, compute units), where the driver reports them.
+    pub multiprocessors: Option<u32>,
+}
+
 /// An open device: the adapter that was chosen, its queue, and what it can do.
 #[derive(Clone)]
 pub struct Gpu {
@@ -317,13 +329,19 @@ impl Gpu {
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// for (i, a) in wgspark::Gpu::adapters(wgspark::Backend::Auto).iter().enumerate() {
-    ///     println!("{i}: {} ({:?}, {:?})", a.name, a.backend, a.device_type);
+    ///     println!("{i}: {} ({:?}, {:?}, {:?} bytes)", a.info.name, a.info.backend, a.info.device_type, a.device_memory);
     /// }
     /// # Ok(()) }
     /// ```
-    pub fn adapters(backend: Backend) -> Vec<wgpu::AdapterInfo> {
+    pub fn adapters(backend: Backend) -> Vec<AdapterSummary> {
         let all = pollster::block_on(Self::candidates(backend, true));
-        all.iter().map(|a| a.get_info()).collect()
+        all.iter()
+            .map(|a| AdapterSummary {
+                info: a.get_info(),
+                device_memory: driver_facts::device_memory(a),
+                multiprocessors: driver_facts::multiprocessors(a),
+            })
+            .collect()
     }
 
     /// Opens the best adapter of `options.backend` (a discrete GPU before
