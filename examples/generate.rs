@@ -370,14 +370,10 @@ fn open_gpu(args: &Args) -> CliResult<Gpu> {
 
 /// The environment's device options, overridden by the flags.
 fn gpu_options(args: &Args) -> CliResult<GpuOptions> {
-    let mut options = GpuOptions::from_env()?;
-    if let Some(name) = &args.backend {
-        options.backend = name.parse()?;
-    }
+    let mut options = common::gpu_options(args.backend.as_deref(), args.adapter)?;
     if let Some(name) = &args.cooperative_matrix {
         options.cooperative_matrix = name.parse()?;
     }
-    options.adapter = args.adapter.or(options.adapter);
     Ok(options)
 }
 

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use clap::Parser;
 use common::{Reporter, parse_size};
 use wgspark::server::{DEFAULT_MAX_BODY, DEFAULT_STEP_TOKENS, Server, ServerOptions};
-use wgspark::{Gpu, GpuOptions, KvFormat, Progress};
+use wgspark::{Gpu, KvFormat, Progress};
 
 type CliResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -109,12 +109,7 @@ fn run(args: Args) -> CliResult<()> {
     if args.control_vector_layer_range.is_some() && args.control_vector.is_empty() {
         return Err("--control-vector-layer-range needs --control-vector".into());
     }
-    let mut options = GpuOptions::from_env()?;
-    if let Some(name) = &args.backend {
-        options.backend = name.parse()?;
-    }
-    options.adapter = args.adapter.or(options.adapter);
-    let gpu = Gpu::new(&options)?;
+    let gpu = Gpu::new(&common::gpu_options(args.backend.as_deref(), args.adapter)?)?;
     eprintln!("adapter: {}", gpu.describe());
     let reporter = Arc::new(Mutex::new(Reporter::default()));
     let report = {

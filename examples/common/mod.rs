@@ -1,10 +1,22 @@
-//! What the examples share: progress shown while a model loads, and byte
-//! counts as flags take them.
+//! What the examples share: progress shown while a model loads, byte
+//! counts as flags take them, and the device the flags choose.
 
 use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use wgspark::GpuOptions;
 use wgspark::progress::Progress;
+
+/// The environment's device options (`GpuOptions::from_env`), with
+/// `--backend` and `--adapter` where given.
+pub fn gpu_options(backend: Option<&str>, adapter: Option<usize>) -> wgspark::Result<GpuOptions> {
+    let mut options = GpuOptions::from_env()?;
+    if let Some(name) = backend {
+        options.backend = name.parse()?;
+    }
+    options.adapter = adapter.or(options.adapter);
+    Ok(options)
+}
 
 /// Progress as a bar on a terminal, as one line per step otherwise.
 #[derive(Default)]
