@@ -13,6 +13,10 @@ pub struct TensorPart {
     pub first_row: usize,
     pub rows: usize,
     pub format: WeightFormat,
+    /// Some value of the part may lie beyond f16's range
+    /// ([`WeightFormat::fits_f16`]), so products that stage weights as f16
+    /// must not read it.
+    pub beyond_f16: bool,
 }
 
 /// A `[rows, cols]` matrix (a vector is one row) in one or more buffers of
@@ -99,10 +103,33 @@ impl GpuTensor {
                 &format!("{name}[{first_row}..{}]", first_row + n),
                 n as u64 * row_bytes,
             )?;
-            parts.push(TensorPart { buffer, first_row, rows: n, format });
+            parts.push(TensorPart { buffer, first_row, rows: n, format, beyond_f16: false });
             first_row += n;
         }
         Ok(parts)
+    }
+
+    /// Writes whole rows stored in the file layout of the format of the
+    /// parts they fall in from `first_row` on (see [`Self::write_rows`]),
+    /// and marks those parts [`TensorPart::beyond_f16`] where some value
+    /// lies beyond f16's range.
+    pub fn write_file_rows(&mut self, gpu: &Gpu, first_row: usize, file_bytes: &[u8]) {
+        let format = self.format_at(first_row);
+        self.write_rows(gpu, first_row, &format.to_gpu_layout(file_bytes));
+        if !format.fits_f16(file_bytes, self.cols) {
+            let rows = file_bytes.len() / format.file_row_bytes(self.cols).max(1);
+            self.mark_beyond_f16(first_row..first_row + rows);
+        }
+    }
+
+    /// Marks the parts holding any of `rows` as holding values beyond
+    /// f16's range.
+    pub(crate) fn mark_beyond_f16(&mut self, rows: std::ops::Range<usize>) {
+        for part in &mut self.parts {
+            if part.first_row < rows.end && rows.start < part.first_row + part.rows {
+                part.beyond_f16 = true;
+            }
+        }
     }
 
     /// Writes rows in their parts' GPU layout (bf16: raw little-endian

@@ -117,6 +117,13 @@ fn check_product(weight: &GpuTensor, part: &TensorPart, epilogue: Epilogue, shap
     Ok(())
 }
 
+/// Whether the cooperative-matrix kernel takes a part of `cols` columns:
+/// its format and width suit it ([`gemm_coop::takes`]), and f16 holds its
+/// values (the f32 kernel runs the others).
+fn on_matrix_units(part: &TensorPart, cols: usize) -> bool {
+    gemm_coop::takes(part.format, cols) && !part.beyond_f16
+}
+
 /// A product's pipeline, its tile (tokens and rows), the f16 copy of the
 /// activations it reads instead of their f32 rows, and the bindings after
 /// the common ones.
@@ -346,7 +353,7 @@ impl Gemm {
     /// Whether `weight`'s products read and write [`HalfCopies`]: they keep
     /// them, and take its format and width.
     pub fn takes_half_copies(&self, weight: &GpuTensor) -> bool {
-        self.keeps_half_copies() && weight.parts.iter().all(|p| gemm_coop::takes(p.format, weight.cols))
+        self.keeps_half_copies() && weight.parts.iter().all(|p| on_matrix_units(p, weight.cols))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -362,7 +369,7 @@ impl Gemm {
     ) -> Result<Dispatch> {
         check_product(weight, part, epilogue, &shape)?;
         let kernel = match self.kernel {
-            GemmKernel::Cooperative { .. } if !gemm_coop::takes(part.format, weight.cols) => {
+            GemmKernel::Cooperative { .. } if !on_matrix_units(part, weight.cols) => {
                 GemmKernel::Alu(Tiling::Auto)
             }
             kernel => kernel,
@@ -496,7 +503,7 @@ impl Gemm {
         else {
             return 1;
         };
-        if !gemm_coop::takes(part.format, weight.cols) {
+        if !on_matrix_units(part, weight.cols) {
             return 1;
         }
         let flags = gemm_coop::flags(gpu, part.format, false);

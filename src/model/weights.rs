@@ -553,8 +553,9 @@ impl<'a> Uploader<'a> {
         let same = formats.iter().all(|&f| f == formats[0]);
         let format = if same { formats[0] } else { WeightFormat::F32 };
         let total_rows: usize = sources.iter().map(|(_, s)| s.iter().product::<usize>() / cols).sum();
-        let tensor = GpuTensor::alloc_in(self.gpu, label, format, total_rows, cols, 2 * n)?;
+        let mut tensor = GpuTensor::alloc_in(self.gpu, label, format, total_rows, cols, 2 * n)?;
         let row_bytes = format.gpu_row_bytes(cols);
+        let mut fits_f16 = true;
         let group_bytes = 2 * n * row_bytes;
         let mut group: Vec<u8> = Vec::with_capacity(group_bytes);
         let mut interleaved = vec![0u8; group_bytes];
@@ -562,6 +563,7 @@ impl<'a> Uploader<'a> {
         for ((name, shape), &stored) in sources.iter().zip(&formats) {
             let stored_bytes = self.checkpoint.stored_bytes(name, shape)?;
             let (gpu_layout, decoded);
+            fits_f16 &= stored.fits_f16(&stored_bytes, cols);
             let bytes: &[u8] = match stored == format {
                 true => {
                     gpu_layout = format.to_gpu_layout(&stored_bytes);
@@ -589,6 +591,9 @@ impl<'a> Uploader<'a> {
                 }
             }
             self.written(bytes.len() as u64)?;
+        }
+        if !fits_f16 {
+            tensor.mark_beyond_f16(0..total_rows);
         }
         Ok(tensor)
     }
@@ -645,11 +650,11 @@ impl<'a> Uploader<'a> {
                 _ => segments.push((format, rows_of(shape))),
             }
         }
-        let tensor = GpuTensor::alloc_stacked(self.gpu, label, &segments, cols, group_rows)?;
+        let mut tensor = GpuTensor::alloc_stacked(self.gpu, label, &segments, cols, group_rows)?;
         let mut row = 0;
-        for ((name, shape), format) in sources.iter().zip(formats) {
+        for (name, shape) in sources {
             let bytes = self.checkpoint.stored_bytes(name, shape)?;
-            tensor.write_rows(self.gpu, row, &format.to_gpu_layout(&bytes));
+            tensor.write_file_rows(self.gpu, row, &bytes);
             row += rows_of(shape);
             self.written(bytes.len() as u64)?;
         }
