@@ -199,9 +199,9 @@ impl<'m> Session<'m> {
         let values_apart =
             model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
         let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
-        let summed_rows = crate::flow::summed_rows(model, gemm.as_ref(), chunk);
+        let scratch = crate::flow::GemmScratch::new(model, gemm.as_ref(), chunk);
         let layout = (values_apart, gemm.is_some(), half_copies);
-        let activations = Activations::new(gpu, c, (chunk, summed_rows), context_len, layout)?;
+        let activations = Activations::new(gpu, c, (chunk, scratch), context_len, layout)?;
         let plan = Plan::new(
             model,
             &activations,

@@ -480,12 +480,12 @@ impl<'m> BatchEngine<'m> {
             .iter()
             .any(|l| crate::flow::first_value_row_apart(&l.qkv, c.heads).is_some());
         let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
-        let summed_rows = crate::flow::summed_rows(model, gemm.as_ref(), max_rows);
+        let scratch = crate::flow::GemmScratch::new(model, gemm.as_ref(), max_rows);
         // The rotary rows are the step's (context_len sizes only cos_sin).
         let act = Activations::new(
             gpu,
             c,
-            (max_rows, summed_rows),
+            (max_rows, scratch),
             max_rows,
             (values_apart, gemm.is_some(), half_copies),
         )?;

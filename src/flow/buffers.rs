@@ -1,6 +1,7 @@
 //! The named intermediate tensors of the flow (f32, `[tokens, width]`),
 //! sized for the most tokens one submission carries.
 
+use super::GemmScratch;
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::kernels::Step;
@@ -45,10 +46,13 @@ pub struct Activations {
     pub attn16: Option<wgpu::Buffer>,
     pub ffn_act16: Option<wgpu::Buffer>,
     /// Outputs of a chunk's GEMMs before their residual add (`attn_out`
-    /// and `ffn_out`: `[summed_rows, hidden]`, see `flow::summed_rows`).
+    /// and `ffn_out`: `[summed_rows, hidden]`, see `flow::GemmScratch`).
     pub attn_out: wgpu::Buffer,
     pub ffn_act: wgpu::Buffer,
     pub ffn_out: wgpu::Buffer,
+    /// Partial sums over k of a few-token chunk's q/k/v or gate/up, where
+    /// those split (`flow::GemmScratch::split_floats`).
+    pub split_parts: Option<wgpu::Buffer>,
     pub logits: wgpu::Buffer,
     pub sample: SampleScratch,
     pub moe: Option<MoeActivations>,
@@ -109,12 +113,12 @@ impl Activations {
 
     /// `values_apart`: some layer writes its value rows apart; `chunk_gemm`:
     /// a GEMM runs the chunks' projections (not the GEMV); `half_copies`:
-    /// that GEMM reads f16 copies of its activations; `summed_rows`: the
-    /// rows of the o and down projections' outputs (`flow::summed_rows`).
+    /// that GEMM reads f16 copies of its activations; `scratch`: the room
+    /// its partial sums over k take.
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
-        (max_tokens, summed_rows): (usize, usize),
+        (max_tokens, scratch): (usize, GemmScratch),
         context_len: usize,
         (values_apart, chunk_gemm, half_copies): (bool, bool, bool),
     ) -> Result<Self> {
@@ -175,9 +179,13 @@ impl Activations {
             h16: half("h16", c.hidden)?,
             attn16: half("attn16", c.heads.q * c.heads.dim)?,
             ffn_act16: half("ffn_act16", c.intermediate)?,
-            attn_out: gpu.storage_buffer("attn_out", summed_rows * c.hidden)?,
+            attn_out: gpu.storage_buffer("attn_out", scratch.summed_rows * c.hidden)?,
             ffn_act: buf("ffn_act", c.intermediate)?,
-            ffn_out: gpu.storage_buffer("ffn_out", summed_rows * c.hidden)?,
+            ffn_out: gpu.storage_buffer("ffn_out", scratch.summed_rows * c.hidden)?,
+            split_parts: match scratch.split_floats {
+                0 => None,
+                floats => Some(gpu.storage_buffer("split_parts", floats)?),
+            },
             logits: gpu.storage_buffer("logits", c.vocab)?,
             sample: SampleScratch::new(gpu, c.vocab)?,
             moe,

@@ -62,6 +62,7 @@ use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows as NormRows;
 use crate::kernels::sample::SampleBindings;
+use crate::kernels::{gemm_coop, split_sum};
 use crate::kv_cache::Heads;
 use crate::kv_cache::KvCache;
 use crate::model::{FfnWeights, Model};
@@ -199,25 +200,49 @@ impl ChunkPlans {
     }
 }
 
-/// Rows of `Activations::attn_out` and `ffn_out`, where a chunk's o and
-/// dense down projections write their products for the residual add: the
-/// longest chunk's tokens, or more where a class of chunks may run one as
-/// partial sums over k (`Gemm::plan_summed`, which splits only a product
-/// reading an f16 copy of its input), a row per token and part; the most
-/// either projection may need, for both buffers.
-pub fn summed_rows(model: &Model, gemm: Option<&Gemm>, max_tokens: usize) -> usize {
-    let Some(gemm) = gemm else { return max_tokens };
-    let projections = model.weights.layers.iter().flat_map(|l| {
-        let down = match &l.ffn {
-            FfnWeights::Dense { down, .. } => Some(down),
-            FfnWeights::Moe(_) => None,
-        };
-        std::iter::once(&l.o_proj).chain(down)
-    });
-    let rows = |w: &GpuTensor, most: usize| most * gemm.summed_splits(&model.gpu, w, most);
-    projections
-        .flat_map(|w| ChunkPlans::ends(max_tokens).map(move |most| rows(w, most)))
-        .fold(max_tokens, usize::max)
+/// The room a chunk's GEMMs need for partial sums over ranges of k
+/// (`Gemm::plan_summed`), in the chunk's activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmScratch {
+    /// Rows of `Activations::attn_out` and `ffn_out`, where a chunk's o
+    /// and dense down projections write their products for the residual
+    /// add: the longest chunk's tokens, or more where a class of chunks may
+    /// run one as partial sums over k (which splits only a product reading
+    /// an f16 copy of its input, or one over few tokens), a row per token
+    /// and part; the most either projection may need, for both buffers.
+    pub summed_rows: usize,
+    /// Floats of `Activations::split_parts`, where a class of few tokens
+    /// runs a layer's q/k/v or dense gate/up as partial sums over k (0:
+    /// none does).
+    pub split_floats: usize,
+}
+
+impl GemmScratch {
+    /// The room the products of `model` need in chunks of up to
+    /// `max_tokens` tokens through `gemm` (none: chunks run the GEMV).
+    pub fn new(model: &Model, gemm: Option<&Gemm>, max_tokens: usize) -> Self {
+        let Some(gemm) = gemm else { return GemmScratch { summed_rows: max_tokens, split_floats: 0 } };
+        let layers = &model.weights.layers;
+        let (summed, split): (Vec<&GpuTensor>, Vec<&GpuTensor>) = layers
+            .iter()
+            .flat_map(|l| match &l.ffn {
+                FfnWeights::Dense { gate_up, down } => vec![(&l.o_proj, &l.qkv), (down, gate_up)],
+                FfnWeights::Moe(_) => vec![(&l.o_proj, &l.qkv)],
+            })
+            .unzip();
+        let parts = |w: &GpuTensor, most: usize| gemm.summed_splits(&model.gpu, w, most);
+        let classes = || ChunkPlans::ends(max_tokens);
+        let summed_rows = summed.iter().flat_map(|&w| classes().map(move |most| most * parts(w, most)));
+        let split_floats = split.iter().flat_map(|&w| {
+            classes()
+                .filter(|&most| Builder::splits_few(most) && parts(w, most) > 1)
+                .map(move |most| most * parts(w, most) * w.rows)
+        });
+        GemmScratch {
+            summed_rows: summed_rows.fold(max_tokens, usize::max),
+            split_floats: split_floats.max().unwrap_or(0),
+        }
+    }
 }
 
 /// Whether two sequences run the same pipelines over the same grids.
@@ -286,7 +311,12 @@ impl<'a> Builder<'a> {
         let tail = apart.map(|a| (a.row, a.gemm));
         let half = HalfCopies { x: act.h16.as_ref(), y: None };
         let chunk = self.chunk(|gemm, tokens| {
-            gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail), half)
+            match self.split(gemm, weight, Epilogue::Plain, tokens, (y, tail))? {
+                Some(split) => Ok(split),
+                None => {
+                    gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail), half)
+                }
+            }
         })?;
         Ok(Projection { gemv, chunk })
     }
@@ -310,7 +340,8 @@ impl<'a> Builder<'a> {
     }
 
     /// `x = layer_output(x + W a)` (a chunk's GEMM reading `a16`, an f16
-    /// copy of `a`, where given); a chunk's GEMM goes through `scratch` (as
+    /// copy of `a`, where given, unless it has few tokens: see
+    /// [`Self::splits_few`]); a chunk's GEMM goes through `scratch` (as
     /// partial sums over k where it has few tiles: the add sums them), and
     /// with `then_norm` its add also writes `act.h = rms_norm(x)` (and
     /// `act.h16`) for the projection after it.
@@ -326,6 +357,7 @@ impl<'a> Builder<'a> {
         let gemv =
             self.gemv(GemvSpec { output: Output::Add(output.clone()), ..GemvSpec::plain(weight, a, x) })?;
         let chunk = self.chunk(|gemm, tokens| {
+            let a16 = a16.filter(|_| !Self::splits_few(tokens));
             let (mut d, parts) = gemm.plan_summed(gpu, weight, tokens, &act.step, (a, a16), scratch)?;
             d.push(match then_norm {
                 Some(norm) => k.rms_norm.plan_after_add(
@@ -374,9 +406,61 @@ impl<'a> Builder<'a> {
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
         let half = HalfCopies { x: act.h16.as_ref(), y: self.ffn_act16(weight) };
         let chunk = self.chunk(|gemm, tokens| {
-            gemm.plan_apart(gpu, weight, Epilogue::Swiglu, tokens, &act.step, &act.h, (out, None), half)
+            match self.split(gemm, weight, Epilogue::Swiglu, tokens, (out, None))? {
+                Some(split) => Ok(split),
+                None => gemm.plan_apart(
+                    gpu,
+                    weight,
+                    Epilogue::Swiglu,
+                    tokens,
+                    &act.step,
+                    &act.h,
+                    (out, None),
+                    half,
+                ),
+            }
         })?;
         Ok(Projection { gemv, chunk })
+    }
+
+    /// Whether chunks of up to `tokens` tokens run a layer's q/k/v and
+    /// dense gate/up as partial sums over k where they split
+    /// (`Gemm::summed_splits`): few-token products, whose tiles leave a
+    /// large GPU's multiprocessors short of workgroups, each walking all
+    /// of k a step at a time. Their inputs are f32 rows, and their outputs
+    /// f32 alone (the down projection over as few tokens reads the f32
+    /// rows too).
+    fn splits_few(tokens: usize) -> bool {
+        tokens <= gemm_coop::FEW_TOKENS
+    }
+
+    /// `out = W act.h` through `epilogue` over up to `tokens` tokens as
+    /// partial sums over ranges of k in `act.split_parts` and their sum
+    /// (see [`Self::splits_few`]), where the product splits; `None` where
+    /// it runs whole. With `apart = Some((row, tail))`, the rows from `row`
+    /// on go to `tail` (as [`Gemm::plan_apart`] writes them).
+    fn split(
+        &self,
+        gemm: &Gemm,
+        weight: &GpuTensor,
+        epilogue: Epilogue,
+        tokens: usize,
+        (out, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
+    ) -> Result<Option<Vec<Dispatch>>> {
+        let (gpu, act) = (&self.model.gpu, self.act);
+        let Some(parts_buffer) = act.split_parts.as_ref() else { return Ok(None) };
+        if !Self::splits_few(tokens) || gemm.summed_splits(gpu, weight, tokens) < 2 {
+            return Ok(None);
+        }
+        let (mut d, parts) =
+            gemm.plan_summed(gpu, weight, tokens, &act.step, (&act.h, None), parts_buffer)?;
+        let n = weight.rows;
+        let apart_row = apart.map_or(n, |(row, _)| row);
+        let ranges = [(0..apart_row, out), (apart_row..n, apart.map_or(out, |(_, tail)| tail))];
+        for (rows, out) in ranges.into_iter().filter(|(rows, _)| !rows.is_empty()) {
+            d.push(split_sum::plan(gpu, (n, rows), epilogue, (parts_buffer, parts), out)?);
+        }
+        Ok(Some(d))
     }
 
     fn chunk(&self, plan: impl Fn(&Gemm, usize) -> Result<Vec<Dispatch>>) -> Result<ChunkPlans> {

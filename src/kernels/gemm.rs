@@ -495,24 +495,22 @@ impl Gemm {
 
     /// The ranges of k [`Self::plan_summed`] splits `weight`'s product over
     /// `max_tokens` tokens into (over few tokens see
-    /// [`gemm_coop::Tile::few_tokens`], else, reading f16 copies,
-    /// [`gemm_coop::Tile::k_splits`]): 1 for a product that does not
-    /// split, or a tensor of several parts.
+    /// [`gemm_coop::Tile::few_tokens`], in the tiles of its first part's
+    /// format, else, reading f16 copies, [`gemm_coop::Tile::k_splits`]): 1
+    /// for a product that does not split, or a tensor of several parts over
+    /// more tokens.
     pub fn summed_splits(&self, gpu: &Gpu, weight: &GpuTensor, max_tokens: usize) -> usize {
-        let (GemmKernel::Cooperative { split: false, tile: None }, [part]) = (self.kernel, &weight.parts[..])
-        else {
-            return 1;
-        };
-        if !on_matrix_units(part, weight.cols) {
+        let GemmKernel::Cooperative { split: false, tile: None } = self.kernel else { return 1 };
+        if !weight.parts.iter().all(|p| on_matrix_units(p, weight.cols)) {
             return 1;
         }
-        let flags = gemm_coop::flags(gpu, part.format, false);
+        let flags = gemm_coop::flags(gpu, weight.parts[0].format, false);
         if max_tokens <= gemm_coop::FEW_TOKENS {
             let max = gemm_coop::MAX_FEW_TOKEN_K_SPLITS;
             return gemm_coop::Tile::few_tokens(weight.rows, weight.cols, max_tokens, &flags, max)
                 .map_or(1, |f| f.1);
         }
-        if !self.takes_half_copies(weight) {
+        if weight.parts.len() > 1 || !self.takes_half_copies(weight) {
             return 1;
         }
         gemm_coop::Tile::k_splits(weight.rows, weight.cols, max_tokens, &flags)

@@ -32,6 +32,7 @@ pub mod residual;
 pub mod rms_norm;
 pub mod router;
 pub mod sample;
+pub mod split_sum;
 pub mod vulkan_memory_model;
 
 pub use attention::Attention;
@@ -193,6 +194,13 @@ pub const KERNEL_FAMILIES: &[KernelFamily] = &[
         reads_weights: false,
         sums_workgroups: false,
     },
+    KernelFamily {
+        name: "split_sum",
+        source: include_str!("../../wgsl/split_sum.wgsl"),
+        structs: split_sum::structs,
+        reads_weights: false,
+        sums_workgroups: false,
+    },
 ];
 
 const COMMON: &str = include_str!("../../wgsl/common.wgsl");
@@ -312,6 +320,7 @@ pub fn builds() -> Vec<Build> {
             "router" => vec![vec![], vec![SUBGROUPS]],
             "bias_act" => bias_act::flag_sets(),
             "rms_norm" => rms_norm::flag_sets(),
+            "split_sum" => split_sum::flag_sets(),
             _ => vec![vec![]],
         };
         out.extend(flag_sets.into_iter().map(|flags| Build { family: family.name, flags }));
