@@ -123,3 +123,49 @@ fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
         }
     });
 }
+
+/// On cooperative matrices, chunks of few tokens (a batch step's) run the
+/// products whose tiles leave the GPU short of workgroups in ranges of k
+/// (`gemm_coop::Tile::few_tokens`, checked to split each here): the q/k/v
+/// and gate/up summed by `split_sum` (the gate/up through its SwiGLU), the
+/// o and down projections by their residual adds. The last position's
+/// logits match the f32 GEMV run token by token within the bound the
+/// conformance suite holds f16 prefill to (0.4 % of the row's largest
+/// logit). Runs where the adapter has cooperative matrices.
+#[test]
+fn few_token_chunks_in_ranges_of_k_match_the_f32_products() {
+    use wgspark::kernels::gemm_coop::{MAX_FEW_TOKEN_K_SPLITS, Tile};
+    use wgspark::model::ModelConfig;
+    let config = r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 2048,
+      "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+      "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+      "tie_word_embeddings": false, "rope_theta": 500000.0}"#;
+    common::on_each_backend(|gpu| {
+        if !gpu.caps.cooperative_matrix {
+            return;
+        }
+        let config = ModelConfig::parse(config, std::path::Path::new("config.json")).unwrap();
+        let model = Model::synthetic(config, gpu, 11).unwrap();
+        let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 13) % 1024).collect();
+        for tokens in [16, 64] {
+            // q/k/v, gate/up, o and down (bf16 weights: no format flags).
+            for rows in [3072, 4096, 2048] {
+                let splits = Tile::few_tokens(rows, 2048, tokens, &[], MAX_FEW_TOKEN_K_SPLITS).map(|f| f.1);
+                assert!(splits > Some(1), "{rows} x 2048 over {tokens} tokens splits: {splits:?}");
+            }
+            let logits = |chunk_matmul| {
+                let options =
+                    SessionOptions { prefill_chunk: Some(tokens), chunk_matmul, ..SessionOptions::default() };
+                model.session(&options).unwrap().prefill(&prompt[..tokens]).unwrap()
+            };
+            let split = logits(ChunkMatmul::Gemm);
+            let largest = split.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert!(largest > 0.0 && split.iter().all(|v| v.is_finite()));
+            let err = max_abs_diff(&split, &logits(ChunkMatmul::Gemv));
+            let what =
+                format!("{tokens} tokens against the f32 GEMV: {err:.3e} of a largest logit {largest:.3e}");
+            assert!(err <= 4e-3 * largest, "{what}");
+            eprintln!("ranges of k, {what}");
+        }
+    });
+}

@@ -311,7 +311,13 @@ impl<'a> Builder<'a> {
         let tail = apart.map(|a| (a.row, a.gemm));
         let half = HalfCopies { x: act.h16.as_ref(), y: None };
         let chunk = self.chunk(|gemm, tokens| {
-            match self.split(gemm, weight, Epilogue::Plain, tokens, (y, tail))? {
+            // Value rows written apart run whole: their two destinations'
+            // row strides differ.
+            let split = match tail {
+                None => self.split(gemm, weight, Epilogue::Plain, tokens, y)?,
+                Some(_) => None,
+            };
+            match split {
                 Some(split) => Ok(split),
                 None => {
                     gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail), half)
@@ -405,8 +411,8 @@ impl<'a> Builder<'a> {
         let gemv =
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
         let half = HalfCopies { x: act.h16.as_ref(), y: self.ffn_act16(weight) };
-        let chunk = self.chunk(|gemm, tokens| {
-            match self.split(gemm, weight, Epilogue::Swiglu, tokens, (out, None))? {
+        let chunk =
+            self.chunk(|gemm, tokens| match self.split(gemm, weight, Epilogue::Swiglu, tokens, out)? {
                 Some(split) => Ok(split),
                 None => gemm.plan_apart(
                     gpu,
@@ -418,8 +424,7 @@ impl<'a> Builder<'a> {
                     (out, None),
                     half,
                 ),
-            }
-        })?;
+            })?;
         Ok(Projection { gemv, chunk })
     }
 
@@ -437,15 +442,14 @@ impl<'a> Builder<'a> {
     /// `out = W act.h` through `epilogue` over up to `tokens` tokens as
     /// partial sums over ranges of k in `act.split_parts` and their sum
     /// (see [`Self::splits_few`]), where the product splits; `None` where
-    /// it runs whole. With `apart = Some((row, tail))`, the rows from `row`
-    /// on go to `tail` (as [`Gemm::plan_apart`] writes them).
+    /// it runs whole.
     fn split(
         &self,
         gemm: &Gemm,
         weight: &GpuTensor,
         epilogue: Epilogue,
         tokens: usize,
-        (out, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
+        out: &wgpu::Buffer,
     ) -> Result<Option<Vec<Dispatch>>> {
         let (gpu, act) = (&self.model.gpu, self.act);
         let Some(parts_buffer) = act.split_parts.as_ref() else { return Ok(None) };
@@ -454,12 +458,7 @@ impl<'a> Builder<'a> {
         }
         let (mut d, parts) =
             gemm.plan_summed(gpu, weight, tokens, &act.step, (&act.h, None), parts_buffer)?;
-        let n = weight.rows;
-        let apart_row = apart.map_or(n, |(row, _)| row);
-        let ranges = [(0..apart_row, out), (apart_row..n, apart.map_or(out, |(_, tail)| tail))];
-        for (rows, out) in ranges.into_iter().filter(|(rows, _)| !rows.is_empty()) {
-            d.push(split_sum::plan(gpu, (n, rows), epilogue, (parts_buffer, parts), out)?);
-        }
+        d.push(split_sum::plan(gpu, weight.rows, epilogue, (parts_buffer, parts), out)?);
         Ok(Some(d))
     }
 

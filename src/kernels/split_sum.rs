@@ -13,9 +13,6 @@ crate::wgsl_struct! {
         n: u32,
         /// Partial sums per token.
         k: u32,
-        /// The first weight row summed, and the outputs per token.
-        first: u32,
-        count: u32,
     }
 }
 
@@ -27,25 +24,22 @@ pub fn structs() -> Vec<&'static str> {
 /// Invocations per workgroup (`wgsl/split_sum.wgsl`'s).
 const WG: u32 = 256;
 
-/// `out[t] = sum_j y[t, j]` over weight rows `rows` (or with
-/// [`Epilogue::Swiglu`], the gate of each interleaved gate/up pair of
-/// that sum: half as many outputs), y packed `[tokens, parts, n]`, out
-/// `[tokens, outputs]`, for the tokens encoded.
+/// `out[t] = sum_j y[t, j]` (or with [`Epilogue::Swiglu`], the gate of
+/// each interleaved gate/up pair of that sum: `n / 2` outputs), y packed
+/// `[tokens, parts, n]`, out `[tokens, outputs]`, for the tokens encoded.
 pub fn plan(
     gpu: &Gpu,
-    (n, rows): (usize, std::ops::Range<usize>),
+    n: usize,
     epilogue: Epilogue,
     (y, parts): (&wgpu::Buffer, usize),
     out: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     let (flags, outputs): (&[&str], usize) = match epilogue {
-        Epilogue::Plain => (&[], rows.len()),
-        Epilogue::Swiglu => (&[SWIGLU], rows.len() / 2),
+        Epilogue::Plain => (&[], n),
+        Epilogue::Swiglu => (&[SWIGLU], n / 2),
     };
     let pipeline = super::pipeline(gpu, "split_sum", "main", flags, &[])?;
-    let params =
-        SplitSumParams { n: n as u32, k: parts as u32, first: rows.start as u32, count: outputs as u32 };
-    let params = ParamsBuffer::new(gpu, "split_sum.params", &params);
+    let params = ParamsBuffer::new(gpu, "split_sum.params", &SplitSumParams { n: n as u32, k: parts as u32 });
     Ok(Dispatch {
         label: "split_sum",
         bind_group: gpu.bind("split_sum", &pipeline, &[&params.0, y, out]),
