@@ -309,6 +309,16 @@ pub enum Error {
         "a prefill chunk of 0 tokens: a chunk needs at least one (SessionOptions::prefill_chunk, --prefill-chunk)"
     )]
     InvalidPrefillChunk,
+    /// A split of a model's layers across devices that cannot be made:
+    /// shares that are not positive numbers, or not one per device, or
+    /// more devices than layers (see [`crate::model::split`]).
+    #[error("layer split {split}: {reason}")]
+    InvalidSplit {
+        /// The shares as given, or how the split was to be made.
+        split: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A prompt of no tokens, given to prefill or generate.
     #[error("empty prompt: prefill needs at least one token")]
     EmptyPrompt,

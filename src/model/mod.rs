@@ -5,6 +5,7 @@
 //! the pipelines that run them.
 
 pub mod config;
+pub mod split;
 mod synthetic;
 
 // The model's machinery: public with the `internals` feature (the crate's

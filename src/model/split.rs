@@ -1,0 +1,214 @@
+//! Which device holds which layers when a model is split across several
+//! (llama.cpp's `-sm layer`): consecutive ranges of layers, one per device
+//! in the order given, in proportion to each device's room for weights or
+//! to shares the caller gives (`--split 3,1`). The first device also holds
+//! the embedding, the last the final norm and the head; those bytes count
+//! against their device's room but do not move the boundaries, so that
+//! shares in layers (`--split 10,22` of 32 equal layers) put a boundary
+//! exactly there.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+
+/// One device's part in a split: its name (for errors) and the bytes of
+/// weights it may hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceRoom {
+    /// The adapter's name (and number), as errors show it.
+    pub name: String,
+    /// Bytes of weights it may hold.
+    pub bytes: u64,
+}
+
+/// The bytes a split places: each layer's weights, and those only the
+/// first device (the embedding) and only the last (the final norm and the
+/// head) hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SplitBytes {
+    /// Each layer's weights.
+    pub layers: Vec<u64>,
+    /// The embedding, on the first device.
+    pub first: u64,
+    /// The final norm and the head, on the last device.
+    pub last: u64,
+}
+
+/// The layers each of `devices` holds, in order: the boundaries fall where
+/// the layers' bytes before them come nearest each device's share of all
+/// the layers' bytes (its room, or its entry of `shares`), every device
+/// with at least one layer. Fails with [`Error::InvalidSplit`] for shares
+/// that are not one positive number per device, or more devices than
+/// layers, and with [`Error::OutOfDeviceMemory`] naming the first device
+/// whose layers (and embedding or head) exceed its room, and by how much.
+pub fn split_layers(
+    bytes: &SplitBytes,
+    devices: &[DeviceRoom],
+    shares: Option<&[f64]>,
+) -> Result<Vec<Range<usize>>> {
+    let shares = check_shares(bytes.layers.len(), devices, shares)?;
+    let total: f64 = bytes.layers.iter().map(|&b| b as f64).sum();
+    let whole: f64 = shares.iter().sum();
+    let mut ranges = Vec::with_capacity(devices.len());
+    let (mut start, mut before, mut share_before) = (0, 0f64, 0f64);
+    for (i, share) in shares.iter().enumerate() {
+        share_before += share;
+        let rest = devices.len() - i - 1;
+        // The last device takes every layer left; the others stop at the
+        // boundary nearest their share, leaving a layer for each after them.
+        let end = if rest == 0 {
+            bytes.layers.len()
+        } else {
+            let target = total * share_before / whole;
+            let mut end = start + 1;
+            before += bytes.layers[start] as f64;
+            while end < bytes.layers.len() - rest {
+                let next = bytes.layers[end] as f64;
+                if (before + next - target).abs() >= (before - target).abs() {
+                    break;
+                }
+                before += next;
+                end += 1;
+            }
+            end
+        };
+        ranges.push(start..end);
+        start = end;
+    }
+    check_room(bytes, devices, &ranges)?;
+    Ok(ranges)
+}
+
+/// The shares of the split: `shares` where given (one positive, finite
+/// number per device), else the devices' rooms.
+fn check_shares(layers: usize, devices: &[DeviceRoom], shares: Option<&[f64]>) -> Result<Vec<f64>> {
+    let described = || match shares {
+        Some(s) => s.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(","),
+        None => format!("by memory over {} devices", devices.len()),
+    };
+    let invalid = |reason: String| Err(Error::InvalidSplit { split: described(), reason });
+    if devices.is_empty() {
+        return invalid("no devices to split across".into());
+    }
+    if devices.len() > layers {
+        return invalid(format!("{} devices for {layers} layers: each device needs a layer", devices.len()));
+    }
+    let shares: Vec<f64> = match shares {
+        Some(s) => s.to_vec(),
+        None => devices.iter().map(|d| d.bytes as f64).collect(),
+    };
+    if shares.len() != devices.len() {
+        return invalid(format!("{} shares for {} devices", shares.len(), devices.len()));
+    }
+    if let Some((i, bad)) = shares.iter().enumerate().find(|(_, s)| !(s.is_finite() && **s > 0.0)) {
+        return invalid(format!("share {bad} of {} is not a positive number", devices[i].name));
+    }
+    Ok(shares)
+}
+
+/// Each device's layers, with the embedding on the first and the head on
+/// the last, within its room.
+fn check_room(bytes: &SplitBytes, devices: &[DeviceRoom], ranges: &[Range<usize>]) -> Result<()> {
+    for (i, (device, range)) in devices.iter().zip(ranges).enumerate() {
+        let mut held: u64 = bytes.layers[range.clone()].iter().sum();
+        if i == 0 {
+            held += bytes.first;
+        }
+        if i + 1 == devices.len() {
+            held += bytes.last;
+        }
+        if held > device.bytes {
+            return Err(Error::OutOfDeviceMemory {
+                what: format!("layers {}..{} of the split on {}", range.start, range.end, device.name),
+                needed_bytes: Some(held),
+                message: format!(
+                    "{} holds {} bytes of weights, {} fewer than its layers need",
+                    device.name,
+                    device.bytes,
+                    held - device.bytes
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rooms(bytes: &[u64]) -> Vec<DeviceRoom> {
+        bytes.iter().enumerate().map(|(i, &b)| DeviceRoom { name: format!("gpu{i}"), bytes: b }).collect()
+    }
+
+    fn equal(layers: usize) -> SplitBytes {
+        SplitBytes { layers: vec![100; layers], first: 10, last: 20 }
+    }
+
+    #[test]
+    fn layers_follow_the_devices_memory() {
+        let split = split_layers(&equal(32), &rooms(&[3000, 1000]), None).unwrap();
+        assert_eq!(split, vec![0..24, 24..32]);
+        let split = split_layers(&equal(10), &rooms(&[1000, 1000, 1000]), None).unwrap();
+        assert_eq!(split, vec![0..3, 3..7, 7..10], "boundaries nearest a third and two thirds");
+    }
+
+    #[test]
+    fn shares_in_layers_put_each_boundary_there() {
+        for boundary in 1..8 {
+            let shares = [boundary as f64, (8 - boundary) as f64];
+            let split = split_layers(&equal(8), &rooms(&[10_000, 10_000]), Some(&shares)).unwrap();
+            assert_eq!(split, vec![0..boundary, boundary..8]);
+        }
+    }
+
+    #[test]
+    fn uneven_layers_move_the_boundary_to_the_nearest() {
+        // A large first layer: half the bytes are reached after it.
+        let bytes = SplitBytes { layers: vec![400, 100, 100, 100, 100], first: 0, last: 0 };
+        assert_eq!(split_layers(&bytes, &rooms(&[1000, 1000]), None).unwrap(), vec![0..1, 1..5]);
+    }
+
+    #[test]
+    fn every_device_gets_a_layer() {
+        let split = split_layers(&equal(3), &rooms(&[100_000, 1000, 1000]), None).unwrap();
+        assert_eq!(split, vec![0..1, 1..2, 2..3]);
+    }
+
+    #[test]
+    fn an_overflow_names_the_device_and_the_bytes_missing() {
+        // Layers 4..8 and the head: 420 bytes on a device of 300.
+        let err = split_layers(&equal(8), &rooms(&[1000, 300]), Some(&[1.0, 1.0])).unwrap_err();
+        let text = err.to_string();
+        match err {
+            Error::OutOfDeviceMemory { what, needed_bytes, message } => {
+                assert_eq!(what, "layers 4..8 of the split on gpu1");
+                assert_eq!(needed_bytes, Some(420));
+                assert!(
+                    message.contains("gpu1 holds 300 bytes") && message.contains("120 fewer"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected an overflow, got {other}"),
+        }
+        assert!(text.contains("gpu1") && text.contains("120 fewer"), "{text}");
+    }
+
+    #[test]
+    fn bad_splits_are_typed_errors() {
+        // Device rooms, shares, and what the error says.
+        type Case<'a> = (&'a [u64], Option<&'a [f64]>, &'a str);
+        let cases: [Case; 5] = [
+            (&[1000, 1000], Some(&[1.0]), "1 shares for 2 devices"),
+            (&[1000, 1000], Some(&[1.0, 0.0]), "share 0 of gpu1"),
+            (&[1000, 1000], Some(&[f64::NAN, 1.0]), "share NaN of gpu0"),
+            (&[1000; 9], None, "9 devices for 8 layers"),
+            (&[], None, "no devices"),
+        ];
+        for (devices, shares, wanted) in cases {
+            let err = split_layers(&equal(8), &rooms(devices), shares).unwrap_err();
+            assert!(matches!(err, Error::InvalidSplit { .. }), "{err}");
+            assert!(err.to_string().contains(wanted), "{err}");
+        }
+    }
+}
