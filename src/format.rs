@@ -246,14 +246,13 @@ impl WeightFormat {
         })
     }
 
-    /// Whether every value of these whole rows of `cols` values (file
-    /// layout) lies within f16's range, as the cooperative-matrix GEMM
-    /// stages weights. Checked where the format's range exceeds f16's:
-    /// MXFP4's power-of-two scales (up to 2^127), FP8's f32 block scales
-    /// and F32 values. The other formats' values are f16 themselves, or f16
+    /// Whether every value of these whole blocks (file layout) lies within
+    /// f16's range, as the cooperative-matrix GEMM stages weights. Checked
+    /// where the format's range exceeds f16's: MXFP4's power-of-two scales
+    /// (up to 2^127), FP8's f32 block scales and F32 values, read in place. The other formats' values are f16 themselves, or f16
     /// scales times small integers, or bf16 (whose range is f32's, but
     /// which no checkpoint fills beyond 65504: it is not scanned).
-    pub fn fits_f16(self, file_bytes: &[u8], cols: usize) -> bool {
+    pub fn fits_f16(self, file_bytes: &[u8]) -> bool {
         const F16_MAX: f32 = 65504.0;
         match self {
             // 6 * 2^(e - 127) at most: e <= 140.
@@ -265,7 +264,9 @@ impl WeightFormat {
                     scale.abs() * largest_code <= F16_MAX
                 })
             }
-            Self::F32 => self.dequantize(file_bytes, cols).iter().all(|v| v.abs() <= F16_MAX),
+            Self::F32 => file_bytes
+                .chunks_exact(4)
+                .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).abs() <= F16_MAX),
             _ => true,
         }
     }

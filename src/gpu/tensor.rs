@@ -116,7 +116,7 @@ impl GpuTensor {
     pub fn write_file_rows(&mut self, gpu: &Gpu, first_row: usize, file_bytes: &[u8]) {
         let format = self.format_at(first_row);
         self.write_rows(gpu, first_row, &format.to_gpu_layout(file_bytes));
-        if !format.fits_f16(file_bytes, self.cols) {
+        if !format.fits_f16(file_bytes) {
             let rows = file_bytes.len() / format.file_row_bytes(self.cols).max(1);
             self.mark_beyond_f16(first_row..first_row + rows);
         }

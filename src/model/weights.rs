@@ -563,7 +563,7 @@ impl<'a> Uploader<'a> {
         for ((name, shape), &stored) in sources.iter().zip(&formats) {
             let stored_bytes = self.checkpoint.stored_bytes(name, shape)?;
             let (gpu_layout, decoded);
-            fits_f16 &= stored.fits_f16(&stored_bytes, cols);
+            fits_f16 &= stored.fits_f16(&stored_bytes);
             let bytes: &[u8] = match stored == format {
                 true => {
                     gpu_layout = format.to_gpu_layout(&stored_bytes);
