@@ -536,9 +536,14 @@ impl Plan {
         let b = Builder { model, act, gemm, precision };
         let w = &model.weights;
         let gpu: &Gpu = &model.gpu;
-        let head = |x: &wgpu::Buffer| {
-            let input = Input::RmsNorm { weight: &w.final_norm, eps: model.config.rms_eps };
-            b.gemv(GemvSpec { input, ..GemvSpec::plain(w.head(), x, &act.logits) })
+        // A device that does not end the model has no head, one that does
+        // not begin it no embedding: their plans encode nothing for them.
+        let head = |x: &wgpu::Buffer| match w.output() {
+            Ok((norm, head)) => {
+                let input = Input::RmsNorm { weight: norm, eps: model.config.rms_eps };
+                b.gemv(GemvSpec { input, ..GemvSpec::plain(head, x, &act.logits) })
+            }
+            Err(_) => Ok(Vec::new()),
         };
         let layers = (0..model.config.layers)
             .map(|i| {
@@ -555,7 +560,10 @@ impl Plan {
             })
             .collect::<Result<_>>()?;
         Ok(Plan {
-            embed: model.kernels.embed.plan(gpu, &w.embed, &act.tokens, &act.x)?,
+            embed: match &w.embed {
+                Some(embed) => model.kernels.embed.plan(gpu, embed, &act.tokens, &act.x)?,
+                None => Vec::new(),
+            },
             layers,
             head: head(&act.x)?,
             head_last: head(&act.x_last)?,
@@ -721,15 +729,16 @@ impl RowsHead {
         step: &wgpu::Buffer,
         max_rows: usize,
     ) -> Result<Self> {
-        let (gpu, w, k) = (&model.gpu, &model.weights, &model.kernels);
+        let (gpu, k) = (&model.gpu, &model.kernels);
+        let (final_norm, head) = model.weights.output()?;
         let eps = model.config.rms_eps;
-        let input = Input::RmsNorm { weight: &w.final_norm, eps };
-        let gemv = k.gemv.plan(gpu, &GemvSpec { input, ..GemvSpec::plain(w.head(), x_rows, logits) })?;
+        let input = Input::RmsNorm { weight: final_norm, eps };
+        let gemv = k.gemv.plan(gpu, &GemvSpec { input, ..GemvSpec::plain(head, x_rows, logits) })?;
         let chunk = ChunkPlans::new(gemm, max_rows, |gemm, tokens| {
             let rows = NormRows::vector(act.hidden);
             let mut d = vec![k.rms_norm.plan_with_copy(
                 gpu,
-                &w.final_norm,
+                final_norm,
                 eps,
                 x_rows,
                 (&act.h, act.h16.as_ref()),
@@ -738,7 +747,7 @@ impl RowsHead {
             let half = HalfCopies { x: act.h16.as_ref(), y: None };
             d.extend(gemm.plan_apart(
                 gpu,
-                w.head(),
+                head,
                 Epilogue::Plain,
                 tokens,
                 step,

@@ -46,28 +46,48 @@ pub struct MoeWeights {
     pub down: GpuTensor,
 }
 
+/// The weights one device holds: every layer of a model on one device;
+/// of a model split across several (`model::split`), a range of layers,
+/// with the embedding on the first device and the output on the last.
 #[derive(Debug)]
 pub struct Weights {
-    pub embed: GpuTensor,
+    /// The embedding, where these weights begin the model.
+    pub embed: Option<GpuTensor>,
     pub layers: Vec<LayerWeights>,
-    pub final_norm: GpuTensor,
-    /// `None` for tied embeddings: the head is `embed`.
-    pub lm_head: Option<GpuTensor>,
+    /// The final norm and the head, where these weights end the model.
+    pub output: Option<OutputWeights>,
     pub vision: Option<vision::VisionWeights>,
 }
 
+/// The final norm and the LM head.
+#[derive(Debug)]
+pub struct OutputWeights {
+    pub final_norm: GpuTensor,
+    /// `None` for tied embeddings held beside it: the head is `embed`.
+    pub lm_head: Option<GpuTensor>,
+}
+
 impl Weights {
-    pub fn head(&self) -> &GpuTensor {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
+    /// The final norm and the head; `Unsupported` where these weights do
+    /// not end the model.
+    pub fn output(&self) -> crate::error::Result<(&GpuTensor, &GpuTensor)> {
+        let missing = || crate::Error::Unsupported {
+            what: "the head on a device that does not hold the model's last layers",
+            value: format!("{} layers without the output", self.layers.len()),
+        };
+        let output = self.output.as_ref().ok_or_else(missing)?;
+        let head = output.lm_head.as_ref().or(self.embed.as_ref()).ok_or_else(missing)?;
+        Ok((&output.final_norm, head))
     }
 
     /// Bytes of GPU memory the weights take, in their stored formats.
     pub fn bytes(&self) -> u64 {
         let layers: u64 = self.layers.iter().map(LayerWeights::bytes).sum();
-        self.embed.bytes()
-            + layers
-            + self.final_norm.bytes()
-            + self.lm_head.as_ref().map_or(0, GpuTensor::bytes)
+        let output = self
+            .output
+            .as_ref()
+            .map_or(0, |o| o.final_norm.bytes() + o.lm_head.as_ref().map_or(0, GpuTensor::bytes));
+        self.embed.as_ref().map_or(0, GpuTensor::bytes) + layers + output
     }
 
     #[cfg(feature = "internals")]
@@ -88,8 +108,9 @@ impl Weights {
                 FfnWeights::Dense { .. } => l.bytes(),
             })
             .sum();
-        let embed_row = self.embed.bytes() / self.embed.rows.max(1) as u64;
-        embed_row + layers + self.final_norm.bytes() + self.head().bytes()
+        let embed_row = self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1) as u64);
+        let output = self.output().map_or(0, |(norm, head)| norm.bytes() + head.bytes());
+        embed_row + layers + output
     }
 }
 

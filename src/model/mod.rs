@@ -368,7 +368,8 @@ impl Model {
         let streaming = plan_streaming(gpu, &config, source.as_ref(), bytes, options)?;
         let kernels = Kernels::new(gpu)?;
         progress(Progress::Begin { what, total_bytes: Some(bytes) });
-        let weights = upload(gpu, &config, source.as_ref(), streaming.as_ref(), progress)?;
+        let part = split::StagePart::whole(config.layers);
+        let weights = upload(gpu, &config, source.as_ref(), (streaming.as_ref(), &part), progress)?;
         let experts = match (streaming, &config.moe) {
             (Some(plan), Some(moe)) => {
                 let experts =
@@ -454,13 +455,15 @@ fn image_processor_for(
     Ok(p)
 }
 
-/// Uploads the weights; with a streaming plan, a streamed layer's experts
-/// get the plan's number of empty slots instead.
+/// Uploads the weights of `part` of the model (its layers, and the
+/// embedding and output where it begins or ends the model); with a
+/// streaming plan, a streamed layer's experts get the plan's number of
+/// empty slots instead.
 fn upload(
     gpu: &Gpu,
     c: &ModelConfig,
     checkpoint: &dyn TensorSource,
-    streaming: Option<&StreamingPlan>,
+    (streaming, part): (Option<&StreamingPlan>, &split::StagePart),
     progress: &mut dyn FnMut(Progress<'_>),
 ) -> Result<Weights> {
     let mut up = Uploader::new(gpu, checkpoint, progress);
@@ -468,9 +471,10 @@ fn upload(
     let q_rows = heads.q * heads.dim;
     let kv_rows = heads.kv * heads.dim;
 
-    let embed = up.matrix("model.embed_tokens.weight", c.vocab, hidden)?;
-    let mut layers = Vec::with_capacity(c.layers);
-    for i in 0..c.layers {
+    let embed_name = "model.embed_tokens.weight";
+    let embed = part.begins.then(|| up.matrix(embed_name, c.vocab, hidden)).transpose()?;
+    let mut layers = Vec::with_capacity(part.layers.len());
+    for i in part.layers.clone() {
         let name = |suffix: &str| format!("model.layers.{i}.{suffix}");
         let (q, k, v) = (
             name("self_attn.q_proj.weight"),
@@ -523,11 +527,26 @@ fn upload(
             },
         });
     }
-    let final_norm = up.norm("model.norm.weight", hidden)?;
-    let lm_head = if c.tie_embeddings { None } else { Some(up.matrix("lm_head.weight", c.vocab, hidden)?) };
-    let vision = c.vision.as_ref().map(|v| vision::upload(&mut up, v)).transpose()?;
+    let output = match part.ends {
+        true => {
+            let final_norm = up.norm("model.norm.weight", hidden)?;
+            // Tied embeddings: the embedding where this part holds it, else
+            // a copy of it as the head.
+            let lm_head = match (c.tie_embeddings, part.begins) {
+                (true, true) => None,
+                (true, false) => Some(up.matrix(embed_name, c.vocab, hidden)?),
+                (false, _) => Some(up.matrix("lm_head.weight", c.vocab, hidden)?),
+            };
+            Some(layers::OutputWeights { final_norm, lm_head })
+        }
+        false => None,
+    };
+    let vision = match part.begins {
+        true => c.vision.as_ref().map(|v| vision::upload(&mut up, v)).transpose()?,
+        false => None,
+    };
     up.flush()?;
-    Ok(Weights { embed, layers, final_norm, lm_head, vision })
+    Ok(Weights { embed, layers, output, vision })
 }
 
 /// A streamed MoE layer: its router (resident) and `slots` empty expert

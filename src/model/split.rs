@@ -11,6 +11,26 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 
+/// The part of a model one device holds: a range of its layers, and
+/// whether it begins the model (the embedding, and a vision tower) and
+/// ends it (the final norm and the head).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePart {
+    /// The model's layers this device holds (numbered as in the model).
+    pub layers: Range<usize>,
+    /// Whether it holds the embedding (and a vision tower).
+    pub begins: bool,
+    /// Whether it holds the final norm and the head.
+    pub ends: bool,
+}
+
+impl StagePart {
+    /// A model of `layers` layers on one device.
+    pub fn whole(layers: usize) -> Self {
+        StagePart { layers: 0..layers, begins: true, ends: true }
+    }
+}
+
 /// One device's part in a split: its name (for errors) and the bytes of
 /// weights it may hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
