@@ -186,12 +186,12 @@ impl<'m> Session<'m> {
                 ),
             });
         }
-        let kv_bytes = KvCache::bytes(c.layers, c.heads, context_len, options.kv_format);
+        let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, context_len, options.kv_format);
         gpu.check_budget(
             &format!("model weights and a KV cache of {context_len} positions"),
             model.weights.bytes().saturating_add(kv_bytes),
         )?;
-        let kv = KvCache::new(gpu, c.layers, c.heads, context_len, options.kv_format)?;
+        let kv = KvCache::new(gpu, model.layers().len(), c.heads, context_len, options.kv_format)?;
         // No prompt chunk is longer than the context.
         let wanted = options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).min(context_len);
         let chunk = Activations::max_chunk(gpu, c, wanted);

@@ -465,12 +465,12 @@ impl<'m> BatchEngine<'m> {
         let pool_positions = blocks.saturating_mul(block);
         // A sequence alone can always grow to its context.
         let context_len = context_len.min(pool_positions);
-        let kv_bytes = KvCache::bytes(c.layers, c.heads, pool_positions, options.kv_format);
+        let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, pool_positions, options.kv_format);
         gpu.check_budget(
             &format!("model weights and a KV pool of {blocks} blocks of {block} positions"),
             model.weights.bytes().saturating_add(kv_bytes),
         )?;
-        let kv = KvCache::new(gpu, c.layers, c.heads, pool_positions, options.kv_format)?;
+        let kv = KvCache::new(gpu, model.layers().len(), c.heads, pool_positions, options.kv_format)?;
         let max_rows = Activations::max_chunk(gpu, c, options.step_tokens);
         let max_seqs = options.max_sequences.min(max_rows);
         let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;

@@ -386,9 +386,11 @@ impl<'a> Builder<'a> {
     /// the layer's output (`output`), normalising it for the next layer's
     /// q/k/v where there is one.
     fn down(&self, layer: usize, down: &GpuTensor, output: &LayerOutput<'_>) -> Result<Projection> {
-        let (w, act) = (&self.model.weights, self.act);
-        let next_norm = w.layers.get(layer + 1).map(|next| &next.attn_norm);
-        let act16 = match &w.layers[layer].ffn {
+        let (model, act) = (self.model, self.act);
+        // The add writes the next layer's normalised input where this
+        // device holds that layer.
+        let next_norm = model.layers().contains(&(layer + 1)).then(|| &model.layer(layer + 1).attn_norm);
+        let act16 = match &model.layer(layer).ffn {
             FfnWeights::Dense { gate_up, .. } => self.ffn_act16(gate_up),
             FfnWeights::Moe(_) => None,
         };
@@ -545,13 +547,14 @@ impl Plan {
             }
             Err(_) => Ok(Vec::new()),
         };
-        let layers = (0..model.config.layers)
+        let layers = model
+            .layers()
             .map(|i| {
                 Ok(LayerPlan {
                     attention: AttentionPlan::new(&b, &kv, i)?,
-                    ffn: match &w.layers[i].ffn {
+                    ffn: match &model.layer(i).ffn {
                         FfnWeights::Dense { gate_up, down } => FfnPlan::Dense(DensePlan {
-                            gate_up: b.gated(gate_up, &w.layers[i].ffn_norm, &act.x, &act.ffn_act)?,
+                            gate_up: b.gated(gate_up, &model.layer(i).ffn_norm, &act.x, &act.ffn_act)?,
                             down: b.down(i, down, &LayerOutput::default())?,
                         }),
                         FfnWeights::Moe(mw) => FfnPlan::Moe(Box::new(MoePlan::new(model, act, gemm, mw, i)?)),
@@ -585,13 +588,13 @@ impl Plan {
         capture: Option<&CapturePlan>,
     ) -> Result<()> {
         let b = Builder { model, act, gemm, precision: self.precision };
-        for (i, layer) in self.layers.iter_mut().enumerate() {
+        for (i, layer) in model.layers().zip(self.layers.iter_mut()) {
             let output = LayerOutput {
                 steer: steering.and_then(|s| s.layer(i)),
                 steer_slots: steering.and_then(|s| s.slots()),
                 capture: capture.and_then(|c| c.target(i)),
             };
-            match (&mut layer.ffn, &model.weights.layers[i].ffn) {
+            match (&mut layer.ffn, &model.layer(i).ffn) {
                 (FfnPlan::Dense(dense), FfnWeights::Dense { down, .. }) => {
                     dense.down = b.down(i, down, &output)?
                 }
@@ -790,7 +793,9 @@ impl AttentionPlan {
         let kv = layout.cache();
         let (model, act) = (b.model, b.act);
         let (gpu, c, k) = (&model.gpu, &model.config, &model.kernels);
-        let lw = &model.weights.layers[i];
+        let lw = model.layer(i);
+        // The cache and value buffers this device keeps for its own layers.
+        let local = i - model.layers().start;
         let qk_norm = match (&lw.q_norm, &lw.k_norm) {
             (Some(q), Some(k)) => Some(QkNormWeights { mode: c.family.qk_norm, q, k, eps: c.rms_eps }),
             _ => None,
@@ -809,7 +814,7 @@ impl AttentionPlan {
             // Over a paged cache the GEMV runs a step's rows too: it writes
             // the buffer of many rows.
             let gemv = match layout {
-                KvLayout::Contiguous(_) => values.decode(i),
+                KvLayout::Contiguous(_) => values.decode(local),
                 KvLayout::Paged(..) => &values.chunk,
             };
             RowsApart { row, gemv, gemm: &values.chunk }
@@ -822,8 +827,8 @@ impl AttentionPlan {
             step: &act.step,
             qkv: &act.qkv,
             cos_sin: &act.cos_sin,
-            k_cache: &kv.k[i],
-            v_cache: &kv.v[i],
+            k_cache: &kv.k[local],
+            v_cache: &kv.v[local],
             out: &act.attn,
             values,
             out16,

@@ -134,7 +134,7 @@ impl MoePlan {
         let m = c.moe.as_ref().expect("MoE weights come with a MoE config");
         let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
         let k = &model.kernels;
-        let ffn_norm = &model.weights.layers[layer].ffn_norm;
+        let ffn_norm = &model.layer(layer).ffn_norm;
         let (h, i, top_k) = (c.hidden, m.intermediate, m.top_k);
         let normed = Input::RmsNorm { weight: ffn_norm, eps: c.rms_eps };
         let streamed = model.experts.as_ref().filter(|s| s.streams(layer));
@@ -195,18 +195,17 @@ impl MoePlan {
     /// The next MoE layer's router on `act.x` as this layer's router sees
     /// it, when that layer's experts stream too.
     fn prediction(model: &Model, act: &Activations, layer: usize) -> Result<Option<Prediction>> {
-        let c = &model.config;
         let a = act.moe.as_ref().expect("MoE activations exist for MoE models");
         let streams = |l: usize| model.experts.as_ref().is_some_and(|s| s.streams(l));
-        let Some(next) = (layer + 1..c.layers).find(|&l| streams(l)) else { return Ok(None) };
-        let crate::model::FfnWeights::Moe(w) = &model.weights.layers[next].ffn else { return Ok(None) };
+        let Some(next) = (layer + 1..model.layers().end).find(|&l| streams(l)) else { return Ok(None) };
+        let crate::model::FfnWeights::Moe(w) = &model.layer(next).ffn else { return Ok(None) };
         let guess = RouterBindings {
             logits: &a.predicted_logits,
             bias: w.score_bias.as_ref(),
             ids: &a.predicted_ids,
             weights: &a.predicted_weights,
         };
-        let (router, top_k) = Self::routing(model, act, w, &model.weights.layers[next].ffn_norm, guess)?;
+        let (router, top_k) = Self::routing(model, act, w, &model.layer(next).ffn_norm, guess)?;
         Ok(Some(Prediction {
             router,
             top_k,

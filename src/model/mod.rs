@@ -229,9 +229,22 @@ pub struct Model {
     /// How the model's images become patches (a folder's
     /// preprocessor_config.json, for a model with a vision tower).
     pub(crate) image_processor: Option<crate::vision::ImageProcessor>,
+    /// The part of the model this device holds (all of it on one device).
+    pub(crate) part: split::StagePart,
 }
 
 impl Model {
+    /// The model's layers this device holds, by their numbers in the model.
+    pub(crate) fn layers(&self) -> std::ops::Range<usize> {
+        self.part.layers.clone()
+    }
+
+    /// The weights of layer `layer` (numbered in the model), which this
+    /// device holds.
+    pub(crate) fn layer(&self, layer: usize) -> &LayerWeights {
+        &self.weights.layers[layer - self.part.layers.start]
+    }
+
     /// The device the model is loaded on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -388,6 +401,7 @@ impl Model {
             experts,
             tokenizer_source: None,
             image_processor: None,
+            part,
         })
     }
 
