@@ -152,6 +152,53 @@ pub struct Session<'m> {
     /// What runs a chunk's projections, and an image's in the vision tower:
     /// the GEMM, or the GEMV where `None`.
     gemm: Option<Gemm>,
+    /// Where a split model's residual rows leave this device, and the
+    /// devices after it (none: the model is on one device).
+    split: Option<(Readback, Vec<SessionPart<'m>>)>,
+}
+
+/// A device after the first of a model split across several
+/// ([`crate::Model::load_split`]): its layers' activations, KV cache and
+/// plan, and where its residual rows (or, on the last, its logits) leave it.
+struct SessionPart<'m> {
+    model: &'m Model,
+    activations: Activations,
+    /// The cache of this device's layers, which `plan` binds.
+    _kv: KvCache,
+    plan: Plan,
+    routing_readback: Readback,
+    out: Readback,
+}
+
+impl<'m> SessionPart<'m> {
+    fn new(model: &'m Model, options: &SessionOptions, (context_len, chunk): (usize, usize)) -> Result<Self> {
+        let (gpu, c) = (&model.gpu, &model.config);
+        let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, context_len, options.kv_format);
+        gpu.check_budget(
+            &format!("layers {:?} and their KV cache of {context_len} positions", model.layers()),
+            model.weights.bytes().saturating_add(kv_bytes),
+        )?;
+        let kv = KvCache::new(gpu, model.layers().len(), c.heads, context_len, options.kv_format)?;
+        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
+        let values_apart =
+            model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
+        let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
+        let scratch = crate::flow::GemmScratch::new(model, gemm.as_ref(), chunk);
+        let layout = (values_apart, gemm.is_some(), half_copies);
+        let activations = Activations::new(gpu, c, (chunk, scratch), context_len, layout)?;
+        let kv_layout = KvLayout::Contiguous(&kv);
+        let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, kv_layout)?;
+        let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
+        let out_bytes = (chunk * c.hidden).max(c.vocab) * 4;
+        Ok(SessionPart {
+            model,
+            activations,
+            _kv: kv,
+            plan,
+            routing_readback: Readback::new(gpu, "routing.readback", (chunk.max(2) * top_k * 4) as u64),
+            out: Readback::new(gpu, "part.out", out_bytes as u64),
+        })
+    }
 }
 
 impl<'m> Session<'m> {
@@ -218,6 +265,22 @@ impl<'m> Session<'m> {
         // the head; or, timing dispatches, at most MAX_TIMED_PASSES.
         let passes = if options.time_dispatches { MAX_TIMED_PASSES } else { 2 * moe_layers + 2 };
         let timer = options.timing.then(|| PhaseTimer::new(gpu, passes, options.time_dispatches));
+        let split = match model.next_parts() {
+            [] => None,
+            parts => {
+                if options.timing {
+                    return Err(Error::Unsupported {
+                        what: "timed sessions of a model split across devices",
+                        value: format!("{} devices", parts.len() + 1),
+                    });
+                }
+                let parts = parts
+                    .iter()
+                    .map(|part| SessionPart::new(part, options, (context_len, chunk)))
+                    .collect::<Result<Vec<_>>>()?;
+                Some((Readback::new(gpu, "rows.readback", (chunk * c.hidden * 4) as u64), parts))
+            }
+        };
         gpu.check("creating the session")?;
         let stats = Stats {
             router_histogram: vec![Vec::new(); c.layers],
@@ -242,6 +305,7 @@ impl<'m> Session<'m> {
             len: 0,
             positions: SlotPositions::new(context_len),
             gemm,
+            split,
         })
     }
 
@@ -277,6 +341,7 @@ impl<'m> Session<'m> {
     /// `steering`, or stops steering with `None`. Positions already in the
     /// KV cache keep the steering they were computed with.
     pub fn set_steering(&mut self, steering: Option<&Steering>) -> Result<()> {
+        self.refuse_split(steering.is_some(), "steering")?;
         self.steering = match steering {
             Some(s) => Some(s.upload(self.model)?),
             None => None,
@@ -288,6 +353,7 @@ impl<'m> Session<'m> {
     /// steering) for every following submission, or stops with `None`
     /// (rows not yet taken are dropped).
     pub fn set_capture(&mut self, options: Option<&CaptureOptions>) -> Result<()> {
+        self.refuse_split(options.is_some(), "residual capture")?;
         self.capture = match options {
             Some(o) => {
                 Some(CapturePlan::new(self.model, o, self.activations.max_tokens, &self.activations.step)?)
@@ -539,7 +605,13 @@ impl<'m> Session<'m> {
     /// (NaN or overflowed activations) is an error rather than a row to use.
     fn read_logits(&self) -> Result<Vec<f32>> {
         let bytes = (self.model.config.vocab * 4) as u64;
-        let logits: Vec<f32> = self.logits_readback.read(&self.model.gpu, bytes)?;
+        let logits: Vec<f32> = match &self.split {
+            Some((_, parts)) => {
+                let last = parts.last().expect("a split has a device after the first");
+                last.out.read(&last.model.gpu, bytes)?
+            }
+            None => self.logits_readback.read(&self.model.gpu, bytes)?,
+        };
         if let Some(token) = logits.iter().position(|v| !v.is_finite()) {
             return Err(Error::NonFiniteLogits { position: self.len - 1, token, value: logits[token] });
         }
@@ -559,6 +631,9 @@ impl<'m> Session<'m> {
         id_slot: Option<usize>,
         media: Option<(&ChunkMedia<'_>, &[[u32; 3]])>,
     ) -> Result<wgpu::SubmissionIndex> {
+        if self.split.is_some() {
+            return self.submit_split(tokens, n_tokens, head, id_slot.is_some() || media.is_some());
+        }
         let gpu = &self.model.gpu;
         let act = &self.activations;
         if let Some(tokens) = tokens {
@@ -608,6 +683,83 @@ impl<'m> Session<'m> {
             self.stats.capture_readbacks += 1;
         }
         self.positions.record(self.len, n_tokens, media.map(|(_, p)| p));
+        self.len += n_tokens;
+        Ok(index)
+    }
+
+    /// `Unsupported` where `asked` of a model split across devices.
+    fn refuse_split(&self, asked: bool, what: &'static str) -> Result<()> {
+        match (&self.split, asked) {
+            (Some((_, parts)), true) => Err(Error::Unsupported {
+                what,
+                value: format!("a model split across {} devices", parts.len() + 1),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Self::submit`] for a model split across devices: `n_tokens`
+    /// tokens through the first device's layers, their residual rows read
+    /// back and written to the next device, and so on; the last device
+    /// runs `head` (logits only). Steps in flight, GPU sampling and images
+    /// are refused there (`in_flight`).
+    fn submit_split(
+        &mut self,
+        tokens: Option<&[u32]>,
+        n_tokens: usize,
+        head: Head,
+        in_flight: bool,
+    ) -> Result<wgpu::SubmissionIndex> {
+        let (Some(tokens), false, Head::Logits | Head::None) = (tokens, in_flight, head) else {
+            return Err(Error::Unsupported {
+                what: "generation on the GPU (steps in flight, GPU sampling, images) with a model split across devices",
+                value: "use Session::prefill and Session::step".into(),
+            });
+        };
+        let (config, len) = (&self.model.config, self.len);
+        let row_bytes = (n_tokens * config.hidden * 4) as u64;
+        let Some((rows_readback, parts)) = self.split.as_mut() else { unreachable!("a split session") };
+        // The first device: the embedding and its layers.
+        let (gpu, act) = (&self.model.gpu, &self.activations);
+        act.write_tokens(gpu, tokens);
+        let step = act.write_step(gpu, len, n_tokens, config);
+        let mut rec = Recorder::new(gpu, None, &mut self.stats);
+        let routing = RoutingContext {
+            mode: self.routing,
+            readback: &self.routing_readback,
+            experts: None,
+            prefetch: self.expert_prefetch,
+        };
+        self.plan.forward(&mut rec, act, &step, Head::None, &routing, None)?;
+        rows_readback.record(rec.encoder(), &act.x, 0, row_bytes);
+        let mut index = rec.finish()?;
+        let mut rows: Vec<f32> = rows_readback.read(gpu, row_bytes)?;
+        let last = parts.len() - 1;
+        for (i, part) in parts.iter_mut().enumerate() {
+            let (gpu, act) = (&part.model.gpu, &part.activations);
+            gpu.queue.write_buffer(&act.x, 0, bytemuck::cast_slice(&rows));
+            let step = act.write_step(gpu, len, n_tokens, config);
+            let mut rec = Recorder::new(gpu, None, &mut self.stats);
+            let routing = RoutingContext {
+                mode: self.routing,
+                readback: &part.routing_readback,
+                experts: None,
+                prefetch: self.expert_prefetch,
+            };
+            let part_head = if i == last { head } else { Head::None };
+            part.plan.forward(&mut rec, act, &step, part_head, &routing, None)?;
+            if i < last {
+                part.out.record(rec.encoder(), &act.x, 0, row_bytes);
+                index = rec.finish()?;
+                rows = part.out.read(gpu, row_bytes)?;
+            } else {
+                if head == Head::Logits {
+                    part.out.record(rec.encoder(), &act.logits, 0, (config.vocab * 4) as u64);
+                }
+                index = rec.finish()?;
+            }
+        }
+        self.positions.record(len, n_tokens, None);
         self.len += n_tokens;
         Ok(index)
     }

@@ -231,6 +231,8 @@ pub struct Model {
     pub(crate) image_processor: Option<crate::vision::ImageProcessor>,
     /// The part of the model this device holds (all of it on one device).
     pub(crate) part: split::StagePart,
+    /// The parts on the devices after this one, in order.
+    next_parts: Vec<Model>,
 }
 
 impl Model {
@@ -331,9 +333,35 @@ impl Model {
         path: impl AsRef<Path>,
         gpu: &Gpu,
         options: &LoadOptions,
+        progress: impl FnMut(Progress<'_>),
+    ) -> Result<Model> {
+        Self::load_on(path.as_ref(), std::slice::from_ref(gpu), None, options, progress)
+    }
+
+    /// [`Self::load_with`], the layers split across `gpus` in order (see
+    /// [`split::split_layers`]): in proportion to each device's memory
+    /// budget (or memory), or to `shares`, one per device. The first
+    /// device holds the embedding, the last the final norm and the head.
+    /// Sessions run each token through the devices in turn, the residual
+    /// rows copied from one to the next through host memory. Experts do
+    /// not stream in a split, and a split model has no vision tower.
+    pub fn load_split(
+        path: impl AsRef<Path>,
+        gpus: &[Gpu],
+        shares: Option<&[f64]>,
+        options: &LoadOptions,
+        progress: impl FnMut(Progress<'_>),
+    ) -> Result<Model> {
+        Self::load_on(path.as_ref(), gpus, shares, options, progress)
+    }
+
+    fn load_on(
+        dir: &Path,
+        gpus: &[Gpu],
+        shares: Option<&[f64]>,
+        options: &LoadOptions,
         mut progress: impl FnMut(Progress<'_>),
     ) -> Result<Model> {
-        let dir = path.as_ref();
         let (config, checkpoint, bytes, tokenizer_source): (_, Arc<dyn TensorSource + Send + Sync>, _, _) =
             match gguf_checkpoint::gguf_in(dir)? {
                 Some(file) => {
@@ -346,7 +374,7 @@ impl Model {
                     let config = ModelConfig::load(dir)?;
                     let bytes = config.weight_bytes();
                     // Before the checkpoint is opened: a model too large fails first.
-                    if options.streams_nothing() {
+                    if let ([gpu], true) = (gpus, options.streams_nothing()) {
                         gpu.check_budget("model weights", bytes)
                             .map_err(|e| suggest_streaming(e, &config))?;
                     }
@@ -356,7 +384,10 @@ impl Model {
                 }
             };
         let what = format!("loading {}", dir.display());
-        let mut model = Self::place(config, gpu, checkpoint, bytes, options, (&what, &mut progress))?;
+        let mut model = match gpus {
+            [gpu] => Self::place(config, gpu, checkpoint, bytes, options, (&what, &mut progress))?,
+            _ => Self::place_split(config, gpus, shares, checkpoint, bytes, options, (&what, &mut progress))?,
+        };
         if let (Some(v), true) = (&model.config.vision, tokenizer_source.is_dir()) {
             let path = tokenizer_source.join("preprocessor_config.json");
             if path.exists() {
@@ -402,7 +433,83 @@ impl Model {
             tokenizer_source: None,
             image_processor: None,
             part,
+            next_parts: Vec::new(),
         })
+    }
+
+    /// The model of `config` with weights from `source` split across
+    /// `gpus` (see [`Self::load_split`]); the upload is reported to
+    /// `progress` as `what`.
+    fn place_split(
+        config: ModelConfig,
+        gpus: &[Gpu],
+        shares: Option<&[f64]>,
+        source: Arc<dyn TensorSource + Send + Sync>,
+        bytes: u64,
+        options: &LoadOptions,
+        (what, progress): (&str, &mut dyn FnMut(Progress<'_>)),
+    ) -> Result<Model> {
+        if !options.streams_nothing() || config.vision.is_some() {
+            return Err(Error::Unsupported {
+                what: "a split across devices with streamed experts or a vision tower",
+                value: format!("{} over {} devices", config.model_type, gpus.len()),
+            });
+        }
+        let rooms: Vec<split::DeviceRoom> = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, gpu)| split::DeviceRoom {
+                name: format!("{i}: {}", gpu.info.name),
+                bytes: gpu.caps.memory_budget.or(gpu.caps.device_memory).unwrap_or(u64::MAX),
+            })
+            .collect();
+        let ranges = split::split_layers(&split::SplitBytes::estimate(&config, bytes), &rooms, shares)?;
+        progress(Progress::Begin { what, total_bytes: Some(bytes) });
+        let last = ranges.len() - 1;
+        let mut parts = Vec::with_capacity(ranges.len());
+        for (i, (layers, gpu)) in ranges.into_iter().zip(gpus).enumerate() {
+            let part = split::StagePart { layers, begins: i == 0, ends: i == last };
+            parts.push(Model {
+                config: config.clone(),
+                gpu: gpu.clone(),
+                weights: upload(gpu, &config, source.as_ref(), (None, &part), progress)?,
+                kernels: Kernels::new(gpu)?,
+                experts: None,
+                tokenizer_source: None,
+                image_processor: None,
+                part,
+                next_parts: Vec::new(),
+            });
+        }
+        progress(Progress::End);
+        let mut first = parts.remove(0);
+        first.next_parts = parts;
+        Ok(first)
+    }
+
+    /// [`Self::synthetic`] split across `gpus` (see [`Self::load_split`]).
+    pub fn synthetic_split(
+        config: ModelConfig,
+        gpus: &[Gpu],
+        shares: Option<&[f64]>,
+        seed: u64,
+    ) -> Result<Model> {
+        let source = Arc::new(synthetic::RandomWeights::new(seed));
+        let bytes = config.weight_bytes();
+        let options = LoadOptions::default();
+        Self::place_split(config, gpus, shares, source, bytes, &options, ("random weights", &mut |_| {}))
+    }
+
+    /// The devices after this one, in order, each with its part of the
+    /// layers (none: the model is on one device).
+    pub(crate) fn next_parts(&self) -> &[Model] {
+        &self.next_parts
+    }
+
+    /// The layers each device holds, in device order (one range where the
+    /// model is on one device).
+    pub fn layer_split(&self) -> Vec<std::ops::Range<usize>> {
+        std::iter::once(self).chain(&self.next_parts).map(Model::layers).collect()
     }
 
     /// The chat template the model's files carry: a GGUF's

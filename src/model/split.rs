@@ -54,6 +54,21 @@ pub struct SplitBytes {
     pub last: u64,
 }
 
+impl SplitBytes {
+    /// The bytes of a model of `config` whose weights take `total` bytes:
+    /// the embedding and the head (on the last device even where it is the
+    /// embedding) as `vocab` rows each at the weights' average bytes per
+    /// value, the rest shared equally by the layers.
+    pub fn estimate(config: &crate::model::ModelConfig, total: u64) -> Self {
+        let values = config.weight_bytes() / 2;
+        let per_value = total as f64 / values.max(1) as f64;
+        let matrix = (config.vocab as f64 * config.hidden as f64 * per_value) as u64;
+        let tied = if config.tie_embeddings { 0 } else { matrix };
+        let layers = total.saturating_sub(matrix + tied) / config.layers.max(1) as u64;
+        SplitBytes { layers: vec![layers; config.layers], first: matrix, last: matrix }
+    }
+}
+
 /// The layers each of `devices` holds, in order: the boundaries fall where
 /// the layers' bytes before them come nearest each device's share of all
 /// the layers' bytes (its room, or its entry of `shares`), every device

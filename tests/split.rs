@@ -1,0 +1,110 @@
+//! A model split by layers across two devices (`Model::load_split`) is the
+//! same computation as on one: on every fixture without a vision tower,
+//! with the split at each boundary between layers, two lavapipe devices
+//! (and lavapipe then llvmpipe at the first boundary, where GL is tested)
+//! give the single device's logits (f32 cache) within 1e-5 after the
+//! prompt and after each step of its greedy continuation, and the same ids.
+
+mod common;
+
+use common::fixtures::{cases, exact};
+use common::max_abs_diff;
+use wgspark::gpu::{Backend, Gpu, GpuOptions};
+use wgspark::sampling::argmax;
+use wgspark::{LoadOptions, Model};
+
+/// The prompt's logits and those after each greedy step, and the ids.
+fn run(model: &Model, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let mut session = model.session(&exact()).unwrap();
+    let mut logits = vec![session.prefill(prompt).unwrap()];
+    let mut ids = vec![argmax(&logits[0])];
+    while ids.len() < steps {
+        logits.push(session.step(*ids.last().unwrap(), session.position()).unwrap());
+        ids.push(argmax(logits.last().unwrap()));
+    }
+    (logits, ids)
+}
+
+#[test]
+fn a_split_at_every_layer_boundary_gives_the_single_device_logits() {
+    let backends = common::backends();
+    let open = |backend| Gpu::new(&GpuOptions { backend, ..Default::default() }).unwrap();
+    assert!(backends.contains(&Backend::Vulkan), "the split runs on two Vulkan devices");
+    let (first, second) = (common::gpu(Backend::Vulkan), open(Backend::Vulkan));
+    let gl = backends.contains(&Backend::Gl).then(|| common::gpu(Backend::Gl));
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for case in cases() {
+        let whole = Model::load(&case.dir, &first).unwrap();
+        let layers = whole.config.layers;
+        if whole.config.vision.is_some() || layers < 2 {
+            continue;
+        }
+        let e = &case.expected;
+        let steps = e.generated_ids.len().min(4);
+        let (want, want_ids) = run(&whole, &e.prompt_ids, steps);
+        for boundary in 1..layers {
+            let mut pairs = vec![(&second, "two lavapipe devices")];
+            if boundary == 1 {
+                pairs.extend(gl.as_ref().map(|g| (g, "lavapipe then llvmpipe")));
+            }
+            for (next, how) in pairs {
+                let shares = [boundary as f64, (layers - boundary) as f64];
+                let gpus = [first.clone(), next.clone()];
+                let options = LoadOptions::default();
+                let split = Model::load_split(&case.dir, &gpus, Some(&shares), &options, |_| {}).unwrap();
+                assert_eq!(split.layer_split(), vec![0..boundary, boundary..layers], "{}", case.name);
+                let (got, ids) = run(&split, &e.prompt_ids, steps);
+                let what = format!("{} split at layer {boundary} over {how}", case.name);
+                let err = got.iter().zip(&want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+                if err > 1e-5 || ids != want_ids {
+                    failures.push(format!(
+                        "{what}: max |logit error| {err:.2e}, ids {ids:?} against {want_ids:?}"
+                    ));
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 20, "splits of the fixtures checked: {checked}");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// What a split refuses is a typed error: shares that are not one positive
+/// number per device, a device whose budget its layers exceed (named, with
+/// the bytes it lacks), a model with a vision tower, and on a split
+/// session generation on the GPU and timing.
+#[test]
+fn a_split_refuses_with_typed_errors() {
+    let dir = |name: &str| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let open = |budget| {
+        Gpu::new(&GpuOptions { backend: Backend::Vulkan, memory_budget: budget, ..Default::default() })
+            .unwrap()
+    };
+    let gpus = [common::gpu(Backend::Vulkan), open(None)];
+    let options = LoadOptions::default();
+    let llama = dir("llama_untied");
+    let err = Model::load_split(&llama, &gpus, Some(&[1.0]), &options, |_| {}).unwrap_err();
+    assert!(
+        matches!(err, wgspark::Error::InvalidSplit { .. }) && err.to_string().contains("1 shares for 2"),
+        "{err}"
+    );
+    let tight = [common::gpu(Backend::Vulkan), open(Some(1000))];
+    let err = Model::load_split(&llama, &tight, Some(&[1.0, 1.0]), &options, |_| {}).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, wgspark::Error::OutOfDeviceMemory { .. })
+            && text.contains("1: ")
+            && text.contains("fewer"),
+        "{text}"
+    );
+    let err = Model::load_split(dir("qwen3_vl_dense"), &gpus, None, &options, |_| {}).unwrap_err();
+    assert!(matches!(err, wgspark::Error::Unsupported { .. }), "{err}");
+
+    let model = Model::load_split(&llama, &gpus, None, &options, |_| {}).unwrap();
+    let mut session = model.session(&exact()).unwrap();
+    let generation = session.generate(&[1, 2, 3], &wgspark::GenerateOptions::default()).err();
+    assert!(matches!(generation, Some(wgspark::Error::Unsupported { .. })), "{generation:?}");
+    let timed = model.session(&wgspark::SessionOptions { timing: true, ..exact() }).err();
+    assert!(matches!(timed, Some(wgspark::Error::Unsupported { .. })), "{timed:?}");
+}
