@@ -108,3 +108,27 @@ fn a_split_refuses_with_typed_errors() {
     let timed = model.session(&wgspark::SessionOptions { timing: true, ..exact() }).err();
     assert!(matches!(timed, Some(wgspark::Error::Unsupported { .. })), "{timed:?}");
 }
+
+/// A middle device holds neither the embedding nor the head: three lavapipe
+/// devices, the layers of a random-weight model in shares 1 : 2 : 1, give
+/// the logits of the same model (same seed) on one device.
+#[test]
+fn three_devices_give_the_single_device_logits() {
+    use wgspark::model::ModelConfig;
+    let config = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+      "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+      "tie_word_embeddings": true, "rope_theta": 10000.0}"#;
+    let config = || ModelConfig::parse(config, std::path::Path::new("config.json")).unwrap();
+    let open = || Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
+    let first = common::gpu(Backend::Vulkan);
+    let whole = Model::synthetic(config(), &first, 5).unwrap();
+    let gpus = [first, open(), open()];
+    let split = Model::synthetic_split(config(), &gpus, Some(&[1.0, 2.0, 1.0]), 5).unwrap();
+    assert_eq!(split.layer_split(), vec![0..1, 1..3, 3..4]);
+    let prompt = [3, 1, 4, 1, 5, 9, 2, 6];
+    let (want, want_ids) = run(&whole, &prompt, 4);
+    let (got, ids) = run(&split, &prompt, 4);
+    let err = got.iter().zip(&want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+    assert!(err <= 1e-5 && ids == want_ids, "max |logit error| {err:.2e}, ids {ids:?} against {want_ids:?}");
+}
