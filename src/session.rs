@@ -162,22 +162,34 @@ pub struct Session<'m> {
 /// plan, and where its residual rows (or, on the last, its logits) leave it.
 struct SessionPart<'m> {
     model: &'m Model,
-    activations: Activations,
-    /// The cache of this device's layers, which `plan` binds.
-    _kv: KvCache,
-    plan: Plan,
-    routing_readback: Readback,
+    flow: DeviceFlow,
     out: Readback,
 }
 
-impl<'m> SessionPart<'m> {
-    fn new(model: &'m Model, options: &SessionOptions, (context_len, chunk): (usize, usize)) -> Result<Self> {
+/// What a session keeps on each device for the layers it holds: their KV
+/// cache, the chunk GEMM, the activations and plan, and where MoE routing
+/// comes back.
+struct DeviceFlow {
+    kv: KvCache,
+    gemm: Option<Gemm>,
+    activations: Activations,
+    plan: Plan,
+    routing_readback: Readback,
+}
+
+impl DeviceFlow {
+    /// The flow of `model`'s layers on its device for a cache of
+    /// `context_len` positions and chunks of `chunk` tokens, once the
+    /// device's budget (named `what`) holds them.
+    fn new(
+        model: &Model,
+        options: &SessionOptions,
+        (context_len, chunk): (usize, usize),
+        what: &str,
+    ) -> Result<Self> {
         let (gpu, c) = (&model.gpu, &model.config);
         let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, context_len, options.kv_format);
-        gpu.check_budget(
-            &format!("layers {:?} and their KV cache of {context_len} positions", model.layers()),
-            model.weights.bytes().saturating_add(kv_bytes),
-        )?;
+        gpu.check_budget(what, model.weights.bytes().saturating_add(kv_bytes))?;
         let kv = KvCache::new(gpu, model.layers().len(), c.heads, context_len, options.kv_format)?;
         let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
         let values_apart =
@@ -189,15 +201,19 @@ impl<'m> SessionPart<'m> {
         let kv_layout = KvLayout::Contiguous(&kv);
         let plan = Plan::new(model, &activations, gemm.as_ref(), options.prefill_precision, kv_layout)?;
         let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
+        // A chunk's choices, or one token's and its prediction of the next layer's.
+        let routing_readback = Readback::new(gpu, "routing.readback", (chunk.max(2) * top_k * 4) as u64);
+        Ok(DeviceFlow { kv, gemm, activations, plan, routing_readback })
+    }
+}
+
+impl<'m> SessionPart<'m> {
+    fn new(model: &'m Model, options: &SessionOptions, (context_len, chunk): (usize, usize)) -> Result<Self> {
+        let what = format!("layers {:?} and their KV cache of {context_len} positions", model.layers());
+        let flow = DeviceFlow::new(model, options, (context_len, chunk), &what)?;
+        let c = &model.config;
         let out_bytes = (chunk * c.hidden).max(c.vocab) * 4;
-        Ok(SessionPart {
-            model,
-            activations,
-            _kv: kv,
-            plan,
-            routing_readback: Readback::new(gpu, "routing.readback", (chunk.max(2) * top_k * 4) as u64),
-            out: Readback::new(gpu, "part.out", out_bytes as u64),
-        })
+        Ok(SessionPart { model, flow, out: Readback::new(&model.gpu, "part.out", out_bytes as u64) })
     }
 }
 
@@ -233,33 +249,13 @@ impl<'m> Session<'m> {
                 ),
             });
         }
-        let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, context_len, options.kv_format);
-        gpu.check_budget(
-            &format!("model weights and a KV cache of {context_len} positions"),
-            model.weights.bytes().saturating_add(kv_bytes),
-        )?;
-        let kv = KvCache::new(gpu, model.layers().len(), c.heads, context_len, options.kv_format)?;
         // No prompt chunk is longer than the context.
         let wanted = options.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).min(context_len);
         let chunk = Activations::max_chunk(gpu, c, wanted);
-        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
-        let values_apart =
-            model.weights.layers.iter().any(|l| first_value_row_apart(&l.qkv, c.heads).is_some());
-        let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
-        let scratch = crate::flow::GemmScratch::new(model, gemm.as_ref(), chunk);
-        let layout = (values_apart, gemm.is_some(), half_copies);
-        let activations = Activations::new(gpu, c, (chunk, scratch), context_len, layout)?;
-        let plan = Plan::new(
-            model,
-            &activations,
-            gemm.as_ref(),
-            options.prefill_precision,
-            KvLayout::Contiguous(&kv),
-        )?;
+        let what = format!("model weights and a KV cache of {context_len} positions");
+        let DeviceFlow { kv, gemm, activations, plan, routing_readback } =
+            DeviceFlow::new(model, options, (context_len, chunk), &what)?;
         let logits_readback = Readback::new(gpu, "logits.readback", (c.vocab * 4) as u64);
-        let top_k = c.moe.as_ref().map_or(1, |m| m.top_k);
-        // A chunk's choices, or one token's and its prediction of the next layer's.
-        let routing_readback = Readback::new(gpu, "routing.readback", (chunk.max(2) * top_k * 4) as u64);
         let moe_layers = c.moe.as_ref().map_or(0, |m| m.sparse_layers.iter().filter(|&&s| s).count());
         // Passes per forward: attention and routed per MoE layer, the rest,
         // the head; or, timing dispatches, at most MAX_TIMED_PASSES.
@@ -736,18 +732,18 @@ impl<'m> Session<'m> {
         let mut rows: Vec<f32> = rows_readback.read(gpu, row_bytes)?;
         let last = parts.len() - 1;
         for (i, part) in parts.iter_mut().enumerate() {
-            let (gpu, act) = (&part.model.gpu, &part.activations);
+            let (gpu, act) = (&part.model.gpu, &part.flow.activations);
             gpu.queue.write_buffer(&act.x, 0, bytemuck::cast_slice(&rows));
             let step = act.write_step(gpu, len, n_tokens, config);
             let mut rec = Recorder::new(gpu, None, &mut self.stats);
             let routing = RoutingContext {
                 mode: self.routing,
-                readback: &part.routing_readback,
+                readback: &part.flow.routing_readback,
                 experts: None,
                 prefetch: self.expert_prefetch,
             };
             let part_head = if i == last { head } else { Head::None };
-            part.plan.forward(&mut rec, act, &step, part_head, &routing, None)?;
+            part.flow.plan.forward(&mut rec, act, &step, part_head, &routing, None)?;
             if i < last {
                 part.out.record(rec.encoder(), &act.x, 0, row_bytes);
                 index = rec.finish()?;
