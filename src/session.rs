@@ -473,7 +473,13 @@ impl<'m> Session<'m> {
         }
         let key = (options.sampling, options.seed);
         if self.sampling != Some(key) {
-            self.plan.set_sampling(self.model, &self.activations, options.sampling, options.seed)?;
+            // A split samples on its last device, which holds the head.
+            match self.split.as_mut().and_then(|(_, parts)| parts.last_mut()) {
+                Some(last) => {
+                    last.flow.plan.set_sampling(last.model, &last.flow.activations, options.sampling, options.seed)?
+                }
+                None => self.plan.set_sampling(self.model, &self.activations, options.sampling, options.seed)?,
+            }
             self.sampling = Some(key);
         }
         // More steps in flight than it will take, or than MAX_IN_FLIGHT,
@@ -628,7 +634,7 @@ impl<'m> Session<'m> {
         media: Option<(&ChunkMedia<'_>, &[[u32; 3]])>,
     ) -> Result<wgpu::SubmissionIndex> {
         if self.split.is_some() {
-            return self.submit_split(tokens, n_tokens, head, id_slot.is_some() || media.is_some());
+            return self.submit_split(tokens, n_tokens, head, id_slot, media.is_some());
         }
         let gpu = &self.model.gpu;
         let act = &self.activations;
@@ -697,27 +703,33 @@ impl<'m> Session<'m> {
     /// [`Self::submit`] for a model split across devices: `n_tokens`
     /// tokens through the first device's layers, their residual rows read
     /// back and written to the next device, and so on; the last device
-    /// runs `head` (logits only). Steps in flight, GPU sampling and images
-    /// are refused there (`in_flight`).
+    /// runs `head`. A sampled id comes back from the last device and goes
+    /// to the first device's tokens, where the next step takes it, and
+    /// (with `id_slot`) on to that readback slot. Each submission waits for
+    /// the one before it, the device after needing its rows: a split runs
+    /// one step at a time. Images are refused there.
     fn submit_split(
         &mut self,
         tokens: Option<&[u32]>,
         n_tokens: usize,
         head: Head,
-        in_flight: bool,
+        id_slot: Option<usize>,
+        media: bool,
     ) -> Result<wgpu::SubmissionIndex> {
-        let (Some(tokens), false, Head::Logits | Head::None) = (tokens, in_flight, head) else {
+        if media {
             return Err(Error::Unsupported {
-                what: "generation on the GPU (steps in flight, GPU sampling, images) with a model split across devices",
-                value: "use Session::prefill and Session::step".into(),
+                what: "images in the prompt of a model split across devices (it has no vision tower)",
+                value: format!("a model split across {} devices", self.model.next_parts().len() + 1),
             });
-        };
+        }
         let (config, len) = (&self.model.config, self.len);
         let row_bytes = (n_tokens * config.hidden * 4) as u64;
         let Some((rows_readback, parts)) = self.split.as_mut() else { unreachable!("a split session") };
         // The first device: the embedding and its layers.
         let (gpu, act) = (&self.model.gpu, &self.activations);
-        act.write_tokens(gpu, tokens);
+        if let Some(tokens) = tokens {
+            act.write_tokens(gpu, tokens);
+        }
         let step = act.write_step(gpu, len, n_tokens, config);
         let mut rec = Recorder::new(gpu, None, &mut self.stats);
         let routing = RoutingContext {
@@ -731,11 +743,12 @@ impl<'m> Session<'m> {
         let mut index = rec.finish()?;
         let mut rows: Vec<f32> = rows_readback.read(gpu, row_bytes)?;
         let last = parts.len() - 1;
+        let mut sampled = None;
         for (i, part) in parts.iter_mut().enumerate() {
-            let (gpu, act) = (&part.model.gpu, &part.flow.activations);
-            gpu.queue.write_buffer(&act.x, 0, bytemuck::cast_slice(&rows));
-            let step = act.write_step(gpu, len, n_tokens, config);
-            let mut rec = Recorder::new(gpu, None, &mut self.stats);
+            let (part_gpu, part_act) = (&part.model.gpu, &part.flow.activations);
+            part_gpu.queue.write_buffer(&part_act.x, 0, bytemuck::cast_slice(&rows));
+            let step = part_act.write_step(part_gpu, len, n_tokens, config);
+            let mut rec = Recorder::new(part_gpu, None, &mut self.stats);
             let routing = RoutingContext {
                 mode: self.routing,
                 readback: &part.flow.routing_readback,
@@ -743,20 +756,45 @@ impl<'m> Session<'m> {
                 prefetch: self.expert_prefetch,
             };
             let part_head = if i == last { head } else { Head::None };
-            part.flow.plan.forward(&mut rec, act, &step, part_head, &routing, None)?;
+            part.flow.plan.forward(&mut rec, part_act, &step, part_head, &routing, None)?;
             if i < last {
-                part.out.record(rec.encoder(), &act.x, 0, row_bytes);
+                part.out.record(rec.encoder(), &part_act.x, 0, row_bytes);
                 index = rec.finish()?;
-                rows = part.out.read(gpu, row_bytes)?;
-            } else {
-                if head == Head::Logits {
-                    part.out.record(rec.encoder(), &act.logits, 0, (config.vocab * 4) as u64);
-                }
-                index = rec.finish()?;
+                rows = part.out.read(part_gpu, row_bytes)?;
+                continue;
             }
+            match head {
+                Head::Logits => part.out.record(rec.encoder(), &part_act.logits, 0, (config.vocab * 4) as u64),
+                Head::Sample => part.out.record(rec.encoder(), &part_act.tokens, 0, 4),
+                Head::None => {}
+            }
+            index = rec.finish()?;
+            if head == Head::Sample {
+                sampled = Some(part.out.read::<u32>(part_gpu, 4)?[0]);
+            }
+        }
+        if let Some(id) = sampled {
+            index = self.take_sampled_id(id, id_slot)?;
         }
         self.positions.record(len, n_tokens, None);
         self.len += n_tokens;
+        Ok(index)
+    }
+
+    /// Places the id a split's last device sampled in the first device's
+    /// tokens, where the next step reads it, and (with `id_slot`) copies it
+    /// to that readback slot, as a single device's sampling leaves it.
+    fn take_sampled_id(&mut self, id: u32, id_slot: Option<usize>) -> Result<wgpu::SubmissionIndex> {
+        let (gpu, act) = (&self.model.gpu, &self.activations);
+        act.write_tokens(gpu, &[id]);
+        let mut rec = Recorder::new(gpu, None, &mut self.stats);
+        if let Some(slot) = id_slot {
+            self.id_readbacks[slot].record(rec.encoder(), &act.tokens, 0, 4);
+        }
+        let index = rec.finish()?;
+        if let Some(slot) = id_slot {
+            self.id_readbacks[slot].start_map(4);
+        }
         Ok(index)
     }
 }

@@ -72,8 +72,8 @@ fn a_split_at_every_layer_boundary_gives_the_single_device_logits() {
 
 /// What a split refuses is a typed error: shares that are not one positive
 /// number per device, a device whose budget its layers exceed (named, with
-/// the bytes it lacks), a model with a vision tower, and on a split
-/// session generation on the GPU and timing.
+/// the bytes it lacks), a model with a vision tower, and timing a split
+/// session.
 #[test]
 fn a_split_refuses_with_typed_errors() {
     let dir = |name: &str| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
@@ -102,9 +102,6 @@ fn a_split_refuses_with_typed_errors() {
     assert!(matches!(err, wgspark::Error::Unsupported { .. }), "{err}");
 
     let model = Model::load_split(&llama, &gpus, None, &options, |_| {}).unwrap();
-    let mut session = model.session(&exact()).unwrap();
-    let generation = session.generate(&[1, 2, 3], &wgspark::GenerateOptions::default()).err();
-    assert!(matches!(generation, Some(wgspark::Error::Unsupported { .. })), "{generation:?}");
     let timed = model.session(&wgspark::SessionOptions { timing: true, ..exact() }).err();
     assert!(matches!(timed, Some(wgspark::Error::Unsupported { .. })), "{timed:?}");
 }
@@ -131,4 +128,45 @@ fn three_devices_give_the_single_device_logits() {
     let (got, ids) = run(&split, &prompt, 4);
     let err = got.iter().zip(&want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
     assert!(err <= 1e-5 && ids == want_ids, "max |logit error| {err:.2e}, ids {ids:?} against {want_ids:?}");
+}
+
+/// `generate` on a split samples on the last device and feeds each id back
+/// to the first: greedy and seeded sampling, with steps in flight, give the
+/// ids and stop reasons of the same generation on one device, and the
+/// session goes on from where the generation left it. On a fixture split
+/// over two lavapipe devices, and on a random-weight model over three.
+#[test]
+fn generation_on_a_split_gives_the_single_device_ids() {
+    use wgspark::{GenerateOptions, Sampling};
+    let generate = |model: &Model, prompt: &[u32], options: &GenerateOptions| {
+        let mut session = model.session(&exact()).unwrap();
+        let mut generation = session.generate(prompt, options).unwrap();
+        let ids: Vec<u32> = generation.by_ref().map(Result::unwrap).collect();
+        let reason = generation.stop_reason();
+        drop(generation);
+        // The last id is not yet in the cache: stepping it gives its logits.
+        let next = session.step(*ids.last().unwrap(), session.position()).unwrap();
+        (ids, reason, argmax(&next))
+    };
+    let random = Sampling::Random { temperature: 1.0, top_k: Some(40), top_p: Some(0.9) };
+    let options = [
+        GenerateOptions { max_tokens: 9, in_flight: 3, ..GenerateOptions::default() },
+        GenerateOptions { sampling: random, seed: 7, max_tokens: 9, in_flight: 1, ..GenerateOptions::default() },
+    ];
+    let open = || Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
+    let first = common::gpu(Backend::Vulkan);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_norm");
+    let whole = Model::load(&dir, &first).unwrap();
+    let gpus = [first.clone(), open()];
+    let split = Model::load_split(&dir, &gpus, None, &LoadOptions::default(), |_| {}).unwrap();
+    let prompt = [3, 1, 4, 1, 5, 9, 2, 6];
+    for options in &options {
+        let want = generate(&whole, &prompt, options);
+        assert_eq!(generate(&split, &prompt, options), want, "qwen3_moe_norm, {:?}", options.sampling);
+        // Stopping at an id the generation yields.
+        let stop = GenerateOptions { stop_tokens: vec![want.0[4]], ..options.clone() };
+        let want = generate(&whole, &prompt, &stop);
+        assert_eq!(want.1, Some(wgspark::StopReason::StopToken(stop.stop_tokens[0])));
+        assert_eq!(generate(&split, &prompt, &stop), want, "qwen3_moe_norm stopping, {:?}", options.sampling);
+    }
 }
