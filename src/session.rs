@@ -164,6 +164,8 @@ struct SessionPart<'m> {
     model: &'m Model,
     flow: DeviceFlow,
     out: Readback,
+    /// The steering of its layers.
+    steering: Option<SteeringPlan>,
 }
 
 /// What a session keeps on each device for the layers it holds: their KV
@@ -213,7 +215,8 @@ impl<'m> SessionPart<'m> {
         let flow = DeviceFlow::new(model, options, (context_len, chunk), &what)?;
         let c = &model.config;
         let out_bytes = (chunk * c.hidden).max(c.vocab) * 4;
-        Ok(SessionPart { model, flow, out: Readback::new(&model.gpu, "part.out", out_bytes as u64) })
+        let out = Readback::new(&model.gpu, "part.out", out_bytes as u64);
+        Ok(SessionPart { model, flow, out, steering: None })
     }
 }
 
@@ -337,11 +340,10 @@ impl<'m> Session<'m> {
     /// `steering`, or stops steering with `None`. Positions already in the
     /// KV cache keep the steering they were computed with.
     pub fn set_steering(&mut self, steering: Option<&Steering>) -> Result<()> {
-        self.refuse_split(steering.is_some(), "steering")?;
-        self.steering = match steering {
-            Some(s) => Some(s.upload(self.model)?),
-            None => None,
-        };
+        self.steering = steering.map(|s| s.upload(self.model)).transpose()?;
+        for part in self.split.iter_mut().flat_map(|(_, parts)| parts) {
+            part.steering = steering.map(|s| s.upload(part.model)).transpose()?;
+        }
         self.rebuild_layer_outputs()
     }
 
@@ -361,7 +363,12 @@ impl<'m> Session<'m> {
 
     fn rebuild_layer_outputs(&mut self) -> Result<()> {
         let (steering, capture) = (self.steering.as_ref(), self.capture.as_ref());
-        self.plan.set_layer_outputs(self.model, &self.activations, self.gemm.as_ref(), steering, capture)
+        self.plan.set_layer_outputs(self.model, &self.activations, self.gemm.as_ref(), steering, capture)?;
+        for part in self.split.iter_mut().flat_map(|(_, parts)| parts) {
+            let (flow, steering) = (&mut part.flow, part.steering.as_ref());
+            flow.plan.set_layer_outputs(part.model, &flow.activations, flow.gemm.as_ref(), steering, None)?;
+        }
+        Ok(())
     }
 
     /// The rows captured since capture started or was last taken; `None`

@@ -247,12 +247,14 @@ impl Steering {
         let c = &model.config;
         self.check_fits(c)?;
         let gpu = &model.gpu;
+        // A device of a split holds the rows of its own layers only.
         let rows = self
             .layers
             .iter()
             .enumerate()
             .map(|(i, row)| {
-                row.as_ref().map(|row| gpu.storage_buffer_init(&format!("steering.layer.{i}"), row))
+                let row = row.as_ref().filter(|_| model.layers().contains(&i))?;
+                Some(gpu.storage_buffer_init(&format!("steering.layer.{i}"), row))
             })
             .collect();
         gpu.check("uploading the steering")?;

@@ -133,8 +133,8 @@ fn three_devices_give_the_single_device_logits() {
 /// `generate` on a split samples on the last device and feeds each id back
 /// to the first: greedy and seeded sampling, with steps in flight, give the
 /// ids and stop reasons of the same generation on one device, and the
-/// session goes on from where the generation left it. On a fixture split
-/// over two lavapipe devices, and on a random-weight model over three.
+/// session goes on from where the generation left it (a MoE fixture split
+/// over two lavapipe devices).
 #[test]
 fn generation_on_a_split_gives_the_single_device_ids() {
     use wgspark::{GenerateOptions, Sampling};
@@ -169,4 +169,45 @@ fn generation_on_a_split_gives_the_single_device_ids() {
         assert_eq!(want.1, Some(wgspark::StopReason::StopToken(stop.stop_tokens[0])));
         assert_eq!(generate(&split, &prompt, &stop), want, "qwen3_moe_norm stopping, {:?}", options.sampling);
     }
+}
+
+/// Steering reaches every device of a split: each holds the rows of its own
+/// layers. A steered prompt and steps over two lavapipe devices give the
+/// logits of the same steering on one device (and not the unsteered ones),
+/// and turning steering off gives the plain logits again.
+#[test]
+fn steering_across_a_split_gives_the_single_device_logits() {
+    use std::collections::BTreeMap;
+    use wgspark::{ControlVector, Steering};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_untied");
+    let first = common::gpu(Backend::Vulkan);
+    let second = Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
+    let whole = Model::load(&dir, &first).unwrap();
+    let split = Model::load_split(&dir, &[first, second], None, &LoadOptions::default(), |_| {}).unwrap();
+    let c = &whole.config;
+    assert!(split.layer_split().len() == 2 && c.layers >= 2);
+    // A direction on every layer, so that both devices steer.
+    let directions: BTreeMap<usize, Vec<f32>> = (0..c.layers)
+        .map(|l| (l, (0..c.hidden).map(|i| ((i * 7 + l * 3) % 11) as f32 / 11.0 - 0.5).collect()))
+        .collect();
+    let vector = ControlVector { path: "synthetic.gguf".into(), model_hint: None, directions };
+    let steering = Steering::new(c, &[(vector, 2.0)], None).unwrap();
+    let prompt = [3, 1, 4, 1, 5];
+    let run = |model: &Model, steering: Option<&Steering>| {
+        let mut session = model.session(&exact()).unwrap();
+        session.set_steering(steering).unwrap();
+        let mut logits = vec![session.prefill(&prompt).unwrap()];
+        for _ in 0..2 {
+            let next = argmax(logits.last().unwrap());
+            logits.push(session.step(next, session.position()).unwrap());
+        }
+        logits
+    };
+    let err = |a: &[Vec<f32>], b: &[Vec<f32>]| a.iter().zip(b).map(|(a, b)| max_abs_diff(a, b)).fold(0.0, f32::max);
+    let (want, plain) = (run(&whole, Some(&steering)), run(&whole, None));
+    assert!(err(&want, &plain) > 1e-2, "the steering moves the logits");
+    let got = run(&split, Some(&steering));
+    assert!(err(&got, &want) <= 1e-5, "steered split: max |logit error| {:.2e}", err(&got, &want));
+    let got = run(&split, None);
+    assert!(err(&got, &plain) <= 1e-5, "unsteered split: max |logit error| {:.2e}", err(&got, &plain));
 }
