@@ -97,6 +97,14 @@ struct Args {
     /// List the adapters of the backend, numbered for --adapter, and exit.
     #[arg(long)]
     list_adapters: bool,
+    /// Split the model's layers across these adapters (their numbers in
+    /// --list-adapters, e.g. 0,1), in proportion to their memory: the
+    /// first holds the embedding, the last the head.
+    #[arg(long, value_delimiter = ',', conflicts_with = "adapter")]
+    devices: Vec<usize>,
+    /// With --devices: each device's share of the layers (e.g. 3,1).
+    #[arg(long, value_delimiter = ',', requires = "devices")]
+    split: Vec<f64>,
     /// Prefill on cooperative matrices: auto, on or off (default:
     /// WGSPARK_COOPERATIVE_MATRIX, else auto).
     #[arg(long)]
@@ -235,9 +243,12 @@ fn run(args: Args) -> CliResult<()> {
     if args.max_new_tokens == Some(0) {
         return Err("--max-new-tokens must be at least 1".into());
     }
-    let gpu = open_gpu(&args)?;
-    eprintln!("adapter: {}", gpu.describe());
-    let (dir, model) = load(&args, &gpu)?;
+    let gpus = open_gpus(&args)?;
+    let gpu = gpus[0].clone();
+    for gpu in &gpus {
+        eprintln!("adapter: {}", gpu.describe());
+    }
+    let (dir, model) = load(&args, &gpus)?;
     let tokenizer = match args.prompt_ids {
         // Ids need no tokenizer, but one shows the text where there is one.
         Some(_) => model.tokenizer().ok().flatten(),
@@ -363,9 +374,14 @@ fn stop_tokens(
 }
 
 /// The device on the backend and with the matrix units the flags (or the
-/// environment) ask for.
-fn open_gpu(args: &Args) -> CliResult<Gpu> {
-    Ok(Gpu::new(&gpu_options(args)?)?)
+/// environment) ask for; with --devices, one per adapter named.
+fn open_gpus(args: &Args) -> CliResult<Vec<Gpu>> {
+    let options = gpu_options(args)?;
+    if args.devices.is_empty() {
+        return Ok(vec![Gpu::new(&options)?]);
+    }
+    let gpus = args.devices.iter().map(|&adapter| Gpu::new(&GpuOptions { adapter: Some(adapter), ..options.clone() }));
+    Ok(gpus.collect::<Result<_, _>>()?)
 }
 
 /// The environment's device options, overridden by the flags.
@@ -403,7 +419,7 @@ fn list_adapters(args: &Args) -> CliResult<()> {
 
 /// The model of `--model` (by default SmolLM2, fetched on first use) and
 /// where it was loaded from, with progress shown as it loads.
-fn load(args: &Args, gpu: &Gpu) -> CliResult<(PathBuf, Model)> {
+fn load(args: &Args, gpus: &[Gpu]) -> CliResult<(PathBuf, Model)> {
     let mut reporter = Reporter::default();
     let dir = match &args.model {
         Some(dir) => dir.clone(),
@@ -411,7 +427,15 @@ fn load(args: &Args, gpu: &Gpu) -> CliResult<(PathBuf, Model)> {
     };
     let load_start = Instant::now();
     let load = wgspark::LoadOptions { gpu_memory: args.gpu_memory, expert_slots: args.expert_slots };
-    let model = Model::load_with(&dir, gpu, &load, |p| reporter.report(p))?;
+    let model = match gpus {
+        [gpu] => Model::load_with(&dir, gpu, &load, |p| reporter.report(p))?,
+        _ => {
+            let shares = (!args.split.is_empty()).then_some(args.split.as_slice());
+            let model = Model::load_split(&dir, gpus, shares, &load, |p| reporter.report(p))?;
+            eprintln!("layers per device: {:?}", model.layer_split());
+            model
+        }
+    };
     eprintln!("loaded {} in {:.2} s", dir.display(), load_start.elapsed().as_secs_f64());
     Ok((dir, model))
 }

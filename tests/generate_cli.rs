@@ -568,3 +568,52 @@ fn adapters_are_listed_and_chosen_by_number() {
         String::from_utf8_lossy(&out.stderr).contains("WGSPARK_ADAPTER=\"first\" is not an adapter number")
     );
 }
+
+/// `--devices 0,0` splits the layers over two devices of the first adapter
+/// (`--split` gives the shares): the JSON run and the streamed one give the
+/// fixture's ids and logits, stderr names each device's layers, and a bad
+/// split or a flag the split refuses exits with a message.
+#[test]
+fn devices_split_the_layers_by_flag() {
+    let bin = generate_bin();
+    let case = cases().into_iter().find(|c| c.name == "llama_untied").unwrap();
+    let e = &case.expected;
+    let ids: Vec<String> = e.prompt_ids.iter().map(u32::to_string).collect();
+    let generate = |extra: &[&str]| {
+        Command::new(&bin)
+            .arg("--model")
+            .arg(&case.dir)
+            .args(["--prompt-ids", &ids.join(","), "--max-new-tokens", &e.generated_ids.len().to_string()])
+            .args(["--ignore-eos", "--kv-cache", "f32", "--backend", "vulkan", "--devices", "0,0"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = generate(&["--split", "1,1", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("adapter: ")).count(), 2, "{stderr}");
+    assert!(stderr.contains("layers per device: [0..1, 1..2]"), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got_ids: Vec<u32> = serde_json::from_value(json["generated_ids"].clone()).unwrap();
+    let rows: Vec<Vec<f32>> = serde_json::from_value(json["logits"].clone()).unwrap();
+    assert_eq!(got_ids, e.generated_ids);
+    for (row, (got, want)) in rows.iter().zip(&e.logits).enumerate() {
+        assert!(max_abs_diff(got, want) <= 1e-3, "row {row}: {}", max_abs_diff(got, want));
+    }
+    // Streamed: generated on the devices, in proportion to their memory.
+    let out = generate(&[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let generated: Vec<String> = e.generated_ids.iter().map(u32::to_string).collect();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{}\n", generated.join(",")));
+
+    for (extra, message) in [
+        (&["--split", "1"][..], "1 shares for 2 devices"),
+        (&["--split", "1,0"][..], "positive"),
+        (&["--stats"][..], "timed sessions of a model split across devices"),
+    ] {
+        let out = generate(extra);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(message), "{extra:?}: {stderr}");
+    }
+}
