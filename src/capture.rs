@@ -174,6 +174,9 @@ impl CapturePlan {
         if let Some(&layer) = layers.iter().find(|&&l| l >= c.layers) {
             return Err(Error::CaptureLayerOutOfRange { layer, layers: c.layers });
         }
+        // A device of a split records the layers it holds (maybe none: it
+        // still counts the positions).
+        layers.retain(|l| model.layers().contains(l));
         let max_rows = match options.prompt_rows {
             PromptRows::Last => 1,
             PromptRows::All => max_tokens,
@@ -181,12 +184,14 @@ impl CapturePlan {
         let region_bytes = (max_rows * c.hidden * 4) as u64;
         let alignment = gpu.device.limits().min_storage_buffer_offset_alignment as u64;
         let region_stride = region_bytes.next_multiple_of(alignment.max(16));
-        let buffer = gpu.storage_buffer_bytes("capture", layers.len() as u64 * region_stride)?;
+        // (At least one region's bytes: a buffer is never empty.)
+        let bytes = layers.len().max(1) as u64 * region_stride;
+        let buffer = gpu.storage_buffer_bytes("capture", bytes)?;
         let mut region_of_layer = vec![None; c.layers];
         for (region, &layer) in layers.iter().enumerate() {
             region_of_layer[layer] = Some(region);
         }
-        let readback = Readback::new(gpu, "capture.readback", layers.len() as u64 * region_stride);
+        let readback = Readback::new(gpu, "capture.readback", bytes);
         gpu.check("creating the residual capture")?;
         let slots = vec![CaptureSlot { readback, pending: None }];
         Ok(CapturePlan {
@@ -223,7 +228,7 @@ impl CapturePlan {
 
     /// Makes room for `n` submissions whose rows are read later.
     pub fn ensure_slots(&mut self, gpu: &Gpu, n: usize) {
-        let bytes = self.n_regions() * self.region_stride;
+        let bytes = self.n_regions().max(1) * self.region_stride;
         while self.slots.len() < n {
             self.slots
                 .push(CaptureSlot { readback: Readback::new(gpu, "capture.readback", bytes), pending: None });
@@ -235,6 +240,9 @@ impl CapturePlan {
     pub fn record_readback(&self, encoder: &mut wgpu::CommandEncoder, rows: usize, slot: usize) {
         let bytes = (rows * self.captured.hidden * 4) as u64;
         let readback = &self.slots[slot].readback;
+        if self.n_regions() == 0 {
+            return;
+        }
         if rows == self.max_rows {
             readback.record(encoder, &self.buffer, 0, self.n_regions() * self.region_stride);
         } else {
@@ -248,10 +256,11 @@ impl CapturePlan {
     /// After the submission that recorded `slot`'s copy: starts mapping
     /// its `rows` rows, whose positions begin at `first_position`.
     pub fn start(&mut self, slot: usize, rows: usize, first_position: usize) {
-        let used = self.used_bytes(rows);
-        let s = &mut self.slots[slot];
-        s.readback.start_map(used);
-        s.pending = Some((rows, first_position));
+        if self.n_regions() > 0 {
+            let used = self.used_bytes(rows);
+            self.slots[slot].readback.start_map(used);
+        }
+        self.slots[slot].pending = Some((rows, first_position));
     }
 
     /// Waits for `slot`'s map (its submission) and appends its rows; does
@@ -263,12 +272,15 @@ impl CapturePlan {
         let captured = &mut self.captured.rows;
         // Straight from the mapped staging buffer into the kept rows: no
         // intermediate copy of every layer's rows.
-        self.slots[slot].readback.finish_map(gpu, wait, |mapped| {
-            for (index, layer_rows) in captured.iter_mut().enumerate() {
-                let region = &mapped[index * stride..index * stride + per_layer];
-                layer_rows.extend(region.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
-            }
-        })?;
+        if !captured.is_empty() {
+            self.slots[slot].readback.finish_map(gpu, wait, |mapped| {
+                for (index, layer_rows) in captured.iter_mut().enumerate() {
+                    let region = &mapped[index * stride..index * stride + per_layer];
+                    layer_rows
+                        .extend(region.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
+                }
+            })?;
+        }
         self.captured.positions.extend(first_position..first_position + rows);
         Ok(())
     }
@@ -292,5 +304,15 @@ impl CapturePlan {
     pub fn take(&mut self) -> Capture {
         let empty = Capture::empty(self.captured.hidden, self.captured.layers.clone());
         std::mem::replace(&mut self.captured, empty)
+    }
+
+    /// [`Self::take`] of a split's devices in order: their layers and rows
+    /// one after another, the positions (the same on each) once.
+    pub fn take_all<'a>(plans: impl IntoIterator<Item = &'a mut CapturePlan>) -> Option<Capture> {
+        plans.into_iter().map(CapturePlan::take).reduce(|mut all, part| {
+            all.layers.extend(part.layers);
+            all.rows.extend(part.rows);
+            all
+        })
     }
 }

@@ -166,6 +166,8 @@ struct SessionPart<'m> {
     out: Readback,
     /// The steering of its layers.
     steering: Option<SteeringPlan>,
+    /// The capture of its layers.
+    capture: Option<CapturePlan>,
 }
 
 /// What a session keeps on each device for the layers it holds: their KV
@@ -216,7 +218,7 @@ impl<'m> SessionPart<'m> {
         let c = &model.config;
         let out_bytes = (chunk * c.hidden).max(c.vocab) * 4;
         let out = Readback::new(&model.gpu, "part.out", out_bytes as u64);
-        Ok(SessionPart { model, flow, out, steering: None })
+        Ok(SessionPart { model, flow, out, steering: None, capture: None })
     }
 }
 
@@ -351,13 +353,14 @@ impl<'m> Session<'m> {
     /// steering) for every following submission, or stops with `None`
     /// (rows not yet taken are dropped).
     pub fn set_capture(&mut self, options: Option<&CaptureOptions>) -> Result<()> {
-        self.refuse_split(options.is_some(), "residual capture")?;
-        self.capture = match options {
-            Some(o) => {
-                Some(CapturePlan::new(self.model, o, self.activations.max_tokens, &self.activations.step)?)
-            }
-            None => None,
+        let plan = |model, act: &Activations| match options {
+            Some(o) => CapturePlan::new(model, o, act.max_tokens, &act.step).map(Some),
+            None => Ok(None),
         };
+        self.capture = plan(self.model, &self.activations)?;
+        for part in self.split.iter_mut().flat_map(|(_, parts)| parts) {
+            part.capture = plan(part.model, &part.flow.activations)?;
+        }
         self.rebuild_layer_outputs()
     }
 
@@ -365,8 +368,8 @@ impl<'m> Session<'m> {
         let (steering, capture) = (self.steering.as_ref(), self.capture.as_ref());
         self.plan.set_layer_outputs(self.model, &self.activations, self.gemm.as_ref(), steering, capture)?;
         for part in self.split.iter_mut().flat_map(|(_, parts)| parts) {
-            let (flow, steering) = (&mut part.flow, part.steering.as_ref());
-            flow.plan.set_layer_outputs(part.model, &flow.activations, flow.gemm.as_ref(), steering, None)?;
+            let (flow, steering, capture) = (&mut part.flow, part.steering.as_ref(), part.capture.as_ref());
+            flow.plan.set_layer_outputs(part.model, &flow.activations, flow.gemm.as_ref(), steering, capture)?;
         }
         Ok(())
     }
@@ -374,7 +377,8 @@ impl<'m> Session<'m> {
     /// The rows captured since capture started or was last taken; `None`
     /// when capture is off.
     pub fn take_capture(&mut self) -> Option<Capture> {
-        self.capture.as_mut().map(CapturePlan::take)
+        let parts = self.split.iter_mut().flat_map(|(_, parts)| parts).filter_map(|p| p.capture.as_mut());
+        CapturePlan::take_all(self.capture.as_mut().into_iter().chain(parts))
     }
 
     /// Forgets every position from `len` on, so the sequence can continue
@@ -696,17 +700,6 @@ impl<'m> Session<'m> {
         Ok(index)
     }
 
-    /// `Unsupported` where `asked` of a model split across devices.
-    fn refuse_split(&self, asked: bool, what: &'static str) -> Result<()> {
-        match (&self.split, asked) {
-            (Some((_, parts)), true) => Err(Error::Unsupported {
-                what,
-                value: format!("a model split across {} devices", parts.len() + 1),
-            }),
-            _ => Ok(()),
-        }
-    }
-
     /// [`Self::submit`] for a model split across devices: `n_tokens`
     /// tokens through the first device's layers, their residual rows read
     /// back and written to the next device, and so on; the last device
@@ -747,7 +740,10 @@ impl<'m> Session<'m> {
         };
         self.plan.forward(&mut rec, act, &step, Head::None, &routing, None)?;
         rows_readback.record(rec.encoder(), &act.x, 0, row_bytes);
+        let captured = record_capture(self.capture.as_ref(), head, n_tokens, rec.encoder());
         let mut index = rec.finish()?;
+        finish_capture(gpu, self.capture.as_mut(), captured, (len + n_tokens, &index))?;
+        self.stats.capture_readbacks += u64::from(captured.is_some());
         let mut rows: Vec<f32> = rows_readback.read(gpu, row_bytes)?;
         let last = parts.len() - 1;
         let mut sampled = None;
@@ -766,7 +762,9 @@ impl<'m> Session<'m> {
             part.flow.plan.forward(&mut rec, part_act, &step, part_head, &routing, None)?;
             if i < last {
                 part.out.record(rec.encoder(), &part_act.x, 0, row_bytes);
+                let captured = record_capture(part.capture.as_ref(), head, n_tokens, rec.encoder());
                 index = rec.finish()?;
+                finish_capture(part_gpu, part.capture.as_mut(), captured, (len + n_tokens, &index))?;
                 rows = part.out.read(part_gpu, row_bytes)?;
                 continue;
             }
@@ -775,7 +773,9 @@ impl<'m> Session<'m> {
                 Head::Sample => part.out.record(rec.encoder(), &part_act.tokens, 0, 4),
                 Head::None => {}
             }
+            let captured = record_capture(part.capture.as_ref(), head, n_tokens, rec.encoder());
             index = rec.finish()?;
+            finish_capture(part_gpu, part.capture.as_mut(), captured, (len + n_tokens, &index))?;
             if head == Head::Sample {
                 sampled = Some(part.out.read::<u32>(part_gpu, 4)?[0]);
             }
@@ -804,6 +804,37 @@ impl<'m> Session<'m> {
         }
         Ok(index)
     }
+}
+
+/// Records the copy of a split device's captured rows of a submission of
+/// `n_tokens` ending with `head`, where its capture records them (as
+/// [`Session::submit`] decides); returns how many.
+fn record_capture(
+    capture: Option<&CapturePlan>,
+    head: Head,
+    n_tokens: usize,
+    encoder: &mut wgpu::CommandEncoder,
+) -> Option<usize> {
+    let capture = capture.filter(|c| head != Head::None || c.prompt_rows == PromptRows::All)?;
+    let rows = capture.rows_for(n_tokens);
+    capture.record_readback(encoder, rows, 0);
+    Some(rows)
+}
+
+/// Reads a split device's captured rows (`rows` of them, the last ending
+/// before position `end`) once `index` is done: a split waits for each
+/// submission anyway.
+fn finish_capture(
+    gpu: &crate::gpu::Gpu,
+    capture: Option<&mut CapturePlan>,
+    rows: Option<usize>,
+    (end, index): (usize, &wgpu::SubmissionIndex),
+) -> Result<()> {
+    if let (Some(rows), Some(c)) = (rows, capture) {
+        c.start(0, rows, end - rows);
+        c.finish(gpu, 0, MapWait::Block(Some(index.clone())))?;
+    }
+    Ok(())
 }
 
 /// Generated ids as they come back from the GPU, with the steps after them
@@ -856,7 +887,8 @@ impl Generation<'_, '_> {
         }
         let fed = self.prompt_end + self.yielded.max(1) - 1;
         self.session.len = fed;
-        if let Some(capture) = self.session.capture.as_mut() {
+        let parts = self.session.split.iter_mut().flat_map(|(_, parts)| parts).filter_map(|p| p.capture.as_mut());
+        for capture in self.session.capture.as_mut().into_iter().chain(parts) {
             capture.drop_from_position(fed);
         }
     }

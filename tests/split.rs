@@ -211,3 +211,45 @@ fn steering_across_a_split_gives_the_single_device_logits() {
     let got = run(&split, None);
     assert!(err(&got, &plain) <= 1e-5, "unsteered split: max |logit error| {:.2e}", err(&got, &plain));
 }
+
+/// Residual capture reaches every device of a split: each records the
+/// layers it holds, and `take_capture` gives the layers, positions and rows
+/// of the same capture on one device, for every prompt row and for the
+/// last, with steps and with a generation (whose rows past its stop are
+/// dropped); a device holding none of the asked layers still counts the
+/// positions.
+#[test]
+fn capture_across_a_split_gives_the_single_device_rows() {
+    use wgspark::{CaptureOptions, GenerateOptions, PromptRows};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_untied");
+    let first = common::gpu(Backend::Vulkan);
+    let second = Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
+    let whole = Model::load(&dir, &first).unwrap();
+    let split = Model::load_split(&dir, &[first, second], None, &LoadOptions::default(), |_| {}).unwrap();
+    assert_eq!(split.layer_split(), vec![0..1, 1..2]);
+    let prompt = [3, 1, 4, 1, 5];
+    let run = |model: &Model, options: &CaptureOptions| {
+        let mut session = model.session(&exact()).unwrap();
+        session.set_capture(Some(options)).unwrap();
+        let logits = session.prefill(&prompt).unwrap();
+        session.step(argmax(&logits), session.position()).unwrap();
+        let stepped = session.take_capture().unwrap();
+        let generate = GenerateOptions { max_tokens: 4, in_flight: 2, ..GenerateOptions::default() };
+        let ids: Vec<u32> = session.generate(&[7, 2], &generate).unwrap().map(Result::unwrap).collect();
+        (stepped, session.take_capture().unwrap(), ids)
+    };
+    for layers in [None, Some(vec![1]), Some(vec![0])] {
+        for prompt_rows in [PromptRows::All, PromptRows::Last] {
+            let options = CaptureOptions { layers: layers.clone(), prompt_rows };
+            let (want, got) = (run(&whole, &options), run(&split, &options));
+            let what = format!("layers {layers:?}, {prompt_rows:?}");
+            assert_eq!(got.2, want.2, "{what}: ids");
+            for (got, want) in [(&got.0, &want.0), (&got.1, &want.1)] {
+                assert_eq!((&got.layers, &got.positions), (&want.layers, &want.positions), "{what}");
+                assert!(!want.positions.is_empty() && want.rows.iter().all(|r| !r.is_empty()), "{what}");
+                let err = got.rows.iter().zip(&want.rows).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+                assert!(err <= 1e-5, "{what}: max |row error| {err:.2e}");
+            }
+        }
+    }
+}
