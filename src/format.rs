@@ -253,6 +253,9 @@ impl WeightFormat {
     /// scales times small integers, or bf16 (whose range is f32's, but
     /// which no checkpoint fills beyond 65504: it is not scanned).
     pub fn fits_f16(self, file_bytes: &[u8]) -> bool {
+        if !self.may_exceed_f16() {
+            return true;
+        }
         const F16_MAX: f32 = 65504.0;
         match self {
             // 6 * 2^(e - 127) at most: e <= 140.
@@ -269,6 +272,12 @@ impl WeightFormat {
                 .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).abs() <= F16_MAX),
             _ => true,
         }
+    }
+
+    /// Whether some bytes of this format hold values beyond f16's range
+    /// (those [`Self::fits_f16`] scans).
+    pub fn may_exceed_f16(self) -> bool {
+        matches!(self, Self::MXFP4 | Self::F8E4M3 | Self::F32)
     }
 
     /// File bytes (whole blocks) in the GPU layout.

@@ -1060,3 +1060,32 @@ fn rows_apart_go_to_their_own_buffer() {
         }
     });
 }
+
+/// Streamed experts arrive after their slots' products are planned: the
+/// slots of a format whose values may pass f16's range (the MXFP4 fixture's
+/// experts) go to the f32 GEMM whatever they will hold, and slots of other
+/// formats (Q4_K) stay on the cooperative one.
+#[test]
+fn streamed_expert_slots_beyond_f16_are_marked_for_the_f32_gemm() {
+    use wgspark::model::layers::FfnWeights;
+    use wgspark::{LoadOptions, Model};
+    let gpu = common::gpu(common::backends()[0]);
+    for (fixture, format, marked) in
+        [("gguf_qwen3moe_mxfp4", WeightFormat::MXFP4, true), ("gguf_qwen3moe_q4_k_m", WeightFormat::Q4K, false)]
+    {
+        let dir = common::checkpoint::fixture_dir(fixture);
+        let top_k = Model::load(&dir, &gpu).unwrap().config.moe.as_ref().unwrap().top_k;
+        let options = LoadOptions { expert_slots: Some(top_k), ..LoadOptions::default() };
+        let model = Model::load_with(&dir, &gpu, &options, |_| {}).unwrap();
+        let mut slots = 0;
+        for layer in &model.weights().layers {
+            let FfnWeights::Moe(moe) = &layer.ffn else { continue };
+            assert_eq!(moe.gate_up.rows, top_k * 2 * model.config.moe.as_ref().unwrap().intermediate, "{fixture}");
+            for part in [&moe.gate_up, &moe.down].iter().flat_map(|t| &t.parts).filter(|p| p.format == format) {
+                assert_eq!(part.beyond_f16, marked, "{fixture}: slots marked");
+                slots += 1;
+            }
+        }
+        assert!(slots > 0, "{fixture}: streamed {format} slots checked");
+    }
+}

@@ -671,7 +671,10 @@ fn upload(
 }
 
 /// A streamed MoE layer: its router (resident) and `slots` empty expert
-/// slots in the experts' formats.
+/// slots in the experts' formats. Slots of a format whose values may
+/// exceed f16's range are marked [`crate::gpu::TensorPart::beyond_f16`]
+/// whatever the experts hold: plans are made before the experts arrive,
+/// and checking every expert at load would read the whole file.
 fn moe_slots(
     up: &mut Uploader<'_>,
     gpu: &Gpu,
@@ -684,18 +687,18 @@ fn moe_slots(
     let (h, i) = (c.hidden, moe.intermediate);
     let label = |what: &str| format!("model.layers.{layer}.experts.{what} ({slots} slots)");
     let (router, score_bias) = upload_router(up, c, moe, layer)?;
+    let slots_of = |what: &str, format: WeightFormat, (rows, cols, group): (usize, usize, usize)| {
+        let mut tensor = GpuTensor::alloc_in(gpu, &label(what), format, rows, cols, group)?;
+        if format.may_exceed_f16() {
+            tensor.mark_beyond_f16(0..rows);
+        }
+        Ok::<_, Error>(tensor)
+    };
     Ok(MoeWeights {
         router,
         score_bias,
-        gate_up: GpuTensor::alloc_in(
-            gpu,
-            &label("gate_up"),
-            streamed.gate_up_format,
-            slots * 2 * i,
-            h,
-            2 * i,
-        )?,
-        down: GpuTensor::alloc_in(gpu, &label("down"), streamed.down_format, slots * h, i, h)?,
+        gate_up: slots_of("gate_up", streamed.gate_up_format, (slots * 2 * i, h, 2 * i))?,
+        down: slots_of("down", streamed.down_format, (slots * h, i, h))?,
     })
 }
 
