@@ -380,7 +380,10 @@ fn open_gpus(args: &Args) -> CliResult<Vec<Gpu>> {
     if args.devices.is_empty() {
         return Ok(vec![Gpu::new(&options)?]);
     }
-    let gpus = args.devices.iter().map(|&adapter| Gpu::new(&GpuOptions { adapter: Some(adapter), ..options.clone() }));
+    let gpus = args
+        .devices
+        .iter()
+        .map(|&adapter| Gpu::new(&GpuOptions { adapter: Some(adapter), ..options.clone() }));
     Ok(gpus.collect::<Result<_, _>>()?)
 }
 

@@ -77,8 +77,15 @@ struct Args {
     backend: Option<String>,
     /// Which adapter of the backend to run on, by its number in `generate
     /// --list-adapters` (default: WGSPARK_ADAPTER, else the first, the best).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "devices")]
     adapter: Option<usize>,
+    /// Split the model's layers across these adapters (their numbers in
+    /// `generate --list-adapters`, e.g. 0,1), in proportion to their memory.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// With --devices: each device's share of the layers (e.g. 3,1).
+    #[arg(long, value_delimiter = ',', requires = "devices")]
+    split: Vec<f64>,
 }
 
 /// `NAME=FILE`.
@@ -109,8 +116,17 @@ fn run(args: Args) -> CliResult<()> {
     if args.control_vector_layer_range.is_some() && args.control_vector.is_empty() {
         return Err("--control-vector-layer-range needs --control-vector".into());
     }
-    let gpu = Gpu::new(&common::gpu_options(args.backend.as_deref(), args.adapter)?)?;
-    eprintln!("adapter: {}", gpu.describe());
+    let gpu_options = common::gpu_options(args.backend.as_deref(), args.adapter)?;
+    let gpus = match args.devices.as_slice() {
+        [] => vec![Gpu::new(&gpu_options)?],
+        devices => devices
+            .iter()
+            .map(|&adapter| Gpu::new(&wgspark::GpuOptions { adapter: Some(adapter), ..gpu_options.clone() }))
+            .collect::<Result<_, _>>()?,
+    };
+    for gpu in &gpus {
+        eprintln!("adapter: {}", gpu.describe());
+    }
     let reporter = Arc::new(Mutex::new(Reporter::default()));
     let report = {
         let reporter = reporter.clone();
@@ -135,7 +151,8 @@ fn run(args: Args) -> CliResult<()> {
         control_vector_layers: args.control_vector_layer_range.map(|r| r[0]..=r[1]),
         ..ServerOptions::new(&model)
     };
-    let server = Server::start(&gpu, options, report)?;
+    let shares = (!args.split.is_empty()).then_some(args.split.as_slice());
+    let server = Server::start_split(&gpus, shares, options, report)?;
     eprintln!("listening on http://{} (loading {})", server.local_addr(), model.display());
     server.wait_until_loaded()?;
     eprintln!("ready: http://{}/v1", server.local_addr());

@@ -369,7 +369,13 @@ impl<'m> Session<'m> {
         self.plan.set_layer_outputs(self.model, &self.activations, self.gemm.as_ref(), steering, capture)?;
         for part in self.split.iter_mut().flat_map(|(_, parts)| parts) {
             let (flow, steering, capture) = (&mut part.flow, part.steering.as_ref(), part.capture.as_ref());
-            flow.plan.set_layer_outputs(part.model, &flow.activations, flow.gemm.as_ref(), steering, capture)?;
+            flow.plan.set_layer_outputs(
+                part.model,
+                &flow.activations,
+                flow.gemm.as_ref(),
+                steering,
+                capture,
+            )?;
         }
         Ok(())
     }
@@ -486,10 +492,15 @@ impl<'m> Session<'m> {
         if self.sampling != Some(key) {
             // A split samples on its last device, which holds the head.
             match self.split.as_mut().and_then(|(_, parts)| parts.last_mut()) {
-                Some(last) => {
-                    last.flow.plan.set_sampling(last.model, &last.flow.activations, options.sampling, options.seed)?
+                Some(last) => last.flow.plan.set_sampling(
+                    last.model,
+                    &last.flow.activations,
+                    options.sampling,
+                    options.seed,
+                )?,
+                None => {
+                    self.plan.set_sampling(self.model, &self.activations, options.sampling, options.seed)?
                 }
-                None => self.plan.set_sampling(self.model, &self.activations, options.sampling, options.seed)?,
             }
             self.sampling = Some(key);
         }
@@ -769,7 +780,9 @@ impl<'m> Session<'m> {
                 continue;
             }
             match head {
-                Head::Logits => part.out.record(rec.encoder(), &part_act.logits, 0, (config.vocab * 4) as u64),
+                Head::Logits => {
+                    part.out.record(rec.encoder(), &part_act.logits, 0, (config.vocab * 4) as u64)
+                }
                 Head::Sample => part.out.record(rec.encoder(), &part_act.tokens, 0, 4),
                 Head::None => {}
             }
@@ -887,7 +900,8 @@ impl Generation<'_, '_> {
         }
         let fed = self.prompt_end + self.yielded.max(1) - 1;
         self.session.len = fed;
-        let parts = self.session.split.iter_mut().flat_map(|(_, parts)| parts).filter_map(|p| p.capture.as_mut());
+        let parts =
+            self.session.split.iter_mut().flat_map(|(_, parts)| parts).filter_map(|p| p.capture.as_mut());
         for capture in self.session.capture.as_mut().into_iter().chain(parts) {
             capture.drop_from_position(fed);
         }

@@ -284,12 +284,13 @@ impl SteeringPlan {
         self.slots.as_ref()
     }
 
-    /// A batch's tables: `rows` rows of every layer's (all zeros), and
-    /// slots for `max_tokens` tokens.
+    /// A batch's tables: `rows` rows of every layer's the device holds
+    /// (all zeros), and slots for `max_tokens` tokens.
     pub fn tables(model: &Model, rows: usize, max_tokens: usize) -> Result<Self> {
         let (gpu, c) = (&model.gpu, &model.config);
+        let table = |i| gpu.storage_buffer(&format!("steering.table.{i}"), rows * c.hidden);
         let tables = (0..c.layers)
-            .map(|i| gpu.storage_buffer(&format!("steering.table.{i}"), rows * c.hidden).map(Some))
+            .map(|i| model.layers().contains(&i).then(|| table(i)).transpose())
             .collect::<Result<_>>()?;
         let slots = gpu.storage_buffer("steering.slots", max_tokens)?;
         Ok(SteeringPlan { rows: tables, slots: Some(slots), hidden: c.hidden })
@@ -299,9 +300,9 @@ impl SteeringPlan {
     /// of every layer's table: zeros where it steers no layer.
     pub fn write_row(&self, gpu: &crate::gpu::Gpu, slot: usize, steering: &Steering) {
         let zeros = vec![0.0f32; self.hidden];
-        for (i, table) in self.rows.iter().enumerate() {
+        // (Each device of a split holds its own layers' tables.)
+        for (i, table) in self.rows.iter().enumerate().filter_map(|(i, t)| Some((i, t.as_ref()?))) {
             let row = steering.layer(i).unwrap_or(&zeros);
-            let table = table.as_ref().expect("a batch's plan has every layer's table");
             gpu.queue.write_buffer(table, (slot * self.hidden * 4) as u64, bytemuck::cast_slice(row));
         }
     }

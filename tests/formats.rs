@@ -1070,9 +1070,10 @@ fn streamed_expert_slots_beyond_f16_are_marked_for_the_f32_gemm() {
     use wgspark::model::layers::FfnWeights;
     use wgspark::{LoadOptions, Model};
     let gpu = common::gpu(common::backends()[0]);
-    for (fixture, format, marked) in
-        [("gguf_qwen3moe_mxfp4", WeightFormat::MXFP4, true), ("gguf_qwen3moe_q4_k_m", WeightFormat::Q4K, false)]
-    {
+    for (fixture, format, marked) in [
+        ("gguf_qwen3moe_mxfp4", WeightFormat::MXFP4, true),
+        ("gguf_qwen3moe_q4_k_m", WeightFormat::Q4K, false),
+    ] {
         let dir = common::checkpoint::fixture_dir(fixture);
         let top_k = Model::load(&dir, &gpu).unwrap().config.moe.as_ref().unwrap().top_k;
         let options = LoadOptions { expert_slots: Some(top_k), ..LoadOptions::default() };
@@ -1080,8 +1081,13 @@ fn streamed_expert_slots_beyond_f16_are_marked_for_the_f32_gemm() {
         let mut slots = 0;
         for layer in &model.weights().layers {
             let FfnWeights::Moe(moe) = &layer.ffn else { continue };
-            assert_eq!(moe.gate_up.rows, top_k * 2 * model.config.moe.as_ref().unwrap().intermediate, "{fixture}");
-            for part in [&moe.gate_up, &moe.down].iter().flat_map(|t| &t.parts).filter(|p| p.format == format) {
+            assert_eq!(
+                moe.gate_up.rows,
+                top_k * 2 * model.config.moe.as_ref().unwrap().intermediate,
+                "{fixture}"
+            );
+            for part in [&moe.gate_up, &moe.down].iter().flat_map(|t| &t.parts).filter(|p| p.format == format)
+            {
                 assert_eq!(part.beyond_f16, marked, "{fixture}: slots marked");
                 slots += 1;
             }

@@ -837,3 +837,41 @@ fn a_chat_message_with_an_image_gets_the_lone_session_ids() {
     let without = ask(json!("w3 w7 w11"));
     assert_ne!(ids(&without["choices"][0]["token_ids"]), want, "the image changes the reply");
 }
+
+/// A server over a model split across two devices (`Server::start_split`,
+/// shares 1 : 1): whole and streamed completions, greedy and seeded, give
+/// the lone session's ids on one device.
+#[test]
+fn a_split_model_serves_the_lone_session_ids() {
+    let backend = common::backends()[0];
+    let gpus = [gpu(), Gpu::new(&wgspark::GpuOptions { backend, ..Default::default() }).unwrap()];
+    let options =
+        ServerOptions { listen: "127.0.0.1:0".parse().unwrap(), log_requests: false, ..chat_options() };
+    let server = Server::start_split(&gpus, Some(&[1.0, 1.0]), options, |_| {}).unwrap();
+    server.wait_until_loaded().unwrap();
+    let agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let running = Running { server, agent };
+    let model = Model::load(chat_model(), &gpu()).unwrap();
+    let prompt = model.tokenizer().unwrap().unwrap().encode_prompt("The quick brown fox").unwrap();
+    let stop_tokens = model.config.eos_token_ids.clone();
+    for (temperature, sampling) in
+        [(0.0, Sampling::Greedy), (0.8, Sampling::Random { temperature: 0.8, top_k: None, top_p: None })]
+    {
+        let options = GenerateOptions {
+            sampling,
+            seed: 7,
+            max_tokens: 8,
+            stop_tokens: stop_tokens.clone(),
+            ..Default::default()
+        };
+        let want = lone_ids(&model, &prompt, &options, None);
+        let body = |stream: bool| {
+            json!({"prompt": "The quick brown fox", "max_tokens": 8, "temperature": temperature, "seed": 7,
+                   "return_token_ids": true, "stream": stream})
+        };
+        let whole = running.post("/v1/completions", &body(false)).json();
+        assert_eq!(ids(&whole["choices"][0]["token_ids"]), want, "temperature {temperature}");
+        let (_, tokens, _, _) = streamed(&running.post("/v1/completions", &body(true)), false);
+        assert_eq!(tokens, want, "temperature {temperature}, streamed");
+    }
+}

@@ -151,7 +151,13 @@ fn generation_on_a_split_gives_the_single_device_ids() {
     let random = Sampling::Random { temperature: 1.0, top_k: Some(40), top_p: Some(0.9) };
     let options = [
         GenerateOptions { max_tokens: 9, in_flight: 3, ..GenerateOptions::default() },
-        GenerateOptions { sampling: random, seed: 7, max_tokens: 9, in_flight: 1, ..GenerateOptions::default() },
+        GenerateOptions {
+            sampling: random,
+            seed: 7,
+            max_tokens: 9,
+            in_flight: 1,
+            ..GenerateOptions::default()
+        },
     ];
     let open = || Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
     let first = common::gpu(Backend::Vulkan);
@@ -203,7 +209,8 @@ fn steering_across_a_split_gives_the_single_device_logits() {
         }
         logits
     };
-    let err = |a: &[Vec<f32>], b: &[Vec<f32>]| a.iter().zip(b).map(|(a, b)| max_abs_diff(a, b)).fold(0.0, f32::max);
+    let err =
+        |a: &[Vec<f32>], b: &[Vec<f32>]| a.iter().zip(b).map(|(a, b)| max_abs_diff(a, b)).fold(0.0, f32::max);
     let (want, plain) = (run(&whole, Some(&steering)), run(&whole, None));
     assert!(err(&want, &plain) > 1e-2, "the steering moves the logits");
     let got = run(&split, Some(&steering));
@@ -247,9 +254,91 @@ fn capture_across_a_split_gives_the_single_device_rows() {
             for (got, want) in [(&got.0, &want.0), (&got.1, &want.1)] {
                 assert_eq!((&got.layers, &got.positions), (&want.layers, &want.positions), "{what}");
                 assert!(!want.positions.is_empty() && want.rows.iter().all(|r| !r.is_empty()), "{what}");
-                let err = got.rows.iter().zip(&want.rows).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+                let err =
+                    got.rows.iter().zip(&want.rows).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
                 assert!(err <= 1e-5, "{what}: max |row error| {err:.2e}");
             }
+        }
+    }
+}
+
+/// The batch engine over a split: every device holds the KV blocks of its
+/// layers and runs the same rows, the last one the head and the selection.
+/// Sequences joining at different steps, greedy and seeded, steered and
+/// not, give the ids, logits and stop reasons of the same engine on one
+/// device, and every block comes back.
+#[test]
+fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
+    use std::collections::HashMap;
+    use wgspark::batch::{BatchEngine, BatchOptions, Request};
+    use wgspark::{ControlVector, Sampling, Steering};
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let dir = fixtures.join("fixtures/mixtral_deep");
+    let first = common::gpu(Backend::Vulkan);
+    let second = Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
+    let whole = Model::load(&dir, &first).unwrap();
+    let split = Model::load_split(&dir, &[first, second], None, &LoadOptions::default(), |_| {}).unwrap();
+    assert_eq!(split.layer_split().len(), 2);
+    let c = &whole.config;
+    let vector = ControlVector::load(fixtures.join("steering/mixtral_deep/llama_cpp.gguf")).unwrap();
+    let steering = Steering::new(c, &[(vector, 1.0)], None).unwrap();
+    let random = Sampling::Random { temperature: 0.8, top_k: Some(20), top_p: None };
+    let requests = [
+        (0, Request { max_tokens: 6, return_logits: true, ..Request::new(vec![5, 9, 2, 7, 1, 3, 8, 4, 6]) }),
+        (0, Request { max_tokens: 4, sampling: random, seed: 3, ..Request::new(vec![11, 2]) }),
+        (
+            1,
+            Request {
+                max_tokens: 5,
+                steering: Some(steering),
+                return_logits: true,
+                ..Request::new(vec![4; 14])
+            },
+        ),
+        (
+            3,
+            Request { max_tokens: 3, logprobs: Some(3), ..Request::new(vec![5, 9, 2, 7, 1, 3, 8, 4, 6, 10]) },
+        ),
+    ];
+    let options = BatchOptions {
+        kv_format: wgspark::KvFormat::F32,
+        step_tokens: 12,
+        block_size: 4,
+        ..Default::default()
+    };
+    let run = |model: &Model| {
+        let mut engine = BatchEngine::new(model, &options).unwrap();
+        let mut ids = Vec::new();
+        let mut outputs: HashMap<_, Vec<_>> = HashMap::new();
+        for step in 0.. {
+            for (at, request) in &requests {
+                if *at == step {
+                    ids.push(engine.add(request.clone()).unwrap());
+                }
+            }
+            if engine.is_idle() && ids.len() == requests.len() {
+                break;
+            }
+            for out in engine.step().unwrap() {
+                outputs.entry(out.sequence).or_default().push(out);
+            }
+            assert!(step < 1000, "the engine does not finish");
+        }
+        assert_eq!(engine.stats().blocks_used, 0, "every block comes back");
+        ids.iter().map(|id| outputs.remove(id).unwrap()).collect::<Vec<_>>()
+    };
+    let (want, got) = (run(&whole), run(&split));
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        let ids = |o: &[wgspark::batch::Output]| o.iter().map(|o| (o.token, o.finish)).collect::<Vec<_>>();
+        assert_eq!(ids(got), ids(want), "request {i}: ids and stop reasons");
+        for (g, w) in got.iter().zip(want) {
+            if let (Some(g), Some(w)) = (&g.logits, &w.logits) {
+                assert!(max_abs_diff(g, w) <= 1e-5, "request {i}: logits {:.2e}", max_abs_diff(g, w));
+            }
+            let top = |o: &wgspark::batch::Output| {
+                o.logprobs.as_ref().map(|l| l.top.iter().map(|t| t.0).collect::<Vec<_>>())
+            };
+            assert_eq!(top(g), top(w), "request {i}: top logprobs");
         }
     }
 }

@@ -390,24 +390,132 @@ impl StepBuffers {
     }
 }
 
+/// A device's part of the steps: the KV pool of its layers (every device
+/// holds the same blocks, of its own layers), its activations, plan and
+/// step buffers. Every device runs the same rows and block tables.
+struct DeviceSteps<'m> {
+    model: &'m Model,
+    act: Activations,
+    plan: Plan,
+    /// The GEMM of steps of many rows (`None`: the GEMV runs every step).
+    gemm: Option<crate::kernels::gemm::Gemm>,
+    buffers: StepBuffers,
+    /// The pool's buffers (kept alive: the plan binds them).
+    _kv: KvCache,
+    /// The steering tables of its layers, made when a first request asks
+    /// for steering.
+    steering: Option<SteeringPlan>,
+    /// Where a step's residual rows leave it for the next device.
+    rows_out: Readback,
+}
+
+impl<'m> DeviceSteps<'m> {
+    /// The steps of `model`'s layers on its device: a pool of `blocks`
+    /// blocks of `block` positions, steps of `max_rows` rows of which
+    /// `max_seqs` choose, block tables of `max_blocks` blocks.
+    fn new(
+        model: &'m Model,
+        options: &BatchOptions,
+        (blocks, block): (usize, usize),
+        (max_rows, max_seqs, max_blocks): (usize, usize, usize),
+    ) -> Result<Self> {
+        let (gpu, c) = (&model.gpu, &model.config);
+        // Saturating: a pool no device holds then fails the budget check.
+        let pool_positions = blocks.saturating_mul(block);
+        let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, pool_positions, options.kv_format);
+        let weights = match model.layers() {
+            layers if layers.len() == c.layers => "model weights".to_string(),
+            layers => format!("layers {layers:?}"),
+        };
+        gpu.check_budget(
+            &format!("{weights} and a KV pool of {blocks} blocks of {block} positions"),
+            model.weights.bytes().saturating_add(kv_bytes),
+        )?;
+        let kv = KvCache::new(gpu, model.layers().len(), c.heads, pool_positions, options.kv_format)?;
+        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
+        let values_apart = model
+            .weights
+            .layers
+            .iter()
+            .any(|l| crate::flow::first_value_row_apart(&l.qkv, c.heads).is_some());
+        let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
+        let scratch = crate::flow::GemmScratch::new(model, gemm.as_ref(), max_rows);
+        // The rotary rows are the step's (context_len sizes only cos_sin).
+        let act = Activations::new(
+            gpu,
+            c,
+            (max_rows, scratch),
+            max_rows,
+            (values_apart, gemm.is_some(), half_copies),
+        )?;
+        let buffers = StepBuffers::new(model, (max_rows, max_seqs), max_blocks, options.in_flight)?;
+        let splits = PagedSplits {
+            acc: &buffers.split_acc,
+            max_sum: &buffers.split_max_sum,
+            split_keys: SPLIT_KEYS,
+            max_splits: MAX_SPLITS,
+        };
+        let paged =
+            PagedRows { rows: &buffers.rows, block_table: &buffers.block_table, block_size: block, splits };
+        let mut plan =
+            Plan::new(model, &act, gemm.as_ref(), options.prefill_precision, KvLayout::Paged(&kv, paged))?;
+        let qkv = &model.weights.layers[0].qkv;
+        let sixteen_bits = qkv.bytes() >= (qkv.rows * qkv.cols * 2) as u64;
+        plan.set_gemm_rows(options.gemm_rows.unwrap_or(if sixteen_bits { 5 } else { 10 }));
+        plan.set_expert_gemm_rows(options.expert_gemm_rows.unwrap_or(EXPERT_GEMM_ROWS));
+        let rows_out = Readback::new(gpu, "batch.rows_out", (max_rows * c.hidden * 4) as u64);
+        Ok(DeviceSteps { model, act, plan, gemm, buffers, _kv: kv, steering: None, rows_out })
+    }
+
+    /// Records its layers over the step's rows: their residual rows
+    /// `carried` from the device before (none: the first device embeds the
+    /// tokens), the step's `media` on the first.
+    fn forward<'a>(
+        &'a self,
+        rec: &mut Recorder<'a>,
+        step: &Step,
+        carried: Option<&[f32]>,
+        mode: RoutingMode,
+        media: Option<&ChunkMedia<'_>>,
+    ) -> Result<()> {
+        if let Some(x) = carried {
+            self.model.gpu.queue.write_buffer(&self.act.x, 0, bytemuck::cast_slice(x));
+        }
+        let routing = RoutingContext {
+            mode,
+            readback: &self.buffers.routing,
+            experts: self.model.experts.as_ref(),
+            prefetch: ExpertPrefetch::Off,
+        };
+        self.plan.forward(rec, &self.act, step, Head::None, &routing, media)
+    }
+
+    /// Writes a step's rows, block tables, rotary rows and steering slots.
+    fn write_step(&self, step: &Step, (meta, table): (&[u32], &[u32]), rotary: &[f32], steer_slots: &[u32]) {
+        let gpu = &self.model.gpu;
+        gpu.queue.write_buffer(&self.act.step, 0, bytemuck::bytes_of(step));
+        gpu.queue.write_buffer(&self.buffers.rows, 0, bytemuck::cast_slice(meta));
+        gpu.queue.write_buffer(&self.buffers.block_table, 0, bytemuck::cast_slice(table));
+        self.act.write_rotary_rows(gpu, 0, rotary);
+        if let Some(plan) = &self.steering {
+            plan.write_slots(gpu, steer_slots);
+        }
+    }
+}
+
 /// Many sequences over one model; see the module's documentation.
 pub struct BatchEngine<'m> {
     model: &'m Model,
     options: BatchOptions,
     context_len: usize,
-    act: Activations,
-    plan: Plan,
-    /// The GEMM of steps of many rows (`None`: the GEMV runs every step).
-    gemm: Option<crate::kernels::gemm::Gemm>,
-    /// The steering tables, made when a first request asks for steering.
-    steering: Option<SteeringPlan>,
+    /// Each device's part of the steps: one, or one per device of a model
+    /// split across several, in the order the rows pass through them.
+    devices: Vec<DeviceSteps<'m>>,
     /// Rows of the steering tables no running sequence holds.
     free_steer_slots: Vec<u32>,
+    /// The head and the selection, on the last device.
     head: RowsHead,
     sample: Vec<crate::gpu::Dispatch>,
-    buffers: StepBuffers,
-    /// The pool's buffers (kept alive: the plan binds them).
-    _kv: KvCache,
     pool: BlockPool,
     /// Host copy of the rotary table, one row per position.
     rotary: Vec<f32>,
@@ -461,83 +569,55 @@ impl<'m> BatchEngine<'m> {
         if blocks < context_len.min(options.step_tokens).div_ceil(block) {
             return Err(invalid(format!("{blocks} KV blocks of {block} positions hold less than one step")));
         }
-        // Saturating: a pool no device holds then fails the budget check.
-        let pool_positions = blocks.saturating_mul(block);
+        let parts: Vec<&'m Model> = std::iter::once(model).chain(model.next_parts()).collect();
+        if parts.len() > 1 && options.time_dispatches {
+            return Err(Error::Unsupported {
+                what: "timed steps of a model split across devices",
+                value: format!("{} devices", parts.len()),
+            });
+        }
         // A sequence alone can always grow to its context.
-        let context_len = context_len.min(pool_positions);
-        let kv_bytes = KvCache::bytes(model.layers().len(), c.heads, pool_positions, options.kv_format);
-        gpu.check_budget(
-            &format!("model weights and a KV pool of {blocks} blocks of {block} positions"),
-            model.weights.bytes().saturating_add(kv_bytes),
-        )?;
-        let kv = KvCache::new(gpu, model.layers().len(), c.heads, pool_positions, options.kv_format)?;
-        let max_rows = Activations::max_chunk(gpu, c, options.step_tokens);
+        let context_len = context_len.min(blocks.saturating_mul(block));
+        let max_rows = parts.iter().map(|m| Activations::max_chunk(&m.gpu, c, options.step_tokens)).min();
+        let max_rows = max_rows.expect("a model is on at least one device");
         let max_seqs = options.max_sequences.min(max_rows);
-        let gemm = options.chunk_matmul.gemm(gpu, options.prefill_precision)?;
-        let values_apart = model
-            .weights
-            .layers
-            .iter()
-            .any(|l| crate::flow::first_value_row_apart(&l.qkv, c.heads).is_some());
-        let half_copies = gemm.as_ref().is_some_and(|g| g.keeps_half_copies());
-        let scratch = crate::flow::GemmScratch::new(model, gemm.as_ref(), max_rows);
-        // The rotary rows are the step's (context_len sizes only cos_sin).
-        let act = Activations::new(
-            gpu,
-            c,
-            (max_rows, scratch),
-            max_rows,
-            (values_apart, gemm.is_some(), half_copies),
-        )?;
         let max_blocks = context_len.div_ceil(block);
-        let buffers = StepBuffers::new(model, (max_rows, max_seqs), max_blocks, options.in_flight)?;
-        let splits = PagedSplits {
-            acc: &buffers.split_acc,
-            max_sum: &buffers.split_max_sum,
-            split_keys: SPLIT_KEYS,
-            max_splits: MAX_SPLITS,
-        };
-        let paged =
-            PagedRows { rows: &buffers.rows, block_table: &buffers.block_table, block_size: block, splits };
-        let mut plan =
-            Plan::new(model, &act, gemm.as_ref(), options.prefill_precision, KvLayout::Paged(&kv, paged))?;
-        let qkv = &model.weights.layers[0].qkv;
-        let sixteen_bits = qkv.bytes() >= (qkv.rows * qkv.cols * 2) as u64;
-        plan.set_gemm_rows(options.gemm_rows.unwrap_or(if sixteen_bits { 5 } else { 10 }));
-        plan.set_expert_gemm_rows(options.expert_gemm_rows.unwrap_or(EXPERT_GEMM_ROWS));
+        let devices = parts
+            .iter()
+            .map(|m| DeviceSteps::new(m, options, (blocks, block), (max_rows, max_seqs, max_blocks)))
+            .collect::<Result<Vec<_>>>()?;
+        let last = devices.last().expect("a model is on at least one device");
+        let lb = &last.buffers;
         let head = RowsHead::new(
-            model,
-            &act,
-            gemm.as_ref(),
-            (&buffers.x_rows, &buffers.logits),
-            &buffers.head_step,
+            last.model,
+            &last.act,
+            last.gemm.as_ref(),
+            (&lb.x_rows, &lb.logits),
+            &lb.head_step,
             max_seqs,
         )?;
-        let sample = model.kernels.sample.plan_rows(
-            gpu,
+        let sample = last.model.kernels.sample.plan_rows(
+            &last.model.gpu,
             c.vocab,
             &RowSampleBindings {
-                logits: &buffers.logits,
-                rows: &buffers.sampling,
-                tokens: &buffers.sampled,
-                scratch: &buffers.scratch,
+                logits: &lb.logits,
+                rows: &lb.sampling,
+                tokens: &lb.sampled,
+                scratch: &lb.scratch,
             },
         )?;
-        gpu.check("creating the batch engine")?;
-        let rotary_row = act.cos_sin_row;
+        for part in &parts {
+            part.gpu.check("creating the batch engine")?;
+        }
+        let rotary_row = devices[0].act.cos_sin_row;
         Ok(BatchEngine {
             model,
             options: BatchOptions { max_sequences: max_seqs, step_tokens: max_rows, ..options.clone() },
             context_len,
-            act,
-            plan,
-            gemm,
-            steering: None,
+            devices,
             free_steer_slots: (1..=max_seqs as u32).rev().collect(),
             head,
             sample,
-            buffers,
-            _kv: kv,
             pool: BlockPool::new(blocks, block),
             rotary: c.rope.cos_sin_table(context_len),
             rotary_row,
@@ -607,12 +687,14 @@ impl<'m> BatchEngine<'m> {
                 self.pool.len()
             )));
         }
-        if request.steering.is_some() && self.steering.is_none() {
+        if request.steering.is_some() && self.devices[0].steering.is_none() {
             // Tables of a row per running sequence, and row 0 of zeros.
             let rows = self.options.max_sequences + 1;
-            let plan = SteeringPlan::tables(self.model, rows, self.options.step_tokens)?;
-            self.plan.set_layer_outputs(self.model, &self.act, self.gemm.as_ref(), Some(&plan), None)?;
-            self.steering = Some(plan);
+            for d in &mut self.devices {
+                let plan = SteeringPlan::tables(d.model, rows, self.options.step_tokens)?;
+                d.plan.set_layer_outputs(d.model, &d.act, d.gemm.as_ref(), Some(&plan), None)?;
+                d.steering = Some(plan);
+            }
         }
         let id = SequenceId(self.next_id);
         self.next_id += 1;
@@ -650,7 +732,7 @@ impl<'m> BatchEngine<'m> {
             value: c.model_type.clone(),
         })?;
         let parts = PromptPart::split(&request.prompt, token, &request.images)?;
-        let prompt = PreparedPrompt::new(self.model, &parts, 0, self.gemm.as_ref())?;
+        let prompt = PreparedPrompt::new(self.model, &parts, 0, self.devices[0].gemm.as_ref())?;
         let next = prompt.positions.iter().flat_map(|p| p.iter()).max().map_or(0, |&m| m as i64 + 1);
         let offset = next - prompt.ids.len() as i64;
         let media = SequenceMedia { positions: prompt.positions, offset, images: prompt.images };
@@ -743,7 +825,8 @@ impl<'m> BatchEngine<'m> {
         // While every running sequence only decodes, the next steps are
         // known before their ids are: their tokens come from the step before
         // on the GPU, and they run while the host reads.
-        while self.in_flight.len() <= self.options.in_flight {
+        // (A split's ids go back through the host to its first device.)
+        while self.in_flight.len() <= self.options.in_flight && self.devices.len() == 1 {
             let Some(rows) = self.next_decode_rows() else { break };
             let submitted = self.submit(rows, true)?;
             self.in_flight.push_back(submitted);
@@ -871,9 +954,12 @@ impl<'m> BatchEngine<'m> {
 
     /// Starts running `seq`, with its steering in a row of the tables.
     fn admit(&mut self, mut seq: Sequence) {
-        if let (Some(steering), Some(plan)) = (&seq.request.steering, &self.steering) {
+        if let Some(steering) = &seq.request.steering {
             let slot = self.free_steer_slots.pop().expect("a steering row for every running sequence");
-            plan.write_row(&self.model.gpu, slot as usize, steering);
+            for d in &self.devices {
+                let plan = d.steering.as_ref().expect("the tables are made when a steered request is added");
+                plan.write_row(&d.model.gpu, slot as usize, steering);
+            }
             seq.steer_slot = slot;
         }
         self.running.push(seq);
@@ -988,7 +1074,7 @@ impl<'m> BatchEngine<'m> {
     /// the rows that choose and their selection. With `tokens_on_gpu`, the
     /// rows' tokens are the ones the step before chose, copied there by it.
     fn submit(&mut self, rows: Vec<Row>, tokens_on_gpu: bool) -> Result<Submitted> {
-        let (gpu, c) = (&self.model.gpu, &self.model.config);
+        let c = &self.model.config;
         let n = rows.len();
         // The sequences of the step, in order, and their block tables.
         let mut table_at = vec![usize::MAX; self.running.len()];
@@ -1001,7 +1087,8 @@ impl<'m> BatchEngine<'m> {
         }
         let paged_rows: Vec<PagedRow> =
             rows.iter().map(|r| PagedRow { sequence: r.seq, position: r.pos, decode: r.decode }).collect();
-        let tiles = self.plan.paged_tiles(&paged_rows);
+        // Every device's layers have the same heads and decode kernel, hence tiles.
+        let tiles = self.devices[0].plan.paged_tiles(&paged_rows);
         let mut slots = 0..;
         let meta: Vec<u32> = rows
             .iter()
@@ -1029,37 +1116,40 @@ impl<'m> BatchEngine<'m> {
                 RowSampling::new(seq.request.sampling, seq.request.seed, rows[i].pos + 1, c.vocab)
             })
             .collect();
-        let b = &self.buffers;
+        let (first, last) = (&self.devices[0], self.devices.last().expect("a model is on a device"));
         if !tokens_on_gpu {
             let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
-            self.act.write_tokens(gpu, &tokens);
+            first.act.write_tokens(&first.model.gpu, &tokens);
         }
         let decode_rows = rows.iter().filter(|r| r.decode).count() as u32;
         let attend_tiles = tiles.len() as u32;
         let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, decode_rows, attend_tiles };
-        gpu.queue.write_buffer(&self.act.step, 0, bytemuck::bytes_of(&step));
+        let steer_slots: Vec<u32> = rows.iter().map(|r| self.running[r.seq].steer_slot).collect();
+        for d in &self.devices {
+            d.write_step(&step, (&meta, &table), &rotary, &steer_slots);
+        }
+        let (gpu, b) = (&last.model.gpu, &last.buffers);
         let head_step = Step { n_tokens: choosing.len() as u32, attn_splits: 1, ..Step::default() };
         gpu.queue.write_buffer(&b.head_step, 0, bytemuck::bytes_of(&head_step));
-        gpu.queue.write_buffer(&b.rows, 0, bytemuck::cast_slice(&meta));
-        gpu.queue.write_buffer(&b.block_table, 0, bytemuck::cast_slice(&table));
-        self.act.write_rotary_rows(gpu, 0, &rotary);
-        if let Some(plan) = &self.steering {
-            let slots: Vec<u32> = rows.iter().map(|r| self.running[r.seq].steer_slot).collect();
-            plan.write_slots(gpu, &slots);
-        }
         if !sampling.is_empty() {
             gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&sampling));
         }
 
+        // Each device but the last runs its layers and hands the residual
+        // rows to the next through host memory.
+        let media = step_media(self.model, &first.act, &self.running, &rows)?;
+        let mut media = media.as_ref();
+        let row_bytes = (n * c.hidden * 4) as u64;
+        let mut carried: Option<Vec<f32>> = None;
+        for d in &self.devices[..self.devices.len() - 1] {
+            let mut rec = Recorder::new(&d.model.gpu, self.timer.as_mut(), &mut self.flow_stats);
+            d.forward(&mut rec, &step, carried.as_deref(), self.options.routing, media.take())?;
+            d.rows_out.record(rec.encoder(), &d.act.x, 0, row_bytes);
+            rec.finish()?;
+            carried = Some(d.rows_out.read(&d.model.gpu, row_bytes)?);
+        }
         let mut rec = Recorder::new(gpu, self.timer.as_mut(), &mut self.flow_stats);
-        let routing = RoutingContext {
-            mode: self.options.routing,
-            readback: &b.routing,
-            experts: self.model.experts.as_ref(),
-            prefetch: ExpertPrefetch::Off,
-        };
-        let media = step_media(self.model, &self.act, &self.running, &rows)?;
-        self.plan.forward(&mut rec, &self.act, &step, Head::None, &routing, media.as_ref())?;
+        last.forward(&mut rec, &step, carried.as_deref(), self.options.routing, media.take())?;
         let k = choosing.len();
         let wants_logits = choosing.iter().any(|&i| self.running[rows[i].seq].wants_logits());
         let slot = self.next_readback;
@@ -1068,17 +1158,18 @@ impl<'m> BatchEngine<'m> {
             let row_bytes = (c.hidden * 4) as u64;
             for (j, &i) in choosing.iter().enumerate() {
                 rec.encoder().copy_buffer_to_buffer(
-                    &self.act.x,
+                    &last.act.x,
                     i as u64 * row_bytes,
                     &b.x_rows,
                     j as u64 * row_bytes,
                     row_bytes,
                 );
             }
-            self.head.encode(&mut rec, k as u32, self.plan.uses_gemm(k));
+            self.head.encode(&mut rec, k as u32, last.plan.uses_gemm(k));
             rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
-            // The chosen ids are the next decode step's tokens, in order.
-            rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &self.act.tokens, 0, (k * 4) as u64);
+            // The chosen ids are the next decode step's tokens, in order
+            // (taken from there only where one device runs every layer).
+            rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &last.act.tokens, 0, (k * 4) as u64);
             b.ids[slot].record(rec.encoder(), &b.sampled, 0, (k * 4) as u64);
             if wants_logits {
                 b.logits_readback.record(rec.encoder(), &b.logits, 0, (k * c.vocab * 4) as u64);
@@ -1094,8 +1185,8 @@ impl<'m> BatchEngine<'m> {
     /// Waits for a submitted step's ids and hands out its tokens (those of
     /// sequences that ended in an earlier step are dropped).
     fn complete(&mut self, step: Submitted) -> Result<Vec<Output>> {
-        let (gpu, c) = (&self.model.gpu, &self.model.config);
-        let b = &self.buffers;
+        let last = self.devices.last().expect("a model is on at least one device");
+        let (gpu, c, b) = (&last.model.gpu, &self.model.config, &last.buffers);
         let k = step.choosing.len();
         let ids: Vec<u32> = if k > 0 {
             b.ids[step.slot].finish_map(gpu, MapWait::Block(Some(step.index)), |m| {

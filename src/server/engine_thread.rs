@@ -16,7 +16,6 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{LoadState, ServerError, ServerOptions, Shared};
-use crate::Gpu;
 use crate::batch::{BatchEngine, BatchOptions, Output, Request, SequenceId};
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
@@ -26,6 +25,7 @@ use crate::progress::Progress;
 use crate::steering::{ControlVector, Steering};
 use crate::tokenizer::Tokenizer;
 use crate::vision::ImageProcessor;
+use crate::{Gpu, LoadOptions};
 
 /// What the handlers know of the model served: enough to tokenize, render
 /// chat templates and check requests without the GPU thread.
@@ -95,17 +95,28 @@ struct Active {
     last_token: Option<Instant>,
 }
 
-/// Starts the GPU thread: it loads the model and serves `submitted` until
-/// every sender is gone and the engine is idle.
+/// Starts the GPU thread: it loads the model (its layers split across the
+/// devices where there are several, in the shares given) and serves
+/// `submitted` until every sender is gone and the engine is idle.
 pub(super) fn spawn(
-    gpu: Gpu,
+    (gpus, shares): (Vec<Gpu>, Option<Vec<f64>>),
     options: ServerOptions,
     shared: Arc<Shared>,
     submitted: Receiver<Submission>,
     mut progress: impl FnMut(Progress<'_>) + Send + 'static,
 ) -> std::result::Result<JoinHandle<()>, ServerError> {
     let body = move || {
-        let model = match Model::load_with_progress(&options.model, &gpu, &mut progress) {
+        let model = match gpus.as_slice() {
+            [gpu] => Model::load_with_progress(&options.model, gpu, &mut progress),
+            _ => Model::load_split(
+                &options.model,
+                &gpus,
+                shares.as_deref(),
+                &LoadOptions::default(),
+                &mut progress,
+            ),
+        };
+        let model = match model {
             Ok(model) => model,
             Err(e) => return shared.set_state(LoadState::Failed(Arc::new(e))),
         };

@@ -180,6 +180,21 @@ impl Server {
         options: ServerOptions,
         progress: impl FnMut(Progress<'_>) + Send + 'static,
     ) -> Result<Server, ServerError> {
+        Self::start_split(&[gpu.clone()], None, options, progress)
+    }
+
+    /// [`Self::start`] with the model's layers split across `gpus`
+    /// ([`crate::Model::load_split`]: in proportion to their memory, or to
+    /// `shares`, one per device).
+    pub fn start_split(
+        gpus: &[Gpu],
+        shares: Option<&[f64]>,
+        options: ServerOptions,
+        progress: impl FnMut(Progress<'_>) + Send + 'static,
+    ) -> Result<Server, ServerError> {
+        if gpus.is_empty() {
+            return Err(ServerError::InvalidOptions("a server needs at least one device".into()));
+        }
         if options.parallel == 0 {
             return Err(ServerError::InvalidOptions("parallel must be at least 1".into()));
         }
@@ -193,8 +208,8 @@ impl Server {
             metrics: Metrics::default(),
         });
         let (submissions, submitted) = std::sync::mpsc::channel();
-        let gpu_thread =
-            engine_thread::spawn(gpu.clone(), options.clone(), shared.clone(), submitted, progress)?;
+        let devices = (gpus.to_vec(), shares.map(<[f64]>::to_vec));
+        let gpu_thread = engine_thread::spawn(devices, options.clone(), shared.clone(), submitted, progress)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("wgspark-http")
