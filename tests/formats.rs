@@ -17,7 +17,7 @@ use wgspark::kernels::gemv::{
     EXPERT_ELSEWHERE, GemvShape, GemvSpec, INT8_ROUNDING, Input, Output, Rows, has_int8_units, x_chunk,
 };
 use wgspark::kernels::residual::LayerOutput;
-use wgspark::kernels::{Embed, Gemm, Gemv};
+use wgspark::kernels::{Embed, Gemm, Gemv, split_sum};
 
 fn fixture() -> Gguf {
     Gguf::open(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/formats/blocks.gguf")).unwrap()
@@ -1057,6 +1057,29 @@ fn rows_apart_go_to_their_own_buffer() {
             assert_close(&y_head, &expect(&plain, 0, head), tol, &format!("{kernel:?} rows before"));
             let got = gpu.read_buffer(&tail_b, tokens * tail).unwrap();
             assert_close(&got, &expect(&plain, head, tail), tol, &format!("{kernel:?} rows apart"));
+
+            // As a few-token step runs it: partial sums over ranges of k
+            // (where the kernel splits it: the cooperative one, in 2), then
+            // their sums, the rows apart into their own buffer.
+            let parts_b = gpu.storage_buffer("parts", tokens * 2 * rows).unwrap();
+            let (mut d, parts) =
+                gemm.plan_summed(gpu, &weight, tokens, &step, (&xb, None), &parts_b).unwrap();
+            assert!(parts <= 2, "{kernel:?}: {parts} parts");
+            let (yb, tail_b) = (
+                gpu.storage_buffer("y", tokens * rows).unwrap(),
+                gpu.storage_buffer("tail", tokens * tail).unwrap(),
+            );
+            d.push(
+                split_sum::plan(gpu, rows, Epilogue::Plain, (&parts_b, parts), (&yb, Some((head, &tail_b))))
+                    .unwrap(),
+            );
+            run(gpu, &d, tokens as u32);
+            let y = gpu.read_buffer(&yb, tokens * rows).unwrap();
+            let y_head: Vec<f32> = y.chunks_exact(rows).flat_map(|r| r[..head].to_vec()).collect();
+            let what = format!("{kernel:?} in {parts} ranges of k");
+            assert_close(&y_head, &expect(&plain, 0, head), tol, &format!("{what}: rows before"));
+            let got = gpu.read_buffer(&tail_b, tokens * tail).unwrap();
+            assert_close(&got, &expect(&plain, head, tail), tol, &format!("{what}: rows apart"));
         }
     });
 }

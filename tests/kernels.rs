@@ -960,7 +960,11 @@ fn split_sums_add_the_parts_in_order_then_gate() {
             for epilogue in [Epilogue::Plain, Epilogue::Swiglu] {
                 let outputs = if epilogue == Epilogue::Plain { n } else { n / 2 };
                 let out = gpu.storage_buffer("out", tokens * outputs).unwrap();
-                run(gpu, &[split_sum::plan(gpu, n, epilogue, (&yb, parts), &out).unwrap()], tokens as u32);
+                run(
+                    gpu,
+                    &[split_sum::plan(gpu, n, epilogue, (&yb, parts), (&out, None)).unwrap()],
+                    tokens as u32,
+                );
                 let want: Vec<f32> = (0..tokens * outputs)
                     .map(|e| {
                         let (t, o) = (e / outputs, e % outputs);
@@ -973,6 +977,27 @@ fn split_sums_add_the_parts_in_order_then_gate() {
                 let what = format!("{epilogue:?} sum of {n} in {parts} parts over {tokens} tokens");
                 assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, 1e-6, &what);
             }
+            // Plain, the rows from `row` on into a buffer of their own rows.
+            let row = n * 2 / 3;
+            let (out, tail) = (
+                gpu.storage_buffer("out", tokens * n).unwrap(),
+                gpu.storage_buffer("tail", tokens * (n - row)).unwrap(),
+            );
+            let d =
+                split_sum::plan(gpu, n, Epilogue::Plain, (&yb, parts), (&out, Some((row, &tail)))).unwrap();
+            run(gpu, &[d], tokens as u32);
+            let (got, got_tail) = (
+                gpu.read_buffer(&out, tokens * n).unwrap(),
+                gpu.read_buffer(&tail, tokens * (n - row)).unwrap(),
+            );
+            for t in 0..tokens {
+                let what = format!("sum of {n} in {parts} parts, rows from {row} apart, token {t}");
+                let want: Vec<f32> = (0..n).map(|i| sum(t, i)).collect();
+                assert_close(&got[t * n..t * n + row], &want[..row], 1e-6, &what);
+                assert_close(&got_tail[t * (n - row)..(t + 1) * (n - row)], &want[row..], 1e-6, &what);
+            }
+            let gated = split_sum::plan(gpu, n, Epilogue::Swiglu, (&yb, parts), (&out, Some((row, &tail))));
+            assert!(matches!(gated, Err(wgspark::Error::Unsupported { .. })), "gated sums apart are refused");
         }
     });
 }

@@ -5,11 +5,16 @@
 // its up):
 //   out[t, i] = swiglu(sum_j y[.., 2i], sum_j y[.., 2i + 1]),  i < n / 2
 // Each sum runs over j in order, whatever the number of tokens.
+// APART (plain): rows from p.apart_row on go to `tail` instead, in rows
+// of their own width, n - apart_row (a layer's value rows written apart).
 // Grid: x covers the outputs in workgroups of 256, y = token.
 
 @group(0) @binding(0) var<uniform> p: SplitSumParams;
 @group(0) @binding(1) var<storage, read> y: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
+#if APART
+@group(0) @binding(3) var<storage, read_write> tail: array<f32>;
+#endif
 
 fn partial_sum(t: u32, row: u32) -> f32 {
     var sum = 0.0;
@@ -29,6 +34,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         out[t * outputs + i] = swiglu(partial_sum(t, 2u * i), partial_sum(t, 2u * i + 1u));
     }
 #else
+#if APART
+    if (i >= p.apart_row && i < p.n) {
+        tail[t * (p.n - p.apart_row) + i - p.apart_row] = partial_sum(t, i);
+        return;
+    }
+#endif
     if (i < p.n) {
         out[t * p.n + i] = partial_sum(t, i);
     }

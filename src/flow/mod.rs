@@ -311,13 +311,7 @@ impl<'a> Builder<'a> {
         let tail = apart.map(|a| (a.row, a.gemm));
         let half = HalfCopies { x: act.h16.as_ref(), y: None };
         let chunk = self.chunk(|gemm, tokens| {
-            // Value rows written apart run whole: their two destinations'
-            // row strides differ.
-            let split = match tail {
-                None => self.split(gemm, weight, Epilogue::Plain, tokens, y)?,
-                Some(_) => None,
-            };
-            match split {
+            match self.split(gemm, weight, Epilogue::Plain, tokens, (y, tail))? {
                 Some(split) => Ok(split),
                 None => {
                     gemm.plan_apart(gpu, weight, Epilogue::Plain, tokens, &act.step, &act.h, (y, tail), half)
@@ -413,8 +407,8 @@ impl<'a> Builder<'a> {
         let gemv =
             self.gemv(GemvSpec { input, output: Output::Swiglu, ..GemvSpec::plain(weight, x, out) })?;
         let half = HalfCopies { x: act.h16.as_ref(), y: self.ffn_act16(weight) };
-        let chunk =
-            self.chunk(|gemm, tokens| match self.split(gemm, weight, Epilogue::Swiglu, tokens, out)? {
+        let chunk = self.chunk(|gemm, tokens| {
+            match self.split(gemm, weight, Epilogue::Swiglu, tokens, (out, None))? {
                 Some(split) => Ok(split),
                 None => gemm.plan_apart(
                     gpu,
@@ -426,7 +420,8 @@ impl<'a> Builder<'a> {
                     (out, None),
                     half,
                 ),
-            })?;
+            }
+        })?;
         Ok(Projection { gemv, chunk })
     }
 
@@ -444,14 +439,15 @@ impl<'a> Builder<'a> {
     /// `out = W act.h` through `epilogue` over up to `tokens` tokens as
     /// partial sums over ranges of k in `act.split_parts` and their sum
     /// (see [`Self::splits_few`]), where the product splits; `None` where
-    /// it runs whole.
+    /// it runs whole. With `apart`, the rows from its row on are summed
+    /// into its buffer (as [`Gemm::plan_apart`] writes them).
     fn split(
         &self,
         gemm: &Gemm,
         weight: &GpuTensor,
         epilogue: Epilogue,
         tokens: usize,
-        out: &wgpu::Buffer,
+        (out, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
     ) -> Result<Option<Vec<Dispatch>>> {
         let (gpu, act) = (&self.model.gpu, self.act);
         let Some(parts_buffer) = act.split_parts.as_ref() else { return Ok(None) };
@@ -460,7 +456,7 @@ impl<'a> Builder<'a> {
         }
         let (mut d, parts) =
             gemm.plan_summed(gpu, weight, tokens, &act.step, (&act.h, None), parts_buffer)?;
-        d.push(split_sum::plan(gpu, weight.rows, epilogue, (parts_buffer, parts), out)?);
+        d.push(split_sum::plan(gpu, weight.rows, epilogue, (parts_buffer, parts), (out, apart))?);
         Ok(Some(d))
     }
 

@@ -13,8 +13,13 @@ crate::wgsl_struct! {
         n: u32,
         /// Partial sums per token.
         k: u32,
+        /// With `APART`: the first row that goes to the tail buffer.
+        apart_row: u32,
     }
 }
+
+/// Rows from a row on summed into a buffer of their own.
+pub const APART: &str = "APART";
 
 pub fn structs() -> Vec<&'static str> {
     use super::WgslStruct;
@@ -27,22 +32,36 @@ const WG: u32 = 256;
 /// `out[t] = sum_j y[t, j]` (or with [`Epilogue::Swiglu`], the gate of
 /// each interleaved gate/up pair of that sum: `n / 2` outputs), y packed
 /// `[tokens, parts, n]`, out `[tokens, outputs]`, for the tokens encoded.
+/// With `apart` = (row, tail) (plain only), the rows from `row` on go to
+/// `tail`, `[tokens, n - row]`, as [`super::gemm::Gemm::plan_apart`]
+/// writes them (out keeping its rows of `n`).
 pub fn plan(
     gpu: &Gpu,
     n: usize,
     epilogue: Epilogue,
     (y, parts): (&wgpu::Buffer, usize),
-    out: &wgpu::Buffer,
+    (out, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
 ) -> Result<Dispatch> {
-    let (flags, outputs): (&[&str], usize) = match epilogue {
-        Epilogue::Plain => (&[], n),
-        Epilogue::Swiglu => (&[SWIGLU], n / 2),
+    let (flags, outputs): (&[&str], usize) = match (epilogue, apart) {
+        (Epilogue::Plain, None) => (&[], n),
+        (Epilogue::Plain, Some(_)) => (&[APART], n),
+        (Epilogue::Swiglu, None) => (&[SWIGLU], n / 2),
+        (Epilogue::Swiglu, Some(_)) => {
+            return Err(crate::Error::Unsupported {
+                what: "gated sums written apart",
+                value: format!("{n} rows"),
+            });
+        }
     };
     let pipeline = super::pipeline(gpu, "split_sum", "main", flags, &[])?;
-    let params = ParamsBuffer::new(gpu, "split_sum.params", &SplitSumParams { n: n as u32, k: parts as u32 });
+    let apart_row = apart.map_or(n, |(row, _)| row) as u32;
+    let params = SplitSumParams { n: n as u32, k: parts as u32, apart_row };
+    let params = ParamsBuffer::new(gpu, "split_sum.params", &params);
+    let mut buffers = vec![&params.0, y, out];
+    buffers.extend(apart.map(|(_, tail)| tail));
     Ok(Dispatch {
         label: "split_sum",
-        bind_group: gpu.bind("split_sum", &pipeline, &[&params.0, y, out]),
+        bind_group: gpu.bind("split_sum", &pipeline, &buffers),
         pipeline,
         workgroups: [(outputs as u32).div_ceil(WG), 1, 1],
         tokens_per_workgroup: 1,
@@ -52,5 +71,5 @@ pub fn plan(
 /// Every flag set of `wgsl/split_sum.wgsl`'s builds.
 #[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
-    vec![vec![], vec![SWIGLU]]
+    vec![vec![], vec![SWIGLU], vec![APART]]
 }
