@@ -496,9 +496,10 @@ impl Gemm {
     /// The ranges of k [`Self::plan_summed`] splits `weight`'s product over
     /// `max_tokens` tokens into (over few tokens see
     /// [`gemm_coop::Tile::few_tokens`], in the tiles of its first part's
-    /// format, else, reading f16 copies, [`gemm_coop::Tile::k_splits`]): 1
-    /// for a product that does not split, or a tensor of several parts over
-    /// more tokens.
+    /// format, for its smallest part: the parts run one after another, each
+    /// in these ranges, so each must fill the GPU; else, reading f16
+    /// copies, [`gemm_coop::Tile::k_splits`]): 1 for a product that does
+    /// not split, or a tensor of several parts over more tokens.
     pub fn summed_splits(&self, gpu: &Gpu, weight: &GpuTensor, max_tokens: usize) -> usize {
         let GemmKernel::Cooperative { split: false, tile: None } = self.kernel else { return 1 };
         if !weight.parts.iter().all(|p| on_matrix_units(p, weight.cols)) {
@@ -507,8 +508,8 @@ impl Gemm {
         let flags = gemm_coop::flags(gpu, weight.parts[0].format, false);
         if max_tokens <= gemm_coop::FEW_TOKENS {
             let max = gemm_coop::MAX_FEW_TOKEN_K_SPLITS;
-            return gemm_coop::Tile::few_tokens(weight.rows, weight.cols, max_tokens, &flags, max)
-                .map_or(1, |f| f.1);
+            let rows = weight.parts.iter().map(|p| p.rows).min().unwrap_or(weight.rows);
+            return gemm_coop::Tile::few_tokens(rows, weight.cols, max_tokens, &flags, max).map_or(1, |f| f.1);
         }
         if weight.parts.len() > 1 || !self.takes_half_copies(weight) {
             return 1;
