@@ -86,6 +86,15 @@ struct Args {
     /// With --devices: each device's share of the layers (e.g. 3,1).
     #[arg(long, value_delimiter = ',', requires = "devices")]
     split: Vec<f64>,
+    /// GPU memory the weights may take on each device (24GiB, 512MiB,
+    /// bytes): a MoE model that does not fit streams its experts from host
+    /// memory into the GPU slots the rest leaves.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    gpu_memory: Option<u64>,
+    /// GPU slots per MoE layer (at least the router's top-k), instead of
+    /// --gpu-memory: fewer than the experts streams them.
+    #[arg(long, value_name = "N", conflicts_with = "gpu_memory")]
+    expert_slots: Option<usize>,
 }
 
 /// `NAME=FILE`.
@@ -149,6 +158,7 @@ fn run(args: Args) -> CliResult<()> {
         max_body: usize::try_from(args.max_body)?,
         control_vectors: args.control_vector,
         control_vector_layers: args.control_vector_layer_range.map(|r| r[0]..=r[1]),
+        load: wgspark::LoadOptions { gpu_memory: args.gpu_memory, expert_slots: args.expert_slots },
         ..ServerOptions::new(&model)
     };
     let shares = (!args.split.is_empty()).then_some(args.split.as_slice());

@@ -244,7 +244,7 @@ impl<'m> Session<'m> {
             return Err(Error::InvalidPrefillChunk);
         }
         let gpu = &model.gpu;
-        if let (Some(experts), RoutingMode::DeviceResident) = (&model.experts, options.routing) {
+        if let (Some(experts), RoutingMode::DeviceResident) = (model.streamed_experts(), options.routing) {
             return Err(Error::Unsupported {
                 what: "device-resident routing with streamed experts (the host places each dispatch's experts)",
                 value: format!(
@@ -746,7 +746,7 @@ impl<'m> Session<'m> {
         let routing = RoutingContext {
             mode: self.routing,
             readback: &self.routing_readback,
-            experts: None,
+            experts: self.model.experts.as_ref(),
             prefetch: self.expert_prefetch,
         };
         self.plan.forward(&mut rec, act, &step, Head::None, &routing, None)?;
@@ -766,7 +766,7 @@ impl<'m> Session<'m> {
             let routing = RoutingContext {
                 mode: self.routing,
                 readback: &part.flow.routing_readback,
-                experts: None,
+                experts: part.model.experts.as_ref(),
                 prefetch: self.expert_prefetch,
             };
             let part_head = if i == last { head } else { Head::None };

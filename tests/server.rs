@@ -875,3 +875,36 @@ fn a_split_model_serves_the_lone_session_ids() {
         assert_eq!(tokens, want, "temperature {temperature}, streamed");
     }
 }
+
+/// A MoE model larger than its GPU budget is served with its experts
+/// streamed (`ServerOptions::load`), on one device and split across two
+/// (each streaming its own layers' experts into top-k slots): greedy
+/// completions of an id prompt give the ids of a lone session with every
+/// expert resident.
+#[test]
+fn streamed_experts_serve_the_resident_ids() {
+    let dir = fixture_dir("mixtral_deep");
+    let model = Model::load(&dir, &gpu()).unwrap();
+    let top_k = model.config.moe.as_ref().unwrap().top_k;
+    let prompt = [5u32, 9, 2, 7, 1, 3];
+    let options = GenerateOptions { max_tokens: 6, ..Default::default() };
+    let want = lone_ids(&model, &prompt, &options, None);
+    let backend = common::backends()[0];
+    let second = Gpu::new(&wgspark::GpuOptions { backend, ..Default::default() }).unwrap();
+    for gpus in [vec![gpu()], vec![gpu(), second]] {
+        let options = ServerOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            log_requests: false,
+            kv_format: KvFormat::F32,
+            load: wgspark::LoadOptions { expert_slots: Some(top_k), ..Default::default() },
+            ..ServerOptions::new(&dir)
+        };
+        let server = Server::start_split(&gpus, None, options, |_| {}).unwrap();
+        server.wait_until_loaded().unwrap();
+        let agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let running = Running { server, agent };
+        let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": true});
+        let reply = running.post("/v1/completions", &body).json();
+        assert_eq!(ids(&reply["choices"][0]["token_ids"]), want, "{} devices: {reply}", gpus.len());
+    }
+}

@@ -106,6 +106,64 @@ fn a_split_refuses_with_typed_errors() {
     assert!(matches!(timed, Some(wgspark::Error::Unsupported { .. })), "{timed:?}");
 }
 
+/// Each device of a split streams the experts of its own layers into its
+/// own slots: on every MoE fixture, split at its middle layer with top-k
+/// slots per MoE layer, the logits are the resident single device's within
+/// 1e-5 and the ids the same, and the expert cache serves exactly what one
+/// device streaming every layer serves (each layer's slots behave as they
+/// would there). A budget per device too small for its layers' slots names
+/// the device.
+#[test]
+fn streamed_experts_across_a_split_give_the_single_device_logits() {
+    use wgspark::{RoutingMode, SessionOptions};
+    let first = common::gpu(Backend::Vulkan);
+    let second = Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
+    let options = SessionOptions { routing: RoutingMode::Readback, ..exact() };
+    let run = |model: &Model, prompt: &[u32], steps: usize| {
+        let mut session = model.session(&options).unwrap();
+        let mut logits = vec![session.prefill(prompt).unwrap()];
+        while logits.len() < steps {
+            let id = argmax(logits.last().unwrap());
+            logits.push(session.step(id, session.position()).unwrap());
+        }
+        let cache = session.stats().expert_cache;
+        (logits, (cache.hits, cache.misses))
+    };
+    let mut checked = 0;
+    for case in cases() {
+        let whole = Model::load(&case.dir, &first).unwrap();
+        let c = &whole.config;
+        let (Some(moe), None, true) = (&c.moe, &c.vision, c.layers >= 2) else { continue };
+        let load = LoadOptions { expert_slots: Some(moe.top_k), ..Default::default() };
+        let e = &case.expected;
+        let steps = e.generated_ids.len().clamp(1, 4);
+        let (want, _) = run(&whole, &e.prompt_ids, steps);
+        let one_device = Model::load_with(&case.dir, &first, &load, |_| {}).unwrap();
+        let (_, want_cache) = run(&one_device, &e.prompt_ids, steps);
+        let boundary = c.layers / 2;
+        let shares = [boundary as f64, (c.layers - boundary) as f64];
+        let gpus = [first.clone(), second.clone()];
+        let split = Model::load_split(&case.dir, &gpus, Some(&shares), &load, |_| {}).unwrap();
+        let (got, cache) = run(&split, &e.prompt_ids, steps);
+        let err = got.iter().zip(&want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+        let ids = |rows: &[Vec<f32>]| rows.iter().map(|r| argmax(r)).collect::<Vec<_>>();
+        assert!(err <= 1e-5 && ids(&got) == ids(&want), "{}: max |logit error| {err:.2e}", case.name);
+        assert!(
+            cache == want_cache && cache.1 > 0,
+            "{}: hits, misses {cache:?} against {want_cache:?}",
+            case.name
+        );
+        checked += 1;
+    }
+    assert!(checked >= 8, "MoE fixtures split: {checked}");
+
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mixtral_deep");
+    let tight = LoadOptions { gpu_memory: Some(1000), ..Default::default() };
+    let err = Model::load_split(&dir, &[first, second], None, &tight, |_| {}).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, wgspark::Error::OutOfDeviceMemory { .. }) && text.contains("on 0: "), "{text}");
+}
+
 /// A middle device holds neither the embedding nor the head: three lavapipe
 /// devices, the layers of a random-weight model in shares 1 : 2 : 1, give
 /// the logits of the same model (same seed) on one device.
@@ -266,7 +324,8 @@ fn capture_across_a_split_gives_the_single_device_rows() {
 /// layers and runs the same rows, the last one the head and the selection.
 /// Sequences joining at different steps, greedy and seeded, steered and
 /// not, give the ids, logits and stop reasons of the same engine on one
-/// device, and every block comes back.
+/// device, with every expert resident or streamed on each device, and
+/// every block comes back.
 #[test]
 fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
     use std::collections::HashMap;
@@ -277,9 +336,13 @@ fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
     let first = common::gpu(Backend::Vulkan);
     let second = Gpu::new(&GpuOptions { backend: Backend::Vulkan, ..Default::default() }).unwrap();
     let whole = Model::load(&dir, &first).unwrap();
-    let split = Model::load_split(&dir, &[first, second], None, &LoadOptions::default(), |_| {}).unwrap();
+    let gpus = [first, second];
+    let split = Model::load_split(&dir, &gpus, None, &LoadOptions::default(), |_| {}).unwrap();
     assert_eq!(split.layer_split().len(), 2);
     let c = &whole.config;
+    let top_k = c.moe.as_ref().unwrap().top_k;
+    let streaming = LoadOptions { expert_slots: Some(top_k), ..Default::default() };
+    let streamed = Model::load_split(&dir, &gpus, None, &streaming, |_| {}).unwrap();
     let vector = ControlVector::load(fixtures.join("steering/mixtral_deep/llama_cpp.gguf")).unwrap();
     let steering = Steering::new(c, &[(vector, 1.0)], None).unwrap();
     let random = Sampling::Random { temperature: 0.8, top_k: Some(20), top_p: None };
@@ -327,8 +390,13 @@ fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
         assert_eq!(engine.stats().blocks_used, 0, "every block comes back");
         ids.iter().map(|id| outputs.remove(id).unwrap()).collect::<Vec<_>>()
     };
-    let (want, got) = (run(&whole), run(&split));
-    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+    let want = run(&whole);
+    let streamed_runs = run(&streamed);
+    let cache = streamed.experts().expect("the first device streams its experts").totals();
+    assert!(cache.misses > 0, "{cache:?}");
+    for (i, (got, want)) in [run(&split), streamed_runs].iter().flatten().zip(want.iter().cycle()).enumerate()
+    {
+        let i = i % requests.len();
         let ids = |o: &[wgspark::batch::Output]| o.iter().map(|o| (o.token, o.finish)).collect::<Vec<_>>();
         assert_eq!(ids(got), ids(want), "request {i}: ids and stop reasons");
         for (g, w) in got.iter().zip(want) {

@@ -549,7 +549,7 @@ impl<'m> BatchEngine<'m> {
                 options.max_sequences, options.step_tokens, options.block_size
             )));
         }
-        if model.experts.is_some() && options.routing == RoutingMode::DeviceResident {
+        if model.streamed_experts().is_some() && options.routing == RoutingMode::DeviceResident {
             return Err(Error::Unsupported {
                 what: "device-resident routing with streamed experts (the host places each dispatch's experts)",
                 value: "a batch engine".into(),

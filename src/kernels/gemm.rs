@@ -509,7 +509,8 @@ impl Gemm {
         if max_tokens <= gemm_coop::FEW_TOKENS {
             let max = gemm_coop::MAX_FEW_TOKEN_K_SPLITS;
             let rows = weight.parts.iter().map(|p| p.rows).min().unwrap_or(weight.rows);
-            return gemm_coop::Tile::few_tokens(rows, weight.cols, max_tokens, &flags, max).map_or(1, |f| f.1);
+            return gemm_coop::Tile::few_tokens(rows, weight.cols, max_tokens, &flags, max)
+                .map_or(1, |f| f.1);
         }
         if weight.parts.len() > 1 || !self.takes_half_copies(weight) {
             return 1;

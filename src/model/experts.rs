@@ -199,13 +199,13 @@ impl ExpertStreaming {
     }
 
     /// Fills slot `s` of every streamed layer with expert `s`, as the
-    /// slot tables start.
-    pub fn fill_slots(&self, gpu: &Gpu, weights: &super::Weights) -> Result<()> {
+    /// slot tables start; `weights` hold the model's layers from
+    /// `first_layer` on (a device's part of a split model).
+    pub fn fill_slots(&self, gpu: &Gpu, weights: &super::Weights, first_layer: usize) -> Result<()> {
         let mut cache = self.cache.lock().unwrap();
         for (layer, streamed) in self.layers.iter().enumerate() {
-            let (Some(streamed), super::FfnWeights::Moe(moe)) = (streamed, &weights.layers[layer].ffn) else {
-                continue;
-            };
+            let Some(streamed) = streamed else { continue };
+            let super::FfnWeights::Moe(moe) = &weights.layers[layer - first_layer].ffn else { continue };
             let placements: Vec<(usize, usize)> = (0..self.slots).map(|s| (s, s)).collect();
             self.upload(gpu, &mut cache.ring, streamed, (&moe.gate_up, &moe.down), &placements)?;
         }

@@ -63,9 +63,10 @@ use crate::progress::Progress;
 /// How a model is placed on the GPU.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadOptions {
-    /// Bytes of GPU memory the weights may take: the resident weights
-    /// first, the rest as expert slots. A MoE model whose experts do not
-    /// all fit then streams them (`generate --gpu-memory`).
+    /// Bytes of GPU memory the weights may take (on each device of a
+    /// split): the resident weights first, the rest as expert slots. A MoE
+    /// model whose experts do not all fit then streams them (`generate
+    /// --gpu-memory`).
     pub gpu_memory: Option<u64>,
     /// GPU slots per MoE layer (at least the router's top-k), instead of a
     /// budget: fewer than the experts streams them (`--expert-slots`).
@@ -100,13 +101,26 @@ struct StreamingPlan {
     layers: Vec<Option<StreamedLayer>>,
 }
 
-/// The streaming a model's options ask for (`None`: every weight is
-/// resident), after checking what is placed against the device's budget.
+/// A device's budget error in a split, naming the device and its layers.
+fn on_device(e: Error, part: &split::StagePart, device: &str) -> Error {
+    match e {
+        Error::OutOfDeviceMemory { what, needed_bytes, message } => Error::OutOfDeviceMemory {
+            what: format!("{what} of layers {}..{} on {device}", part.layers.start, part.layers.end),
+            needed_bytes,
+            message,
+        },
+        e => e,
+    }
+}
+
+/// The streaming a model's options ask for on the device that holds
+/// `part` of it (`bytes` of weights; `None`: every weight is resident),
+/// after checking what is placed against the device's budget.
 fn plan_streaming(
     gpu: &Gpu,
     c: &ModelConfig,
     source: &dyn TensorSource,
-    total_bytes: u64,
+    (part, total_bytes): (&split::StagePart, u64),
     options: &LoadOptions,
 ) -> Result<Option<StreamingPlan>> {
     let resident_only = |bytes: u64| -> Result<Option<StreamingPlan>> {
@@ -129,9 +143,13 @@ fn plan_streaming(
     let Some(moe) = c.moe.as_ref().filter(|_| !options.streams_nothing()) else {
         return resident_only(total_bytes);
     };
+    let streams = |l: usize| part.layers.contains(&l) && moe.sparse_layers[l];
     let layers = (0..c.layers)
-        .map(|l| moe.sparse_layers[l].then(|| streamed_layer(c, moe, source, l)).transpose())
+        .map(|l| streams(l).then(|| streamed_layer(c, moe, source, l)).transpose())
         .collect::<Result<Vec<_>>>()?;
+    if layers.iter().all(Option::is_none) {
+        return resident_only(total_bytes);
+    }
     let per_slot: u64 = layers.iter().flatten().map(|s| s.expert_bytes(c.hidden, moe.intermediate)).sum();
     let resident = total_bytes.saturating_sub(moe.experts as u64 * per_slot);
     let slots = match (options.expert_slots, options.gpu_memory) {
@@ -343,8 +361,12 @@ impl Model {
     /// budget (or memory), or to `shares`, one per device. The first
     /// device holds the embedding, the last the final norm and the head.
     /// Sessions run each token through the devices in turn, the residual
-    /// rows copied from one to the next through host memory. Experts do
-    /// not stream in a split, and a split model has no vision tower.
+    /// rows copied from one to the next through host memory. A split
+    /// model has no vision tower. Where `options` stream experts, each
+    /// device streams those of its layers: [`LoadOptions::gpu_memory`] is
+    /// then each device's budget (and, without `shares`, the layers are
+    /// shared out equally), [`LoadOptions::expert_slots`] each of its MoE
+    /// layers' slots.
     pub fn load_split(
         path: impl AsRef<Path>,
         gpus: &[Gpu],
@@ -409,26 +431,38 @@ impl Model {
         options: &LoadOptions,
         (what, progress): (&str, &mut dyn FnMut(Progress<'_>)),
     ) -> Result<Model> {
-        let streaming = plan_streaming(gpu, &config, source.as_ref(), bytes, options)?;
-        let kernels = Kernels::new(gpu)?;
-        progress(Progress::Begin { what, total_bytes: Some(bytes) });
         let part = split::StagePart::whole(config.layers);
-        let weights = upload(gpu, &config, source.as_ref(), (streaming.as_ref(), &part), progress)?;
+        let streaming = plan_streaming(gpu, &config, source.as_ref(), (&part, bytes), options)?;
+        progress(Progress::Begin { what, total_bytes: Some(bytes) });
+        let model = Self::place_part(&config, gpu, source, (part, streaming), progress)?;
+        progress(Progress::End);
+        Ok(model)
+    }
+
+    /// The model's `part` on `gpu`, its experts streamed as `streaming`
+    /// plans (from `source`, as the weights).
+    fn place_part(
+        config: &ModelConfig,
+        gpu: &Gpu,
+        source: Arc<dyn TensorSource + Send + Sync>,
+        (part, streaming): (split::StagePart, Option<StreamingPlan>),
+        progress: &mut dyn FnMut(Progress<'_>),
+    ) -> Result<Model> {
+        let weights = upload(gpu, config, source.as_ref(), (streaming.as_ref(), &part), progress)?;
         let experts = match (streaming, &config.moe) {
             (Some(plan), Some(moe)) => {
                 let experts =
                     ExpertStreaming::new(gpu, source, moe, (config.hidden, plan.slots), plan.layers);
-                experts.fill_slots(gpu, &weights)?;
+                experts.fill_slots(gpu, &weights, part.layers.start)?;
                 Some(experts)
             }
             _ => None,
         };
-        progress(Progress::End);
         Ok(Model {
-            config,
+            config: config.clone(),
             gpu: gpu.clone(),
             weights,
-            kernels,
+            kernels: Kernels::new(gpu)?,
             experts,
             tokenizer_source: None,
             image_processor: None,
@@ -449,37 +483,45 @@ impl Model {
         options: &LoadOptions,
         (what, progress): (&str, &mut dyn FnMut(Progress<'_>)),
     ) -> Result<Model> {
-        if !options.streams_nothing() || config.vision.is_some() {
+        if config.vision.is_some() {
             return Err(Error::Unsupported {
-                what: "a split across devices with streamed experts or a vision tower",
+                what: "a split across devices of a model with a vision tower",
                 value: format!("{} over {} devices", config.model_type, gpus.len()),
             });
         }
+        let name = |i: usize, gpu: &Gpu| format!("{i}: {}", gpu.info.name);
         let rooms: Vec<split::DeviceRoom> = gpus
             .iter()
             .enumerate()
             .map(|(i, gpu)| split::DeviceRoom {
-                name: format!("{i}: {}", gpu.info.name),
-                bytes: gpu.caps.memory_budget.or(gpu.caps.device_memory).unwrap_or(u64::MAX),
+                name: name(i, gpu),
+                bytes: options
+                    .gpu_memory
+                    .or(gpu.caps.memory_budget)
+                    .or(gpu.caps.device_memory)
+                    .unwrap_or(u64::MAX),
             })
             .collect();
-        let ranges = split::split_layers(&split::SplitBytes::estimate(&config, bytes), &rooms, shares)?;
-        progress(Progress::Begin { what, total_bytes: Some(bytes) });
+        let split_bytes = split::SplitBytes::estimate(&config, bytes);
+        // Where experts stream, each device streams its own layers' within
+        // its room: the layers are shared out whatever their bytes.
+        let ranges = match options.streams_nothing() {
+            true => split::split_layers(&split_bytes, &rooms, shares)?,
+            false => split::share_layers(&split_bytes, &rooms, shares)?,
+        };
         let last = ranges.len() - 1;
-        let mut parts = Vec::with_capacity(ranges.len());
+        let mut plans = Vec::with_capacity(ranges.len());
         for (i, (layers, gpu)) in ranges.into_iter().zip(gpus).enumerate() {
             let part = split::StagePart { layers, begins: i == 0, ends: i == last };
-            parts.push(Model {
-                config: config.clone(),
-                gpu: gpu.clone(),
-                weights: upload(gpu, &config, source.as_ref(), (None, &part), progress)?,
-                kernels: Kernels::new(gpu)?,
-                experts: None,
-                tokenizer_source: None,
-                image_processor: None,
-                part,
-                next_parts: Vec::new(),
-            });
+            let part_bytes = split_bytes.of(&part);
+            let streaming = plan_streaming(gpu, &config, source.as_ref(), (&part, part_bytes), options)
+                .map_err(|e| on_device(e, &part, &name(i, gpu)))?;
+            plans.push((part, streaming));
+        }
+        progress(Progress::Begin { what, total_bytes: Some(bytes) });
+        let mut parts = Vec::with_capacity(plans.len());
+        for ((part, streaming), gpu) in plans.into_iter().zip(gpus) {
+            parts.push(Self::place_part(&config, gpu, source.clone(), (part, streaming), progress)?);
         }
         progress(Progress::End);
         let mut first = parts.remove(0);
@@ -504,6 +546,12 @@ impl Model {
     /// layers (none: the model is on one device).
     pub(crate) fn next_parts(&self) -> &[Model] {
         &self.next_parts
+    }
+
+    /// The expert streaming of the first device that streams experts (of
+    /// any device of a split).
+    pub(crate) fn streamed_experts(&self) -> Option<&ExpertStreaming> {
+        std::iter::once(self).chain(&self.next_parts).find_map(|part| part.experts.as_ref())
     }
 
     /// The layers each device holds, in device order (one range where the

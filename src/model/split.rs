@@ -67,16 +67,37 @@ impl SplitBytes {
         let layers = total.saturating_sub(matrix + tied) / config.layers.max(1) as u64;
         SplitBytes { layers: vec![layers; config.layers], first: matrix, last: matrix }
     }
+
+    /// The bytes `part` holds: its layers', and the embedding or the head
+    /// where it begins or ends the model.
+    pub fn of(&self, part: &StagePart) -> u64 {
+        let layers: u64 = self.layers[part.layers.clone()].iter().sum();
+        layers + if part.begins { self.first } else { 0 } + if part.ends { self.last } else { 0 }
+    }
 }
 
-/// The layers each of `devices` holds, in order: the boundaries fall where
-/// the layers' bytes before them come nearest each device's share of all
-/// the layers' bytes (its room, or its entry of `shares`), every device
-/// with at least one layer. Fails with [`Error::InvalidSplit`] for shares
-/// that are not one positive number per device, or more devices than
-/// layers, and with [`Error::OutOfDeviceMemory`] naming the first device
-/// whose layers (and embedding or head) exceed its room, and by how much.
+/// The layers each of `devices` holds, in order, as [`share_layers`]
+/// divides them; fails with [`Error::OutOfDeviceMemory`] naming the first
+/// device whose layers (and embedding or head) exceed its room, and by how
+/// much.
 pub fn split_layers(
+    bytes: &SplitBytes,
+    devices: &[DeviceRoom],
+    shares: Option<&[f64]>,
+) -> Result<Vec<Range<usize>>> {
+    let ranges = share_layers(bytes, devices, shares)?;
+    check_room(bytes, devices, &ranges)?;
+    Ok(ranges)
+}
+
+/// The layers each of `devices` holds, in order, whatever their room (a
+/// device whose experts stream needs less than its layers' bytes): the
+/// boundaries fall where the layers' bytes before them come nearest each
+/// device's share of all the layers' bytes (its room, or its entry of
+/// `shares`), every device with at least one layer. Fails with
+/// [`Error::InvalidSplit`] for shares that are not one positive number per
+/// device, or more devices than layers.
+pub fn share_layers(
     bytes: &SplitBytes,
     devices: &[DeviceRoom],
     shares: Option<&[f64]>,
@@ -110,7 +131,6 @@ pub fn split_layers(
         ranges.push(start..end);
         start = end;
     }
-    check_room(bytes, devices, &ranges)?;
     Ok(ranges)
 }
 

@@ -16,6 +16,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{LoadState, ServerError, ServerOptions, Shared};
+use crate::Gpu;
 use crate::batch::{BatchEngine, BatchOptions, Output, Request, SequenceId};
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
@@ -25,7 +26,6 @@ use crate::progress::Progress;
 use crate::steering::{ControlVector, Steering};
 use crate::tokenizer::Tokenizer;
 use crate::vision::ImageProcessor;
-use crate::{Gpu, LoadOptions};
 
 /// What the handlers know of the model served: enough to tokenize, render
 /// chat templates and check requests without the GPU thread.
@@ -107,14 +107,8 @@ pub(super) fn spawn(
 ) -> std::result::Result<JoinHandle<()>, ServerError> {
     let body = move || {
         let model = match gpus.as_slice() {
-            [gpu] => Model::load_with_progress(&options.model, gpu, &mut progress),
-            _ => Model::load_split(
-                &options.model,
-                &gpus,
-                shares.as_deref(),
-                &LoadOptions::default(),
-                &mut progress,
-            ),
+            [gpu] => Model::load_with(&options.model, gpu, &options.load, &mut progress),
+            _ => Model::load_split(&options.model, &gpus, shares.as_deref(), &options.load, &mut progress),
         };
         let model = match model {
             Ok(model) => model,

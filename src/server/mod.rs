@@ -37,9 +37,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use crate::Gpu;
 use crate::kv_cache::KvFormat;
 use crate::progress::Progress;
+use crate::{Gpu, LoadOptions};
 
 use engine_thread::ModelInfo;
 use metrics::Metrics;
@@ -82,6 +82,9 @@ pub struct ServerOptions {
     pub control_vector_layers: Option<RangeInclusive<usize>>,
     /// Print a line per request to stderr.
     pub log_requests: bool,
+    /// How the weights are placed: a MoE model larger than the GPU (each
+    /// GPU of a split) streams its experts from host memory.
+    pub load: LoadOptions,
 }
 
 /// Default for [`ServerOptions::step_tokens`]: half the batch engine's, so
@@ -111,6 +114,7 @@ impl ServerOptions {
             control_vectors: Vec::new(),
             control_vector_layers: None,
             log_requests: true,
+            load: LoadOptions::default(),
         }
     }
 }
@@ -180,7 +184,7 @@ impl Server {
         options: ServerOptions,
         progress: impl FnMut(Progress<'_>) + Send + 'static,
     ) -> Result<Server, ServerError> {
-        Self::start_split(&[gpu.clone()], None, options, progress)
+        Self::start_split(std::slice::from_ref(gpu), None, options, progress)
     }
 
     /// [`Self::start`] with the model's layers split across `gpus`
