@@ -310,13 +310,14 @@ struct Row {
     decode: bool,
 }
 
-/// Keys per split of a decode row's attention, and most splits.
 /// The default [`BatchOptions::expert_gemm_rows`]. On an NVIDIA H200, a
 /// step of 16 sequences of `qwen3-30b-a3b-16l` in Q4_K_M (one row per
 /// expert) decodes 2.2 times as fast with its experts on the GEMV as on the
 /// grouped GEMM; at 64 sequences (four per expert) the GEMM is ahead.
 pub const EXPERT_GEMM_ROWS: usize = 4;
 
+/// Keys per split of a decode row's attention, and most splits: fixed, so
+/// that a row's splits depend on its own keys alone.
 const SPLIT_KEYS: usize = 64;
 const MAX_SPLITS: usize = 16;
 /// The partial slot of a row that does not split.
