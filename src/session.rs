@@ -587,6 +587,10 @@ impl<'m> Session<'m> {
         }
         let size = self.activations.max_tokens;
         let chunks = tokens.len().div_ceil(size);
+        if self.split.is_some() && !images {
+            let ranges: Vec<_> = (0..chunks).map(|i| i * size..((i + 1) * size).min(tokens.len())).collect();
+            return self.submit_split(Some(tokens), &ranges, head, id_slot, false);
+        }
         let mut last = None;
         for i in 0..chunks {
             let range = i * size..((i + 1) * size).min(tokens.len());
@@ -656,7 +660,13 @@ impl<'m> Session<'m> {
         media: Option<(&ChunkMedia<'_>, &[[u32; 3]])>,
     ) -> Result<wgpu::SubmissionIndex> {
         if self.split.is_some() {
-            return self.submit_split(tokens, n_tokens, head, id_slot, media.is_some());
+            return self.submit_split(
+                tokens,
+                std::slice::from_ref(&(0..n_tokens)),
+                head,
+                id_slot,
+                media.is_some(),
+            );
         }
         let gpu = &self.model.gpu;
         let act = &self.activations;
@@ -711,94 +721,133 @@ impl<'m> Session<'m> {
         Ok(index)
     }
 
-    /// [`Self::submit`] for a model split across devices: `n_tokens`
-    /// tokens through the first device's layers, their residual rows read
-    /// back and written to the next device, and so on; the last device
-    /// runs `head`. A sampled id comes back from the last device and goes
-    /// to the first device's tokens, where the next step takes it, and
-    /// (with `id_slot`) on to that readback slot. Each submission waits for
-    /// the one before it, the device after needing its rows: a split runs
-    /// one step at a time. Images are refused there.
+    /// [`Self::submit`] for a model split across devices, over the chunks
+    /// `chunks` of `tokens` (`None`: one token, the id the GPU chose last,
+    /// already in place) from the current position. The chunks run in
+    /// waves: in wave w device d runs chunk w - d on the residual rows
+    /// device d - 1 gave at the end of the wave before, so that the devices
+    /// work on different chunks of a prompt at once (a chunk's keys and
+    /// values on each device are written before the next chunk reaches it).
+    /// The last device runs `head` on the last chunk. A sampled id comes
+    /// back from the last device and goes to the first device's tokens,
+    /// where the next step takes it, and (with `id_slot`) on to that
+    /// readback slot: steps after a prompt run one at a time. Images are
+    /// refused there.
     fn submit_split(
         &mut self,
         tokens: Option<&[u32]>,
-        n_tokens: usize,
+        chunks: &[std::ops::Range<usize>],
         head: Head,
         id_slot: Option<usize>,
         media: bool,
     ) -> Result<wgpu::SubmissionIndex> {
+        let devices = self.model.next_parts().len() + 1;
         if media {
             return Err(Error::Unsupported {
                 what: "images in the prompt of a model split across devices (it has no vision tower)",
-                value: format!("a model split across {} devices", self.model.next_parts().len() + 1),
+                value: format!("a model split across {devices} devices"),
             });
         }
-        let (config, len) = (&self.model.config, self.len);
-        let row_bytes = (n_tokens * config.hidden * 4) as u64;
-        let Some((rows_readback, parts)) = self.split.as_mut() else { unreachable!("a split session") };
-        // The first device: the embedding and its layers.
-        let (gpu, act) = (&self.model.gpu, &self.activations);
-        if let Some(tokens) = tokens {
-            act.write_tokens(gpu, tokens);
-        }
-        let step = act.write_step(gpu, len, n_tokens, config);
-        let mut rec = Recorder::new(gpu, None, &mut self.stats);
-        let routing = RoutingContext {
-            mode: self.routing,
-            readback: &self.routing_readback,
-            experts: self.model.experts.as_ref(),
-            prefetch: self.expert_prefetch,
-        };
-        self.plan.forward(&mut rec, act, &step, Head::None, &routing, None)?;
-        rows_readback.record(rec.encoder(), &act.x, 0, row_bytes);
-        let captured = record_capture(self.capture.as_ref(), head, n_tokens, rec.encoder());
-        let mut index = rec.finish()?;
-        finish_capture(gpu, self.capture.as_mut(), captured, (len + n_tokens, &index))?;
-        self.stats.capture_readbacks += u64::from(captured.is_some());
-        let mut rows: Vec<f32> = rows_readback.read(gpu, row_bytes)?;
-        let last = parts.len() - 1;
+        let start = self.len;
+        // The residual rows waiting to enter each device.
+        let mut carried: Vec<Option<Vec<f32>>> = vec![None; devices];
+        let mut index = None;
         let mut sampled = None;
-        for (i, part) in parts.iter_mut().enumerate() {
-            let (part_gpu, part_act) = (&part.model.gpu, &part.flow.activations);
-            part_gpu.queue.write_buffer(&part_act.x, 0, bytemuck::cast_slice(&rows));
-            let step = part_act.write_step(part_gpu, len, n_tokens, config);
-            let mut rec = Recorder::new(part_gpu, None, &mut self.stats);
-            let routing = RoutingContext {
-                mode: self.routing,
-                readback: &part.flow.routing_readback,
-                experts: part.model.experts.as_ref(),
-                prefetch: self.expert_prefetch,
-            };
-            let part_head = if i == last { head } else { Head::None };
-            part.flow.plan.forward(&mut rec, part_act, &step, part_head, &routing, None)?;
-            if i < last {
-                part.out.record(rec.encoder(), &part_act.x, 0, row_bytes);
-                let captured = record_capture(part.capture.as_ref(), head, n_tokens, rec.encoder());
-                index = rec.finish()?;
-                finish_capture(part_gpu, part.capture.as_mut(), captured, (len + n_tokens, &index))?;
-                rows = part.out.read(part_gpu, row_bytes)?;
-                continue;
+        for wave in 0..chunks.len() + devices - 1 {
+            let mut sent = Vec::new();
+            for (d, rows) in carried.iter_mut().enumerate() {
+                let Some(c) = wave.checked_sub(d).filter(|&c| c < chunks.len()) else { continue };
+                let range = chunks[c].clone();
+                let chunk_head = if c + 1 == chunks.len() { head } else { Head::None };
+                let input = match d {
+                    0 => SplitInput::Tokens(tokens.map(|t| &t[range.clone()])),
+                    _ => SplitInput::Rows(rows.take().expect("the device before gave this chunk's rows")),
+                };
+                let at = (start + range.start, range.len());
+                index = Some(self.run_split_device(d, at, input, chunk_head)?);
+                sent.push((d, range.len(), chunk_head));
             }
-            match head {
-                Head::Logits => {
-                    part.out.record(rec.encoder(), &part_act.logits, 0, (config.vocab * 4) as u64)
+            for (d, n, chunk_head) in sent {
+                if d + 1 < devices {
+                    carried[d + 1] = Some(self.read_split(d, n * self.model.config.hidden)?);
+                } else if chunk_head == Head::Sample {
+                    sampled = Some(self.read_split::<u32>(d, 1)?[0]);
                 }
-                Head::Sample => part.out.record(rec.encoder(), &part_act.tokens, 0, 4),
-                Head::None => {}
-            }
-            let captured = record_capture(part.capture.as_ref(), head, n_tokens, rec.encoder());
-            index = rec.finish()?;
-            finish_capture(part_gpu, part.capture.as_mut(), captured, (len + n_tokens, &index))?;
-            if head == Head::Sample {
-                sampled = Some(part.out.read::<u32>(part_gpu, 4)?[0]);
             }
         }
+        let mut index = index.expect("a submission has a chunk");
         if let Some(id) = sampled {
             index = self.take_sampled_id(id, id_slot)?;
         }
-        self.positions.record(len, n_tokens, None);
-        self.len += n_tokens;
+        for range in chunks {
+            self.positions.record(start + range.start, range.len(), None);
+        }
+        self.len = start + chunks.last().map_or(0, |r| r.end);
         Ok(index)
+    }
+
+    /// Submits split device `d`'s layers over `n` rows at position `pos`
+    /// (`at`) from `input`: tokens on the first device, the residual rows
+    /// of the device before on the others. Its residual rows go to its
+    /// readback for the device after; the last device runs `head`, its
+    /// logits or its sampled id going there instead.
+    fn run_split_device(
+        &mut self,
+        d: usize,
+        (pos, n): (usize, usize),
+        input: SplitInput<'_>,
+        head: Head,
+    ) -> Result<wgpu::SubmissionIndex> {
+        let Session { model, activations, plan, routing_readback, capture, stats, split, routing, .. } = self;
+        let Some((first_out, parts)) = split.as_mut() else { unreachable!("a split session") };
+        let last = d == parts.len();
+        let (part_model, act, plan, readback, out, capture) = match d {
+            0 => (*model, &*activations, &*plan, &*routing_readback, &*first_out, capture),
+            _ => {
+                let p = &mut parts[d - 1];
+                (p.model, &p.flow.activations, &p.flow.plan, &p.flow.routing_readback, &p.out, &mut p.capture)
+            }
+        };
+        let (gpu, config) = (&part_model.gpu, &part_model.config);
+        match input {
+            SplitInput::Tokens(Some(tokens)) => act.write_tokens(gpu, tokens),
+            SplitInput::Tokens(None) => {}
+            SplitInput::Rows(rows) => gpu.queue.write_buffer(&act.x, 0, bytemuck::cast_slice(&rows)),
+        }
+        let step = act.write_step(gpu, pos, n, config);
+        let mut rec = Recorder::new(gpu, None, stats);
+        let routing = RoutingContext {
+            mode: *routing,
+            readback,
+            experts: part_model.experts.as_ref(),
+            prefetch: self.expert_prefetch,
+        };
+        let device_head = if last { head } else { Head::None };
+        plan.forward(&mut rec, act, &step, device_head, &routing, None)?;
+        match device_head {
+            _ if !last => out.record(rec.encoder(), &act.x, 0, (n * config.hidden * 4) as u64),
+            Head::Logits => out.record(rec.encoder(), &act.logits, 0, (config.vocab * 4) as u64),
+            Head::Sample => out.record(rec.encoder(), &act.tokens, 0, 4),
+            Head::None => {}
+        }
+        let captured = record_capture(capture.as_ref(), head, n, rec.encoder());
+        let index = rec.finish()?;
+        finish_capture(gpu, capture.as_mut(), captured, (pos + n, &index))?;
+        // Counted once per submission, as on one device.
+        self.stats.capture_readbacks += u64::from(d == 0 && captured.is_some());
+        Ok(index)
+    }
+
+    /// The first `words` words split device `d` left in its readback with
+    /// its last submission: its residual rows, or on the last device its
+    /// sampled id.
+    fn read_split<T: bytemuck::Pod>(&self, d: usize, words: usize) -> Result<Vec<T>> {
+        let Some((first_out, parts)) = self.split.as_ref() else { unreachable!("a split session") };
+        let (gpu, out) = match d {
+            0 => (&self.model.gpu, first_out),
+            _ => (&parts[d - 1].model.gpu, &parts[d - 1].out),
+        };
+        out.read(gpu, (words * 4) as u64)
     }
 
     /// Places the id a split's last device sampled in the first device's
@@ -817,6 +866,14 @@ impl<'m> Session<'m> {
         }
         Ok(index)
     }
+}
+
+/// What a split device's submission starts from.
+enum SplitInput<'a> {
+    /// The first device's tokens (`None`: the id already in place).
+    Tokens(Option<&'a [u32]>),
+    /// The residual rows the device before gave.
+    Rows(Vec<f32>),
 }
 
 /// Records the copy of a split device's captured rows of a submission of

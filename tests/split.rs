@@ -15,7 +15,17 @@ use wgspark::{LoadOptions, Model};
 
 /// The prompt's logits and those after each greedy step, and the ids.
 fn run(model: &Model, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
-    let mut session = model.session(&exact()).unwrap();
+    run_with(model, &exact(), prompt, steps)
+}
+
+/// [`run`] in a session opened with `options`.
+fn run_with(
+    model: &Model,
+    options: &wgspark::SessionOptions,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let mut session = model.session(options).unwrap();
     let mut logits = vec![session.prefill(prompt).unwrap()];
     let mut ids = vec![argmax(&logits[0])];
     while ids.len() < steps {
@@ -166,7 +176,9 @@ fn streamed_experts_across_a_split_give_the_single_device_logits() {
 
 /// A middle device holds neither the embedding nor the head: three lavapipe
 /// devices, the layers of a random-weight model in shares 1 : 2 : 1, give
-/// the logits of the same model (same seed) on one device.
+/// the logits of the same model (same seed) on one device, the prompt whole
+/// or in chunks that pipeline across the devices (fewer, as many and more
+/// chunks than devices).
 #[test]
 fn three_devices_give_the_single_device_logits() {
     use wgspark::model::ModelConfig;
@@ -182,10 +194,16 @@ fn three_devices_give_the_single_device_logits() {
     let split = Model::synthetic_split(config(), &gpus, Some(&[1.0, 2.0, 1.0]), 5).unwrap();
     assert_eq!(split.layer_split(), vec![0..1, 1..3, 3..4]);
     let prompt = [3, 1, 4, 1, 5, 9, 2, 6];
-    let (want, want_ids) = run(&whole, &prompt, 4);
-    let (got, ids) = run(&split, &prompt, 4);
-    let err = got.iter().zip(&want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
-    assert!(err <= 1e-5 && ids == want_ids, "max |logit error| {err:.2e}, ids {ids:?} against {want_ids:?}");
+    for prefill_chunk in [None, Some(4), Some(3), Some(1)] {
+        let options = wgspark::SessionOptions { prefill_chunk, ..exact() };
+        let (want, want_ids) = run_with(&whole, &options, &prompt, 4);
+        let (got, ids) = run_with(&split, &options, &prompt, 4);
+        let err = got.iter().zip(&want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+        assert!(
+            err <= 1e-5 && ids == want_ids,
+            "chunks of {prefill_chunk:?}: max |logit error| {err:.2e}, ids {ids:?} against {want_ids:?}"
+        );
+    }
 }
 
 /// `generate` on a split samples on the last device and feeds each id back
@@ -279,10 +297,10 @@ fn steering_across_a_split_gives_the_single_device_logits() {
 
 /// Residual capture reaches every device of a split: each records the
 /// layers it holds, and `take_capture` gives the layers, positions and rows
-/// of the same capture on one device, for every prompt row and for the
-/// last, with steps and with a generation (whose rows past its stop are
-/// dropped); a device holding none of the asked layers still counts the
-/// positions.
+/// of the same capture on one device, the prompt whole and in chunks, for
+/// every prompt row and for the last, with steps and with a generation
+/// (whose rows past its stop are dropped); a device holding none of the
+/// asked layers still counts the positions.
 #[test]
 fn capture_across_a_split_gives_the_single_device_rows() {
     use wgspark::{CaptureOptions, GenerateOptions, PromptRows};
@@ -293,8 +311,8 @@ fn capture_across_a_split_gives_the_single_device_rows() {
     let split = Model::load_split(&dir, &[first, second], None, &LoadOptions::default(), |_| {}).unwrap();
     assert_eq!(split.layer_split(), vec![0..1, 1..2]);
     let prompt = [3, 1, 4, 1, 5];
-    let run = |model: &Model, options: &CaptureOptions| {
-        let mut session = model.session(&exact()).unwrap();
+    let run = |model: &Model, options: &CaptureOptions, prefill_chunk| {
+        let mut session = model.session(&wgspark::SessionOptions { prefill_chunk, ..exact() }).unwrap();
         session.set_capture(Some(options)).unwrap();
         let logits = session.prefill(&prompt).unwrap();
         session.step(argmax(&logits), session.position()).unwrap();
@@ -303,19 +321,20 @@ fn capture_across_a_split_gives_the_single_device_rows() {
         let ids: Vec<u32> = session.generate(&[7, 2], &generate).unwrap().map(Result::unwrap).collect();
         (stepped, session.take_capture().unwrap(), ids)
     };
-    for layers in [None, Some(vec![1]), Some(vec![0])] {
-        for prompt_rows in [PromptRows::All, PromptRows::Last] {
-            let options = CaptureOptions { layers: layers.clone(), prompt_rows };
-            let (want, got) = (run(&whole, &options), run(&split, &options));
-            let what = format!("layers {layers:?}, {prompt_rows:?}");
-            assert_eq!(got.2, want.2, "{what}: ids");
-            for (got, want) in [(&got.0, &want.0), (&got.1, &want.1)] {
-                assert_eq!((&got.layers, &got.positions), (&want.layers, &want.positions), "{what}");
-                assert!(!want.positions.is_empty() && want.rows.iter().all(|r| !r.is_empty()), "{what}");
-                let err =
-                    got.rows.iter().zip(&want.rows).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
-                assert!(err <= 1e-5, "{what}: max |row error| {err:.2e}");
-            }
+    let cases = [None, Some(vec![1]), Some(vec![0])].into_iter().flat_map(|layers| {
+        [PromptRows::All, PromptRows::Last].into_iter().map(move |rows| (layers.clone(), rows))
+    });
+    // The prompt whole, and in chunks of 2 that pipeline across the devices.
+    for ((layers, prompt_rows), chunk) in cases.flat_map(|c| [(c.clone(), None), (c, Some(2))]) {
+        let options = CaptureOptions { layers: layers.clone(), prompt_rows };
+        let (want, got) = (run(&whole, &options, chunk), run(&split, &options, chunk));
+        let what = format!("layers {layers:?}, {prompt_rows:?}, chunks of {chunk:?}");
+        assert_eq!(got.2, want.2, "{what}: ids");
+        for (got, want) in [(&got.0, &want.0), (&got.1, &want.1)] {
+            assert_eq!((&got.layers, &got.positions), (&want.layers, &want.positions), "{what}");
+            assert!(!want.positions.is_empty() && want.rows.iter().all(|r| !r.is_empty()), "{what}");
+            let err = got.rows.iter().zip(&want.rows).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max);
+            assert!(err <= 1e-5, "{what}: max |row error| {err:.2e}");
         }
     }
 }
