@@ -343,8 +343,9 @@ fn capture_across_a_split_gives_the_single_device_rows() {
 /// layers and runs the same rows, the last one the head and the selection.
 /// Sequences joining at different steps, greedy and seeded, steered and
 /// not, give the ids, logits and stop reasons of the same engine on one
-/// device, with every expert resident or streamed on each device, and
-/// every block comes back.
+/// device, with every expert resident or streamed on each device, and with
+/// steps run as passes pipelined across the devices; every block comes
+/// back.
 #[test]
 fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
     use std::collections::HashMap;
@@ -388,8 +389,8 @@ fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
         block_size: 4,
         ..Default::default()
     };
-    let run = |model: &Model| {
-        let mut engine = BatchEngine::new(model, &options).unwrap();
+    let run_with = |model: &Model, options: &BatchOptions| {
+        let mut engine = BatchEngine::new(model, options).unwrap();
         let mut ids = Vec::new();
         let mut outputs: HashMap<_, Vec<_>> = HashMap::new();
         for step in 0.. {
@@ -409,12 +410,15 @@ fn the_batch_engine_on_a_split_gives_the_single_device_outputs() {
         assert_eq!(engine.stats().blocks_used, 0, "every block comes back");
         ids.iter().map(|id| outputs.remove(id).unwrap()).collect::<Vec<_>>()
     };
+    let run = |model: &Model| run_with(model, &options);
     let want = run(&whole);
     let streamed_runs = run(&streamed);
     let cache = streamed.experts().expect("the first device streams its experts").totals();
     assert!(cache.misses > 0, "{cache:?}");
-    for (i, (got, want)) in [run(&split), streamed_runs].iter().flatten().zip(want.iter().cycle()).enumerate()
-    {
+    // Every step of two rows or more as two passes pipelined across the devices.
+    let pipelined = run_with(&split, &BatchOptions { pipeline_rows: 2, ..options.clone() });
+    let runs = [run(&split), streamed_runs, pipelined];
+    for (i, (got, want)) in runs.iter().flatten().zip(want.iter().cycle()).enumerate() {
         let i = i % requests.len();
         let ids = |o: &[wgspark::batch::Output]| o.iter().map(|o| (o.token, o.finish)).collect::<Vec<_>>();
         assert_eq!(ids(got), ids(want), "request {i}: ids and stop reasons");

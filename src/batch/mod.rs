@@ -102,7 +102,17 @@ pub struct BatchOptions {
     /// GPU where it has timestamps ([`BatchStats::last_passes`]): for
     /// profiling; every step then waits for its timestamps.
     pub time_dispatches: bool,
+    /// Fewest rows of a step that, on a model split across devices, runs
+    /// as one pass per device pipelined across them (each pass reads every
+    /// weight again, which pays where a step's rows, not its weights, take
+    /// the time: prompt chunks). Default [`PIPELINE_ROWS`].
+    pub pipeline_rows: usize,
 }
+
+/// The default [`BatchOptions::pipeline_rows`]: a step of the server's
+/// default size, mostly prompt rows (decode steps of up to 64 sequences
+/// stay whole).
+pub const PIPELINE_ROWS: usize = 256;
 
 impl Default for BatchOptions {
     fn default() -> Self {
@@ -121,6 +131,7 @@ impl Default for BatchOptions {
             expert_gemm_rows: None,
             in_flight: crate::session::DEFAULT_IN_FLIGHT,
             time_dispatches: false,
+            pipeline_rows: PIPELINE_ROWS,
         }
     }
 }
@@ -1074,13 +1085,114 @@ impl<'m> BatchEngine<'m> {
     /// Writes a step's inputs and submits its forward pass, the head over
     /// the rows that choose and their selection. With `tokens_on_gpu`, the
     /// rows' tokens are the ones the step before chose, copied there by it.
+    /// On a split, a step of at least [`BatchOptions::pipeline_rows`] rows
+    /// runs as one pass per device over consecutive ranges of its rows, in
+    /// waves: in wave w device d runs pass w - d on the residual rows device
+    /// d - 1 gave at the end of the wave before, so that the devices work
+    /// on different passes at once (a sequence's rows in an earlier pass
+    /// write their keys and values on each device before the later pass
+    /// reaches it).
     fn submit(&mut self, rows: Vec<Row>, tokens_on_gpu: bool) -> Result<Submitted> {
+        let (c, n, devices) = (&self.model.config, rows.len(), self.devices.len());
+        let passes = match devices > 1 && n >= self.options.pipeline_rows.max(devices) {
+            true => devices,
+            false => 1,
+        };
+        let ranges: Vec<std::ops::Range<usize>> =
+            (0..passes).map(|m| n * m / passes..n * (m + 1) / passes).collect();
+        let inputs: Vec<PassInputs> = ranges.iter().map(|r| self.pass_inputs(&rows[r.clone()])).collect();
+        let choosing: Vec<usize> = ranges
+            .iter()
+            .zip(&inputs)
+            .flat_map(|(r, p)| p.choosing.iter().map(move |&i| r.start + i))
+            .collect();
+        let wants_logits = choosing.iter().any(|&i| self.running[rows[i].seq].wants_logits());
+        let slot = self.next_readback;
+        let mut chosen = 0;
+        let mut carried: Vec<Option<Vec<f32>>> = vec![None; devices];
+        let mut index = None;
+        for wave in 0..passes + devices - 1 {
+            let mut sent = Vec::new();
+            for (d, device) in self.devices.iter().enumerate() {
+                let Some(m) = wave.checked_sub(d).filter(|&m| m < passes) else { continue };
+                let (pass, pass_rows) = (&inputs[m], &rows[ranges[m].clone()]);
+                let gpu = &device.model.gpu;
+                device.write_step(&pass.step, (&pass.meta, &pass.table), &pass.rotary, &pass.steer_slots);
+                let media = match d {
+                    0 => {
+                        if !tokens_on_gpu {
+                            let tokens: Vec<u32> =
+                                pass_rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
+                            device.act.write_tokens(gpu, &tokens);
+                        }
+                        step_media(self.model, &device.act, &self.running, pass_rows)?
+                    }
+                    _ => None,
+                };
+                let last = d + 1 == devices;
+                if last {
+                    write_head_inputs(device, pass);
+                }
+                let mut rec = Recorder::new(gpu, self.timer.as_mut(), &mut self.flow_stats);
+                device.forward(
+                    &mut rec,
+                    &pass.step,
+                    carried[d].take().as_deref(),
+                    self.options.routing,
+                    media.as_ref(),
+                )?;
+                if !last {
+                    let bytes = (pass_rows.len() * c.hidden * 4) as u64;
+                    device.rows_out.record(rec.encoder(), &device.act.x, 0, bytes);
+                    rec.finish()?;
+                    sent.push((d, bytes));
+                    continue;
+                }
+                let k = pass.choosing.len();
+                if k > 0 {
+                    let (b, row_bytes) = (&device.buffers, (c.hidden * 4) as u64);
+                    for (j, &i) in pass.choosing.iter().enumerate() {
+                        let (from, to) = (i as u64 * row_bytes, j as u64 * row_bytes);
+                        rec.encoder().copy_buffer_to_buffer(&device.act.x, from, &b.x_rows, to, row_bytes);
+                    }
+                    self.head.encode(&mut rec, k as u32, device.plan.uses_gemm(k));
+                    rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
+                    // The chosen ids are the next decode step's tokens, in order
+                    // (taken from there only where one device runs every layer).
+                    rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &device.act.tokens, 0, (k * 4) as u64);
+                    b.ids[slot].record_at(rec.encoder(), &b.sampled, 0, (chosen * 4) as u64, (k * 4) as u64);
+                    if wants_logits {
+                        let (at, bytes) = ((chosen * c.vocab * 4) as u64, (k * c.vocab * 4) as u64);
+                        b.logits_readback.record_at(rec.encoder(), &b.logits, 0, at, bytes);
+                    }
+                    chosen += k;
+                }
+                index = Some(rec.finish()?);
+            }
+            for (d, bytes) in sent {
+                let device = &self.devices[d];
+                carried[d + 1] = Some(device.rows_out.read(&device.model.gpu, bytes)?);
+            }
+        }
+        let last = self.devices.last().expect("a model is on a device");
+        self.next_readback = (self.next_readback + 1) % last.buffers.ids.len();
+        if chosen > 0 {
+            last.buffers.ids[slot].start_map((chosen * 4) as u64);
+        }
+        let index = index.expect("a step has a pass on the last device");
+        Ok(Submitted { rows, choosing, slot, wants_logits, index })
+    }
+
+    /// The inputs of a pass over `rows`: each row's position, block table
+    /// entry, partial slot and attention tile, the block tables, rotary
+    /// rows and steering slots, the pass's step, and the rows that choose a
+    /// token (their indexes in `rows`) with their sampling.
+    fn pass_inputs(&self, rows: &[Row]) -> PassInputs {
         let c = &self.model.config;
-        let n = rows.len();
-        // The sequences of the step, in order, and their block tables.
+        // The sequences of the pass, in order, and their block tables.
         let mut table_at = vec![usize::MAX; self.running.len()];
         let mut table: Vec<u32> = Vec::new();
-        for r in &rows {
+        for r in rows {
             if table_at[r.seq] == usize::MAX {
                 table_at[r.seq] = table.len();
                 table.extend(&self.running[r.seq].blocks);
@@ -1100,8 +1212,8 @@ impl<'m> BatchEngine<'m> {
             })
             .collect();
         let width = self.rotary_row;
-        let mut rotary: Vec<f32> = Vec::with_capacity(n * width);
-        for r in &rows {
+        let mut rotary: Vec<f32> = Vec::with_capacity(rows.len() * width);
+        for r in rows {
             let text = |pos: usize| &self.rotary[pos * width..(pos + 1) * width];
             match &self.running[r.seq].media {
                 Some(m) if r.pos < m.positions.len() => rotary.extend(c.rotary_row(m.positions[r.pos])),
@@ -1109,7 +1221,7 @@ impl<'m> BatchEngine<'m> {
                 None => rotary.extend_from_slice(text(r.pos)),
             }
         }
-        let choosing: Vec<usize> = (0..n).filter(|&i| rows[i].samples).collect();
+        let choosing: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].samples).collect();
         let sampling: Vec<RowSampling> = choosing
             .iter()
             .map(|&i| {
@@ -1117,70 +1229,11 @@ impl<'m> BatchEngine<'m> {
                 RowSampling::new(seq.request.sampling, seq.request.seed, rows[i].pos + 1, c.vocab)
             })
             .collect();
-        let (first, last) = (&self.devices[0], self.devices.last().expect("a model is on a device"));
-        if !tokens_on_gpu {
-            let tokens: Vec<u32> = rows.iter().map(|r| self.running[r.seq].tokens[r.pos]).collect();
-            first.act.write_tokens(&first.model.gpu, &tokens);
-        }
         let decode_rows = rows.iter().filter(|r| r.decode).count() as u32;
         let attend_tiles = tiles.len() as u32;
-        let step = Step { pos0: 0, n_tokens: n as u32, attn_splits: 1, decode_rows, attend_tiles };
+        let step = Step { pos0: 0, n_tokens: rows.len() as u32, attn_splits: 1, decode_rows, attend_tiles };
         let steer_slots: Vec<u32> = rows.iter().map(|r| self.running[r.seq].steer_slot).collect();
-        for d in &self.devices {
-            d.write_step(&step, (&meta, &table), &rotary, &steer_slots);
-        }
-        let (gpu, b) = (&last.model.gpu, &last.buffers);
-        let head_step = Step { n_tokens: choosing.len() as u32, attn_splits: 1, ..Step::default() };
-        gpu.queue.write_buffer(&b.head_step, 0, bytemuck::bytes_of(&head_step));
-        if !sampling.is_empty() {
-            gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&sampling));
-        }
-
-        // Each device but the last runs its layers and hands the residual
-        // rows to the next through host memory.
-        let media = step_media(self.model, &first.act, &self.running, &rows)?;
-        let mut media = media.as_ref();
-        let row_bytes = (n * c.hidden * 4) as u64;
-        let mut carried: Option<Vec<f32>> = None;
-        for d in &self.devices[..self.devices.len() - 1] {
-            let mut rec = Recorder::new(&d.model.gpu, self.timer.as_mut(), &mut self.flow_stats);
-            d.forward(&mut rec, &step, carried.as_deref(), self.options.routing, media.take())?;
-            d.rows_out.record(rec.encoder(), &d.act.x, 0, row_bytes);
-            rec.finish()?;
-            carried = Some(d.rows_out.read(&d.model.gpu, row_bytes)?);
-        }
-        let mut rec = Recorder::new(gpu, self.timer.as_mut(), &mut self.flow_stats);
-        last.forward(&mut rec, &step, carried.as_deref(), self.options.routing, media.take())?;
-        let k = choosing.len();
-        let wants_logits = choosing.iter().any(|&i| self.running[rows[i].seq].wants_logits());
-        let slot = self.next_readback;
-        self.next_readback = (self.next_readback + 1) % b.ids.len();
-        if k > 0 {
-            let row_bytes = (c.hidden * 4) as u64;
-            for (j, &i) in choosing.iter().enumerate() {
-                rec.encoder().copy_buffer_to_buffer(
-                    &last.act.x,
-                    i as u64 * row_bytes,
-                    &b.x_rows,
-                    j as u64 * row_bytes,
-                    row_bytes,
-                );
-            }
-            self.head.encode(&mut rec, k as u32, last.plan.uses_gemm(k));
-            rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
-            // The chosen ids are the next decode step's tokens, in order
-            // (taken from there only where one device runs every layer).
-            rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &last.act.tokens, 0, (k * 4) as u64);
-            b.ids[slot].record(rec.encoder(), &b.sampled, 0, (k * 4) as u64);
-            if wants_logits {
-                b.logits_readback.record(rec.encoder(), &b.logits, 0, (k * c.vocab * 4) as u64);
-            }
-        }
-        let index = rec.finish()?;
-        if k > 0 {
-            b.ids[slot].start_map((k * 4) as u64);
-        }
-        Ok(Submitted { rows, choosing, slot, wants_logits, index })
+        PassInputs { step, meta, table, rotary, steer_slots, choosing, sampling }
     }
 
     /// Waits for a submitted step's ids and hands out its tokens (those of
@@ -1256,6 +1309,30 @@ impl<'m> BatchEngine<'m> {
             }
         }
         Ok(outputs)
+    }
+}
+
+/// What one pass of a step writes to its devices (see
+/// [`BatchEngine::pass_inputs`]).
+struct PassInputs {
+    step: Step,
+    meta: Vec<u32>,
+    table: Vec<u32>,
+    rotary: Vec<f32>,
+    steer_slots: Vec<u32>,
+    /// The rows that choose a token, in the order of their ids.
+    choosing: Vec<usize>,
+    sampling: Vec<RowSampling>,
+}
+
+/// Writes the head's row count and the choosing rows' sampling of `pass`
+/// to the last device.
+fn write_head_inputs(last: &DeviceSteps<'_>, pass: &PassInputs) {
+    let (gpu, b) = (&last.model.gpu, &last.buffers);
+    let head_step = Step { n_tokens: pass.choosing.len() as u32, attn_splits: 1, ..Step::default() };
+    gpu.queue.write_buffer(&b.head_step, 0, bytemuck::bytes_of(&head_step));
+    if !pass.sampling.is_empty() {
+        gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&pass.sampling));
     }
 }
 
