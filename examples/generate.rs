@@ -136,9 +136,10 @@ struct Args {
     /// MoE layers keep the router's choice on the GPU (no readback).
     #[arg(long)]
     device_routing: bool,
-    /// GPU memory the weights may take (24GiB, 512MiB, 8GB, bytes): a MoE
-    /// model that does not fit keeps its experts in host memory and streams
-    /// them into the GPU slots the rest leaves.
+    /// GPU memory the weights may take (24GiB, 512MiB, 8GB, bytes; on each
+    /// device with --devices): a MoE model that does not fit keeps its
+    /// experts in host memory and streams them into the GPU slots the rest
+    /// leaves.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     gpu_memory: Option<u64>,
     /// GPU slots per MoE layer (at least the router's top-k), instead of
