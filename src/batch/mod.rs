@@ -1148,25 +1148,8 @@ impl<'m> BatchEngine<'m> {
                     sent.push((d, bytes));
                     continue;
                 }
-                let k = pass.choosing.len();
-                if k > 0 {
-                    let (b, row_bytes) = (&device.buffers, (c.hidden * 4) as u64);
-                    for (j, &i) in pass.choosing.iter().enumerate() {
-                        let (from, to) = (i as u64 * row_bytes, j as u64 * row_bytes);
-                        rec.encoder().copy_buffer_to_buffer(&device.act.x, from, &b.x_rows, to, row_bytes);
-                    }
-                    self.head.encode(&mut rec, k as u32, device.plan.uses_gemm(k));
-                    rec.encode(crate::stats::Phase::Head, &self.sample, k as u32);
-                    // The chosen ids are the next decode step's tokens, in order
-                    // (taken from there only where one device runs every layer).
-                    rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &device.act.tokens, 0, (k * 4) as u64);
-                    b.ids[slot].record_at(rec.encoder(), &b.sampled, 0, (chosen * 4) as u64, (k * 4) as u64);
-                    if wants_logits {
-                        let (at, bytes) = ((chosen * c.vocab * 4) as u64, (k * c.vocab * 4) as u64);
-                        b.logits_readback.record_at(rec.encoder(), &b.logits, 0, at, bytes);
-                    }
-                    chosen += k;
-                }
+                let head = (&self.head, self.sample.as_slice());
+                chosen += record_head(&mut rec, head, (device, pass), (slot, chosen), wants_logits);
                 index = Some(rec.finish()?);
             }
             for (d, bytes) in sent {
@@ -1334,6 +1317,40 @@ fn write_head_inputs(last: &DeviceSteps<'_>, pass: &PassInputs) {
     if !pass.sampling.is_empty() {
         gpu.queue.write_buffer(&b.sampling, 0, bytemuck::cast_slice(&pass.sampling));
     }
+}
+
+/// Records the head and the selection of `pass`'s choosing rows on the
+/// last device, their ids (and with `wants_logits` their logits) copied
+/// into the readbacks of the step's ids `slot` after the `chosen` before
+/// them; returns how many rows chose.
+fn record_head(
+    rec: &mut Recorder<'_>,
+    (head, sample): (&RowsHead, &[crate::gpu::Dispatch]),
+    (last, pass): (&DeviceSteps<'_>, &PassInputs),
+    (slot, chosen): (usize, usize),
+    wants_logits: bool,
+) -> usize {
+    let k = pass.choosing.len();
+    if k == 0 {
+        return 0;
+    }
+    let c = &last.model.config;
+    let (b, row_bytes) = (&last.buffers, (c.hidden * 4) as u64);
+    for (j, &i) in pass.choosing.iter().enumerate() {
+        let (from, to) = (i as u64 * row_bytes, j as u64 * row_bytes);
+        rec.encoder().copy_buffer_to_buffer(&last.act.x, from, &b.x_rows, to, row_bytes);
+    }
+    head.encode(rec, k as u32, last.plan.uses_gemm(k));
+    rec.encode(crate::stats::Phase::Head, sample, k as u32);
+    // The chosen ids are the next decode step's tokens, in order (taken
+    // from there only where one device runs every layer).
+    rec.encoder().copy_buffer_to_buffer(&b.sampled, 0, &last.act.tokens, 0, (k * 4) as u64);
+    b.ids[slot].record_at(rec.encoder(), &b.sampled, 0, (chosen * 4) as u64, (k * 4) as u64);
+    if wants_logits {
+        let (at, bytes) = ((chosen * c.vocab * 4) as u64, (k * c.vocab * 4) as u64);
+        b.logits_readback.record_at(rec.encoder(), &b.logits, 0, at, bytes);
+    }
+    k
 }
 
 /// A step on the GPU, its ids not yet read.
