@@ -67,11 +67,19 @@ struct Args {
     #[arg(long)]
     steering: bool,
     /// Time one decode step's dispatches one by one, and the prompt's last
-    /// chunk's (GPU timestamps).
-    #[arg(long)]
+    /// chunk's (GPU timestamps; one device's, so not with --devices).
+    #[arg(long, conflicts_with = "devices")]
     profile: bool,
     #[arg(long)]
     backend: Option<String>,
+    /// Split the model's layers across these adapters (their numbers in
+    /// `generate --list-adapters`, e.g. 0,1), as `generate --devices` does;
+    /// a number may repeat. GPU timing and --profile do not run on a split.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// With --devices: each device's share of the layers (e.g. 3,1).
+    #[arg(long, value_delimiter = ',', requires = "devices")]
+    split: Vec<f64>,
     /// MoE shapes: GPU slots per layer as percentages of the experts
     /// (comma list; at least top-k slots), each measured with its experts
     /// streamed from host memory (100: all resident).
@@ -216,9 +224,19 @@ fn run(args: Args) -> BenchResult<()> {
     if let Some(name) = &args.backend {
         options.backend = name.parse()?;
     }
-    let gpu = Gpu::new(&options)?;
-    println!("adapter: {}", gpu.describe());
-    let copy = wgspark::kernels::copy::bandwidth(&gpu, 1 << 30, 10)?;
+    let gpus: Vec<Gpu> = match args.devices.as_slice() {
+        [] => vec![Gpu::new(&options)?],
+        devices => devices
+            .iter()
+            .map(|&adapter| Gpu::new(&GpuOptions { adapter: Some(adapter), ..options.clone() }))
+            .collect::<Result<_, _>>()?,
+    };
+    for gpu in &gpus {
+        println!("adapter: {}", gpu.describe());
+    }
+    let gpu = &gpus[0];
+    let shares = (!args.split.is_empty()).then_some(args.split.as_slice());
+    let copy = wgspark::kernels::copy::bandwidth(gpu, 1 << 30, 10)?;
     println!(
         "copy bandwidth: {:.3} TB/s (read + write; buffer copy {:.3}, copy kernel {:.3})",
         copy.best / 1e12,
@@ -247,7 +265,10 @@ fn run(args: Args) -> BenchResult<()> {
         for expert_slots in budgets {
             let start = Instant::now();
             let load = wgspark::LoadOptions { expert_slots, ..Default::default() };
-            let model = Model::synthetic_with(config.clone(), &gpu, 1, &load)?;
+            let model = match gpus.as_slice() {
+                [gpu] => Model::synthetic_with(config.clone(), gpu, 1, &load)?,
+                gpus => Model::synthetic_split_with(config.clone(), gpus, shares, 1, &load)?,
+            };
             eprintln!("{name}: random weights uploaded in {:.1} s", start.elapsed().as_secs_f64());
             let label = match expert_slots {
                 Some(slots) => format!("{name}, {slots} expert slots per layer"),
@@ -257,7 +278,13 @@ fn run(args: Args) -> BenchResult<()> {
         }
     }
     if let Some(dir) = &args.model {
-        let model = Model::load(dir, &gpu)?;
+        let model = match gpus.as_slice() {
+            [gpu] => Model::load(dir, gpu)?,
+            gpus => Model::load_split(dir, gpus, shares, &wgspark::LoadOptions::default(), |_| {})?,
+        };
+        if gpus.len() > 1 {
+            println!("layers per device: {:?}", model.layer_split());
+        }
         measure(&args, copy.best, round_trip, &dir.display().to_string(), &model)?;
     }
     Ok(())
@@ -303,7 +330,10 @@ fn measure(args: &Args, copy: f64, round_trip: Duration, name: &str, model: &Mod
         }
         if args.decode > 0 {
             let per_token = measure_decode(args, copy, model, &mut session, &fill, &mode)?;
-            gpu_time(args.profile, model, &options, &fill, c.vocab)?;
+            // GPU timestamps are one device's: a split has no timed session.
+            if model.layer_split().len() == 1 {
+                gpu_time(args.profile, model, &options, &fill, c.vocab)?;
+            }
             decode_per_mode.push((routing, per_token));
         }
         if args.steering && routing == modes[0] && args.decode > 0 {

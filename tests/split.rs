@@ -310,6 +310,7 @@ fn capture_across_a_split_gives_the_single_device_rows() {
     let whole = Model::load(&dir, &first).unwrap();
     let split = Model::load_split(&dir, &[first, second], None, &LoadOptions::default(), |_| {}).unwrap();
     assert_eq!(split.layer_split(), vec![0..1, 1..2]);
+    assert_eq!(split.weight_bytes(), whole.weight_bytes(), "the devices' weights together");
     let prompt = [3, 1, 4, 1, 5];
     let run = |model: &Model, options: &CaptureOptions, prefill_chunk| {
         let mut session = model.session(&wgspark::SessionOptions { prefill_chunk, ..exact() }).unwrap();

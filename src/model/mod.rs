@@ -276,9 +276,10 @@ impl Model {
         self.image_processor.as_ref()
     }
 
-    /// Bytes of weights on the GPU (streamed experts' slots included).
+    /// Bytes of weights on the GPU (streamed experts' slots included; on
+    /// every device of a split).
     pub fn weight_bytes(&self) -> u64 {
-        self.weights.bytes()
+        std::iter::once(self).chain(&self.next_parts).map(|part| part.weights.bytes()).sum()
     }
 
     /// The weights on the GPU, layer by layer.
@@ -536,10 +537,21 @@ impl Model {
         shares: Option<&[f64]>,
         seed: u64,
     ) -> Result<Model> {
+        Self::synthetic_split_with(config, gpus, shares, seed, &LoadOptions::default())
+    }
+
+    /// [`Self::synthetic_split`] with [`LoadOptions`]: random experts
+    /// stream from host memory on each device like a checkpoint's.
+    pub fn synthetic_split_with(
+        config: ModelConfig,
+        gpus: &[Gpu],
+        shares: Option<&[f64]>,
+        seed: u64,
+        options: &LoadOptions,
+    ) -> Result<Model> {
         let source = Arc::new(synthetic::RandomWeights::new(seed));
         let bytes = config.weight_bytes();
-        let options = LoadOptions::default();
-        Self::place_split(config, gpus, shares, source, bytes, &options, ("random weights", &mut |_| {}))
+        Self::place_split(config, gpus, shares, source, bytes, options, ("random weights", &mut |_| {}))
     }
 
     /// The devices after this one, in order, each with its part of the
