@@ -586,14 +586,14 @@ impl<'m> Session<'m> {
             self.positions.place_prompt(gpu, &self.activations, c, self.len, &prompt.positions);
         }
         let size = self.activations.max_tokens;
-        let chunks = tokens.len().div_ceil(size);
+        let ranges: Vec<_> =
+            (0..tokens.len().div_ceil(size)).map(|i| i * size..((i + 1) * size).min(tokens.len())).collect();
         if self.split.is_some() && !images {
-            let ranges: Vec<_> = (0..chunks).map(|i| i * size..((i + 1) * size).min(tokens.len())).collect();
             return self.submit_split(Some(tokens), &ranges, head, id_slot, false);
         }
+        let chunks = ranges.len();
         let mut last = None;
-        for i in 0..chunks {
-            let range = i * size..((i + 1) * size).min(tokens.len());
+        for (i, range) in ranges.into_iter().enumerate() {
             let media = match images {
                 true => Some((
                     prompt.chunk_media(self.model, &self.activations, range.clone())?,
@@ -753,24 +753,23 @@ impl<'m> Session<'m> {
         let mut carried: Vec<Option<Vec<f32>>> = vec![None; devices];
         let mut index = None;
         let mut sampled = None;
-        for wave in 0..chunks.len() + devices - 1 {
-            let mut sent = Vec::new();
-            for (d, rows) in carried.iter_mut().enumerate() {
-                let Some(c) = wave.checked_sub(d).filter(|&c| c < chunks.len()) else { continue };
+        for wave in crate::model::split::waves(chunks.len(), devices) {
+            for &(d, c) in &wave {
                 let range = chunks[c].clone();
                 let chunk_head = if c + 1 == chunks.len() { head } else { Head::None };
                 let input = match d {
                     0 => SplitInput::Tokens(tokens.map(|t| &t[range.clone()])),
-                    _ => SplitInput::Rows(rows.take().expect("the device before gave this chunk's rows")),
+                    _ => {
+                        SplitInput::Rows(carried[d].take().expect("the device before gave this chunk's rows"))
+                    }
                 };
-                let at = (start + range.start, range.len());
-                index = Some(self.run_split_device(d, at, input, chunk_head)?);
-                sent.push((d, range.len(), chunk_head));
+                index =
+                    Some(self.run_split_device(d, (start + range.start, range.len()), input, chunk_head)?);
             }
-            for (d, n, chunk_head) in sent {
+            for (d, c) in wave {
                 if d + 1 < devices {
-                    carried[d + 1] = Some(self.read_split(d, n * self.model.config.hidden)?);
-                } else if chunk_head == Head::Sample {
+                    carried[d + 1] = Some(self.read_split(d, chunks[c].len() * self.model.config.hidden)?);
+                } else if c + 1 == chunks.len() && head == Head::Sample {
                     sampled = Some(self.read_split::<u32>(d, 1)?[0]);
                 }
             }

@@ -1111,10 +1111,9 @@ impl<'m> BatchEngine<'m> {
         let mut chosen = 0;
         let mut carried: Vec<Option<Vec<f32>>> = vec![None; devices];
         let mut index = None;
-        for wave in 0..passes + devices - 1 {
-            let mut sent = Vec::new();
-            for (d, device) in self.devices.iter().enumerate() {
-                let Some(m) = wave.checked_sub(d).filter(|&m| m < passes) else { continue };
+        for wave in crate::model::split::waves(passes, devices) {
+            for &(d, m) in &wave {
+                let device = &self.devices[d];
                 let (pass, pass_rows) = (&inputs[m], &rows[ranges[m].clone()]);
                 let gpu = &device.model.gpu;
                 device.write_step(&pass.step, (&pass.meta, &pass.table), &pass.rotary, &pass.steer_slots);
@@ -1145,15 +1144,14 @@ impl<'m> BatchEngine<'m> {
                     let bytes = (pass_rows.len() * c.hidden * 4) as u64;
                     device.rows_out.record(rec.encoder(), &device.act.x, 0, bytes);
                     rec.finish()?;
-                    sent.push((d, bytes));
                     continue;
                 }
                 let head = (&self.head, self.sample.as_slice());
                 chosen += record_head(&mut rec, head, (device, pass), (slot, chosen), wants_logits);
                 index = Some(rec.finish()?);
             }
-            for (d, bytes) in sent {
-                let device = &self.devices[d];
+            for (d, m) in wave.into_iter().filter(|&(d, _)| d + 1 < devices) {
+                let (device, bytes) = (&self.devices[d], (ranges[m].len() * c.hidden * 4) as u64);
                 carried[d + 1] = Some(device.rows_out.read(&device.model.gpu, bytes)?);
             }
         }

@@ -279,7 +279,7 @@ impl Model {
     /// Bytes of weights on the GPU (streamed experts' slots included; on
     /// every device of a split).
     pub fn weight_bytes(&self) -> u64 {
-        std::iter::once(self).chain(&self.next_parts).map(|part| part.weights.bytes()).sum()
+        self.devices().map(|part| part.weights.bytes()).sum()
     }
 
     /// The weights on the GPU, layer by layer.
@@ -560,16 +560,21 @@ impl Model {
         &self.next_parts
     }
 
+    /// This device's part and those after it, in order.
+    fn devices(&self) -> impl Iterator<Item = &Model> {
+        std::iter::once(self).chain(&self.next_parts)
+    }
+
     /// The expert streaming of the first device that streams experts (of
     /// any device of a split).
     pub(crate) fn streamed_experts(&self) -> Option<&ExpertStreaming> {
-        std::iter::once(self).chain(&self.next_parts).find_map(|part| part.experts.as_ref())
+        self.devices().find_map(|part| part.experts.as_ref())
     }
 
     /// The layers each device holds, in device order (one range where the
     /// model is on one device).
     pub fn layer_split(&self) -> Vec<std::ops::Range<usize>> {
-        std::iter::once(self).chain(&self.next_parts).map(Model::layers).collect()
+        self.devices().map(Model::layers).collect()
     }
 
     /// The chat template the model's files carry: a GGUF's

@@ -165,13 +165,8 @@ fn check_shares(layers: usize, devices: &[DeviceRoom], shares: Option<&[f64]>) -
 /// the last, within its room.
 fn check_room(bytes: &SplitBytes, devices: &[DeviceRoom], ranges: &[Range<usize>]) -> Result<()> {
     for (i, (device, range)) in devices.iter().zip(ranges).enumerate() {
-        let mut held: u64 = bytes.layers[range.clone()].iter().sum();
-        if i == 0 {
-            held += bytes.first;
-        }
-        if i + 1 == devices.len() {
-            held += bytes.last;
-        }
+        let part = StagePart { layers: range.clone(), begins: i == 0, ends: i + 1 == devices.len() };
+        let held = bytes.of(&part);
         if held > device.bytes {
             return Err(Error::OutOfDeviceMemory {
                 what: format!("layers {}..{} of the split on {}", range.start, range.end, device.name),
@@ -188,6 +183,18 @@ fn check_room(bytes: &SplitBytes, devices: &[DeviceRoom], ranges: &[Range<usize>
     Ok(())
 }
 
+/// The order in which `devices` devices in a row run `passes` passes
+/// (prompt chunks, or parts of a step) that go through each of them in
+/// turn: in wave w device d runs pass w - d, on what device d - 1 gave at
+/// the end of wave w - 1, so that the devices work on different passes at
+/// once and each device runs the passes in order. Each wave is a list of
+/// (device, pass).
+pub fn waves(passes: usize, devices: usize) -> impl Iterator<Item = Vec<(usize, usize)>> {
+    (0..(passes + devices).saturating_sub(1)).map(move |wave| {
+        (0..devices).filter_map(|d| wave.checked_sub(d).filter(|&m| m < passes).map(|m| (d, m))).collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,6 +205,13 @@ mod tests {
 
     fn equal(layers: usize) -> SplitBytes {
         SplitBytes { layers: vec![100; layers], first: 10, last: 20 }
+    }
+
+    #[test]
+    fn waves_run_each_pass_through_the_devices_in_order() {
+        let three: Vec<_> = waves(3, 2).collect();
+        assert_eq!(three, vec![vec![(0, 0)], vec![(0, 1), (1, 0)], vec![(0, 2), (1, 1)], vec![(1, 2)]]);
+        assert_eq!(waves(1, 3).collect::<Vec<_>>(), vec![vec![(0, 0)], vec![(1, 0)], vec![(2, 0)]]);
     }
 
     #[test]
