@@ -514,6 +514,57 @@ fn the_api_key_is_required_but_for_health() {
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
+/// The head of the answer to `request` (sent whole, on a fresh
+/// connection): its status line and headers, lower-cased.
+fn answer_head(running: &Running, request: &str) -> Vec<String> {
+    let mut socket = TcpStream::connect(running.server.local_addr()).unwrap();
+    socket.write_all(request.as_bytes()).unwrap();
+    let mut reader = BufReader::new(socket);
+    let mut head = Vec::new();
+    loop {
+        let mut line = String::new();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "the connection closed before the head ended");
+        if line == "\r\n" {
+            return head;
+        }
+        head.push(line.trim_end().to_ascii_lowercase());
+    }
+}
+
+/// A request refused before its body is read (a wrong key, no such route)
+/// closes its connection and says so, so that a client never sends its
+/// next request down a connection the server is closing; an answered
+/// request keeps its connection.
+#[test]
+fn a_body_left_unread_closes_its_connection() {
+    let server = start(ServerOptions {
+        api_key: Some("sesame".into()),
+        ..ServerOptions::new(fixture_dir("qwen3_dense"))
+    });
+    let post = |path: &str, key: &str, body: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {key}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let body = r#"{"prompt": [1, 2], "max_tokens": 2}"#;
+    // Headers alone, the body promised: answered before any of it comes.
+    let unsent = post("/v1/completions", "wrong", body).replace(body, "");
+    for (request, status) in [
+        (unsent, "401"),
+        (post("/v1/completions", "wrong", body), "401"),
+        (post("/v1/nothing", "sesame", body), "404"),
+    ] {
+        let head = answer_head(&server, &request);
+        assert!(head[0].starts_with(&format!("http/1.1 {status}")), "{head:?}");
+        assert!(head.contains(&"connection: close".to_string()), "{status}: {head:?}");
+    }
+    let head = answer_head(&server, &post("/v1/completions", "sesame", body));
+    assert!(head[0].starts_with("http/1.1 200"), "{head:?}");
+    assert!(!head.contains(&"connection: close".to_string()), "{head:?}");
+}
+
 /// The models list, health, tokenize and detokenize, and metrics.
 #[test]
 fn models_health_tokenize_and_metrics() {

@@ -1,16 +1,19 @@
 //! The routes, their handlers, and the layers around them: a log line and
-//! a count per request, the API key, and a panic turned into a 500.
+//! a count per request, the API key, a connection closed after a body left
+//! unread, and a panic turned into a 500.
 
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::rejection::{BytesRejection, FailedToBufferBody};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -122,6 +125,7 @@ pub(super) fn router(app: App) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .layer(from_fn(catch_panic))
         .layer(from_fn_with_state(app.clone(), authorize))
+        .layer(from_fn(close_if_unread))
         .layer(from_fn_with_state(app.clone(), observe))
         .with_state(app)
 }
@@ -186,6 +190,53 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
         }
     }
     next.run(request).await
+}
+
+/// A request answered before its body was read to its end (refused by the
+/// key or the size limit, or by a route that takes no body) closes its
+/// connection, and the answer says so: HTTP/1.1 finds the next request's
+/// start only past the body's last byte, so such a connection ends, and a
+/// client that is not told would send its next request into it.
+async fn close_if_unread(request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let carries_body = !body.is_end_stream();
+    let ended = Arc::new(AtomicBool::new(false));
+    let watched = WatchedBody { inner: body, ended: ended.clone() };
+    let mut response = next.run(Request::from_parts(parts, Body::new(watched))).await;
+    if carries_body && !ended.load(Ordering::Relaxed) {
+        response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// A request's body that notes when it has been read to its end.
+struct WatchedBody {
+    inner: Body,
+    ended: Arc<AtomicBool>,
+}
+
+impl HttpBody for WatchedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.ended.store(true, Ordering::Relaxed);
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Compares keys in a time that does not tell how much of a guess is right.
