@@ -726,6 +726,52 @@ fn more_than_one_choice_is_refused() {
     assert_refused(s, s.post("/v1/chat/completions", &chat_with(json!({"n": 2}))), 400, "n = 1", Some("n"));
 }
 
+/// Fields asking for what the server cannot give (tool calls, structured
+/// output, biased logits, audio, insertion, several candidates) are refused
+/// by name rather than ignored; their values that ask for nothing pass.
+#[test]
+fn fields_the_server_cannot_honour_are_refused() {
+    let s = refusing_server();
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    for (field, value) in [
+        ("tools", tool.clone()),
+        ("functions", json!([{"name": "f", "parameters": {}}])),
+        ("tool_choice", json!("required")),
+        ("function_call", json!({"name": "f"})),
+        ("response_format", json!({"type": "json_object"})),
+        ("logit_bias", json!({"50": 10})),
+        ("modalities", json!(["text", "audio"])),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+    ] {
+        let answer = s.post("/v1/chat/completions", &chat_with(json!({ field: value })));
+        assert_refused(s, answer, 400, field, Some(field));
+    }
+    let call = json!([{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+    let body = json!({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": null, "tool_calls": call},
+    ]});
+    let answer = s.post("/v1/chat/completions", &body);
+    assert_refused(s, answer, 400, "tool_calls", Some("messages[1].tool_calls"));
+    for (field, value) in
+        [("logit_bias", json!({"1": -100})), ("suffix", json!("end")), ("best_of", json!(2))]
+    {
+        let answer = s.post("/v1/completions", &json!({"prompt": "Hi", field: value}));
+        assert_refused(s, answer, 400, field, Some(field));
+    }
+
+    let server = chat_server();
+    let asks_nothing = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+        "logit_bias": {}, "modalities": ["text"], "audio": null, "functions": null});
+    let answer = server.post("/v1/chat/completions", &chat_with(asks_nothing));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let answer = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2, "suffix": "", "best_of": 1, "logit_bias": null}),
+    );
+    assert_eq!(answer.status, 200, "{}", answer.body);
+}
+
 #[test]
 fn an_unknown_control_vector_is_refused() {
     let s = refusing_server();

@@ -272,6 +272,7 @@ pub(crate) struct Job {
 
 /// A `/v1/chat/completions` body checked against the model.
 pub(crate) fn chat_job(body: &Value, info: &ModelInfo) -> Result<Job, ApiError> {
+    refuse_unhonoured(body, Endpoint::Chat)?;
     let common: CommonFields = fields(body)?;
     let chat: ChatFields = fields(body)?;
     let (tokenizer, template) = match (&info.tokenizer, &info.template) {
@@ -310,6 +311,7 @@ pub(crate) fn chat_job(body: &Value, info: &ModelInfo) -> Result<Job, ApiError> 
 
 /// A `/v1/completions` body checked against the model.
 pub(crate) fn completion_job(body: &Value, info: &ModelInfo) -> Result<Job, ApiError> {
+    refuse_unhonoured(body, Endpoint::Completion)?;
     let common: CommonFields = fields(body)?;
     let completion: CompletionFields = fields(body)?;
     if completion.echo == Some(true) {
@@ -346,6 +348,77 @@ pub(crate) fn completion_job(body: &Value, info: &ModelInfo) -> Result<Job, ApiE
     }
     let logprobs = completion.logprobs.map(|n| top_logprobs(n, "logprobs")).transpose()?;
     job(Endpoint::Completion, common, (prompt, Vec::new()), logprobs, info)
+}
+
+/// OpenAI fields that ask for a reply the server cannot give (tool calls,
+/// structured output, biased logits, audio, insertion, several candidates),
+/// each with why, and whether a value of it asks for nothing (null always
+/// does). Such a request is refused, naming the field: a reply that
+/// ignored the field would look like an answer to it and not be one.
+/// Fields that change no reply (`user`, `metadata`, `store`, ...) are read
+/// and ignored, as `model` is.
+type Unhonoured = (&'static str, &'static str, fn(&Value) -> bool);
+
+const UNHONOURED_CHAT: &[Unhonoured] = &[
+    ("tools", "tool calling is not supported", empty_list),
+    ("functions", "tool calling is not supported", empty_list),
+    ("tool_choice", "tool calling is not supported", no_tool_call),
+    ("function_call", "tool calling is not supported", no_tool_call),
+    ("response_format", "structured output is not supported: the type must be text", text_format),
+    ("logit_bias", "logit_bias is not supported", empty_map),
+    ("modalities", "only text output is supported", text_only),
+    ("audio", "only text output is supported", |_| false),
+];
+
+const UNHONOURED_COMPLETION: &[Unhonoured] = &[
+    ("logit_bias", "logit_bias is not supported", empty_map),
+    ("suffix", "suffix (text after the insertion) is not supported", |v| v == ""),
+    ("best_of", "best_of must be 1 (one candidate per request)", |v| v == 1),
+];
+
+fn empty_list(v: &Value) -> bool {
+    v.as_array().is_some_and(Vec::is_empty)
+}
+
+fn empty_map(v: &Value) -> bool {
+    v.as_object().is_some_and(serde_json::Map::is_empty)
+}
+
+fn no_tool_call(v: &Value) -> bool {
+    v == "none" || v == "auto"
+}
+
+fn text_format(v: &Value) -> bool {
+    v.get("type").is_some_and(|t| t == "text")
+}
+
+fn text_only(v: &Value) -> bool {
+    v.as_array().is_some_and(|list| list.iter().all(|m| m == "text"))
+}
+
+/// A 400 for the first field of `body` the endpoint cannot honour (see
+/// [`Unhonoured`]), and for a chat message carrying tool calls.
+fn refuse_unhonoured(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
+    let table = match endpoint {
+        Endpoint::Chat => UNHONOURED_CHAT,
+        Endpoint::Completion => UNHONOURED_COMPLETION,
+    };
+    for &(field, why, asks_nothing) in table {
+        match body.get(field) {
+            Some(value) if !value.is_null() && !asks_nothing(value) => {
+                return Err(ApiError::invalid(field, format!("{field}: {why}")));
+            }
+            _ => {}
+        }
+    }
+    let messages = body.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    for (i, message) in messages.iter().enumerate() {
+        if message.get("tool_calls").is_some_and(|calls| !calls.is_null() && !empty_list(calls)) {
+            let param = format!("messages[{i}].tool_calls");
+            return Err(ApiError::invalid(param.clone(), format!("{param}: tool calling is not supported")));
+        }
+    }
+    Ok(())
 }
 
 fn top_logprobs(n: u64, param: &str) -> Result<usize, ApiError> {
