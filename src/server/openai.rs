@@ -365,13 +365,13 @@ const UNHONOURED_CHAT: &[Unhonoured] = &[
     ("tool_choice", "tool calling is not supported", no_tool_call),
     ("function_call", "tool calling is not supported", no_tool_call),
     ("response_format", "structured output is not supported: the type must be text", text_format),
-    ("logit_bias", "logit_bias is not supported", empty_map),
+    ("logit_bias", "biased logits are not supported", empty_map),
     ("modalities", "only text output is supported", text_only),
     ("audio", "only text output is supported", |_| false),
 ];
 
 const UNHONOURED_COMPLETION: &[Unhonoured] = &[
-    ("logit_bias", "logit_bias is not supported", empty_map),
+    ("logit_bias", "biased logits are not supported", empty_map),
     ("suffix", "suffix (text after the insertion) is not supported", |v| v == ""),
     ("best_of", "best_of must be 1 (one candidate per request)", |v| v == 1),
 ];
