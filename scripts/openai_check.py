@@ -1,6 +1,8 @@
 """Talks to a running wgspark server through the official `openai` Python
 package: a streamed chat completion, a whole one, and a text completion,
-each checked for the shape the package parses (text, finish reason, usage).
+each checked for the shape the package parses (text, finish reason, usage),
+and a request for tool calls, refused as the package reports a 400
+(`BadRequestError` naming the field).
 
     python3 -m venv /tmp/oa && /tmp/oa/bin/pip install openai
     cargo run --release --example serve &        # the default model
@@ -9,7 +11,7 @@ each checked for the shape the package parses (text, finish reason, usage).
 import argparse
 import sys
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 
 def main():
@@ -43,6 +45,14 @@ def main():
 
     completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     print(f"completion: {completion.choices[0].text!r} ({completion.choices[0].finish_reason})")
+
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+    try:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=8, tools=[tool])
+        raise AssertionError("a request for tool calls was answered")
+    except BadRequestError as e:
+        print(f"tools refused: {e.status_code} {e.body['param']}: {e.body['message']}")
+        assert e.body["param"] == "tools"
     print("ok")
 
 
