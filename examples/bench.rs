@@ -67,7 +67,9 @@ struct Args {
     #[arg(long)]
     steering: bool,
     /// Time one decode step's dispatches one by one, and the prompt's last
-    /// chunk's (GPU timestamps; one device's, so not with --devices).
+    /// chunk's; with --parallel, also the batch engine's first step (prompt
+    /// rows) and a step where every sequence decodes (GPU timestamps; one
+    /// device's, so not with --devices).
     #[arg(long, conflicts_with = "devices")]
     profile: bool,
     #[arg(long)]
@@ -502,7 +504,8 @@ fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
     Ok(())
 }
 
-/// A step in which all of `requests` decode, each dispatch timed alone.
+/// The first step (prompt rows of every sequence it admits) and a step in
+/// which all of `requests` decode, each dispatch timed alone.
 fn parallel_profile(
     model: &Model,
     options: &wgspark::batch::BatchOptions,
@@ -515,6 +518,10 @@ fn parallel_profile(
         engine.add(r.clone())?;
     }
     let prompt_rows: usize = requests.iter().map(|r| r.prompt.len()).sum();
+    engine.step()?;
+    let first_rows = engine.stats().prompt_rows;
+    println!("  prompt step of {first_rows} rows:");
+    print_profile(&engine.stats().last_passes);
     // The first step after every prompt in which every sequence decodes.
     while !engine.is_idle() {
         let prompts_done = engine.stats().prompt_rows >= prompt_rows as u64;
