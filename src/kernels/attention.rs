@@ -254,8 +254,10 @@ impl PagedAttention {
     /// decode rows, `attend` over `attend_tiles` [tiles](Self::tiles), each
     /// with the rows its grid covers: `rope_store` and
     /// `attend` are left out of a step of decode rows alone where
-    /// `attend_lanes` runs them (and stores their keys and values): every
-    /// one of their workgroups would find nothing to do.
+    /// `attend_lanes` runs them (and stores their keys and values), and
+    /// `combine` covers the decode rows alone (only they split) and is
+    /// left out of a step without any: every one of the workgroups left
+    /// out would find nothing to do.
     pub fn dispatches(&self, n_rows: u32, decode_rows: u32, attend_tiles: u32) -> Vec<(&Dispatch, u32)> {
         let lanes = self.decode.as_ref().filter(|_| decode_rows > 0);
         let others = lanes.is_none() || decode_rows < n_rows;
@@ -264,7 +266,7 @@ impl PagedAttention {
             out.extend([(&self.rope, n_rows), (&self.attend, attend_tiles)]);
         }
         out.extend(lanes.map(|d| (d, decode_rows)));
-        out.extend(self.combine.as_ref().map(|d| (d, n_rows)));
+        out.extend(self.combine.as_ref().filter(|_| decode_rows > 0).map(|d| (d, decode_rows)));
         out
     }
 }
