@@ -157,24 +157,33 @@ impl Running {
     /// A raw connection that has sent a streamed completion of `body` and
     /// read the response up to its headers.
     fn open_stream(&self, body: &Value) -> BufReader<TcpStream> {
-        let mut socket = TcpStream::connect(self.server.local_addr()).unwrap();
         let body = body.to_string();
-        write!(
-            socket,
+        let request = format!(
             "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\n\r\n{body}",
             body.len()
-        )
-        .unwrap();
-        let mut reader = BufReader::new(socket);
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
-        while line != "\r\n" {
-            line.clear();
-            reader.read_line(&mut line).unwrap();
-        }
+        );
+        let (head, reader) = self.send_raw(&request);
+        assert!(head[0].starts_with("http/1.1 200"), "{head:?}");
         reader
+    }
+
+    /// Sends `request` whole on a fresh connection and reads the answer's
+    /// head: its status line and headers, lower-cased, and the connection
+    /// at the body.
+    fn send_raw(&self, request: &str) -> (Vec<String>, BufReader<TcpStream>) {
+        let mut socket = TcpStream::connect(self.server.local_addr()).unwrap();
+        socket.write_all(request.as_bytes()).unwrap();
+        let mut reader = BufReader::new(socket);
+        let mut head = Vec::new();
+        loop {
+            let mut line = String::new();
+            assert!(reader.read_line(&mut line).unwrap() > 0, "the connection closed before the head ended");
+            if line == "\r\n" {
+                return (head, reader);
+            }
+            head.push(line.trim_end().to_ascii_lowercase());
+        }
     }
 }
 
@@ -514,23 +523,6 @@ fn the_api_key_is_required_but_for_health() {
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
-/// The head of the answer to `request` (sent whole, on a fresh
-/// connection): its status line and headers, lower-cased.
-fn answer_head(running: &Running, request: &str) -> Vec<String> {
-    let mut socket = TcpStream::connect(running.server.local_addr()).unwrap();
-    socket.write_all(request.as_bytes()).unwrap();
-    let mut reader = BufReader::new(socket);
-    let mut head = Vec::new();
-    loop {
-        let mut line = String::new();
-        assert!(reader.read_line(&mut line).unwrap() > 0, "the connection closed before the head ended");
-        if line == "\r\n" {
-            return head;
-        }
-        head.push(line.trim_end().to_ascii_lowercase());
-    }
-}
-
 /// A request refused before its body is read (a wrong key, no such route)
 /// closes its connection and says so, so that a client never sends its
 /// next request down a connection the server is closing; an answered
@@ -556,11 +548,11 @@ fn a_body_left_unread_closes_its_connection() {
         (post("/v1/completions", "wrong", body), "401"),
         (post("/v1/nothing", "sesame", body), "404"),
     ] {
-        let head = answer_head(&server, &request);
+        let head = server.send_raw(&request).0;
         assert!(head[0].starts_with(&format!("http/1.1 {status}")), "{head:?}");
         assert!(head.contains(&"connection: close".to_string()), "{status}: {head:?}");
     }
-    let head = answer_head(&server, &post("/v1/completions", "sesame", body));
+    let head = server.send_raw(&post("/v1/completions", "sesame", body)).0;
     assert!(head[0].starts_with("http/1.1 200"), "{head:?}");
     assert!(!head.contains(&"connection: close".to_string()), "{head:?}");
 }
