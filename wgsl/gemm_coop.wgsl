@@ -75,12 +75,20 @@ override WARP_N: u32 = TILE_N / WARPS_N;
 // 16 x 16 accumulators per subgroup: FRAGS_M (2 or 4) x FRAGS_N (1 to 4).
 override FRAGS_M: u32 = WARP_M / 16u;
 override FRAGS_N: u32 = WARP_N / 16u;
-// Each invocation stages runs of eight k: TILE_K / 8 invocations cover a
-// row's step, ROUND_ROWS rows a round.
+// Each invocation stages runs of eight k of X: TILE_K / 8 invocations
+// cover a token's step, ROUND_ROWS tokens a round; and runs of W_RUN k of
+// W (the format's run: weights.wgsl's RUN), W_ROUND_ROWS rows a round.
 override RUNS_PER_ROW: u32 = TILE_K / 8u;
 override ROUND_ROWS: u32 = WG / RUNS_PER_ROW;
 override X_ROUNDS: u32 = (TILE_M + ROUND_ROWS - 1u) / ROUND_ROWS;
-override W_ROUNDS: u32 = (TILE_N + ROUND_ROWS - 1u) / ROUND_ROWS;
+#if WEIGHT_FORMAT
+const W_RUN: u32 = RUN;
+#else
+const W_RUN: u32 = 8u;
+#endif
+override W_RUNS_PER_ROW: u32 = TILE_K / W_RUN;
+override W_ROUND_ROWS: u32 = WG / W_RUNS_PER_ROW;
+override W_ROUNDS: u32 = (TILE_N + W_ROUND_ROWS - 1u) / W_ROUND_ROWS;
 // K steps whose loads are in flight while a step multiplies: 1, or 2 (a
 // second step's values in registers, a loop of its own) where that
 // runs faster (kernels::gemm_coop::Tile::ahead).
@@ -91,11 +99,7 @@ override K_SPLITS: u32 = 2u;
 
 @group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
-#if WEIGHT_FORMAT
-@group(0) @binding(2) var<storage, read> weight: array<u32>;
-#else
 @group(0) @binding(2) var<storage, read> weight: array<vec4<u32>>;
-#endif
 #if X_F16
 @group(0) @binding(3) var<storage, read> x: array<vec4<u32>>;
 #else
@@ -123,24 +127,17 @@ override OUT_LEN: u32 = WARPS * 256u;
 var<workgroup> out_tile: array<f32, OUT_LEN>;
 
 fn weight_word(i: u32) -> u32 {
-#if WEIGHT_FORMAT
-    return weight[i];
-#else
     return weight[i / 4u][i % 4u];
-#endif
 }
 
 fn weight_quad(q: u32) -> vec4<u32> {
-#if WEIGHT_FORMAT
-    return words4(4u * q);
-#else
     return weight[q];
-#endif
 }
 
 // Where this invocation's staged values come from, fixed for the whole k
-// loop: round r stages tile row ROUND_ROWS r + li / RUNS_PER_ROW (tokens
-// for X, weight rows for W) at k 8 (li % RUNS_PER_ROW) of the step.
+// loop: round r stages token ROUND_ROWS r + li / RUNS_PER_ROW of X at k
+// 8 (li % RUNS_PER_ROW) of the step, and weight row W_ROUND_ROWS r + li /
+// W_RUNS_PER_ROW of W at k W_RUN (li % W_RUNS_PER_ROW).
 // (Arrays of the most rounds of any tile: X_ROUNDS <= 4, W_ROUNDS <= 8.)
 struct Sources {
     x_base: array<u32, 4>,
@@ -233,7 +230,7 @@ fn sources(t: Tile, li: u32) -> Sources {
     let row_stride = p.cols / 8u;
 #endif
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
+        let local = W_ROUND_ROWS * r + li / W_RUNS_PER_ROW;
         let n = t.n0 + local;
         let w_row = part_row(t, n);
         s.w_ok[r] = local < TILE_N && n < t.n_rows && w_row < p.rows;
@@ -243,12 +240,15 @@ fn sources(t: Tile, li: u32) -> Sources {
 }
 
 // The staged values of one k step, in registers: eight consecutive k of
-// each round's row.
-// With WEIGHT_FORMAT, the weights' words as loaded (weights.wgsl's Raw8),
+// each round's token, W_RUN of each round's weight row.
+// With WEIGHT_FORMAT, the weights' words as loaded (weights.wgsl's Run),
 // decoded when they are stored: decoding them right after their loads
 // makes each step wait for the next step's loads before its products, and
-// runs Q8_0, Q6_K and Q4_K slower (Q5_K alike). Q4_K's block head is held
-// once per run of eight: held once per half, its registers slow it.
+// runs Q8_0, Q6_K and Q4_K slower (Q5_K alike). Q4_K's and Q5_K's runs
+// of sixteen (their quants one aligned quad: two or three 16-byte loads
+// with the block's head) stage 1.2 to 1.4 times faster than their runs of
+// eight did (six word loads, the head held once per run; NVIDIA H100, 16
+// to 512 tokens).
 struct Staged {
 #if X_F16
     x: array<vec4<u32>, 4>,
@@ -256,15 +256,20 @@ struct Staged {
     x: array<array<vec4<f32>, 2>, 4>,
 #endif
 #if WEIGHT_FORMAT
-    w: array<Raw8, 8>,
+    w: array<Run, 8>,
 #else
     w: array<vec4<u32>, 8>,
 #endif
 }
 
-// The k of this invocation's run of eight in the step at k0.
+// The k of this invocation's run of eight of X in the step at k0.
 fn run_k(k0: u32, li: u32) -> u32 {
     return k0 + 8u * (li % RUNS_PER_ROW);
+}
+
+// The k of this invocation's run of W.
+fn w_run_k(k0: u32, li: u32) -> u32 {
+    return k0 + W_RUN * (li % W_RUNS_PER_ROW);
 }
 
 fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
@@ -287,17 +292,18 @@ fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
         }
     }
 #endif
+    let wk = w_run_k(k0, li);
     for (var r = 0u; r < W_ROUNDS; r++) {
 #if WEIGHT_FORMAT
         // All-zero words decode to zeros in every format.
-        st.w[r] = Raw8();
-        if (s.w_ok[r] && k < p.cols) {
-            st.w[r] = load8(s.w_base[r], k, p.cols);
+        st.w[r] = Run();
+        if (s.w_ok[r] && wk < p.cols) {
+            st.w[r] = load_run(s.w_base[r], wk, p.cols);
         }
 #else
         st.w[r] = vec4<u32>(0u);
-        if (s.w_ok[r] && k < p.cols) {
-            st.w[r] = weight[s.w_base[r] + k / 8u];
+        if (s.w_ok[r] && wk < p.cols) {
+            st.w[r] = weight[s.w_base[r] + wk / 8u];
         }
 #endif
     }
@@ -306,13 +312,8 @@ fn load_step(s: Sources, k0: u32, li: u32) -> Staged {
 
 // The part of each value that f16 holds exactly: the top 10 mantissa bits,
 // by integer masking, which no compiler folds away as it may f32(f16(v)).
-fn high8(v: array<vec4<f32>, 2>) -> array<vec4<f32>, 2> {
-    let mask = vec4<u32>(0xffffe000u);
-    return array(bitcast<vec4<f32>>(bitcast<vec4<u32>>(v[0]) & mask), bitcast<vec4<f32>>(bitcast<vec4<u32>>(v[1]) & mask));
-}
-
-fn minus8(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> array<vec4<f32>, 2> {
-    return array(a[0] - b[0], a[1] - b[1]);
+fn high4(v: vec4<f32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>(bitcast<vec4<u32>>(v) & vec4<u32>(0xffffe000u));
 }
 
 fn store_step(st: Staged, k0: u32, li: u32) {
@@ -321,10 +322,9 @@ fn store_step(st: Staged, k0: u32, li: u32) {
         if (local < TILE_M) {
             let at = local * ROW + 2u * (li % RUNS_PER_ROW);
 #if X_SPLIT
-            let hi = high8(st.x[r]);
-            let lo = minus8(st.x[r], hi);
-            xs_lo[at] = vec4<f16>(lo[0]);
-            xs_lo[at + 1u] = vec4<f16>(lo[1]);
+            let hi = array(high4(st.x[r][0]), high4(st.x[r][1]));
+            xs_lo[at] = vec4<f16>(st.x[r][0] - hi[0]);
+            xs_lo[at + 1u] = vec4<f16>(st.x[r][1] - hi[1]);
 #else
             let hi = st.x[r];
 #endif
@@ -338,23 +338,22 @@ fn store_step(st: Staged, k0: u32, li: u32) {
         }
     }
     for (var r = 0u; r < W_ROUNDS; r++) {
-        let local = ROUND_ROWS * r + li / RUNS_PER_ROW;
+        let local = W_ROUND_ROWS * r + li / W_RUNS_PER_ROW;
         if (local >= TILE_N) {
             break;
         }
-        let at = local * ROW + 2u * (li % RUNS_PER_ROW);
+        let at = local * ROW + (W_RUN / 4u) * (li % W_RUNS_PER_ROW);
 #if WEIGHT_FORMAT
-        let w = decode8(st.w[r], run_k(k0, li));
+        let w = decode_run(st.w[r], w_run_k(k0, li));
+        for (var j = 0u; j < W_RUN / 4u; j++) {
 #if W_SPLIT
-        let hi = high8(w);
-        let lo = minus8(w, hi);
-        ws_lo[at] = vec4<f16>(lo[0]);
-        ws_lo[at + 1u] = vec4<f16>(lo[1]);
+            let hi = high4(w[j]);
+            ws_lo[at + j] = vec4<f16>(w[j] - hi);
+            ws[at + j] = vec4<f16>(hi);
 #else
-        let hi = w;
+            ws[at + j] = vec4<f16>(w[j]);
 #endif
-        ws[at] = vec4<f16>(hi[0]);
-        ws[at + 1u] = vec4<f16>(hi[1]);
+        }
 #else
         // bf16 pairs to f16 pairs: exact within f16's range.
         let w = st.w[r];

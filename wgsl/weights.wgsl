@@ -74,7 +74,7 @@ fn block_byte(at: u32, b: u32) -> u32 {
 // they need (a Raw4) and nothing that waits for them, and decode4(raw, e)
 // computes their values from those words. weights4 is both at once; a
 // kernel that loads a step ahead of using it (gemm_coop.wgsl) holds the
-// next step's raw words (Raw8, runs of eight: below) while it multiplies,
+// next step's raw words (Run, runs of RUN: below) while it multiplies,
 // so that the decoding, which waits for the loads, runs after the
 // products rather than before them.
 #if WEIGHT_FORMAT
@@ -674,42 +674,60 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 }
 #endif
 
-// Runs of eight of Q4_K / Q5_K for the cooperative GEMM (below): both
-// halves share the block's head, held once. Their rows are whole blocks
-// of 256, so a run never ends after four (`cols` is not needed).
-struct K4Raw8 {
+// Runs of sixteen of Q4_K / Q5_K for the cooperative GEMM (below): the
+// quants of elements i .. i + 15 (i % 16 == 0) are one aligned quad (and
+// Q5_K's fifth bits another), so a run is two or three 16-byte loads with
+// the block's head, where runs of eight took six word loads (see
+// gemm_coop.wgsl's Staged). Rows are whole blocks of 256, so a run never
+// ends early (`cols` is not needed).
+struct K4Run {
     head: vec4<u32>,
-    qh: vec2<u32>,
-    q: vec2<u32>,
+    qh: vec4<u32>,
+    q: vec4<u32>,
 }
-fn k4_decode8(r: K4Raw8, i: u32, high: array<vec4<u32>, 2>) -> array<vec4<f32>, 2> {
+// The quad of the block's quants (from word qs) holding elements i .. i + 15.
+fn k4_quant_quad(qs: u32, i: u32) -> vec4<u32> {
+    return weight_quad((qs + (32u * (i / 64u) + i % 32u) / 4u) / 4u);
+}
+fn k4_decode_run(r: K4Run, i: u32, high: array<vec4<u32>, 4>) -> array<vec4<f32>, 4> {
     let sm = k4_scale_min_bits(r.head, i);
-    return array(k4_values(r.head, sm, r.q.x, i, high[0]), k4_values(r.head, sm, r.q.y, i + 4u, high[1]));
+    return array(
+        k4_values(r.head, sm, r.q.x, i, high[0]),
+        k4_values(r.head, sm, r.q.y, i + 4u, high[1]),
+        k4_values(r.head, sm, r.q.z, i + 8u, high[2]),
+        k4_values(r.head, sm, r.q.w, i + 12u, high[3]),
+    );
 }
 #if W_Q4_K
-alias Raw8 = K4Raw8;
-fn load8(row: u32, e: u32, cols: u32) -> Raw8 {
+const RUN: u32 = 16u;
+alias Run = K4Run;
+fn load_run(row: u32, e: u32, cols: u32) -> Run {
     let b = row + (e / 256u) * 36u;
-    let i = e % 256u;
-    return Raw8(weight_quad(b / 4u), vec2<u32>(0u), vec2<u32>(k4_quant_word(b + 4u, i), k4_quant_word(b + 4u, i + 4u)));
+    return Run(weight_quad(b / 4u), vec4<u32>(0u), k4_quant_quad(b + 4u, e % 256u));
 }
-fn decode8(r: Raw8, e: u32) -> array<vec4<f32>, 2> {
-    return k4_decode8(r, e % 256u, array(vec4<u32>(0u), vec4<u32>(0u)));
+fn decode_run(r: Run, e: u32) -> array<vec4<f32>, 4> {
+    let none = vec4<u32>(0u);
+    return k4_decode_run(r, e % 256u, array(none, none, none, none));
 }
 #endif
 #if W_Q5_K
-alias Raw8 = K4Raw8;
-fn load8(row: u32, e: u32, cols: u32) -> Raw8 {
+const RUN: u32 = 16u;
+alias Run = K4Run;
+fn load_run(row: u32, e: u32, cols: u32) -> Run {
     let b = row + (e / 256u) * 44u;
     let i = e % 256u;
-    let qh = b + 4u + (i % 32u) / 4u;
-    return Raw8(weight_quad(b / 4u), vec2<u32>(weight_word(qh), weight_word(qh + 1u)),
-        vec2<u32>(k4_quant_word(b + 12u, i), k4_quant_word(b + 12u, i + 4u)));
+    return Run(weight_quad(b / 4u), weight_quad((b + 4u + (i % 32u) / 4u) / 4u), k4_quant_quad(b + 12u, i));
 }
-fn decode8(r: Raw8, e: u32) -> array<vec4<f32>, 2> {
+fn decode_run(r: Run, e: u32) -> array<vec4<f32>, 4> {
     let i = e % 256u;
-    let high = array(fields4(r.qh.x, i / 32u, 1u) << vec4<u32>(4u), fields4(r.qh.y, i / 32u, 1u) << vec4<u32>(4u));
-    return k4_decode8(r, i, high);
+    let bit = i / 32u;
+    let high = array(
+        fields4(r.qh.x, bit, 1u) << vec4<u32>(4u),
+        fields4(r.qh.y, bit, 1u) << vec4<u32>(4u),
+        fields4(r.qh.z, bit, 1u) << vec4<u32>(4u),
+        fields4(r.qh.w, bit, 1u) << vec4<u32>(4u),
+    );
+    return k4_decode_run(r, i, high);
 }
 #endif
 
@@ -744,26 +762,27 @@ fn decode4(r: Raw4, e: u32) -> vec4<f32> {
 }
 #endif
 
-// Runs of eight elements e .. e + 7 (e % 8 == 0; a row of `cols` may end
-// after the first four) for the cooperative GEMM's staging, in the same
-// two steps: load8 issues the loads, decode8 decodes them. Two Raw4s, but
-// for Q4_K / Q5_K (above).
+// Runs of RUN elements e .. e + RUN - 1 (e % RUN == 0) for the
+// cooperative GEMM's staging, in the same two steps: load_run issues the
+// loads, decode_run decodes them. Eight elements (a row of `cols` may end
+// after the first four), two Raw4s, but for Q4_K / Q5_K (above).
 #if WEIGHT_FORMAT
 #if !W_Q4_K
 #if !W_Q5_K
-struct Raw8 {
+const RUN: u32 = 8u;
+struct Run {
     a: Raw4,
     b: Raw4,
 }
-fn load8(row: u32, e: u32, cols: u32) -> Raw8 {
+fn load_run(row: u32, e: u32, cols: u32) -> Run {
     // All-zero words decode to zeros in every format.
-    var r = Raw8(load4(row, e), Raw4());
+    var r = Run(load4(row, e), Raw4());
     if (e + 4u < cols) {
         r.b = load4(row, e + 4u);
     }
     return r;
 }
-fn decode8(r: Raw8, e: u32) -> array<vec4<f32>, 2> {
+fn decode_run(r: Run, e: u32) -> array<vec4<f32>, 2> {
     return array(decode4(r.a, e), decode4(r.b, e + 4u));
 }
 #endif
