@@ -560,6 +560,51 @@ fn f16_cache_decode_rows_on_subgroup_lanes() {
     });
 }
 
+/// On cooperative matrices (the default f16 GEMM and f16 cache), prompts
+/// batched into steps of 2048 rows, one of them chunked across two steps,
+/// run their attention tile by tile on the matrix units (`attend_coop`
+/// over the paged cache) and their projections in the prompt tiles; steps
+/// that long give the o-projection of a 2048-wide model the tiles that read
+/// f16 copies of their input, which a lone chunk's attention writes and a
+/// batch's does not. Each sequence's first logits match a lone session's
+/// within the bound the conformance suite holds f16 prefill to (0.4 % of
+/// the row's largest logit). Runs where the adapter has cooperative
+/// matrices (CPU rasterisers have none, and the steps would take minutes).
+#[test]
+fn long_prompts_on_cooperative_matrices_match_lone_sessions() {
+    use wgspark::kernels::gemm_coop::Tile;
+    on_each_backend(|gpu| {
+        if !gpu.caps.cooperative_matrix {
+            return;
+        }
+        let model = common::wide_model(gpu, 13);
+        assert!(Tile::reads_f16(2048, 2048, 2048, &[], gpu.caps.multiprocessors).is_some());
+        let options = BatchOptions { step_tokens: 2048, ..BatchOptions::default() };
+        let mut engine = BatchEngine::new(&model, &options).unwrap();
+        let requests: Vec<Request> = [1500, 37, 700]
+            .into_iter()
+            .enumerate()
+            .map(|(i, len)| Request {
+                max_tokens: 2,
+                return_logits: true,
+                ..Request::new(prompt(1024, len, 140 + i as u64))
+            })
+            .collect();
+        let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
+        assert!(engine.stats().steps >= 3, "the third prompt is chunked: {:?}", engine.stats());
+        for (request, outputs) in requests.iter().zip(&results) {
+            let want = model.session(&SessionOptions::default()).unwrap().prefill(&request.prompt).unwrap();
+            let got = outputs[0].logits.as_ref().unwrap();
+            let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let err = max_abs_diff(got, &want);
+            let what =
+                format!("prompt of {}: {err:.3e} of a largest logit {largest:.3e}", request.prompt.len());
+            assert!(largest > 0.0 && err <= 4e-3 * largest, "{what}");
+            eprintln!("batched on cooperative matrices, {what}");
+        }
+    });
+}
+
 /// A MoE layer's experts take the grouped GEMM only in steps that give each
 /// expert enough rows on average (`BatchOptions::expert_gemm_rows`), else
 /// the GEMV, one chosen expert of a row at a time; the other projections

@@ -61,18 +61,6 @@ fn every_chunk_size_matches_the_fixture() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A Llama of 2 layers 2048 wide (16 query heads of 128, 4 KV heads, a
-/// 2048-wide FFN, 1024 tokens) with random weights from `seed`: wide
-/// enough for the products whose tiles the tests below check.
-fn wide_model(gpu: &wgspark::Gpu, seed: u64) -> Model {
-    let config = r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 2048,
-      "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
-      "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-      "tie_word_embeddings": false, "rope_theta": 500000.0}"#;
-    let config = wgspark::model::ModelConfig::parse(config, std::path::Path::new("config.json")).unwrap();
-    Model::synthetic(config, gpu, seed).unwrap()
-}
-
 /// On cooperative matrices in f16 (the default where a GPU has them), a
 /// chunk long enough for the products that read f16 copies of their
 /// activations (`kernels::gemm::HalfCopies`: the q/k/v, gate/up and down
@@ -93,7 +81,7 @@ fn a_long_chunk_reading_f16_copies_matches_the_f32_products() {
         if !gpu.caps.cooperative_matrix {
             return;
         }
-        let model = wide_model(gpu, 7);
+        let model = common::wide_model(gpu, 7);
         let long: Vec<u32> = (0..2048u32).map(|i| (i * 7919 + 13) % 1024).collect();
         // q/k/v, gate/up and down (bf16 weights: no format flags).
         for rows in [3072, 4096, 2048] {
@@ -145,7 +133,7 @@ fn few_token_chunks_in_ranges_of_k_match_the_f32_products() {
         if !gpu.caps.cooperative_matrix {
             return;
         }
-        let model = wide_model(gpu, 11);
+        let model = common::wide_model(gpu, 11);
         let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 13) % 1024).collect();
         for tokens in [16, 64] {
             // q/k/v, gate/up, o and down (bf16 weights: no format flags).

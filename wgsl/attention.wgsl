@@ -45,9 +45,9 @@ enable wgpu_cooperative_matrix;
 // p.v_stride: the qkv buffer itself (after the keys), or a buffer of
 // their own where the projection wrote them apart (a part in another
 // weight format, which then runs beside the q/k part instead of after it).
-// PAGED (rope_store one token per workgroup, attend one tile of up to
-// tokens_per_wg consecutive rows of one sequence, the tiles listed by the
-// host in rows_meta): the step's rows
+// PAGED (rope_store one token per workgroup, attend and attend_coop one
+// tile of up to tokens_per_wg consecutive rows of one sequence, the tiles
+// listed by the host in rows_meta): the step's rows
 // are a ragged batch, each of its own sequence: row t's position and its
 // sequence's block table come from rows_meta, its rotation from row t of
 // cos_sin (the host writes each row's angles), and position j of its
@@ -1183,6 +1183,10 @@ fn attend_lanes(
 // 8 dimensions are zero in q, K and V and never written out), a group
 // dividing 16 and subgroups of 32; workgroup memory of
 // kernels::attention::CoopLayout::workgroup_bytes.
+// PAGED: the workgroup's rows are a tile of the host's list, the last
+// tiles first (a sequence's later rows see more keys); its key tiles start
+// at a multiple of 32 so that each row sees the same tiles whatever rows
+// share its workgroup. Decode rows run on attend_lanes, never here.
 
 override HD_FRAGS: u32 = (HEAD_DIM + 15u) / 16u;
 // 8, or 4 where workgroup memory is short.
@@ -1225,8 +1229,8 @@ fn slot_used(c: u32) -> bool {
 }
 
 // This invocation's quads of the tile of keys from k0 (k0 < end) of KV
-// head g, zero from `end` on.
-fn load_coop_tile(k0: u32, end: u32, g: u32, l: u32) -> TileLoads {
+// head g (PAGED: of step row `row`'s sequence), zero from `end` on.
+fn load_coop_tile(row: u32, k0: u32, end: u32, g: u32, l: u32) -> TileLoads {
     let quads = HEAD_DIM / 8u;
     let n = min(C_KEYS, end - k0);
     var t: TileLoads;
@@ -1236,7 +1240,7 @@ fn load_coop_tile(k0: u32, end: u32, g: u32, l: u32) -> TileLoads {
         t.k[c] = vec4<u32>(0u);
         t.v[c] = vec4<u32>(0u);
         if (slot_used(c) && i < C_KEYS * quads && j < n) {
-            let q = kv_index(k0 + j, g, 0u) / 8u + i % quads;
+            let q = kv_index(cache_row(row, k0 + j), g, 0u) / 8u + i % quads;
             t.k[c] = k_cache[q];
             t.v[c] = v_cache[q];
         }
@@ -1365,18 +1369,36 @@ fn attend_coop(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let g = wid.x;
+#if PAGED
+    // Tile nwg.y - 1 - wid.y of the host's list (see rows_meta): rows of
+    // consecutive positions of one sequence.
+    let tile_entry = rows_meta[nwg.y - 1u - wid.y].w;
+    let t0 = tile_entry >> TILE_ROW_BITS;
+    let n_tok = tile_entry & ((1u << TILE_ROW_BITS) - 1u);
+    if (n_tok == 0u) {
+        return;
+    }
+    let pos0 = row_position(t0);
+    // Key tiles start at multiples of C_KEYS whatever the tile's first
+    // row, so that a row's sums do not depend on the rows tiled with it
+    // (keys before a row's window are masked).
+    let start = first_key(pos0) / C_KEYS * C_KEYS;
+    let end = pos0 + n_tok;
+#else
     let t0 = (nwg.y - 1u - wid.y) * p.tokens_per_wg;
     let n_tok = min(p.tokens_per_wg, step.n_tokens - t0);
-    let rows = n_tok * GROUP;
+    let pos0 = step.pos0 + t0;
 #if BIDIRECTIONAL
     let start = 0u;
     let end = step.pos0 + step.n_tokens;
 #else
-    let start = first_key(step.pos0 + t0);
-    let end = step.pos0 + t0 + n_tok;
+    let start = first_key(pos0);
+    let end = pos0 + n_tok;
 #endif
+#endif
+    let rows = n_tok * GROUP;
     // The first tile's loads are in flight while q is staged.
-    var tile = load_coop_tile(start, end, g, l);
+    var tile = load_coop_tile(t0, start, end, g, l);
     // A head narrower than its fragments: the 8 columns past it in every K
     // and V row of the tile, which no store reaches, are zero.
     if (HEAD_DIM % 16u != 0u) {
@@ -1413,7 +1435,7 @@ fn attend_coop(
     let r = lane / 2u;
     let half = lane % 2u;
     let row = sg * 16u + r;
-    let row_pos = step.pos0 + t0 + row / GROUP;
+    let row_pos = pos0 + row / GROUP;
     let s_at = sg * 16u * S_STRIDE;
     var m_ref = NEG_BIG;
     var l_sum = 0.0;
@@ -1421,7 +1443,7 @@ fn attend_coop(
     store_coop_tile(tile, false, l);
     store_coop_tile(tile, true, l);
     if (start + C_KEYS < end) {
-        tile = load_coop_tile(start + C_KEYS, end, g, l);
+        tile = load_coop_tile(t0, start + C_KEYS, end, g, l);
     }
     workgroupBarrier();
     // Two barriers a tile: once every subgroup has its scores, the next
@@ -1535,7 +1557,7 @@ fn attend_coop(
         if (more) {
             store_coop_tile(tile, true, l);
             if (k0 + 2u * C_KEYS < end) {
-                tile = load_coop_tile(k0 + 2u * C_KEYS, end, g, l);
+                tile = load_coop_tile(t0, k0 + 2u * C_KEYS, end, g, l);
             }
         }
     }

@@ -816,9 +816,13 @@ impl AttentionPlan {
             RowsApart { row, gemv, gemm: &values.chunk }
         });
         // The chunk's attention writes its rows as f16 too where the
-        // o-projection's GEMM takes such copies and the attention can.
+        // o-projection's GEMM takes such copies and the attention can; a
+        // ragged batch's does not (its decode rows are written in f32
+        // alone), so its o-projection reads the f32 rows.
         let takes = b.gemm.is_some_and(|g| g.takes_half_copies(&lw.o_proj));
-        let attn16 = act.attn16.as_ref().filter(|_| takes && k.attention.chunk_writes_f16(&shape));
+        let contiguous = matches!(layout, KvLayout::Contiguous(_));
+        let attn16 =
+            act.attn16.as_ref().filter(|_| takes && contiguous && k.attention.chunk_writes_f16(&shape));
         let bindings = |values, out16| AttentionBindings {
             step: &act.step,
             qkv: &act.qkv,

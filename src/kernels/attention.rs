@@ -325,8 +325,9 @@ enum Entry {
     LanesAttend { layout: LaneLayout, paged: bool },
     /// `attend_coop`: a chunk on cooperative matrices, with `f16_copy` its
     /// rows also as f16 (binding 12); `bidirectional`: every row over
-    /// every key (BIDIRECTIONAL).
-    CoopAttend { layout: CoopLayout, f16_copy: bool, bidirectional: bool },
+    /// every key (BIDIRECTIONAL); `paged`: the prompt rows of a ragged
+    /// batch, tile by tile (PAGED).
+    CoopAttend { layout: CoopLayout, f16_copy: bool, bidirectional: bool, paged: bool },
     /// `combine`; `paged`: each split row's partials (PAGED).
     Combine { paged: bool },
 }
@@ -510,6 +511,7 @@ impl Attention {
                 | Entry::ChunkAttend { paged: true, .. }
                 | Entry::Combine { paged: true }
                 | Entry::LanesAttend { paged: true, .. }
+                | Entry::CoopAttend { paged: true, .. }
         ) {
             flags.push(PAGED);
         }
@@ -635,7 +637,7 @@ impl Attention {
             self.dispatch(
                 gpu,
                 shape,
-                Entry::CoopAttend { layout, f16_copy, bidirectional },
+                Entry::CoopAttend { layout, f16_copy, bidirectional, paged: false },
                 &params,
                 &bound,
                 [h.kv as u32, 1, 1],
@@ -676,7 +678,13 @@ impl Attention {
         let splits = &paged.splits;
         let lanes =
             LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format).filter(|_| splits.max_splits > 1);
-        let tile_rows = tile_tokens(h);
+        // Prompt rows on cooperative matrices where the chunk's attention
+        // would run there, and the decode rows (which split) run apart.
+        let coop = self.coop.filter(|_| self.coop_fits(shape) && lanes.is_some());
+        let tile_rows = match coop {
+            Some(layout) => layout.rows() / h.group(),
+            None => tile_tokens(h),
+        };
         debug_assert!(tile_rows < 1 << TILE_ROW_BITS);
         let mut params = Self::params(shape, b, tile_rows, Some(paged));
         params.decode_apart = lanes.is_some() as u32;
@@ -685,22 +693,34 @@ impl Attention {
         // Paged rows carry their own positions: the store reads no step.
         let mut storing: Vec<_> = b.storing_values().into_iter().filter(|&(i, _)| i != 1).collect();
         storing.extend(rows);
+        // K and V heads; for attend_coop, the query rows too (into `out`).
+        let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
             gpu,
             shape,
             Entry::RopeStore { paged: true },
             &params,
             &storing,
-            [2 * h.kv as u32, 1, 1],
+            [rope_groups as u32, 1, 1],
             1,
         )?;
         // Its tiles carry their rows too.
-        let mut reading: Vec<_> = b.rows_and_caches().into_iter().filter(|&(i, _)| i != 1).collect();
-        reading.extend(rows);
-        reading.extend([(7, splits.acc), (8, splits.max_sum)]);
-        let entry = Entry::ChunkAttend { bidirectional: false, paged: true };
-        let grid = [h.kv as u32, 1, splits.max_splits as u32];
-        let attend = self.dispatch(gpu, shape, entry, &params, &reading, grid, 1)?;
+        let attend = match coop {
+            Some(layout) => {
+                let mut bound = vec![(4, b.k_cache), (5, b.v_cache), (6, b.out)];
+                bound.extend(rows);
+                let entry = Entry::CoopAttend { layout, f16_copy: false, bidirectional: false, paged: true };
+                self.dispatch(gpu, shape, entry, &params, &bound, [h.kv as u32, 1, 1], 1)?
+            }
+            None => {
+                let mut reading: Vec<_> = b.rows_and_caches().into_iter().filter(|&(i, _)| i != 1).collect();
+                reading.extend(rows);
+                reading.extend([(7, splits.acc), (8, splits.max_sum)]);
+                let entry = Entry::ChunkAttend { bidirectional: false, paged: true };
+                let grid = [h.kv as u32, 1, splits.max_splits as u32];
+                self.dispatch(gpu, shape, entry, &params, &reading, grid, 1)?
+            }
+        };
         let decode = match lanes {
             Some(layout) => {
                 let mut bound: Vec<_> = storing.into_iter().filter(|&(i, _)| i != 1).collect();
@@ -800,6 +820,8 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
                 out.push([kv, &[COOP][..]].concat());
                 out.push([kv, &[COOP, OUT_F16][..]].concat());
                 out.push([kv, &[COOP, Q_SPLIT][..]].concat());
+                out.push([kv, &[COOP, PAGED][..]].concat());
+                out.push([kv, &[COOP, PAGED, Q_SPLIT][..]].concat());
                 out.push([kv, &[COOP, BIDIRECTIONAL][..]].concat());
                 out.push([kv, &[COOP, BIDIRECTIONAL, Q_SPLIT][..]].concat());
                 out.push([kv, &[COOP, BIDIRECTIONAL, OUT_F16][..]].concat());

@@ -145,3 +145,15 @@ pub fn step_buffer(gpu: &Gpu, pos0: usize, n_tokens: usize, attn_splits: usize) 
         usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
     })
 }
+
+/// A Llama of 2 layers 2048 wide (16 query heads of 128, 4 KV heads, a
+/// 2048-wide FFN, 1024 tokens) with random weights from `seed`: wide
+/// enough for the products whose tiles the tests check.
+pub fn wide_model(gpu: &Gpu, seed: u64) -> wgspark::Model {
+    let config = r#"{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 2048,
+      "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+      "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+      "tie_word_embeddings": false, "rope_theta": 500000.0}"#;
+    let config = wgspark::model::ModelConfig::parse(config, std::path::Path::new("config.json")).unwrap();
+    wgspark::Model::synthetic(config, gpu, seed).unwrap()
+}
