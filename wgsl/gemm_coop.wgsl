@@ -99,7 +99,12 @@ override K_SPLITS: u32 = 2u;
 
 @group(0) @binding(0) var<uniform> p: GemmParams;
 @group(0) @binding(1) var<uniform> step: Step;
+// Quads, or (WEIGHT_WORDS: the formats whose runs load words) words.
+#if WEIGHT_WORDS
+@group(0) @binding(2) var<storage, read> weight: array<u32>;
+#else
 @group(0) @binding(2) var<storage, read> weight: array<vec4<u32>>;
+#endif
 #if X_F16
 @group(0) @binding(3) var<storage, read> x: array<vec4<u32>>;
 #else
@@ -127,11 +132,19 @@ override OUT_LEN: u32 = WARPS * 256u;
 var<workgroup> out_tile: array<f32, OUT_LEN>;
 
 fn weight_word(i: u32) -> u32 {
+#if WEIGHT_WORDS
+    return weight[i];
+#else
     return weight[i / 4u][i % 4u];
+#endif
 }
 
 fn weight_quad(q: u32) -> vec4<u32> {
+#if WEIGHT_WORDS
+    return words4(4u * q);
+#else
     return weight[q];
+#endif
 }
 
 // Where this invocation's staged values come from, fixed for the whole k
