@@ -635,7 +635,9 @@ fn check_attention(gpu: &Gpu) {
 /// into runs and merged), their positions in blocks scattered over the pool
 /// by each sequence's block table: every row's attention over its own
 /// sequence's keys, and the stored K/V, against the CPU; with splits and
-/// without.
+/// without. Where the adapter has cooperative matrices, the prompt rows of
+/// the f16 cases run on `attend_coop` (a window's rows from a key tile
+/// that starts before it).
 #[test]
 fn paged_attention_runs_each_row_over_its_own_sequence() {
     on_each_backend(|gpu| {
@@ -647,7 +649,7 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
         // (positions already cached, rows added) of each sequence.
         type Sequences = &'static [(usize, usize)];
         type Case = (Heads, usize, usize, QkNorm, usize, KvFormat, bool, Sequences);
-        let cases: [Case; 6] = [
+        let cases: [Case; 7] = [
             (Heads { q: 4, kv: 2, dim: 12 }, 4, 0, NoNorm, 12, F32, false, &[(0, 5), (9, 1), (3, 1)]),
             (
                 Heads { q: 8, kv: 2, dim: 64 },
@@ -659,7 +661,19 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 true,
                 &[(40, 1), (0, 20), (17, 1), (5, 3)],
             ),
-            (Heads { q: 6, kv: 3, dim: 32 }, 8, 10, WholeProjection, 16, F16, false, &[(30, 1), (2, 12)]),
+            (
+                Heads { q: 6, kv: 3, dim: 32 },
+                8,
+                10,
+                WholeProjection,
+                16,
+                F16,
+                false,
+                &[(30, 1), (2, 12), (45, 8)],
+            ),
+            // One query head per KV head: a chunk's rows in tiles of up to
+            // 128 on cooperative matrices.
+            (Heads { q: 4, kv: 4, dim: 64 }, 16, 0, NoNorm, 64, F16, false, &[(50, 1), (3, 140)]),
             (Heads { q: 32, kv: 8, dim: 128 }, 16, 0, NoNorm, 128, F16, false, &[(70, 1), (33, 1), (0, 9)]),
             (Heads { q: 2, kv: 1, dim: 256 }, 4, 0, PerHead, 128, F32, true, &[(6, 2), (1, 1)]),
             // Decode rows alone (attend_lanes runs them all where it can).
@@ -822,7 +836,7 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                     .collect();
                 let tiles = attention.tiles(&paged_rows);
                 let chunks = seqs.iter().any(|&(_, rows)| rows > 1);
-                assert_eq!(tiles.iter().any(|t| t & 63 > 1), chunks, "a chunk's rows share tiles: {what}");
+                assert_eq!(tiles.iter().any(|t| t & 255 > 1), chunks, "a chunk's rows share tiles: {what}");
                 let mut tiled = meta.clone();
                 for (i, &tile) in tiles.iter().enumerate() {
                     tiled[4 * i + 3] = tile;

@@ -243,7 +243,7 @@ fn rotary_row(t: u32) -> u32 {
 const NO_SLOT: u32 = 0xffffffffu;
 // rows_meta[i].w: attend's tile i, its first row << TILE_ROW_BITS | its
 // row count (0: no tile).
-const TILE_ROW_BITS: u32 = 6u;
+const TILE_ROW_BITS: u32 = 8u;
 
 // Key splits of step row t, which attends n_keys keys.
 fn row_splits(t: u32, n_keys: u32) -> u32 {

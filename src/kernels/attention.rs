@@ -202,7 +202,7 @@ pub struct PagedRow {
 }
 
 /// Bits of a tile's row count in its `rows` entry ([`PagedAttention::tiles`]).
-const TILE_ROW_BITS: u32 = 6;
+const TILE_ROW_BITS: u32 = 8;
 
 /// A ragged batch's attention (see [`Attention::plan_paged`]), encoded by
 /// [`Self::encode`].
@@ -223,7 +223,7 @@ pub struct PagedAttention {
 
 impl PagedAttention {
     /// The tiles `attend` runs over `rows` (a step's rows in order), each
-    /// `first row << 6 | row count`, for the fourth word of the rows'
+    /// `first row << 8 | row count`, for the fourth word of the rows'
     /// entries: runs of up to [`Self::tile_rows`] consecutive positions of
     /// one sequence share each K/V tile they load; a decode row is a tile
     /// alone, and none where `attend_lanes` runs it.
