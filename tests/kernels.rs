@@ -636,8 +636,8 @@ fn check_attention(gpu: &Gpu) {
 /// by each sequence's block table: every row's attention over its own
 /// sequence's keys, and the stored K/V, against the CPU; with splits and
 /// without. Where the adapter has cooperative matrices, the prompt rows of
-/// the f16 cases run on `attend_coop` (a window's rows from a key tile
-/// that starts before it).
+/// the f16 cases whose decode rows run on subgroup lanes (split runs) go to
+/// `attend_coop` (a window's rows from a key tile that starts before it).
 #[test]
 fn paged_attention_runs_each_row_over_its_own_sequence() {
     on_each_backend(|gpu| {
@@ -671,8 +671,8 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 false,
                 &[(30, 1), (2, 12), (45, 8)],
             ),
-            // One query head per KV head: a chunk's rows in tiles of up to
-            // 128 on cooperative matrices.
+            // One query head per KV head: a chunk's rows in tiles of as many
+            // as 128 on cooperative matrices.
             (Heads { q: 4, kv: 4, dim: 64 }, 16, 0, NoNorm, 64, F16, false, &[(50, 1), (3, 140)]),
             (Heads { q: 32, kv: 8, dim: 128 }, 16, 0, NoNorm, 128, F16, false, &[(70, 1), (33, 1), (0, 9)]),
             (Heads { q: 2, kv: 1, dim: 256 }, 4, 0, PerHead, 128, F32, true, &[(6, 2), (1, 1)]),
@@ -834,7 +834,7 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                         decode: meta[4 * t + 2] != u32::MAX,
                     })
                     .collect();
-                let tiles = attention.tiles(&paged_rows);
+                let tiles = attention.tiling().tiles(&paged_rows);
                 let chunks = seqs.iter().any(|&(_, rows)| rows > 1);
                 assert_eq!(tiles.iter().any(|t| t & 255 > 1), chunks, "a chunk's rows share tiles: {what}");
                 let mut tiled = meta.clone();

@@ -107,7 +107,7 @@ const NEG_BIG: f32 = -3.0e38;
 #endif
 #if PAGED
 // Per step row: (position, first entry of its sequence's block table,
-// partial slot or NO_SLOT, unused).
+// partial slot or NO_SLOT, attend's tile i: see TILE_ROW_BITS).
 @group(0) @binding(13) var<storage, read> rows_meta: array<vec4<u32>>;
 @group(0) @binding(14) var<storage, read> block_table: array<u32>;
 #endif
@@ -1375,7 +1375,9 @@ fn attend_coop(
     let tile_entry = rows_meta[nwg.y - 1u - wid.y].w;
     let t0 = tile_entry >> TILE_ROW_BITS;
     let n_tok = tile_entry & ((1u << TILE_ROW_BITS) - 1u);
-    if (n_tok == 0u) {
+    // A decode row's tile (listed for a device of a split that runs them
+    // on `attend`) is attend_lanes' here.
+    if (n_tok == 0u || rows_meta[t0].z != NO_SLOT) {
         return;
     }
     let pos0 = row_position(t0);

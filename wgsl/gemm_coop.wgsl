@@ -13,9 +13,10 @@ enable wgpu_cooperative_matrix;
 // WARP_N rows as 16 x 16 f32 accumulators (up to 4 x 4) fed by 16 x 16 x 16
 // f16 products; a subgroup loads each of its B fragments once per k slice
 // and meets them with its A fragments one row at a time.
-// The staged tiles are arrays of vec4<f16>: every invocation stages eight
-// values with two 8-byte stores (element-wise f16 stores made staging, not
-// the products, the kernel's cost). Workgroup arrays of u32 reinterpreted
+// The staged tiles are arrays of vec4<f16>: every invocation stages its
+// runs of eight (Q4_K and Q5_K weights: sixteen) values with 8-byte stores
+// (element-wise f16 stores made staging, not the products, the kernel's
+// cost). Workgroup arrays of u32 reinterpreted
 // as f16 by the matrix loads are not an option: NVIDIA's compiler rejects
 // such pipelines.
 // X_SPLIT: each x is staged as two f16s, x_hi (x cut to 11 bits of

@@ -42,7 +42,7 @@ use crate::flow::{
 };
 use crate::gpu::{MapWait, Readback};
 use crate::kernels::Step;
-use crate::kernels::attention::{PagedRow, PagedRows, PagedSplits};
+use crate::kernels::attention::{PagedRow, PagedRows, PagedSplits, PagedTiling};
 use crate::kernels::gemm::PrefillPrecision;
 use crate::kernels::sample::{RowSampleBindings, RowSampling, SampleScratch};
 use crate::kv_cache::{KvCache, KvFormat};
@@ -1181,8 +1181,10 @@ impl<'m> BatchEngine<'m> {
         }
         let paged_rows: Vec<PagedRow> =
             rows.iter().map(|r| PagedRow { sequence: r.seq, position: r.pos, decode: r.decode }).collect();
-        // Every device's layers have the same heads and decode kernel, hence tiles.
-        let tiles = self.devices[0].plan.paged_tiles(&paged_rows);
+        // Tiles every device's kernels take (devices of a split may differ
+        // in their attention kernels, hence in their tiles).
+        let tiling = PagedTiling::common(self.devices.iter().filter_map(|d| d.plan.paged_tiling()));
+        let tiles = tiling.map_or_else(Vec::new, |t| t.tiles(&paged_rows));
         let mut slots = 0..;
         let meta: Vec<u32> = rows
             .iter()

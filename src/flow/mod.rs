@@ -54,8 +54,8 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, GpuTensor};
 use crate::kernels::Step;
 use crate::kernels::attention::{
-    AttentionBindings, AttentionShape, DecodeAttention, PagedAttention, PagedRow, PagedRows, QkNormWeights,
-    SplitScratch,
+    AttentionBindings, AttentionShape, DecodeAttention, PagedAttention, PagedRows, PagedTiling,
+    QkNormWeights, SplitScratch,
 };
 use crate::kernels::gemm::{Epilogue, Gemm, HalfCopies, PrefillPrecision};
 use crate::kernels::gemv::{GemvSpec, Input, Output, Rows};
@@ -608,12 +608,11 @@ impl Plan {
         self.gemm_rows = rows.max(2);
     }
 
-    /// The tiles of a ragged batch's `rows` for the paged attention of
-    /// every layer ([`PagedAttention::tiles`]: the layers share the rows'
-    /// buffer, and their heads and decode kernel, hence their tiles).
-    pub(crate) fn paged_tiles(&self, rows: &[PagedRow]) -> Vec<u32> {
-        let paged = self.layers.first().and_then(|l| l.attention.paged.as_ref());
-        paged.map_or_else(Vec::new, |p| p.tiles(rows))
+    /// How the paged attention of every layer cuts a ragged batch's rows
+    /// into tiles (the layers share the rows' buffer, their heads and
+    /// kernels); `None` without a paged cache.
+    pub(crate) fn paged_tiling(&self) -> Option<PagedTiling> {
+        self.layers.first().and_then(|l| l.attention.paged.as_ref()).map(PagedAttention::tiling)
     }
 
     /// Runs a MoE layer's experts through the GEMV, one slot at a time, in

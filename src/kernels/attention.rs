@@ -201,8 +201,59 @@ pub struct PagedRow {
     pub decode: bool,
 }
 
-/// Bits of a tile's row count in its `rows` entry ([`PagedAttention::tiles`]).
+/// Bits of a tile's row count in its `rows` entry ([`PagedTiling::tiles`]).
 const TILE_ROW_BITS: u32 = 8;
+
+/// How a ragged batch's rows are cut into the tiles of the paged attention
+/// ([`PagedAttention::tiling`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedTiling {
+    /// Most rows of a tile.
+    pub tile_rows: usize,
+    /// Decode rows run on `attend_lanes`, in no tile.
+    pub decode_apart: bool,
+}
+
+impl PagedTiling {
+    /// A tiling every one of `tilings` can run (the layers of a model split
+    /// across devices share the rows' entries): the smallest tiles, and
+    /// decode rows in tiles of their own unless every device runs them
+    /// apart (a device that does skips such tiles).
+    pub fn common(tilings: impl IntoIterator<Item = PagedTiling>) -> Option<PagedTiling> {
+        tilings.into_iter().reduce(|a, b| PagedTiling {
+            tile_rows: a.tile_rows.min(b.tile_rows),
+            decode_apart: a.decode_apart && b.decode_apart,
+        })
+    }
+
+    /// The tiles over `rows` (a step's rows in order), each `first row << 8
+    /// | row count`, for the fourth word of the rows' entries: runs of up to
+    /// [`Self::tile_rows`] consecutive positions of one sequence share each
+    /// K/V tile they load; a decode row is a tile alone, and none where
+    /// `attend_lanes` runs it.
+    pub fn tiles(self, rows: &[PagedRow]) -> Vec<u32> {
+        let mut tiles: Vec<(usize, usize)> = Vec::new();
+        for (t, row) in rows.iter().enumerate() {
+            if row.decode && self.decode_apart {
+                continue;
+            }
+            let extends = |&&mut (first, n): &&mut (usize, usize)| {
+                let last = &rows[first + n - 1];
+                !row.decode
+                    && !rows[first].decode
+                    && first + n == t
+                    && n < self.tile_rows
+                    && last.sequence == row.sequence
+                    && last.position + 1 == row.position
+            };
+            match tiles.last_mut().filter(extends) {
+                Some(tile) => tile.1 += 1,
+                None => tiles.push((t, 1)),
+            }
+        }
+        tiles.into_iter().map(|(first, n)| ((first as u32) << TILE_ROW_BITS) | n as u32).collect()
+    }
+}
 
 /// A ragged batch's attention (see [`Attention::plan_paged`]), encoded by
 /// [`Self::encode`].
@@ -222,32 +273,11 @@ pub struct PagedAttention {
 }
 
 impl PagedAttention {
-    /// The tiles `attend` runs over `rows` (a step's rows in order), each
-    /// `first row << 8 | row count`, for the fourth word of the rows'
-    /// entries: runs of up to [`Self::tile_rows`] consecutive positions of
-    /// one sequence share each K/V tile they load; a decode row is a tile
-    /// alone, and none where `attend_lanes` runs it.
-    pub fn tiles(&self, rows: &[PagedRow]) -> Vec<u32> {
-        let mut tiles: Vec<(usize, usize)> = Vec::new();
-        for (t, row) in rows.iter().enumerate() {
-            if row.decode && self.decode.is_some() {
-                continue;
-            }
-            let extends = |&&mut (first, n): &&mut (usize, usize)| {
-                let last = &rows[first + n - 1];
-                !row.decode
-                    && !rows[first].decode
-                    && first + n == t
-                    && n < self.tile_rows
-                    && last.sequence == row.sequence
-                    && last.position + 1 == row.position
-            };
-            match tiles.last_mut().filter(extends) {
-                Some(tile) => tile.1 += 1,
-                None => tiles.push((t, 1)),
-            }
-        }
-        tiles.into_iter().map(|(first, n)| ((first as u32) << TILE_ROW_BITS) | n as u32).collect()
+    /// The tiling its kernels take: tiles of up to [`Self::tile_rows`]
+    /// rows (`attend_coop`'s or `attend`'s), decode rows apart where
+    /// `attend_lanes` runs them.
+    pub fn tiling(&self) -> PagedTiling {
+        PagedTiling { tile_rows: self.tile_rows, decode_apart: self.decode.is_some() }
     }
 
     /// The dispatches of `n_rows` rows, the first `decode_rows` of them

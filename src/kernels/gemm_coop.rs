@@ -50,9 +50,10 @@ pub const MAX_FEW_TOKEN_K_SPLITS: usize = 8;
 /// weight format's block and of every tile's steps.
 const K_SPLIT_COLUMNS: usize = 256;
 
-/// The kernel stages eight k at a time with 16-byte loads: bf16 rows must
-/// hold a multiple of 8 values (other formats' rows are read four at a
-/// time, as [`super::Gemm`] requires of them anyway). A matrix it does not
+/// The kernel stages bf16 weights eight k at a time with 16-byte loads:
+/// their rows must hold a multiple of 8 values (other formats' rows are
+/// whole blocks, read four values at a time at least, as [`super::Gemm`]
+/// requires of them anyway). A matrix it does not
 /// take runs on the f32 GEMM.
 pub fn takes(format: crate::format::WeightFormat, cols: usize) -> bool {
     use crate::format::WeightFormat;
