@@ -817,10 +817,15 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 .storage_buffer("split_max_sum", slots.max(1) as usize * heads.q * max_splits * 2)
                 .unwrap();
             let tol = if format == F16 { 2e-3 } else { 1e-5 };
-            for (split_keys, max_splits) in [(1, 1), (4, max_splits), (9, max_splits)] {
+            // On cooperative matrices, the query rows in f16 and in two f16 parts.
+            let split_q = AttentionShape { chunk_precision: PrefillPrecision::Split, ..shape };
+            let shapes =
+                if Attention::new(gpu).coop_fits(&shape) { vec![shape, split_q] } else { vec![shape] };
+            let runs = shapes.iter().flat_map(|s| [(s, 1, 1), (s, 4, max_splits), (s, 9, max_splits)]);
+            for (shape, split_keys, max_splits) in runs {
                 let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
                 let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
-                let attention = Attention::new(gpu).plan_paged(gpu, &shape, &b, &paged).unwrap();
+                let attention = Attention::new(gpu).plan_paged(gpu, shape, &b, &paged).unwrap();
                 // Decode rows run on subgroup lanes where the adapter's take a row.
                 let lanes = LaneLayout::choose(gpu, heads, rot, format).is_some() && max_splits > 1;
                 assert_eq!(attention.decode.is_some(), lanes, "{what}");
@@ -850,7 +855,10 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 drop(pass);
                 gpu.queue.submit([encoder.finish()]);
                 gpu.check("paged attention").unwrap();
-                let what = format!("{what}, split keys {split_keys}, at most {max_splits}");
+                let what = format!(
+                    "{what}, {:?}, split keys {split_keys}, at most {max_splits}",
+                    shape.chunk_precision
+                );
                 assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
             }
             let words = if format == F32 { pool_blocks * block * kvw } else { pool_blocks * block * kvw / 2 };
