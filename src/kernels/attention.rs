@@ -262,13 +262,14 @@ pub struct PagedAttention {
     /// `rope_store` over every row (but the decode rows, where `decode`
     /// runs and stores them).
     pub rope: Dispatch,
-    /// `attend` over every row but the decode rows, where `decode` runs them.
+    /// `attend` (or `attend_coop`) over every row but the decode rows,
+    /// where `decode` runs them.
     pub attend: Dispatch,
     /// `attend_lanes` over the step's first rows, its decode rows.
     pub decode: Option<Dispatch>,
     /// The merge of the split rows' partials.
     pub combine: Option<Dispatch>,
-    /// Most rows of one of `attend`'s tiles.
+    /// Most rows of one of `attend`'s (or `attend_coop`'s) tiles.
     pub tile_rows: usize,
 }
 
@@ -281,7 +282,7 @@ impl PagedAttention {
     }
 
     /// The dispatches of `n_rows` rows, the first `decode_rows` of them
-    /// decode rows, `attend` over `attend_tiles` [tiles](Self::tiles), each
+    /// decode rows, `attend` over `attend_tiles` [tiles](PagedTiling::tiles), each
     /// with the rows its grid covers: `rope_store` and
     /// `attend` are left out of a step of decode rows alone where
     /// `attend_lanes` runs them (and stores their keys and values), and
@@ -323,6 +324,18 @@ pub struct SplitScratch<'a> {
 /// serves them all): as many as its row and width limits allow.
 fn tile_tokens(h: Heads) -> usize {
     (MAX_ROWS / h.group()).min(MAX_GROUP_WIDTH / (h.group() * h.dim)).max(1)
+}
+
+/// Tokens per workgroup of a chunk's attention: `attend_coop`'s in the
+/// cooperative `layout` where there is one, else `attend`'s.
+fn chunk_tile_tokens(layout: Option<CoopLayout>, h: Heads) -> usize {
+    layout.map_or_else(|| tile_tokens(h), |l| l.rows() / h.group())
+}
+
+/// `rope_store`'s workgroups per row: the K and V heads; ahead of
+/// `attend_coop` (a cooperative `layout`), the query rows too (into `out`).
+fn rope_groups(layout: Option<CoopLayout>, h: Heads) -> u32 {
+    (if layout.is_some() { 3 * h.kv } else { 2 * h.kv }) as u32
 }
 
 /// The geometry of one layer's attention.
@@ -637,20 +650,15 @@ impl Attention {
         debug_assert!(h.dim <= MAX_HEAD_DIM && group <= MAX_GROUP && group * h.dim <= MAX_GROUP_WIDTH);
         let coop = self.coop.filter(|_| self.coop_fits(shape));
         // The chunk's tokens share each K/V tile among as many query rows as fit.
-        let tokens_per_wg = match coop {
-            Some(layout) => layout.rows() / group,
-            None => tile_tokens(h),
-        };
+        let tokens_per_wg = chunk_tile_tokens(coop, h);
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, tokens_per_wg, None));
-        // K and V heads; for attend_coop, the query rows too (into `out`).
-        let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
             gpu,
             shape,
             Entry::RopeStore { paged: false },
             &params,
             &b.storing_values(),
-            [rope_groups as u32, 1, 1],
+            [rope_groups(coop, h), 1, 1],
             1,
         )?;
         let f16_copy = b.out16.is_some();
@@ -711,10 +719,7 @@ impl Attention {
         // Prompt rows on cooperative matrices where the chunk's attention
         // would run there, and the decode rows (which split) run apart.
         let coop = self.coop.filter(|_| self.coop_fits(shape) && lanes.is_some());
-        let tile_rows = match coop {
-            Some(layout) => layout.rows() / h.group(),
-            None => tile_tokens(h),
-        };
+        let tile_rows = chunk_tile_tokens(coop, h);
         debug_assert!(tile_rows < 1 << TILE_ROW_BITS);
         let mut params = Self::params(shape, b, tile_rows, Some(paged));
         params.decode_apart = lanes.is_some() as u32;
@@ -723,15 +728,13 @@ impl Attention {
         // Paged rows carry their own positions: the store reads no step.
         let mut storing: Vec<_> = b.storing_values().into_iter().filter(|&(i, _)| i != 1).collect();
         storing.extend(rows);
-        // K and V heads; for attend_coop, the query rows too (into `out`).
-        let rope_groups = if coop.is_some() { 3 * h.kv } else { 2 * h.kv };
         let rope = self.dispatch(
             gpu,
             shape,
             Entry::RopeStore { paged: true },
             &params,
             &storing,
-            [rope_groups as u32, 1, 1],
+            [rope_groups(coop, h), 1, 1],
             1,
         )?;
         // Its tiles carry their rows too.
