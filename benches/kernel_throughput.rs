@@ -2,13 +2,13 @@
 //! bandwidth (plain and fused, over workgroup shapes; bf16 and quantized) as a fraction of the
 //! copy bandwidth measured in the same run, GEMM TFLOP/s, and attention
 //! time by depth and cache format. `cargo bench --bench kernel_throughput`
-//! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`) one of them,
+//! runs every section; `-- gemv` (or `copy`, `gemm`, `quantized`, `attention`, `paged`) one of them,
 //! `-- quantized Q4_K Q8_0` some formats (`-- gemm 28672x4096 Q8_0` a shape
 //! and formats), `-- attention chunk` prompt chunks alone.
 
 use wgspark::gpu::{Dispatch, Gpu, GpuTensor};
 use wgspark::kernels::attention::{
-    AttentionBindings, AttentionShape, CoopLayout, QkNormWeights, SplitScratch,
+    AttentionBindings, AttentionShape, CoopLayout, PagedRows, PagedSplits, QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::gemm::{Epilogue, GemmKernel, HalfCopies, Tiling};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows, has_int8_units};
@@ -691,6 +691,142 @@ fn main() {
                     );
                 }
             }
+        }
+    }
+    if runs("paged") {
+        paged_decode(&gpu, copy, reps);
+    }
+}
+
+/// A batch step's decode rows over a paged cache (blocks of 16 positions,
+/// each sequence's scattered over the pool), as the batch engine splits
+/// their keys: a workgroup per split then `combine`, or each row's splits
+/// walked by one workgroup; beside them one token over a contiguous cache
+/// (a session's decode). Geometries of Llama-3.1-8B and of Qwen3-30B-A3B
+/// (per-head q/k norm).
+fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
+    let cpu = gpu.caps.is_cpu;
+    let attention = Attention::new(gpu);
+    let (block, split_keys, max_splits) = (16, 64, 16);
+    let norm_weight = GpuTensor::vector_f32(gpu, "qk_norm", &vec![1.0f32; 128]).unwrap();
+    let depths: &[usize] = if cpu { &[100] } else { &[512, 4096] };
+    let row_counts: &[usize] = if cpu { &[1, 4] } else { &[1, 4, 16, 64] };
+    for (heads, norm) in [
+        (Heads { q: 32, kv: 8, dim: 128 }, QkNorm::None),
+        (Heads { q: 32, kv: 4, dim: 128 }, QkNorm::PerHead),
+    ] {
+        let shape = AttentionShape {
+            heads,
+            rotary_dim: heads.dim,
+            scale: 0.088,
+            window: 0,
+            qk_norm: (norm != QkNorm::None).then_some(QkNormWeights {
+                mode: norm,
+                q: &norm_weight,
+                k: &norm_weight,
+                eps: 1e-6,
+            }),
+            kv_format: KvFormat::F16,
+            chunk_precision: Default::default(),
+        };
+        for &ctx in depths {
+            for &rows in row_counts {
+                let blocks = rows * ctx.div_ceil(block);
+                // The pool's blocks in a shuffled order, the sequences' tables in turn.
+                let mut rng = Xorshift::new();
+                let mut table: Vec<u32> = (0..blocks as u32).collect();
+                for i in (1..table.len()).rev() {
+                    table.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+                }
+                let per_seq = ctx.div_ceil(block);
+                let meta: Vec<u32> =
+                    (0..rows).flat_map(|r| [ctx as u32 - 1, (r * per_seq) as u32, r as u32, 0]).collect();
+                let words = blocks * block * heads.kv_width() / 2;
+                let cache: Vec<u32> = (0..words)
+                    .map(|_| {
+                        let (a, b) = (half::f16::from_f32(rng.centred()), half::f16::from_f32(rng.centred()));
+                        a.to_bits() as u32 | (b.to_bits() as u32) << 16
+                    })
+                    .collect();
+                let k_cache = gpu.storage_buffer_init("k_pool", &cache);
+                let v_cache = gpu.storage_buffer_init("v_pool", &cache);
+                let qkv = gpu.storage_buffer_init("qkv", &random_activations(rows * heads.qkv_width()));
+                let cos_sin = gpu.storage_buffer_init("cos_sin", &random_activations(rows * heads.dim));
+                let out = gpu.storage_buffer("out", rows * heads.q * heads.dim).unwrap();
+                let acc = gpu.storage_buffer("split_acc", rows * heads.q * max_splits * heads.dim).unwrap();
+                let max_sum = gpu.storage_buffer("split_max_sum", rows * heads.q * max_splits * 2).unwrap();
+                let (meta_b, table_b) =
+                    (gpu.storage_buffer_init("rows", &meta), gpu.storage_buffer_init("block_table", &table));
+                let unused_step = step(gpu, 0, rows as u32, 1);
+                let b = AttentionBindings {
+                    step: &unused_step,
+                    qkv: &qkv,
+                    cos_sin: &cos_sin,
+                    k_cache: &k_cache,
+                    v_cache: &v_cache,
+                    out: &out,
+                    values: None,
+                    out16: None,
+                };
+                let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
+                let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
+                let plan = attention.plan_paged(gpu, &shape, &b, &paged).unwrap();
+                let n = rows as u32;
+                let timed = |walks: bool| {
+                    let dispatches = plan.dispatches_walking(n, n, 0, walks);
+                    let record = |pass: &mut wgpu::ComputePass<'_>, _| {
+                        for &(d, r) in &dispatches {
+                            d.encode(pass, r);
+                        }
+                    };
+                    gpu.time_pass(2, record).unwrap();
+                    gpu.time_pass(reps as u32, record).unwrap().as_secs_f64() / reps as f64
+                };
+                let (apart, walked) = (timed(false), timed(true));
+                let kv_bytes = (2 * rows * ctx * heads.kv_width() * 2) as f64;
+                let share = |secs: f64| 100.0 * kv_bytes / secs / copy;
+                println!(
+                    "paged decode {}/{} heads x {}{}, {rows:>2} rows at {ctx:>4} keys: split {:.4} ms ({:.1}% of copy), \
+                     walked {:.4} ms ({:.1}%); the engine walks: {}",
+                    heads.q,
+                    heads.kv,
+                    heads.dim,
+                    if norm == QkNorm::None { "" } else { ", q/k norm" },
+                    apart * 1e3,
+                    share(apart),
+                    walked * 1e3,
+                    share(walked),
+                    plan.walks(n),
+                );
+            }
+            // One token over a contiguous cache of ctx positions.
+            let cache = gpu.storage_buffer("cache", ctx * heads.kv_width() / 2).unwrap();
+            let qkv = gpu.storage_buffer_init("qkv", &random_activations(heads.qkv_width()));
+            let cos_sin = gpu.storage_buffer_init("cos_sin", &random_activations(ctx * heads.dim));
+            let out = gpu.storage_buffer("out", heads.q * heads.dim).unwrap();
+            let acc = gpu.storage_buffer("split_acc", heads.q * max_splits * heads.dim).unwrap();
+            let max_sum = gpu.storage_buffer("split_max_sum", heads.q * max_splits * 2).unwrap();
+            let splits = Attention::decode_splits(ctx, heads.kv, max_splits);
+            let s = step(gpu, ctx as u32 - 1, 1, splits as u32);
+            let b = AttentionBindings {
+                step: &s,
+                qkv: &qkv,
+                cos_sin: &cos_sin,
+                k_cache: &cache,
+                v_cache: &cache,
+                out: &out,
+                values: None,
+                out16: None,
+            };
+            let d = attention
+                .plan_decode(gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
+                .unwrap();
+            let record = |pass: &mut wgpu::ComputePass<'_>, _| {
+                d.encode(pass, splits as u32);
+            };
+            gpu.time_pass(2, record).unwrap();
+            let secs = gpu.time_pass(reps as u32, record).unwrap().as_secs_f64() / reps as f64;
+            println!("  a session's token at {ctx} keys ({splits} splits): {:.4} ms", secs * 1e3);
         }
     }
 }

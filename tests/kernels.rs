@@ -635,8 +635,9 @@ fn check_attention(gpu: &Gpu) {
 /// into runs and merged), their positions in blocks scattered over the pool
 /// by each sequence's block table: every row's attention over its own
 /// sequence's keys, and the stored K/V, against the CPU; with splits and
-/// without. Where the adapter has cooperative matrices, the prompt rows of
-/// the f16 cases whose decode rows run on subgroup lanes (split runs) go to
+/// without; decode rows on subgroup lanes also with each row's splits
+/// walked by one workgroup, to the same bits. Where the adapter has
+/// cooperative matrices, the prompt rows of the f16 cases whose decode rows run on subgroup lanes (split runs) go to
 /// `attend_coop` (a window's rows from a key tile that starts before it).
 #[test]
 fn paged_attention_runs_each_row_over_its_own_sequence() {
@@ -847,19 +848,33 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                     tiled[4 * i + 3] = tile;
                 }
                 gpu.queue.write_buffer(&meta_b, 0, bytemuck::cast_slice(&tiled));
-                let mut encoder = gpu.device.create_command_encoder(&Default::default());
-                let mut pass = encoder.begin_compute_pass(&Default::default());
-                for (d, rows) in attention.dispatches(n as u32, slots, tiles.len() as u32) {
-                    d.encode(&mut pass, rows);
-                }
-                drop(pass);
-                gpu.queue.submit([encoder.finish()]);
-                gpu.check("paged attention").unwrap();
                 let what = format!(
                     "{what}, {:?}, split keys {split_keys}, at most {max_splits}",
                     shape.chunk_precision
                 );
-                assert_close(&gpu.read_buffer(&out, want.len()).unwrap(), &want, tol, &what);
+                // The decode rows a workgroup per split, then (where they run
+                // on subgroup lanes) each row's splits walked by one: the
+                // same bits.
+                let mut split_out = Vec::new();
+                for walks in [false, true].into_iter().filter(|&w| !w || lanes) {
+                    gpu.queue.write_buffer(&out, 0, bytemuck::cast_slice(&vec![f32::NAN; want.len()]));
+                    let mut encoder = gpu.device.create_command_encoder(&Default::default());
+                    let mut pass = encoder.begin_compute_pass(&Default::default());
+                    for (d, rows) in attention.dispatches_walking(n as u32, slots, tiles.len() as u32, walks)
+                    {
+                        d.encode(&mut pass, rows);
+                    }
+                    drop(pass);
+                    gpu.queue.submit([encoder.finish()]);
+                    gpu.check("paged attention").unwrap();
+                    let got = gpu.read_buffer(&out, want.len()).unwrap();
+                    assert_close(&got, &want, tol, &format!("{what}, walked {walks}"));
+                    let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                    if walks {
+                        assert!(bits == split_out, "walked splits differ from split workgroups: {what}");
+                    }
+                    split_out = bits;
+                }
             }
             let words = if format == F32 { pool_blocks * block * kvw } else { pool_blocks * block * kvw / 2 };
             let stored_k = cache_values(&gpu.read_buffer(&k_b, words).unwrap(), format);

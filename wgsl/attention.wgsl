@@ -756,6 +756,11 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
 // row; at the end the slots of a subgroup merge by shuffles, the subgroups
 // leave their partials in workgroup memory, and after one barrier every
 // invocation combines a share of the outputs.
+// PAGED, over a grid of one split (a step of rows enough to fill the GPU):
+// each workgroup walks its row's splits in order, leaving the same
+// partials as the workgroups of a split grid would, and merges them
+// itself as `combine` does (merge_splits): a row's output does not depend
+// on which grid ran it, and the step needs no `combine`.
 // No barrier runs before the key loop: every slot loads, normalises
 // (sums over its lanes by shuffles) and rotates (the partner element half_rot
 // away is a shuffle from the lane half_rot / 8 or / 4 away: LaneLayout asks
@@ -898,12 +903,12 @@ fn quad_vec4(w: vec4<u32>, j: u32) -> vec4<f32> {
 @compute @workgroup_size(WG)
 fn attend_lanes(
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) grid: vec3<u32>,
     @builtin(local_invocation_index) l: u32,
     @builtin(subgroup_size) sg_size: u32,
     @builtin(subgroup_invocation_id) sg_lane: u32,
 ) {
     let g = wid.x;
-    let split = wid.z;
 #if PAGED
     // Decode row t of a ragged batch (its first rows), block wid.y % its
     // row blocks of the row's query heads.
@@ -914,7 +919,10 @@ fn attend_lanes(
     let start = first_key(pos);
     let n_keys = pos + 1u - start;
     let splits = row_splits(t, n_keys);
-    if (split >= splits) {
+    let walks = grid.z == 1u && splits > 1u;
+    let first_split = select(wid.z, 0u, walks);
+    let end_split = select(wid.z + 1u, splits, walks);
+    if (first_split >= splits) {
         return;
     }
 #else
@@ -924,14 +932,17 @@ fn attend_lanes(
     let pos = step.pos0;
     let start = first_key(pos);
     let n_keys = pos + 1u - start;
+    let walks = false;
+    let first_split = wid.z;
+    let end_split = wid.z + 1u;
 #endif
     let rows = min(BLOCK_ROWS, GROUP - r0);
     // The row's q/k/v and its rotation.
     let qkv0 = t * p.qkv_stride;
     let rot = rotary_row(t);
     let chunk = (n_keys + splits - 1u) / splits;
-    let lo = start + min(split * chunk, n_keys);
-    let hi = start + min((split + 1u) * chunk, n_keys);
+    var lo = start + min(first_split * chunk, n_keys);
+    var hi = start + min((first_split + 1u) * chunk, n_keys);
 
     let lane = l % LANES;
     let slot = l / LANES;
@@ -983,8 +994,8 @@ fn attend_lanes(
     }
 
     // The new key and value, as the cache holds them, where this split
-    // meets the new position.
-    let stores = lo <= pos && pos < hi;
+    // (or, walking, the last) meets the new position.
+    let stores = walks || (lo <= pos && pos < hi);
     var k_own = vec4<u32>(0u);
     var v_own = vec4<u32>(0u);
     if (stores) {
@@ -1012,129 +1023,156 @@ fn attend_lanes(
         v_cache[own_row] = v_own;
     }
 
-    // Per row: the running max, the sum of weights, and this lane's
-    // share of the weighted values.
-    var m = vec4<f32>(NEG_BIG);
-    var sum = vec4<f32>(0.0);
-    var acc: array<vec4<f32>, LANE_VEC4S>;
-    for (var a = 0u; a < LANE_VEC4S; a++) {
-        acc[a] = vec4<f32>(0.0);
-    }
+    for (var split = first_split; split < end_split; split++) {
+        if (split > first_split) {
+            // The merge below reuses the workgroup memory of the split before.
+            workgroupBarrier();
+        }
+        // Per row: the running max, the sum of weights, and this lane's
+        // share of the weighted values.
+        var m = vec4<f32>(NEG_BIG);
+        var sum = vec4<f32>(0.0);
+        var acc: array<vec4<f32>, LANE_VEC4S>;
+        for (var a = 0u; a < LANE_VEC4S; a++) {
+            acc[a] = vec4<f32>(0.0);
+        }
 
-    let passes = (hi - lo + slots - 1u) / slots;
-    for (var it = 0u; it < passes; it++) {
-        let key = lo + it * slots + slot;
-        // The new position's k and v are this workgroup's own.
-        let own = key == pos;
-        let k_quad = select(k_next, k_own, own);
-        let v_quad = select(vec4<u32>(0u), select(v_next, v_own, own), in_row);
-        k_next = k_after;
-        v_next = v_after;
-        let after = cache_row(t, min(key + 2u * slots, hi - 1u)) * row_quads + head_quad;
-        k_after = k_cache[after];
-        v_after = v_cache[after];
-        let valid = key < hi;
-        // Element a of q (and acc) is row a / VEC4_PER_QUAD's.
-        var s = vec4<f32>(0.0);
-        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-            let k = quad_vec4(k_quad, j);
-            s += vec4<f32>(dot(q[j], k), dot(q[j + VEC4_PER_QUAD], k),
-                dot(q[j + 2u * VEC4_PER_QUAD], k), dot(q[j + 3u * VEC4_PER_QUAD], k));
-        }
-        for (var o = LANES / 2u; o > 0u; o >>= 1u) {
-            s += subgroupShuffleXor(s, o);
-        }
-        // One exp: the new key either raises a row's max (the old terms
-        // rescale) or not (the key's weight is below one).
-        let e = exp(-abs(s - m));
-        let raises = s > m;
-        let rescale = select(select(vec4<f32>(1.0), e, raises), vec4<f32>(1.0), !valid);
-        let weight = select(select(e, vec4<f32>(1.0), raises), vec4<f32>(0.0), !valid);
-        m = select(m, max(m, s), valid);
-        sum = sum * rescale + weight;
-        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-            let v = quad_vec4(v_quad, j);
-            acc[j] = acc[j] * rescale.x + weight.x * v;
-            acc[j + VEC4_PER_QUAD] = acc[j + VEC4_PER_QUAD] * rescale.y + weight.y * v;
-            acc[j + 2u * VEC4_PER_QUAD] = acc[j + 2u * VEC4_PER_QUAD] * rescale.z + weight.z * v;
-            acc[j + 3u * VEC4_PER_QUAD] = acc[j + 3u * VEC4_PER_QUAD] * rescale.w + weight.w * v;
-        }
-    }
-
-    // The slots of a subgroup merge by shuffles ...
-    for (var mask = LANES; mask < sg_size; mask <<= 1u) {
-        let m_other = subgroupShuffleXor(m, mask);
-        let sum_other = subgroupShuffleXor(sum, mask);
-        let m_new = max(m, m_other);
-        let w_self = exp(m - m_new);
-        let w_other = exp(m_other - m_new);
-        for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-            acc[j] = acc[j] * w_self.x + subgroupShuffleXor(acc[j], mask) * w_other.x;
-            let b = j + VEC4_PER_QUAD;
-            acc[b] = acc[b] * w_self.y + subgroupShuffleXor(acc[b], mask) * w_other.y;
-            let c = j + 2u * VEC4_PER_QUAD;
-            acc[c] = acc[c] * w_self.z + subgroupShuffleXor(acc[c], mask) * w_other.z;
-            let d = j + 3u * VEC4_PER_QUAD;
-            acc[d] = acc[d] * w_self.w + subgroupShuffleXor(acc[d], mask) * w_other.w;
-        }
-        m = m_new;
-        sum = sum * w_self + sum_other * w_other;
-    }
-    // ... the first slot of each subgroup leaves their partials ...
-    let subgroup = l / sg_size;
-    if (l % sg_size < LANES && in_row) {
-        // Bounded by a constant, so that acc is indexed by constants once
-        // unrolled (an index the compiler cannot resolve moves the whole
-        // array out of registers: 2-4x the time at every depth).
-        for (var r = 0u; r < 4u; r++) {
-            if (r >= rows) {
-                break;
-            }
-            let at = subgroup * BLOCK_ROWS + r;
+        let passes = (hi - lo + slots - 1u) / slots;
+        for (var it = 0u; it < passes; it++) {
+            let key = lo + it * slots + slot;
+            // The new position's k and v are this workgroup's own.
+            let own = key == pos;
+            let k_quad = select(k_next, k_own, own);
+            let v_quad = select(vec4<u32>(0u), select(v_next, v_own, own), in_row);
+            k_next = k_after;
+            v_next = v_after;
+            let after = cache_row(t, min(key + 2u * slots, hi - 1u)) * row_quads + head_quad;
+            k_after = k_cache[after];
+            v_after = v_cache[after];
+            let valid = key < hi;
+            // Element a of q (and acc) is row a / VEC4_PER_QUAD's.
+            var s = vec4<f32>(0.0);
             for (var j = 0u; j < VEC4_PER_QUAD; j++) {
-                let v = acc[r * VEC4_PER_QUAD + j];
-                let e = at * HEAD_DIM + lane * PER_QUAD + 4u * j;
-                merge_acc[e] = v.x;
-                merge_acc[e + 1u] = v.y;
-                merge_acc[e + 2u] = v.z;
-                merge_acc[e + 3u] = v.w;
+                let k = quad_vec4(k_quad, j);
+                s += vec4<f32>(dot(q[j], k), dot(q[j + VEC4_PER_QUAD], k),
+                    dot(q[j + 2u * VEC4_PER_QUAD], k), dot(q[j + 3u * VEC4_PER_QUAD], k));
             }
-            if (lane == 0u) {
-                merge_ml[at] = vec2<f32>(m[r], sum[r]);
+            for (var o = LANES / 2u; o > 0u; o >>= 1u) {
+                s += subgroupShuffleXor(s, o);
+            }
+            // One exp: the new key either raises a row's max (the old terms
+            // rescale) or not (the key's weight is below one).
+            let e = exp(-abs(s - m));
+            let raises = s > m;
+            let rescale = select(select(vec4<f32>(1.0), e, raises), vec4<f32>(1.0), !valid);
+            let weight = select(select(e, vec4<f32>(1.0), raises), vec4<f32>(0.0), !valid);
+            m = select(m, max(m, s), valid);
+            sum = sum * rescale + weight;
+            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                let v = quad_vec4(v_quad, j);
+                acc[j] = acc[j] * rescale.x + weight.x * v;
+                acc[j + VEC4_PER_QUAD] = acc[j + VEC4_PER_QUAD] * rescale.y + weight.y * v;
+                acc[j + 2u * VEC4_PER_QUAD] = acc[j + 2u * VEC4_PER_QUAD] * rescale.z + weight.z * v;
+                acc[j + 3u * VEC4_PER_QUAD] = acc[j + 3u * VEC4_PER_QUAD] * rescale.w + weight.w * v;
             }
         }
-    }
-    workgroupBarrier();
+        // Walking, the next split's first keys load while this one merges.
+        if (split + 1u < end_split) {
+            lo = start + min((split + 1u) * chunk, n_keys);
+            hi = start + min((split + 2u) * chunk, n_keys);
+            let first = cache_row(t, min(lo + slot, hi - 1u)) * row_quads + head_quad;
+            k_next = k_cache[first];
+            v_next = v_cache[first];
+            let second = cache_row(t, min(lo + slots + slot, hi - 1u)) * row_quads + head_quad;
+            k_after = k_cache[second];
+            v_after = v_cache[second];
+        }
 
-    // ... and every invocation merges the subgroups' for a share of the outputs.
-    let subgroups = WG / sg_size;
-    for (var o = l; o < rows * HEAD_DIM; o += WG) {
-        let r = o / HEAD_DIM;
-        let d = o % HEAD_DIM;
-        var m_all = NEG_BIG;
-        for (var sg = 0u; sg < subgroups; sg++) {
-            m_all = max(m_all, merge_ml[sg * BLOCK_ROWS + r].x);
-        }
-        var total = 0.0;
-        var sum_all = 0.0;
-        for (var sg = 0u; sg < subgroups; sg++) {
-            let at = sg * BLOCK_ROWS + r;
-            let w = exp(merge_ml[at].x - m_all);
-            total += merge_acc[at * HEAD_DIM + d] * w;
-            sum_all += merge_ml[at].y * w;
-        }
-        let qh = g * GROUP + r0 + r;
-        if (splits > 1u) {
-            let slot_index = partial_slot(t, qh, split, splits);
-            part_acc[slot_index * HEAD_DIM + d] = total;
-            if (d == 0u) {
-                part_ml[2u * slot_index] = m_all;
-                part_ml[2u * slot_index + 1u] = sum_all;
+        // The slots of a subgroup merge by shuffles ...
+        for (var mask = LANES; mask < sg_size; mask <<= 1u) {
+            let m_other = subgroupShuffleXor(m, mask);
+            let sum_other = subgroupShuffleXor(sum, mask);
+            let m_new = max(m, m_other);
+            let w_self = exp(m - m_new);
+            let w_other = exp(m_other - m_new);
+            for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                acc[j] = acc[j] * w_self.x + subgroupShuffleXor(acc[j], mask) * w_other.x;
+                let b = j + VEC4_PER_QUAD;
+                acc[b] = acc[b] * w_self.y + subgroupShuffleXor(acc[b], mask) * w_other.y;
+                let c = j + 2u * VEC4_PER_QUAD;
+                acc[c] = acc[c] * w_self.z + subgroupShuffleXor(acc[c], mask) * w_other.z;
+                let d = j + 3u * VEC4_PER_QUAD;
+                acc[d] = acc[d] * w_self.w + subgroupShuffleXor(acc[d], mask) * w_other.w;
             }
-        } else {
-            out[t * p.out_stride + qh * HEAD_DIM + d] = total / sum_all;
+            m = m_new;
+            sum = sum * w_self + sum_other * w_other;
+        }
+        // ... the first slot of each subgroup leaves their partials ...
+        let subgroup = l / sg_size;
+        if (l % sg_size < LANES && in_row) {
+            // Bounded by a constant, so that acc is indexed by constants once
+            // unrolled (an index the compiler cannot resolve moves the whole
+            // array out of registers: 2-4x the time at every depth).
+            for (var r = 0u; r < 4u; r++) {
+                if (r >= rows) {
+                    break;
+                }
+                let at = subgroup * BLOCK_ROWS + r;
+                for (var j = 0u; j < VEC4_PER_QUAD; j++) {
+                    let v = acc[r * VEC4_PER_QUAD + j];
+                    let e = at * HEAD_DIM + lane * PER_QUAD + 4u * j;
+                    merge_acc[e] = v.x;
+                    merge_acc[e + 1u] = v.y;
+                    merge_acc[e + 2u] = v.z;
+                    merge_acc[e + 3u] = v.w;
+                }
+                if (lane == 0u) {
+                    merge_ml[at] = vec2<f32>(m[r], sum[r]);
+                }
+            }
+        }
+        workgroupBarrier();
+
+        // ... and every invocation merges the subgroups' for a share of the outputs.
+        let subgroups = WG / sg_size;
+        for (var o = l; o < rows * HEAD_DIM; o += WG) {
+            let r = o / HEAD_DIM;
+            let d = o % HEAD_DIM;
+            var m_all = NEG_BIG;
+            for (var sg = 0u; sg < subgroups; sg++) {
+                m_all = max(m_all, merge_ml[sg * BLOCK_ROWS + r].x);
+            }
+            var total = 0.0;
+            var sum_all = 0.0;
+            for (var sg = 0u; sg < subgroups; sg++) {
+                let at = sg * BLOCK_ROWS + r;
+                let w = exp(merge_ml[at].x - m_all);
+                total += merge_acc[at * HEAD_DIM + d] * w;
+                sum_all += merge_ml[at].y * w;
+            }
+            let qh = g * GROUP + r0 + r;
+            if (splits > 1u) {
+                let slot_index = partial_slot(t, qh, split, splits);
+                part_acc[slot_index * HEAD_DIM + d] = total;
+                if (d == 0u) {
+                    part_ml[2u * slot_index] = m_all;
+                    part_ml[2u * slot_index + 1u] = sum_all;
+                }
+            } else {
+                out[t * p.out_stride + qh * HEAD_DIM + d] = total / sum_all;
+            }
         }
     }
+#if PAGED
+    if (walks) {
+        // Every partial of the rows is written (by this workgroup).
+        storageBarrier();
+        for (var r = 0u; r < rows; r++) {
+            let qh = g * GROUP + r0 + r;
+            merge_splits(t, qh, splits, t * p.out_stride + qh * HEAD_DIM, l);
+        }
+    }
+#endif
 }
 #endif
 
@@ -1579,28 +1617,15 @@ fn attend_coop(
 }
 #endif
 
-// Merges the splits of one query head: one workgroup each. The splits'
-// (max, sum) pairs go through workgroup memory, so the sums over splits
-// are independent loads rather than a chain.
+// The splits' (max, sum) pairs go through workgroup memory, so the sums
+// over splits are independent loads rather than a chain.
 var<workgroup> split_weight: array<f32, MAX_SPLITS>;
 
-@compute @workgroup_size(WG)
-fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
-    let qh = wid.x;
-#if PAGED
-    // Row wid.y's partials, where it split.
-    let t = wid.y;
-    let pos = row_position(t);
-    let splits = row_splits(t, pos + 1u - first_key(pos));
-    if (splits == 1u) {
-        return;
-    }
-    let dst = t * p.out_stride + qh * HEAD_DIM;
-#else
-    let t = 0u;
-    let splits = step.attn_splits;
-    let dst = qh * HEAD_DIM;
-#endif
+// Merges the `splits` partials of query head qh of step row t into
+// out[dst ..], the splits in order, as one workgroup (which may call it
+// again right after: it starts with a barrier).
+fn merge_splits(t: u32, qh: u32, splits: u32, dst: u32, l: u32) {
+    workgroupBarrier();
     let base = partial_slot(t, qh, 0u, splits);
     for (var s = l; s < splits; s += WG) {
         split_weight[s] = part_ml[2u * (base + s)];
@@ -1626,4 +1651,25 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         }
         out[dst + d] = a / sum;
     }
+}
+
+// Merges the splits of one query head: one workgroup each.
+@compute @workgroup_size(WG)
+fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) l: u32) {
+    let qh = wid.x;
+#if PAGED
+    // Row wid.y's partials, where it split.
+    let t = wid.y;
+    let pos = row_position(t);
+    let splits = row_splits(t, pos + 1u - first_key(pos));
+    if (splits == 1u) {
+        return;
+    }
+    let dst = t * p.out_stride + qh * HEAD_DIM;
+#else
+    let t = 0u;
+    let splits = step.attn_splits;
+    let dst = qh * HEAD_DIM;
+#endif
+    merge_splits(t, qh, splits, dst, l);
 }

@@ -124,6 +124,10 @@ const MIN_KEYS_PER_SPLIT: usize = 64;
 /// Workgroups (KV heads x splits) that keep a large GPU busy with several
 /// workgroups per multiprocessor.
 const TARGET_WORKGROUPS: usize = 1024;
+/// Workgroups of a step's decode rows (KV heads x row blocks per row)
+/// from which `attend_lanes` walks each row's splits in one workgroup
+/// rather than running a workgroup per split and then `combine`.
+const WALK_WORKGROUPS: u32 = 512;
 
 /// The family's q/k norm: mode, weights and epsilon.
 #[derive(Debug, Clone, Copy)]
@@ -265,8 +269,14 @@ pub struct PagedAttention {
     /// `attend` (or `attend_coop`) over every row but the decode rows,
     /// where `decode` runs them.
     pub attend: Dispatch,
-    /// `attend_lanes` over the step's first rows, its decode rows.
+    /// `attend_lanes` over the step's first rows, its decode rows: a
+    /// workgroup per key split.
     pub decode: Option<Dispatch>,
+    /// `decode` over a grid of one split: a workgroup per row block walks
+    /// its row's splits and merges them (the same partials, merged in the
+    /// same order as by `combine`), where the rows fill the GPU without
+    /// splitting them.
+    pub decode_walk: Option<Dispatch>,
     /// The merge of the split rows' partials.
     pub combine: Option<Dispatch>,
     /// Most rows of one of `attend`'s (or `attend_coop`'s) tiles.
@@ -287,18 +297,45 @@ impl PagedAttention {
     /// `attend` are left out of a step of decode rows alone where
     /// `attend_lanes` runs them (and stores their keys and values), and
     /// `combine` covers the decode rows alone (only they split) and is
-    /// left out of a step without any: every one of the workgroups left
+    /// left out of a step without any, or where `attend_lanes` walks the
+    /// splits itself ([`Self::walks`]): every one of the workgroups left
     /// out would find nothing to do.
     pub fn dispatches(&self, n_rows: u32, decode_rows: u32, attend_tiles: u32) -> Vec<(&Dispatch, u32)> {
-        let lanes = self.decode.as_ref().filter(|_| decode_rows > 0);
+        self.dispatches_walking(n_rows, decode_rows, attend_tiles, self.walks(decode_rows))
+    }
+
+    /// [`Self::dispatches`] with the decode rows on [`Self::decode_walk`]
+    /// or not (where there is one), whatever their number.
+    pub fn dispatches_walking(
+        &self,
+        n_rows: u32,
+        decode_rows: u32,
+        attend_tiles: u32,
+        walks: bool,
+    ) -> Vec<(&Dispatch, u32)> {
+        let walks = walks && self.decode_walk.is_some();
+        let lanes = match walks {
+            true => self.decode_walk.as_ref(),
+            false => self.decode.as_ref(),
+        };
+        let lanes = lanes.filter(|_| decode_rows > 0);
         let others = lanes.is_none() || decode_rows < n_rows;
         let mut out = Vec::new();
         if others {
             out.extend([(&self.rope, n_rows), (&self.attend, attend_tiles)]);
         }
         out.extend(lanes.map(|d| (d, decode_rows)));
-        out.extend(self.combine.as_ref().filter(|_| decode_rows > 0).map(|d| (d, decode_rows)));
+        let merging = decode_rows > 0 && !walks;
+        out.extend(self.combine.as_ref().filter(|_| merging).map(|d| (d, decode_rows)));
         out
+    }
+
+    /// Whether `decode_rows` decode rows run on [`Self::decode_walk`]:
+    /// where their row blocks alone make [`WALK_WORKGROUPS`] workgroups.
+    pub fn walks(&self, decode_rows: u32) -> bool {
+        self.decode_walk
+            .as_ref()
+            .is_some_and(|d| d.workgroups[0] * d.workgroups[1] * decode_rows >= WALK_WORKGROUPS)
     }
 }
 
@@ -772,6 +809,13 @@ impl Attention {
             }
             None => None,
         };
+        let decode_walk = decode.as_ref().map(|d| Dispatch {
+            label: d.label,
+            pipeline: d.pipeline.clone(),
+            bind_group: d.bind_group.clone(),
+            workgroups: [d.workgroups[0], d.workgroups[1], 1],
+            tokens_per_workgroup: d.tokens_per_workgroup,
+        });
         let combine = match splits.max_splits {
             1 => None,
             _ => {
@@ -780,7 +824,7 @@ impl Attention {
                 Some(self.dispatch(gpu, shape, Entry::Combine { paged: true }, &params, &merging, grid, 1)?)
             }
         };
-        Ok(PagedAttention { rope, attend, decode, combine, tile_rows })
+        Ok(PagedAttention { rope, attend, decode, decode_walk, combine, tile_rows })
     }
 
     /// Whether a chunk's (causal) attention can write its rows as f16 too
