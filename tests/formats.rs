@@ -398,6 +398,8 @@ fn int8_gemv_spans_chunks_of_the_activations() {
             let gemv = Gemv::with_shape(gpu, GemvShape { int8: true, ..shape });
             for format in WeightFormat::ALL.into_iter().filter(|f| has_int8_units(*f)) {
                 let what = format!("{format} {shape:?}");
+                // Where a run stops, with --nocapture.
+                eprintln!("{what}");
                 let (weight, values) = random_weight(gpu, &mut rng, format, rows, cols);
                 let x = rng.vec(tokens * cols, 1.0);
                 let xb = gpu.storage_buffer_init("x", &x);
@@ -424,6 +426,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
                     input: Input::RmsNorm { weight: &norm_t, eps: 1e-5 },
                     ..GemvSpec::plain(&weight, &xb, &yb)
                 };
+                eprintln!("{what} norm");
                 run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
                 let want: Vec<f32> = x
                     .chunks_exact(cols)
@@ -453,6 +456,7 @@ fn int8_gemv_spans_chunks_of_the_activations() {
                     rows: Rows::Sum { ids: &ids, weights: &route, top_k, expert_rows },
                     ..GemvSpec::plain(&weight, &slots_xb, &yb)
                 };
+                eprintln!("{what} experts");
                 run(gpu, &gemv.plan(gpu, &spec).unwrap(), tokens as u32);
                 let expert = |e: usize, x: &[f32], weight: f32| {
                     int8_expert_product(&values, e, expert_rows, cols, x, weight)
