@@ -557,6 +557,25 @@ fn a_body_left_unread_closes_its_connection() {
     assert!(!head.contains(&"connection: close".to_string()), "{head:?}");
 }
 
+/// A route that does not exist, and one asked with a method it does not
+/// take, get OpenAI's error object (the latter with the route's methods).
+#[test]
+fn a_wrong_route_or_method_gets_an_error_object() {
+    let server = refusing_server();
+    let missing = server.get("/v1/nothing", None);
+    assert_eq!(missing.status, 404, "{}", missing.body);
+    assert_eq!(missing.json()["error"]["type"], "not_found_error");
+    let wrong = server.get("/v1/chat/completions", None);
+    assert_eq!(wrong.status, 405, "{}", wrong.body);
+    let message = wrong.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("/v1/chat/completions") && message.contains("GET"), "{message}");
+    let raw = "DELETE /v1/models HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n";
+    let head = server.send_raw(raw).0;
+    assert!(head[0].starts_with("http/1.1 405"), "{head:?}");
+    assert!(head.iter().any(|h| h.starts_with("allow: ") && h.contains("get")), "{head:?}");
+    assert!(head.contains(&"content-type: application/json".to_string()), "{head:?}");
+}
+
 /// The models list, health, tokenize and detokenize, and metrics.
 #[test]
 fn models_health_tokenize_and_metrics() {

@@ -121,6 +121,7 @@ pub(super) fn router(app: App) -> Router {
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(from_fn(catch_panic))
@@ -255,6 +256,11 @@ async fn catch_panic(request: Request, next: Next) -> Response {
 
 async fn not_found(request: Request) -> ApiError {
     ApiError::not_found(format!("no route {} {}", request.method(), request.uri().path()))
+}
+
+/// (The router adds the route's methods as `Allow`.)
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError::method_not_allowed(format!("{} does not take {}", request.uri().path(), request.method()))
 }
 
 /// The body as a JSON object, within the size limit.

@@ -79,6 +79,11 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, "not_found_error", message)
     }
 
+    /// A route asked with a method it does not take.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message)
+    }
+
     /// The error object itself.
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
