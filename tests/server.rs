@@ -738,8 +738,9 @@ fn more_than_one_choice_is_refused() {
 }
 
 /// Fields asking for what the server cannot give (tool calls, structured
-/// output, biased logits, audio, insertion, several candidates) are refused
-/// by name rather than ignored; their values that ask for nothing pass.
+/// output, biased logits, audio, insertion, several candidates, other
+/// servers' samplers and grammars) are refused by name rather than ignored;
+/// their values that ask for nothing pass.
 #[test]
 fn fields_the_server_cannot_honour_are_refused() {
     let s = refusing_server();
@@ -770,6 +771,31 @@ fn fields_the_server_cannot_honour_are_refused() {
         let answer = s.post("/v1/completions", &json!({"prompt": "Hi", field: value}));
         assert_refused(s, answer, 400, field, Some(field));
     }
+    // Other servers' sampling and constrained-output extensions, on both endpoints.
+    let extensions = [
+        ("min_p", json!(0.05)),
+        ("typical_p", json!(0.9)),
+        ("tfs_z", json!(0.95)),
+        ("top_a", json!(0.1)),
+        ("repetition_penalty", json!(1.1)),
+        ("repeat_penalty", json!(1.1)),
+        ("dry_multiplier", json!(0.8)),
+        ("xtc_probability", json!(0.5)),
+        ("mirostat", json!(2)),
+        ("use_beam_search", json!(true)),
+        ("grammar", json!("root ::= \"a\"")),
+        ("json_schema", json!({"type": "object"})),
+        ("guided_json", json!({"type": "object"})),
+        ("guided_regex", json!("a+")),
+        ("guided_choice", json!(["a", "b"])),
+        ("guided_grammar", json!("root ::= \"a\"")),
+    ];
+    for (field, value) in extensions {
+        let chat = s.post("/v1/chat/completions", &chat_with(json!({ field: value.clone() })));
+        assert_refused(s, chat, 400, field, Some(field));
+        let completion = s.post("/v1/completions", &json!({"prompt": "Hi", field: value}));
+        assert_refused(s, completion, 400, field, Some(field));
+    }
 
     let server = chat_server();
     let asks_nothing = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
@@ -780,6 +806,11 @@ fn fields_the_server_cannot_honour_are_refused() {
         "/v1/completions",
         &json!({"prompt": "Hi", "max_tokens": 2, "suffix": "", "best_of": 1, "logit_bias": null}),
     );
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let neutral = json!({"min_p": 0.0, "typical_p": 1, "tfs_z": 1.0, "top_a": 0, "repetition_penalty": 1.0,
+        "repeat_penalty": 1, "dry_multiplier": 0, "xtc_probability": 0.0, "mirostat": 0,
+        "use_beam_search": false, "grammar": "", "json_schema": {}, "guided_json": null});
+    let answer = server.post("/v1/chat/completions", &chat_with(neutral));
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
 

@@ -381,6 +381,36 @@ const UNHONOURED_COMPLETION: &[Unhonoured] = &[
     ("best_of", "best_of must be 1 (one candidate per request)", |v| v == 1),
 ];
 
+/// Other servers' sampling and constrained-output extensions (llama-server's,
+/// vLLM's), refused on both endpoints where they would change the reply:
+/// the sampler here has temperature, top-k and top-p alone.
+const UNHONOURED_EXTENSIONS: &[Unhonoured] = &[
+    ("min_p", "min_p sampling is not supported: it must be 0", is_zero),
+    ("typical_p", "typical sampling is not supported: it must be 1", is_one),
+    ("tfs_z", "tail-free sampling is not supported: it must be 1", is_one),
+    ("top_a", "top-a sampling is not supported: it must be 0", is_zero),
+    ("repetition_penalty", "repetition penalties are not supported: it must be 1", is_one),
+    ("repeat_penalty", "repetition penalties are not supported: it must be 1", is_one),
+    ("dry_multiplier", "DRY sampling is not supported: it must be 0", is_zero),
+    ("xtc_probability", "XTC sampling is not supported: it must be 0", is_zero),
+    ("mirostat", "mirostat sampling is not supported: it must be 0", is_zero),
+    ("use_beam_search", "beam search is not supported", |v| v == false),
+    ("grammar", "grammar-constrained output is not supported", |v| v == ""),
+    ("json_schema", "structured output is not supported", empty_map),
+    ("guided_json", "structured output is not supported", |_| false),
+    ("guided_regex", "structured output is not supported", |_| false),
+    ("guided_choice", "structured output is not supported", |_| false),
+    ("guided_grammar", "structured output is not supported", |_| false),
+];
+
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+fn is_one(v: &Value) -> bool {
+    v.as_f64() == Some(1.0)
+}
+
 fn empty_list(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty)
 }
@@ -408,7 +438,7 @@ fn refuse_unhonoured(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
         Endpoint::Chat => UNHONOURED_CHAT,
         Endpoint::Completion => UNHONOURED_COMPLETION,
     };
-    for &(field, why, asks_nothing) in table {
+    for &(field, why, asks_nothing) in table.iter().chain(UNHONOURED_EXTENSIONS) {
         match body.get(field) {
             Some(value) if !value.is_null() && !asks_nothing(value) => {
                 return Err(ApiError::invalid(field, format!("{field}: {why}")));
