@@ -386,7 +386,7 @@ impl Reply {
         let outcome = match collected {
             Ok(outcome) => outcome,
             Err(Cut::Failed(e)) => return Err(e),
-            Err(Cut::Gone) => return Err(ApiError::internal("the reply ended early")),
+            Err(Cut::Gone { .. }) => return Err(ApiError::internal("the reply ended early")),
         };
         let object = if self.job.endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
         let mut body = self.envelope(object);
@@ -413,7 +413,7 @@ impl Reply {
             let prompt = self.job.prompt_tokens;
             let (status, generated) = match self.write_chunks(&chunks).await {
                 Ok(outcome) => (200, outcome.generated),
-                Err(Cut::Gone) => (CLIENT_GONE, 0),
+                Err(Cut::Gone { generated }) => (CLIENT_GONE, generated),
                 Err(Cut::Failed(e)) => {
                     let _ = chunks.send(SseEvent::default().data(e.body().to_string()));
                     (e.status.as_u16(), 0)

@@ -76,8 +76,8 @@ pub(crate) struct Outcome {
 
 /// Why a reply was not finished.
 pub(crate) enum Cut {
-    /// The client went away: nothing more is sent.
-    Gone,
+    /// The client went away after `generated` tokens: nothing more is sent.
+    Gone { generated: usize },
     Failed(ApiError),
 }
 
@@ -102,7 +102,7 @@ pub(crate) async fn collect(
     loop {
         let event = tokio::select! {
             event = events.recv() => event,
-            () = &mut gone => return Err(Cut::Gone),
+            () = &mut gone => return Err(Cut::Gone { generated }),
         };
         let output = match event {
             Some(Event::Token(output)) => output,
@@ -142,7 +142,7 @@ pub(crate) async fn collect(
         let logprobs = output.logprobs.map(|l| (info.token_text(output.token), l));
         let piece = Piece { text: sendable, token: Some(output.token), logprobs, finish };
         if !emit(piece) {
-            return Err(Cut::Gone);
+            return Err(Cut::Gone { generated });
         }
         if let Some(finish) = finish {
             return Ok(Outcome { generated, cached_tokens: output.cached_tokens, finish });
