@@ -421,11 +421,10 @@ fn measure_prefill(
     Ok(())
 }
 
-/// Prints the best of `--reps` decodes of `--decode` tokens after the
-/// context (and how the expert cache served them), as a share of the
-/// copy bandwidth; returns the seconds per token.
 /// `n` sequences through the batch engine at once: random prompts of
-/// `--prompt` tokens, `--decode` tokens each, greedy, no stop ids.
+/// `--prompt` tokens, `--decode` tokens each, greedy, no stop ids. A batch
+/// of one is also timed against a lone session decoding the same
+/// positions (`tg` above starts at `--depth`).
 fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
     use wgspark::batch::{BatchEngine, BatchOptions, Request};
     let c = &model.config;
@@ -504,10 +503,54 @@ fn measure_parallel(args: &Args, model: &Model, n: usize) -> BenchResult<()> {
         total.as_secs_f64(),
         stats.preemptions,
     );
+    if n == 1 {
+        let session_rate = lone_decode(args, model, &requests[0], routing)?;
+        println!(
+            "  a lone session over the same positions: {session_rate:.1} tok/s (the batch of one at {:.3} of it)",
+            after_first as f64 / decode.as_secs_f64() / session_rate
+        );
+    }
     if args.profile {
         parallel_profile(model, &options, &requests)?;
     }
     Ok(())
+}
+
+/// Tokens per second of a lone session given `request`'s prompt, over the
+/// tokens after its first, as the batch row counts them; the best of
+/// `--reps` after a round that warms up.
+fn lone_decode(
+    args: &Args,
+    model: &Model,
+    request: &wgspark::batch::Request,
+    routing: RoutingMode,
+) -> BenchResult<f64> {
+    let options = SessionOptions {
+        context_len: Some(request.prompt.len() + args.decode),
+        prefill_chunk: args.prefill_chunk,
+        kv_format: args.kv_cache,
+        prefill_precision: args.prefill_precision,
+        routing,
+        ..Default::default()
+    };
+    let mut session = model.session(&options)?;
+    let generate = GenerateOptions { max_tokens: args.decode, ..Default::default() };
+    let mut best = 0.0f64;
+    for round in 0..=args.reps.max(1) {
+        session.truncate(0);
+        let mut ids = session.generate(&request.prompt, &generate)?;
+        ids.next().transpose()?;
+        let start = Instant::now();
+        let mut tokens = 0;
+        for id in ids {
+            id?;
+            tokens += 1;
+        }
+        if round > 0 {
+            best = best.max(tokens as f64 / start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(best)
 }
 
 /// The first step (prompt rows of every sequence it admits) and a step in
@@ -540,6 +583,9 @@ fn parallel_profile(
     Err("no step of the profile ran every sequence".into())
 }
 
+/// Prints the best of `--reps` decodes of `--decode` tokens after the
+/// context (and how the expert cache served them), as a share of the
+/// copy bandwidth; returns the seconds per token.
 fn measure_decode(
     args: &Args,
     copy: f64,

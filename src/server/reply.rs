@@ -77,7 +77,9 @@ pub(crate) struct Outcome {
 /// Why a reply was not finished.
 pub(crate) enum Cut {
     /// The client went away after `generated` tokens: nothing more is sent.
-    Gone { generated: usize },
+    Gone {
+        generated: usize,
+    },
     Failed(ApiError),
 }
 
