@@ -12,7 +12,7 @@
 //! their bits are the file's.
 //!
 //! The i-quants below 4 bits pick each group of 4 or 8 values from a
-//! lattice (a "grid", [`grids`]) by index, with signs and scales beside.
+//! lattice (a "grid", `format::grids`) by index, with signs and scales beside.
 //!
 //! FP8 checkpoints (`float8_e4m3fn` weights with a `weight_scale_inv` per
 //! block of rows x 128 columns) are stored on the GPU, and handed over by

@@ -189,7 +189,7 @@ impl AttentionBindings<'_> {
 pub struct PagedRows<'a> {
     /// Per step row i, u32 (position, index in `block_table` of the first
     /// block of the row's sequence, partial slot or `u32::MAX`, `attend`'s
-    /// tile i or 0: [`PagedAttention::tiles`]).
+    /// tile i or 0: [`PagedTiling::tiles`]).
     pub rows: &'a wgpu::Buffer,
     /// Per sequence, the cache block of each block of its positions.
     pub block_table: &'a wgpu::Buffer,
@@ -264,8 +264,8 @@ impl PagedTiling {
     }
 }
 
-/// A ragged batch's attention (see [`Attention::plan_paged`]), encoded by
-/// [`Self::encode`].
+/// A ragged batch's attention (see [`Attention::plan_paged`]), encoded as
+/// [`Self::dispatches`] lists it.
 #[derive(Debug)]
 pub struct PagedAttention {
     /// `rope_store` over every row (but the decode rows, where `decode`

@@ -16,7 +16,7 @@ pub const Y_F16: &str = "Y_F16";
 /// A plain product as partial sums over ranges of k (see [`Tile::k_splits`]).
 pub const K_SPLIT: &str = "K_SPLIT";
 /// Weights bound as u32 words rather than 16-byte quads (see
-/// [`bind_as_words`]).
+/// `bind_as_words`).
 pub const WEIGHT_WORDS: &str = "WEIGHT_WORDS";
 
 /// Adds [`WEIGHT_WORDS`] to the flags of a decoded format whose staging

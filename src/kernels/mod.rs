@@ -12,9 +12,9 @@
 //! scoring, attention's sliding window, the sampler's top-k and top-p, the
 //! cooperative GEMM's expert groups.
 //!
-//! Pipelines are cached by (family, entry point, flags, constants) in a
-//! [`PipelineCache`], created once at load or when a session's plan asks
-//! for a new specialisation, never per token.
+//! Pipelines are cached by (family, entry point, flags, constants) in the
+//! device's `gpu::PipelineCache`, created once at load or when a session's
+//! plan asks for a new specialisation, never per token.
 //!
 //! Every parameter struct is declared once, in Rust, by [`wgsl_struct!`](crate::wgsl_struct),
 //! which also writes its WGSL declaration; [`shader_source`] prepends the
