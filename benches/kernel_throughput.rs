@@ -589,20 +589,7 @@ fn main() {
             let k_cache = gpu.storage_buffer_init("k_cache", &cache);
             let v_cache = gpu.storage_buffer_init("v_cache", &cache);
             let cos_sin = gpu.storage_buffer_init("cos_sin", &random_activations(ctx * heads.dim));
-            let shape = AttentionShape {
-                heads,
-                rotary_dim: heads.dim,
-                scale: 0.088,
-                window: 0,
-                qk_norm: (norm != QkNorm::None).then_some(QkNormWeights {
-                    mode: norm,
-                    q: &norm_weight,
-                    k: &norm_weight,
-                    eps: 1e-6,
-                }),
-                kv_format: format,
-                chunk_precision: Default::default(),
-            };
+            let shape = attention_shape(heads, norm, format, &norm_weight);
             let max_splits = wgspark::kernels::attention::MAX_SPLITS;
             let acc = gpu.storage_buffer("split_acc", heads.q * max_splits * heads.dim).unwrap();
             let max_sum = gpu.storage_buffer("split_max_sum", heads.q * max_splits * 2).unwrap();
@@ -616,16 +603,7 @@ fn main() {
                 let splits =
                     if tokens == 1 { Attention::decode_splits(ctx, heads.kv, max_splits) } else { 1 };
                 let s = step(&gpu, pos0, tokens, splits as u32);
-                let b = AttentionBindings {
-                    step: &s,
-                    qkv: &qkv,
-                    cos_sin: &cos_sin,
-                    k_cache: &k_cache,
-                    v_cache: &v_cache,
-                    out: &out,
-                    values: None,
-                    out16: None,
-                };
+                let b = attention_bindings(&s, &qkv, &cos_sin, (&k_cache, &v_cache), &out);
                 if tokens == 1 && ctx <= 4096 && format == KvFormat::F16 {
                     // How the time scales with the keys per split.
                     let scratch = SplitScratch { acc: &acc, max_sum: &max_sum };
@@ -698,6 +676,42 @@ fn main() {
     }
 }
 
+/// A layer's attention of `heads`, rotating whole heads, no window, its
+/// q/k norm (if any) weighted by `norm_weight`, over a cache in `format`.
+fn attention_shape(
+    heads: Heads,
+    norm: QkNorm,
+    format: KvFormat,
+    norm_weight: &GpuTensor,
+) -> AttentionShape<'_> {
+    AttentionShape {
+        heads,
+        rotary_dim: heads.dim,
+        scale: 0.088,
+        window: 0,
+        qk_norm: (norm != QkNorm::None).then_some(QkNormWeights {
+            mode: norm,
+            q: norm_weight,
+            k: norm_weight,
+            eps: 1e-6,
+        }),
+        kv_format: format,
+        chunk_precision: Default::default(),
+    }
+}
+
+/// The bindings of an attention whose value rows follow the keys in
+/// `qkv`, without f16 copies of its output.
+fn attention_bindings<'a>(
+    step: &'a wgpu::Buffer,
+    qkv: &'a wgpu::Buffer,
+    cos_sin: &'a wgpu::Buffer,
+    (k_cache, v_cache): (&'a wgpu::Buffer, &'a wgpu::Buffer),
+    out: &'a wgpu::Buffer,
+) -> AttentionBindings<'a> {
+    AttentionBindings { step, qkv, cos_sin, k_cache, v_cache, out, values: None, out16: None }
+}
+
 /// A batch step's decode rows over a paged cache (blocks of 16 positions,
 /// each sequence's scattered over the pool), as the batch engine splits
 /// their keys: a workgroup per split then `combine`, or each row's splits
@@ -715,20 +729,7 @@ fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
         (Heads { q: 32, kv: 8, dim: 128 }, QkNorm::None),
         (Heads { q: 32, kv: 4, dim: 128 }, QkNorm::PerHead),
     ] {
-        let shape = AttentionShape {
-            heads,
-            rotary_dim: heads.dim,
-            scale: 0.088,
-            window: 0,
-            qk_norm: (norm != QkNorm::None).then_some(QkNormWeights {
-                mode: norm,
-                q: &norm_weight,
-                k: &norm_weight,
-                eps: 1e-6,
-            }),
-            kv_format: KvFormat::F16,
-            chunk_precision: Default::default(),
-        };
+        let shape = attention_shape(heads, norm, KvFormat::F16, &norm_weight);
         for &ctx in depths {
             for &rows in row_counts {
                 let blocks = rows * ctx.div_ceil(block);
@@ -758,16 +759,7 @@ fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
                 let (meta_b, table_b) =
                     (gpu.storage_buffer_init("rows", &meta), gpu.storage_buffer_init("block_table", &table));
                 let unused_step = step(gpu, 0, rows as u32, 1);
-                let b = AttentionBindings {
-                    step: &unused_step,
-                    qkv: &qkv,
-                    cos_sin: &cos_sin,
-                    k_cache: &k_cache,
-                    v_cache: &v_cache,
-                    out: &out,
-                    values: None,
-                    out16: None,
-                };
+                let b = attention_bindings(&unused_step, &qkv, &cos_sin, (&k_cache, &v_cache), &out);
                 let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
                 let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
                 let plan = attention.plan_paged(gpu, &shape, &b, &paged).unwrap();
@@ -808,16 +800,7 @@ fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
             let max_sum = gpu.storage_buffer("split_max_sum", heads.q * max_splits * 2).unwrap();
             let splits = Attention::decode_splits(ctx, heads.kv, max_splits);
             let s = step(gpu, ctx as u32 - 1, 1, splits as u32);
-            let b = AttentionBindings {
-                step: &s,
-                qkv: &qkv,
-                cos_sin: &cos_sin,
-                k_cache: &cache,
-                v_cache: &cache,
-                out: &out,
-                values: None,
-                out16: None,
-            };
+            let b = attention_bindings(&s, &qkv, &cos_sin, (&cache, &cache), &out);
             let d = attention
                 .plan_decode(gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
                 .unwrap();
