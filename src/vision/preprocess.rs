@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use rayon::prelude::*;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
@@ -363,38 +364,58 @@ impl ImageProcessor {
         Ok((h_bar as usize, w_bar as usize))
     }
 
-    /// The image's patches.
+    /// The image's patches. Merge blocks are cut in parallel, each a run
+    /// of the values.
     pub fn patches(&self, image: &RgbImage, origin: &str) -> Result<Patches> {
         let (height, width) =
             self.resized_size(image.height, image.width).map_err(|m| image_error(origin, m))?;
-        let rgb = super::resample::resize_rgb(&image.pixels, image.width, image.height, width, height);
-        // Rescaled in f64 and stored in f32, then normalised in f32, as the
-        // processor's numpy steps are.
-        let channel = |c: usize, y: usize, x: usize| -> f32 {
-            let v = (f64::from(rgb[(y * width + x) * 3 + c]) * self.rescale_factor) as f32;
-            (v - self.mean[c]) / self.std[c]
+        let resized;
+        let rgb = if (height, width) == (image.height, image.width) {
+            &image.pixels
+        } else {
+            resized = super::resample::resize_rgb(&image.pixels, image.width, image.height, width, height);
+            &resized
         };
+        let normalised = self.normalised_bytes();
         let (p, m, t) = (self.patch_size, self.merge_size, self.temporal_patch_size);
         let (grid_h, grid_w) = (height / p, width / p);
         let patch_len = 3 * t * p * p;
-        let mut values = Vec::with_capacity(grid_h * grid_w * patch_len);
-        for block_y in 0..grid_h / m {
-            for block_x in 0..grid_w / m {
-                for my in 0..m {
-                    for mx in 0..m {
-                        let (y0, x0) = ((block_y * m + my) * p, (block_x * m + mx) * p);
-                        for c in 0..3 {
-                            for _ in 0..t {
-                                for py in 0..p {
-                                    values.extend((0..p).map(|px| channel(c, y0 + py, x0 + px)));
+        let blocks_across = grid_w / m;
+        let mut values = vec![0.0; grid_h * grid_w * patch_len];
+        values.par_chunks_mut(m * m * patch_len).enumerate().for_each(|(block, values)| {
+            let (block_y, block_x) = (block / blocks_across, block % blocks_across);
+            // Rows of a patch's p values, in the order they are stored.
+            let mut rows = values.chunks_exact_mut(p);
+            for my in 0..m {
+                for mx in 0..m {
+                    let (y0, x0) = ((block_y * m + my) * p, (block_x * m + mx) * p);
+                    for (c, table) in normalised.iter().enumerate() {
+                        for _ in 0..t {
+                            for y in y0..y0 + p {
+                                let pixels = &rgb[(y * width + x0) * 3..(y * width + x0 + p) * 3];
+                                let row = rows.next().expect("a merge block holds m² patches");
+                                for (v, pixel) in row.iter_mut().zip(pixels.chunks_exact(3)) {
+                                    *v = table[usize::from(pixel[c])];
                                 }
                             }
                         }
                     }
                 }
             }
-        }
+        });
         Ok(Patches { values, grid: [1, grid_h, grid_w], patch_len })
+    }
+
+    /// Each channel's value of each 8-bit level: rescaled in f64 and
+    /// stored in f32, then normalised in f32, as the processor's numpy
+    /// steps are.
+    fn normalised_bytes(&self) -> [[f32; 256]; 3] {
+        std::array::from_fn(|c| {
+            std::array::from_fn(|level| {
+                let v = (level as f64 * self.rescale_factor) as f32;
+                (v - self.mean[c]) / self.std[c]
+            })
+        })
     }
 }
 

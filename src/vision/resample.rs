@@ -6,6 +6,10 @@
 //! point, every pass rounded and clipped back to 8 bits. Same arithmetic,
 //! same bytes.
 
+use std::borrow::Cow;
+
+use rayon::prelude::*;
+
 /// Fixed-point fraction bits of the weights: 32 bits less 8 of value and 2
 /// of headroom for kernels whose partial sums leave 0..1.
 const PRECISION_BITS: u32 = 32 - 8 - 2;
@@ -62,16 +66,38 @@ impl Taps {
         Taps { first, weights }
     }
 
-    /// Output `i`'s weighted sum of `value(first + j)`, rounded and clipped
-    /// to 8 bits.
-    fn apply(&self, i: usize, value: impl Fn(usize) -> u8) -> u8 {
-        let mut sum: i32 = 1 << (PRECISION_BITS - 1);
-        for (j, &w) in self.weights[i].iter().enumerate() {
-            // At most 255 x 1.25 x 2^22 in magnitude: no overflow.
-            sum += i32::from(value(self.first[i] + j)) * w;
-        }
-        (sum >> PRECISION_BITS).clamp(0, 255) as u8
+    /// Output `i`'s taps: the input positions it reads and their weights.
+    fn of(&self, i: usize) -> impl Iterator<Item = (usize, i32)> + '_ {
+        self.weights[i].iter().enumerate().map(move |(j, &w)| (self.first[i] + j, w))
     }
+
+    /// A row of RGB pixels resampled into `out`, each output pixel's three
+    /// channels summed together.
+    fn resample_row(&self, row: &[u8], out: &mut [u8]) {
+        for (x, pixel) in out.chunks_exact_mut(3).enumerate() {
+            let mut sums = [ROUNDING; 3];
+            for (i, w) in self.of(x) {
+                for (sum, &v) in sums.iter_mut().zip(&row[i * 3..i * 3 + 3]) {
+                    *sum += i32::from(v) * w;
+                }
+            }
+            for (p, sum) in pixel.iter_mut().zip(sums) {
+                *p = to_byte(sum);
+            }
+        }
+    }
+}
+
+/// Where a weighted sum starts: a half in fixed point, so that the shift
+/// in [`to_byte`] rounds.
+const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
+
+/// A weighted sum of 8-bit values, rounded and clipped back to 8 bits.
+/// The sums are of integers, so their order does not change them; their
+/// terms are at most 255 x 1.25 x 2^22 in magnitude all together: no
+/// overflow.
+fn to_byte(sum: i32) -> u8 {
+    (sum >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
 /// `rgb` (`width * height` pixels of 3 bytes, rows top to bottom) resized
@@ -83,54 +109,56 @@ pub fn resize_rgb(rgb: &[u8], width: usize, height: usize, out_width: usize, out
     let shrink = |from: usize, to: usize| from as i64 - to as i64;
     let vertical_first =
         shrink(height, out_height) > 0 && shrink(height, out_height) > 2 * shrink(width, out_width);
-    let image = Plane { pixels: rgb.to_vec(), width, height };
+    let image = Plane { pixels: Cow::Borrowed(rgb), width, height };
     let image = if vertical_first {
         image.vertical(out_height).horizontal(out_width)
     } else {
         image.horizontal(out_width).vertical(out_height)
     };
-    image.pixels
+    image.pixels.into_owned()
 }
 
-/// An RGB image in one of the passes.
-struct Plane {
-    pixels: Vec<u8>,
+/// An RGB image in one of the passes (the first reads the caller's).
+struct Plane<'a> {
+    pixels: Cow<'a, [u8]>,
     width: usize,
     height: usize,
 }
 
-impl Plane {
-    fn horizontal(self, out_width: usize) -> Plane {
+impl<'a> Plane<'a> {
+    /// Rows are resampled in parallel.
+    fn horizontal(self, out_width: usize) -> Plane<'a> {
         if out_width == self.width {
             return self;
         }
         let taps = Taps::new(self.width, out_width);
         let mut out = vec![0u8; out_width * self.height * 3];
-        for y in 0..self.height {
-            let row = &self.pixels[y * self.width * 3..(y + 1) * self.width * 3];
-            for x in 0..out_width {
-                for c in 0..3 {
-                    out[(y * out_width + x) * 3 + c] = taps.apply(x, |i| row[i * 3 + c]);
-                }
-            }
-        }
-        Plane { pixels: out, width: out_width, height: self.height }
+        let rows = self.pixels.par_chunks(self.width * 3);
+        out.par_chunks_mut(out_width * 3).zip(rows).for_each(|(out, row)| taps.resample_row(row, out));
+        Plane { pixels: Cow::Owned(out), width: out_width, height: self.height }
     }
 
-    fn vertical(self, out_height: usize) -> Plane {
+    /// Output rows are resampled in parallel, each as whole input rows
+    /// times their weights added up (rows read in order, not a column at
+    /// a time).
+    fn vertical(self, out_height: usize) -> Plane<'a> {
         if out_height == self.height {
             return self;
         }
-        let (w, taps) = (self.width, Taps::new(self.height, out_height));
-        let mut out = vec![0u8; w * out_height * 3];
-        for y in 0..out_height {
-            for x in 0..w {
-                for c in 0..3 {
-                    out[(y * w + x) * 3 + c] = taps.apply(y, |i| self.pixels[(i * w + x) * 3 + c]);
+        let (row_len, taps) = (self.width * 3, Taps::new(self.height, out_height));
+        let mut out = vec![0u8; row_len * out_height];
+        out.par_chunks_mut(row_len).enumerate().for_each(|(y, out)| {
+            let mut sums = vec![ROUNDING; row_len];
+            for (i, w) in taps.of(y) {
+                for (sum, &v) in sums.iter_mut().zip(&self.pixels[i * row_len..(i + 1) * row_len]) {
+                    *sum += i32::from(v) * w;
                 }
             }
-        }
-        Plane { pixels: out, width: w, height: out_height }
+            for (p, sum) in out.iter_mut().zip(sums) {
+                *p = to_byte(sum);
+            }
+        });
+        Plane { pixels: Cow::Owned(out), width: self.width, height: out_height }
     }
 }
 
