@@ -69,8 +69,8 @@ struct Args {
     steering: bool,
     /// Time one decode step's dispatches one by one, and the prompt's last
     /// chunk's; with --parallel, also the batch engine's first step (prompt
-    /// rows) and a step where every sequence decodes (GPU timestamps; one
-    /// device's, so not with --devices).
+    /// rows) and a step where every sequence decodes; with a vision shape,
+    /// the tower's (GPU timestamps; one device's, so not with --devices).
     #[arg(long, conflicts_with = "devices")]
     profile: bool,
     #[arg(long)]
@@ -896,5 +896,9 @@ fn measure_vision_tower(args: &Args, model: &Model) -> BenchResult<()> {
         best.as_secs_f64() * 1e3,
         patches_n as f64 / best.as_secs_f64()
     );
+    if args.profile {
+        println!("  vision tower:");
+        print_profile(&wgspark::flow::vision::profile_image(model, &patches, gemm)?);
+    }
     Ok(())
 }

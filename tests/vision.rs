@@ -236,3 +236,32 @@ fn check_tower(dir: &Path) {
         }
     });
 }
+
+/// `profile_image` times each of the tower's dispatches where the adapter
+/// has GPU timestamps: in flow order (the patch embedding's product
+/// first), an attention for every block among them. Without timestamps it
+/// is a typed refusal that says so.
+#[test]
+fn the_tower_profile_times_each_dispatch() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_vl_images");
+    let processor = ImageProcessor::load(&dir).unwrap();
+    let patches = processor.patches(&RgbImage::open(&dir.join("wide.png")).unwrap(), "wide.png").unwrap();
+    common::on_each_backend(|gpu| {
+        let model = wgspark::Model::load(&dir, gpu).unwrap();
+        let blocks = model.config.vision.as_ref().unwrap().depth;
+        let gemm = wgspark::ChunkMatmul::Auto.gemm(gpu, Default::default()).unwrap();
+        match wgspark::flow::vision::profile_image(&model, &patches, gemm.as_ref()) {
+            Ok(passes) => {
+                assert!(gpu.caps.timestamps, "timed without timestamps");
+                assert!(matches!(passes[0].0, "gemm" | "gemv"), "first: {:?}", passes[0]);
+                let attention = passes.iter().filter(|(label, _)| label.starts_with("attend")).count();
+                assert!(attention >= blocks, "{attention} attention passes for {blocks} blocks");
+                assert!(passes.iter().any(|(_, t)| !t.is_zero()), "no pass took time");
+            }
+            Err(Error::Unsupported { what, .. }) => {
+                assert!(!gpu.caps.timestamps && what.contains("timestamps"), "{what}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    });
+}

@@ -228,6 +228,42 @@ fn step_buffer(gpu: &Gpu, n_tokens: usize) -> wgpu::Buffer {
 /// rows, computed with `gemm`, or with the GEMV where `None`
 /// ([`crate::ChunkMatmul::gemm`] makes one).
 pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Result<ImageRows> {
+    let (rows, pass) = plan_image(model, patches, gemm)?;
+    let gpu = &model.gpu;
+    let mut encoder =
+        gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("vision") });
+    {
+        let mut compute = encoder.begin_compute_pass(&Default::default());
+        for (d, t) in &pass {
+            d.encode(&mut compute, *t);
+        }
+    }
+    gpu.queue.submit([encoder.finish()]);
+    gpu.check("the vision tower")?;
+    Ok(rows)
+}
+
+/// [`encode_image`]'s dispatches, each timed in a pass of its own (GPU
+/// timestamps, which the adapter must have): each one's kernel and time,
+/// in order.
+pub fn profile_image(
+    model: &Model,
+    patches: &Patches,
+    gemm: Option<&Gemm>,
+) -> Result<Vec<(&'static str, std::time::Duration)>> {
+    let (_rows, pass) = plan_image(model, patches, gemm)?;
+    let times = model.gpu.time_each(&pass)?;
+    model.gpu.check("the vision tower")?;
+    Ok(times)
+}
+
+/// The buffers of the tower's output over `patches` and the dispatches
+/// (with the tokens each is encoded for) that fill them.
+fn plan_image(
+    model: &Model,
+    patches: &Patches,
+    gemm: Option<&Gemm>,
+) -> Result<(ImageRows, Vec<(Dispatch, u32)>)> {
     let (gpu, kernels) = (&model.gpu, &model.kernels);
     let (v, w) = match (&model.config.vision, &model.weights.vision) {
         (Some(v), Some(w)) => (v, w),
@@ -320,18 +356,9 @@ pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Re
         }
     }
     pass.merger(&w.merger, v, n, false, &merged_step, &x, [&normed, &attended], &merged)?;
-
-    let mut encoder =
-        gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("vision") });
-    {
-        let mut compute = encoder.begin_compute_pass(&Default::default());
-        for (d, t) in &pass.dispatches {
-            d.encode(&mut compute, *t);
-        }
-    }
-    gpu.queue.submit([encoder.finish()]);
-    gpu.check("the vision tower")?;
-    Ok(ImageRows { tokens, merged, deepstack, grid: [1, grid_h / v.merge_size, grid_w / v.merge_size] })
+    let rows =
+        ImageRows { tokens, merged, deepstack, grid: [1, grid_h / v.merge_size, grid_w / v.merge_size] };
+    Ok((rows, pass.dispatches))
 }
 
 /// The patches are of the tower's size and form whole merge blocks of one

@@ -77,6 +77,63 @@ impl Gpu {
         Ok(times.into_iter().min().unwrap())
     }
 
+    /// Each of `dispatches` (with the tokens it is encoded for) in a
+    /// compute pass of its own, in order, in one submission: each one's
+    /// label and GPU time between its pass's timestamps (which include its
+    /// launch). Needs timestamps ([`super::Caps::timestamps`]).
+    pub fn time_each(&self, dispatches: &[(super::Dispatch, u32)]) -> Result<Vec<(&'static str, Duration)>> {
+        if !self.caps.timestamps {
+            return Err(crate::Error::Unsupported {
+                what: "timing each dispatch without GPU timestamps",
+                value: self.info.name.clone(),
+            });
+        }
+        let count = 2 * dispatches.len() as u32;
+        if count > wgpu::QUERY_SET_MAX_QUERIES {
+            return Err(crate::Error::Unsupported {
+                what: "timing more dispatches each than a query set holds",
+                value: dispatches.len().to_string(),
+            });
+        }
+        let queries = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("time_each"),
+            ty: wgpu::QueryType::Timestamp,
+            count,
+        });
+        let bytes = count as u64 * 8;
+        let resolved = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("time_each.resolved"),
+            size: bytes,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let readback = Readback::new(self, "time_each.readback", bytes);
+        let mut encoder = self.device.create_command_encoder(&Default::default());
+        for (i, (d, tokens)) in dispatches.iter().enumerate() {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(d.label),
+                timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
+                    query_set: &queries,
+                    beginning_of_pass_write_index: Some(2 * i as u32),
+                    end_of_pass_write_index: Some(2 * i as u32 + 1),
+                }),
+            });
+            d.encode(&mut pass, *tokens);
+        }
+        encoder.resolve_query_set(&queries, 0..count, &resolved, 0);
+        readback.record(&mut encoder, &resolved, 0, bytes);
+        self.queue.submit([encoder.finish()]);
+        let ticks: Vec<u64> = readback.read(self, bytes)?;
+        let period = self.queue.get_timestamp_period() as f64;
+        Ok(dispatches
+            .iter()
+            .zip(ticks.chunks_exact(2))
+            .map(|((d, _), t)| {
+                (d.label, Duration::from_nanos((t[1].saturating_sub(t[0]) as f64 * period) as u64))
+            })
+            .collect())
+    }
+
     /// Host-to-device bandwidth in bytes per second: `bytes` (a multiple of
     /// 4) of host memory written into a device buffer through the queue
     /// and waited for, best of 3 (the reference for expert uploads).
