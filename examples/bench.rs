@@ -732,6 +732,7 @@ fn gpu_time(
         );
     }
     if profile {
+        println!("  decode step:");
         print_profile(&after.last_passes);
     }
     Ok(())
@@ -753,8 +754,9 @@ fn prefill_profile(
     Ok(())
 }
 
-/// One step's dispatches, each timed in a pass of its own: the total per
-/// kernel and the first `SHOWN` in order (a layer and more).
+/// A step's (or the vision tower's) dispatches, each timed in a pass of
+/// its own: the total per kernel and the first `SHOWN` in order (a layer
+/// and more).
 fn print_profile(passes: &[(&'static str, Duration)]) {
     const SHOWN: usize = 24;
     let mut totals: Vec<(&str, Duration, usize)> = Vec::new();
@@ -769,7 +771,7 @@ fn print_profile(passes: &[(&'static str, Duration)]) {
     }
     let us = |t: Duration| t.as_secs_f64() * 1e6;
     let all: Duration = passes.iter().map(|p| p.1).sum();
-    println!("  one step, each dispatch in its own pass: {:.1} us in {} passes", us(all), passes.len());
+    println!("  each dispatch in its own pass: {:.1} us in {} passes", us(all), passes.len());
     for (label, t, n) in totals {
         println!("    {label:<16} {n:>4} x {:8.2} us = {:8.1} us", us(t) / n as f64, us(t));
     }
@@ -896,9 +898,11 @@ fn measure_vision_tower(args: &Args, model: &Model) -> BenchResult<()> {
         best.as_secs_f64() * 1e3,
         patches_n as f64 / best.as_secs_f64()
     );
-    if args.profile {
+    if args.profile && model.gpu().caps.timestamps {
         println!("  vision tower:");
         print_profile(&wgspark::flow::vision::profile_image(model, &patches, gemm)?);
+    } else if args.profile {
+        println!("  vision tower: no profile (the adapter has no GPU timestamps)");
     }
     Ok(())
 }

@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::gpu::{Dispatch, Gpu, MapWait, Readback};
+use crate::gpu::{Dispatch, Gpu, MapWait, PassTimestamps, Readback};
 use crate::stats::{Phase, PhaseTimes, Stats, TimingSource};
 
 /// A routing readback whose map is in flight.
@@ -256,40 +256,23 @@ pub struct PhaseTimer {
 }
 
 struct GpuTimestamps {
-    queries: wgpu::QuerySet,
-    resolved: wgpu::Buffer,
-    readback: Readback,
-    capacity: u32,
-    /// The phase and label of each pass, in query-pair order, this forward pass.
+    stamps: PassTimestamps,
+    /// The phase and label of each pass, in timing order, this forward pass.
     passes: Vec<(Phase, &'static str)>,
-    period_ns: f32,
 }
 
 impl PhaseTimer {
     /// GPU timestamps where the adapter has them, else wall clock; room
     /// for `max_passes` passes per forward pass (dispatches, when timed
-    /// alone, which needs timestamps).
+    /// alone, which needs timestamps), at most half a query set's queries.
     pub fn new(gpu: &Gpu, max_passes: usize, per_dispatch: bool) -> Self {
-        let gpu_timestamps = gpu.caps.timestamps.then(|| {
-            let capacity = (2 * max_passes) as u32;
-            GpuTimestamps {
-                queries: gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
-                    label: Some("phase timestamps"),
-                    ty: wgpu::QueryType::Timestamp,
-                    count: capacity,
-                }),
-                resolved: gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("phase timestamps.resolved"),
-                    size: capacity as u64 * 8,
-                    usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-                    mapped_at_creation: false,
-                }),
-                readback: Readback::new(gpu, "phase timestamps.readback", capacity as u64 * 8),
-                capacity,
-                passes: Vec::new(),
-                period_ns: gpu.queue.get_timestamp_period(),
-            }
-        });
+        let room = max_passes.clamp(1, wgpu::QUERY_SET_MAX_QUERIES as usize / 2);
+        let gpu_timestamps = gpu
+            .caps
+            .timestamps
+            .then(|| PassTimestamps::new(gpu, "phase timestamps", room).ok())
+            .flatten()
+            .map(|stamps| GpuTimestamps { stamps, passes: Vec::new() });
         PhaseTimer {
             per_dispatch: per_dispatch && gpu_timestamps.is_some(),
             last_passes: Vec::new(),
@@ -310,16 +293,12 @@ impl PhaseTimer {
         label: &'static str,
     ) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
         let ts = self.gpu.as_mut()?;
-        let index = 2 * ts.passes.len() as u32;
-        if index + 2 > ts.capacity {
+        let index = ts.passes.len() as u32;
+        if index >= ts.stamps.capacity() {
             return None;
         }
         ts.passes.push((phase, label));
-        Some(wgpu::ComputePassTimestampWrites {
-            query_set: &ts.queries,
-            beginning_of_pass_write_index: Some(index),
-            end_of_pass_write_index: Some(index + 1),
-        })
+        Some(ts.stamps.writes(index))
     }
 
     fn phase_started(&mut self, phase: Phase) {
@@ -348,25 +327,18 @@ impl PhaseTimer {
     }
 
     fn before_final_submit(&mut self, encoder: &mut wgpu::CommandEncoder) {
-        if let Some(ts) = &self.gpu {
-            let n = 2 * ts.passes.len() as u32;
-            if n > 0 {
-                encoder.resolve_query_set(&ts.queries, 0..n, &ts.resolved, 0);
-                ts.readback.record(encoder, &ts.resolved, 0, n as u64 * 8);
-            }
+        if let Some(ts) = self.gpu.as_ref().filter(|ts| !ts.passes.is_empty()) {
+            ts.stamps.record(encoder, ts.passes.len() as u32);
         }
     }
 
     fn after_final_submit(&mut self, gpu: &Gpu) -> Result<()> {
         match &mut self.gpu {
             Some(ts) => {
-                let n = ts.passes.len();
-                if n > 0 {
-                    let ticks: Vec<u64> = ts.readback.read(gpu, n as u64 * 16)?;
+                if !ts.passes.is_empty() {
+                    let times = ts.stamps.read(gpu, ts.passes.len() as u32)?;
                     self.last_passes.clear();
-                    for (i, (phase, label)) in ts.passes.drain(..).enumerate() {
-                        let dt = ticks[2 * i + 1].saturating_sub(ticks[2 * i]);
-                        let time = Duration::from_nanos((dt as f64 * ts.period_ns as f64) as u64);
+                    for ((phase, label), time) in ts.passes.drain(..).zip(times) {
                         self.totals.add(phase, time);
                         self.last_passes.push((label, time));
                     }

@@ -228,13 +228,13 @@ fn step_buffer(gpu: &Gpu, n_tokens: usize) -> wgpu::Buffer {
 /// rows, computed with `gemm`, or with the GEMV where `None`
 /// ([`crate::ChunkMatmul::gemm`] makes one).
 pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Result<ImageRows> {
-    let (rows, pass) = plan_image(model, patches, gemm)?;
+    let (rows, dispatches) = plan_image(model, patches, gemm)?;
     let gpu = &model.gpu;
     let mut encoder =
         gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("vision") });
     {
         let mut compute = encoder.begin_compute_pass(&Default::default());
-        for (d, t) in &pass {
+        for (d, t) in &dispatches {
             d.encode(&mut compute, *t);
         }
     }
@@ -251,8 +251,8 @@ pub fn profile_image(
     patches: &Patches,
     gemm: Option<&Gemm>,
 ) -> Result<Vec<(&'static str, std::time::Duration)>> {
-    let (_rows, pass) = plan_image(model, patches, gemm)?;
-    let times = model.gpu.time_each(&pass)?;
+    let (_rows, dispatches) = plan_image(model, patches, gemm)?;
+    let times = model.gpu.time_each(&dispatches)?;
     model.gpu.check("the vision tower")?;
     Ok(times)
 }

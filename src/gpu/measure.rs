@@ -38,39 +38,21 @@ impl Gpu {
                 record(&mut encoder.begin_compute_pass(&Default::default()), i)
             });
         }
-        let queries = self.device.create_query_set(&wgpu::QuerySetDescriptor {
-            label: Some("time_pass"),
-            ty: wgpu::QueryType::Timestamp,
-            count: 2,
-        });
-        let resolved = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("time_pass.resolved"),
-            size: 16,
-            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let readback = Readback::new(self, "time_pass.readback", 16);
-        let period = self.queue.get_timestamp_period() as f64;
+        let timestamps = PassTimestamps::new(self, "time_pass", 1)?;
         let run = |n: u32| -> Result<Duration> {
             let mut encoder = self.device.create_command_encoder(&Default::default());
             {
                 let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: Some("time_pass"),
-                    timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
-                        query_set: &queries,
-                        beginning_of_pass_write_index: Some(0),
-                        end_of_pass_write_index: Some(1),
-                    }),
+                    timestamp_writes: Some(timestamps.writes(0)),
                 });
                 for i in 0..n {
                     record(&mut pass, i);
                 }
             }
-            encoder.resolve_query_set(&queries, 0..2, &resolved, 0);
-            readback.record(&mut encoder, &resolved, 0, 16);
+            timestamps.record(&mut encoder, 1);
             self.queue.submit([encoder.finish()]);
-            let ticks: Vec<u64> = readback.read(self, 16)?;
-            Ok(Duration::from_nanos((ticks[1].saturating_sub(ticks[0]) as f64 * period) as u64))
+            Ok(timestamps.read(self, 1)?[0])
         };
         run(1)?;
         let times = (0..3).map(|_| run(reps)).collect::<Result<Vec<_>>>()?;
@@ -88,50 +70,23 @@ impl Gpu {
                 value: self.info.name.clone(),
             });
         }
-        let count = 2 * dispatches.len() as u32;
-        if count > wgpu::QUERY_SET_MAX_QUERIES {
-            return Err(crate::Error::Unsupported {
-                what: "timing more dispatches each than a query set holds",
-                value: dispatches.len().to_string(),
-            });
+        if dispatches.is_empty() {
+            return Ok(Vec::new());
         }
-        let queries = self.device.create_query_set(&wgpu::QuerySetDescriptor {
-            label: Some("time_each"),
-            ty: wgpu::QueryType::Timestamp,
-            count,
-        });
-        let bytes = count as u64 * 8;
-        let resolved = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("time_each.resolved"),
-            size: bytes,
-            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let readback = Readback::new(self, "time_each.readback", bytes);
+        let timestamps = PassTimestamps::new(self, "time_each", dispatches.len())?;
         let mut encoder = self.device.create_command_encoder(&Default::default());
         for (i, (d, tokens)) in dispatches.iter().enumerate() {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some(d.label),
-                timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
-                    query_set: &queries,
-                    beginning_of_pass_write_index: Some(2 * i as u32),
-                    end_of_pass_write_index: Some(2 * i as u32 + 1),
-                }),
+                timestamp_writes: Some(timestamps.writes(i as u32)),
             });
             d.encode(&mut pass, *tokens);
         }
-        encoder.resolve_query_set(&queries, 0..count, &resolved, 0);
-        readback.record(&mut encoder, &resolved, 0, bytes);
+        let passes = dispatches.len() as u32;
+        timestamps.record(&mut encoder, passes);
         self.queue.submit([encoder.finish()]);
-        let ticks: Vec<u64> = readback.read(self, bytes)?;
-        let period = self.queue.get_timestamp_period() as f64;
-        Ok(dispatches
-            .iter()
-            .zip(ticks.chunks_exact(2))
-            .map(|((d, _), t)| {
-                (d.label, Duration::from_nanos((t[1].saturating_sub(t[0]) as f64 * period) as u64))
-            })
-            .collect())
+        let times = timestamps.read(self, passes)?;
+        Ok(dispatches.iter().map(|(d, _)| d.label).zip(times).collect())
     }
 
     /// Host-to-device bandwidth in bytes per second: `bytes` (a multiple of
@@ -173,5 +128,77 @@ impl Gpu {
             .collect::<Result<_>>()?;
         times.sort();
         Ok(times[times.len() / 2])
+    }
+}
+
+/// Timestamps at the beginning and end of each of up to `capacity` compute
+/// passes of a submission, resolved and read back as each pass's GPU time.
+pub(crate) struct PassTimestamps {
+    queries: wgpu::QuerySet,
+    resolved: wgpu::Buffer,
+    readback: Readback,
+    capacity: u32,
+    period_ns: f64,
+}
+
+impl PassTimestamps {
+    /// Room for `passes` passes: at least one, and at most half the
+    /// queries a query set holds. The adapter must have timestamps.
+    pub(crate) fn new(gpu: &Gpu, label: &str, passes: usize) -> Result<Self> {
+        let capacity = u32::try_from(passes)
+            .ok()
+            .filter(|n| (1..=wgpu::QUERY_SET_MAX_QUERIES / 2).contains(n))
+            .ok_or_else(|| crate::Error::Unsupported {
+                what: "timing this many passes in one submission",
+                value: passes.to_string(),
+            })?;
+        let bytes = 16 * capacity as u64;
+        Ok(PassTimestamps {
+            queries: gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some(label),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2 * capacity,
+            }),
+            resolved: gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(&format!("{label}.resolved")),
+                size: bytes,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            }),
+            readback: Readback::new(gpu, &format!("{label}.readback"), bytes),
+            capacity,
+            period_ns: gpu.queue.get_timestamp_period() as f64,
+        })
+    }
+
+    /// Passes it has room for.
+    pub(crate) fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// The writes that time pass `i` (below the capacity).
+    pub(crate) fn writes(&self, i: u32) -> wgpu::ComputePassTimestampWrites<'_> {
+        wgpu::ComputePassTimestampWrites {
+            query_set: &self.queries,
+            beginning_of_pass_write_index: Some(2 * i),
+            end_of_pass_write_index: Some(2 * i + 1),
+        }
+    }
+
+    /// Records the resolve of the first `passes` passes' timestamps and
+    /// their copy to the host.
+    pub(crate) fn record(&self, encoder: &mut wgpu::CommandEncoder, passes: u32) {
+        encoder.resolve_query_set(&self.queries, 0..2 * passes, &self.resolved, 0);
+        self.readback.record(encoder, &self.resolved, 0, 16 * passes as u64);
+    }
+
+    /// After the submission [`Self::record`] was recorded in: each of the
+    /// first `passes` passes' GPU time.
+    pub(crate) fn read(&self, gpu: &Gpu, passes: u32) -> Result<Vec<Duration>> {
+        let ticks: Vec<u64> = self.readback.read(gpu, 16 * passes as u64)?;
+        Ok(ticks
+            .chunks_exact(2)
+            .map(|t| Duration::from_nanos((t[1].saturating_sub(t[0]) as f64 * self.period_ns) as u64))
+            .collect())
     }
 }

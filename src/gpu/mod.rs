@@ -12,6 +12,7 @@ mod upload_ring;
 #[cfg(feature = "internals")]
 pub use buffers::encode_all;
 pub use buffers::{Dispatch, ParamsBuffer, in_order};
+pub(crate) use measure::PassTimestamps;
 pub use readback::{MapWait, Readback};
 pub use tensor::{GpuTensor, TensorPart};
 pub use upload_ring::{Upload, UploadRing};

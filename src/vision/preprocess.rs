@@ -320,6 +320,12 @@ impl ImageProcessor {
                 return Err(invalid(format!("{name} {v} must be between 1 and 1024")));
             }
         }
+        let merged_patch = patch_size * merge_size;
+        if merged_patch * merged_patch > max_pixels {
+            return Err(invalid(format!(
+                "a merged patch of {merged_patch} x {merged_patch} pixels is more than the most pixels, {max_pixels}"
+            )));
+        }
         let rescale_factor = raw.rescale_factor.unwrap_or(defaults.rescale_factor);
         if !(rescale_factor.is_finite() && rescale_factor > 0.0) {
             return Err(invalid(format!("rescale_factor {rescale_factor} must be positive and finite")));
@@ -361,12 +367,25 @@ impl ImageProcessor {
             h_bar = (h * beta / factor).ceil() * factor;
             w_bar = (w * beta / factor).ceil() * factor;
         }
+        if h_bar == 0.0 || w_bar == 0.0 {
+            return Err(format!(
+                "{width} x {height} pixels resize to a side of none at {} least pixels",
+                self.min_pixels
+            ));
+        }
         Ok((h_bar as usize, w_bar as usize))
     }
 
     /// The image's patches. Merge blocks are cut in parallel, each a run
     /// of the values.
     pub fn patches(&self, image: &RgbImage, origin: &str) -> Result<Patches> {
+        let pixels = image.width.checked_mul(image.height).and_then(|n| n.checked_mul(3));
+        if pixels != Some(image.pixels.len()) {
+            return Err(image_error(
+                origin,
+                format!("{} bytes are not {} x {} RGB pixels", image.pixels.len(), image.width, image.height),
+            ));
+        }
         let (height, width) =
             self.resized_size(image.height, image.width).map_err(|m| image_error(origin, m))?;
         let resized;
@@ -376,7 +395,7 @@ impl ImageProcessor {
             resized = super::resample::resize_rgb(&image.pixels, image.width, image.height, width, height);
             &resized
         };
-        let normalised = self.normalised_bytes();
+        let normalised = self.normalised_levels();
         let (p, m, t) = (self.patch_size, self.merge_size, self.temporal_patch_size);
         let (grid_h, grid_w) = (height / p, width / p);
         let patch_len = 3 * t * p * p;
@@ -409,7 +428,7 @@ impl ImageProcessor {
     /// Each channel's value of each 8-bit level: rescaled in f64 and
     /// stored in f32, then normalised in f32, as the processor's numpy
     /// steps are.
-    fn normalised_bytes(&self) -> [[f32; 256]; 3] {
+    fn normalised_levels(&self) -> [[f32; 256]; 3] {
         std::array::from_fn(|c| {
             std::array::from_fn(|level| {
                 let v = (level as f64 * self.rescale_factor) as f32;

@@ -71,8 +71,8 @@ impl Taps {
         self.weights[i].iter().enumerate().map(move |(j, &w)| (self.first[i] + j, w))
     }
 
-    /// A row of RGB pixels resampled into `out`, each output pixel's three
-    /// channels summed together.
+    /// A row of RGB pixels resampled into `out`, the three channels of an
+    /// output pixel summed side by side.
     fn resample_row(&self, row: &[u8], out: &mut [u8]) {
         for (x, pixel) in out.chunks_exact_mut(3).enumerate() {
             let mut sums = [ROUNDING; 3];
@@ -93,9 +93,8 @@ impl Taps {
 const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
 
 /// A weighted sum of 8-bit values, rounded and clipped back to 8 bits.
-/// The sums are of integers, so their order does not change them; their
-/// terms are at most 255 x 1.25 x 2^22 in magnitude all together: no
-/// overflow.
+/// The weights' magnitudes add up to less than 1.3 (2^22 in fixed point),
+/// so that no partial sum of 255 times them overflows, in any order.
 fn to_byte(sum: i32) -> u8 {
     (sum >> PRECISION_BITS).clamp(0, 255) as u8
 }
@@ -147,14 +146,15 @@ impl<'a> Plane<'a> {
         }
         let (row_len, taps) = (self.width * 3, Taps::new(self.height, out_height));
         let mut out = vec![0u8; row_len * out_height];
-        out.par_chunks_mut(row_len).enumerate().for_each(|(y, out)| {
-            let mut sums = vec![ROUNDING; row_len];
+        out.par_chunks_mut(row_len).enumerate().for_each_init(Vec::new, |sums, (y, out)| {
+            sums.clear();
+            sums.resize(row_len, ROUNDING);
             for (i, w) in taps.of(y) {
                 for (sum, &v) in sums.iter_mut().zip(&self.pixels[i * row_len..(i + 1) * row_len]) {
                     *sum += i32::from(v) * w;
                 }
             }
-            for (p, sum) in out.iter_mut().zip(sums) {
+            for (p, &sum) in out.iter_mut().zip(sums.iter()) {
                 *p = to_byte(sum);
             }
         });
