@@ -279,7 +279,7 @@ fn plan_image(
     let n = grid_h * grid_w;
     let m2 = v.merge_size * v.merge_size;
     let tokens = n / m2;
-    let (h, hd) = (v.hidden, v.head_dim());
+    let h = v.hidden;
     let positions = patch_positions(grid_h, grid_w, v.merge_size);
     let (tap_ids, tap_weights) = position_taps(&positions, grid_h, grid_w, v.position_side);
 
@@ -310,25 +310,7 @@ fn plan_image(
     let sum = kernels.residual.plan_weighted(gpu, h, 4, &weights, &taps, &x, &LayerOutput::default())?;
     pass.push(sum, n);
 
-    // Where the GEMM rounds its operands to f16 and the heads fit the
-    // cooperative-matrix attention, it runs there, over an f16 cache;
-    // elsewhere on the tiled f32 kernel over an f32 one.
-    let f16_shape = AttentionShape {
-        heads: Heads { q: v.heads, kv: v.heads, dim: hd },
-        rotary_dim: hd,
-        scale: (hd as f32).powf(-0.5),
-        window: 0,
-        qk_norm: None,
-        kv_format: KvFormat::F16,
-        chunk_precision: PrefillPrecision::F16,
-    };
-    let f16 = gemm.is_some_and(|g| g.keeps_half_copies()) && kernels.attention.coop_fits(&f16_shape);
-    let shape = match f16 {
-        true => f16_shape,
-        false => {
-            AttentionShape { kv_format: KvFormat::F32, chunk_precision: PrefillPrecision::Split, ..f16_shape }
-        }
-    };
+    let shape = attention_shape(v, gemm, kernels);
     let bindings = AttentionBindings {
         step: &step,
         qkv: &qkv,
@@ -359,6 +341,27 @@ fn plan_image(
     let rows =
         ImageRows { tokens, merged, deepstack, grid: [1, grid_h / v.merge_size, grid_w / v.merge_size] };
     Ok((rows, pass.dispatches))
+}
+
+/// The tower's attention: where the GEMM rounds its operands to f16 and
+/// the heads fit the cooperative-matrix attention, it runs there, over an
+/// f16 cache; elsewhere on the tiled f32 kernel over an f32 one.
+fn attention_shape(v: &VisionConfig, gemm: Option<&Gemm>, kernels: &Kernels) -> AttentionShape<'static> {
+    let hd = v.head_dim();
+    let f16_shape = AttentionShape {
+        heads: Heads { q: v.heads, kv: v.heads, dim: hd },
+        rotary_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+        window: 0,
+        qk_norm: None,
+        kv_format: KvFormat::F16,
+        chunk_precision: PrefillPrecision::F16,
+    };
+    if gemm.is_some_and(|g| g.keeps_half_copies()) && kernels.attention.coop_fits(&f16_shape) {
+        f16_shape
+    } else {
+        AttentionShape { kv_format: KvFormat::F32, chunk_precision: PrefillPrecision::Split, ..f16_shape }
+    }
 }
 
 /// The patches are of the tower's size and form whole merge blocks of one
