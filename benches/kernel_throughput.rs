@@ -672,7 +672,13 @@ fn main() {
         }
     }
     if runs("paged") {
-        paged_decode(&gpu, copy, reps);
+        // `paged rows=1,2`: attend_lanes with those query rows per
+        // workgroup as well as its own choice.
+        let lane_rows: Vec<usize> = match section_args.iter().find_map(|a| a.strip_prefix("rows=")) {
+            Some(list) => list.split(',').map(|n| n.parse().expect("rows=N,N,...")).collect(),
+            None => Vec::new(),
+        };
+        paged_decode(&gpu, copy, reps, &lane_rows);
     }
 }
 
@@ -718,9 +724,15 @@ fn attention_bindings<'a>(
 /// walked by one workgroup; beside them one token over a contiguous cache
 /// (a session's decode). Geometries of Llama-3.1-8B and of Qwen3-30B-A3B
 /// (per-head q/k norm).
-fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
+fn paged_decode(gpu: &Gpu, copy: f64, reps: usize, lane_rows: &[usize]) {
     let cpu = gpu.caps.is_cpu;
-    let attention = Attention::new(gpu);
+    let layouts: Vec<(String, Attention)> = std::iter::once(("".to_string(), Attention::new(gpu)))
+        .chain(
+            lane_rows
+                .iter()
+                .map(|&r| (format!(", {r} rows a workgroup"), Attention::new(gpu).with_lane_rows(r))),
+        )
+        .collect();
     let (block, split_keys, max_splits) = (16, 64, 16);
     let norm_weight = GpuTensor::vector_f32(gpu, "qk_norm", &vec![1.0f32; 128]).unwrap();
     let depths: &[usize] = if cpu { &[100] } else { &[512, 4096] };
@@ -762,34 +774,36 @@ fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
                 let b = attention_bindings(&unused_step, &qkv, &cos_sin, (&k_cache, &v_cache), &out);
                 let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
                 let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
-                let plan = attention.plan_paged(gpu, &shape, &b, &paged).unwrap();
-                let n = rows as u32;
-                let timed = |walks: bool| {
-                    let dispatches = plan.dispatches_walking(n, n, 0, walks);
-                    let record = |pass: &mut wgpu::ComputePass<'_>, _| {
-                        for &(d, r) in &dispatches {
-                            d.encode(pass, r);
-                        }
+                for (layout, attention) in &layouts {
+                    let plan = attention.plan_paged(gpu, &shape, &b, &paged).unwrap();
+                    let n = rows as u32;
+                    let timed = |walks: bool| {
+                        let dispatches = plan.dispatches_walking(n, n, 0, walks);
+                        let record = |pass: &mut wgpu::ComputePass<'_>, _| {
+                            for &(d, r) in &dispatches {
+                                d.encode(pass, r);
+                            }
+                        };
+                        gpu.time_pass(2, record).unwrap();
+                        gpu.time_pass(reps as u32, record).unwrap().as_secs_f64() / reps as f64
                     };
-                    gpu.time_pass(2, record).unwrap();
-                    gpu.time_pass(reps as u32, record).unwrap().as_secs_f64() / reps as f64
-                };
-                let (apart, walked) = (timed(false), timed(true));
-                let kv_bytes = (2 * rows * ctx * heads.kv_width() * 2) as f64;
-                let share = |secs: f64| 100.0 * kv_bytes / secs / copy;
-                println!(
-                    "paged decode {}/{} heads x {}{}, {rows:>2} rows at {ctx:>4} keys: split {:.4} ms ({:.1}% of copy), \
+                    let (apart, walked) = (timed(false), timed(true));
+                    let kv_bytes = (2 * rows * ctx * heads.kv_width() * 2) as f64;
+                    let share = |secs: f64| 100.0 * kv_bytes / secs / copy;
+                    println!(
+                        "paged decode {}/{} heads x {}{}{layout}, {rows:>2} rows at {ctx:>4} keys: split {:.4} ms ({:.1}% of copy), \
                      walked {:.4} ms ({:.1}%); the engine walks: {}",
-                    heads.q,
-                    heads.kv,
-                    heads.dim,
-                    if norm == QkNorm::None { "" } else { ", q/k norm" },
-                    apart * 1e3,
-                    share(apart),
-                    walked * 1e3,
-                    share(walked),
-                    plan.walks(n),
-                );
+                        heads.q,
+                        heads.kv,
+                        heads.dim,
+                        if norm == QkNorm::None { "" } else { ", q/k norm" },
+                        apart * 1e3,
+                        share(apart),
+                        walked * 1e3,
+                        share(walked),
+                        plan.walks(n),
+                    );
+                }
             }
             // One token over a contiguous cache of ctx positions.
             let cache = gpu.storage_buffer("cache", ctx * heads.kv_width() / 2).unwrap();
@@ -801,7 +815,7 @@ fn paged_decode(gpu: &Gpu, copy: f64, reps: usize) {
             let splits = Attention::decode_splits(ctx, heads.kv, max_splits);
             let s = step(gpu, ctx as u32 - 1, 1, splits as u32);
             let b = attention_bindings(&s, &qkv, &cos_sin, (&cache, &cache), &out);
-            let d = attention
+            let d = Attention::new(gpu)
                 .plan_decode(gpu, &shape, &b, &SplitScratch { acc: &acc, max_sum: &max_sum })
                 .unwrap();
             let record = |pass: &mut wgpu::ComputePass<'_>, _| {

@@ -822,11 +822,24 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
             let split_q = AttentionShape { chunk_precision: PrefillPrecision::Split, ..shape };
             let shapes =
                 if Attention::new(gpu).coop_fits(&shape) { vec![shape, split_q] } else { vec![shape] };
-            let runs = shapes.iter().flat_map(|s| [(s, 1, 1), (s, 4, max_splits), (s, 9, max_splits)]);
-            for (shape, split_keys, max_splits) in runs {
+            // (Decode rows also one query row a workgroup, as benchmarks may
+            // run them.)
+            let runs = shapes.iter().flat_map(|s| {
+                [
+                    (s, 1, 1, None),
+                    (s, 4, max_splits, None),
+                    (s, 4, max_splits, Some(1)),
+                    (s, 9, max_splits, None),
+                ]
+            });
+            for (shape, split_keys, max_splits, lane_rows) in runs {
                 let splits = PagedSplits { acc: &acc, max_sum: &max_sum, split_keys, max_splits };
                 let paged = PagedRows { rows: &meta_b, block_table: &table_b, block_size: block, splits };
-                let attention = Attention::new(gpu).plan_paged(gpu, shape, &b, &paged).unwrap();
+                let kernels = match lane_rows {
+                    Some(rows) => Attention::new(gpu).with_lane_rows(rows),
+                    None => Attention::new(gpu),
+                };
+                let attention = kernels.plan_paged(gpu, shape, &b, &paged).unwrap();
                 // Decode rows run on subgroup lanes where the adapter's take a row.
                 let lanes = LaneLayout::choose(gpu, heads, rot, format).is_some() && max_splits > 1;
                 assert_eq!(attention.decode.is_some(), lanes, "{what}");
@@ -849,7 +862,7 @@ fn paged_attention_runs_each_row_over_its_own_sequence() {
                 }
                 gpu.queue.write_buffer(&meta_b, 0, bytemuck::cast_slice(&tiled));
                 let what = format!(
-                    "{what}, {:?}, split keys {split_keys}, at most {max_splits}",
+                    "{what}, {:?}, split keys {split_keys}, at most {max_splits}, lane rows {lane_rows:?}",
                     shape.chunk_precision
                 );
                 // The decode rows a workgroup per split, then (where they run

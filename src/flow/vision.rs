@@ -246,6 +246,7 @@ pub fn encode_image(model: &Model, patches: &Patches, gemm: Option<&Gemm>) -> Re
 /// [`encode_image`]'s dispatches, each timed in a pass of its own (GPU
 /// timestamps, which the adapter must have): each one's kernel and time,
 /// in order.
+#[cfg(feature = "internals")]
 pub fn profile_image(
     model: &Model,
     patches: &Patches,

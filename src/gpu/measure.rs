@@ -63,6 +63,7 @@ impl Gpu {
     /// compute pass of its own, in order, in one submission: each one's
     /// label and GPU time between its pass's timestamps (which include its
     /// launch). Needs timestamps ([`super::Caps::timestamps`]).
+    #[cfg(feature = "internals")]
     pub fn time_each(&self, dispatches: &[(super::Dispatch, u32)]) -> Result<Vec<(&'static str, Duration)>> {
         if !self.caps.timestamps {
             return Err(crate::Error::Unsupported {

@@ -512,19 +512,40 @@ impl DecodeAttention {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Attention {
     coop: Option<CoopLayout>,
+    /// Query rows per `attend_lanes` workgroup where set (benchmarks);
+    /// else [`LaneLayout::choose`]'s.
+    lane_rows: Option<usize>,
 }
 
 impl Attention {
     pub fn new(gpu: &Gpu) -> Self {
         let coop = if gpu.caps.cooperative_matrix { CoopLayout::fitting(gpu).next() } else { None };
-        Attention { coop }
+        Attention { coop, lane_rows: None }
+    }
+
+    /// These kernels with `rows` query rows per `attend_lanes` workgroup
+    /// (1 to 4, fewer where the merge's memory holds fewer), for
+    /// benchmarks: a workgroup of fewer rows holds fewer registers, and a
+    /// step runs more of them.
+    #[cfg(feature = "internals")]
+    pub fn with_lane_rows(self, rows: usize) -> Self {
+        Attention { lane_rows: Some(rows), ..self }
+    }
+
+    /// `attend_lanes`' layout for `shape`, if it runs.
+    fn lane_layout(&self, gpu: &Gpu, shape: &AttentionShape<'_>) -> Option<LaneLayout> {
+        let layout = LaneLayout::choose(gpu, shape.heads, shape.rotary_dim, shape.kv_format)?;
+        Some(match self.lane_rows {
+            Some(rows) => LaneLayout { block_rows: rows.clamp(1, layout.block_rows), ..layout },
+            None => layout,
+        })
     }
 
     /// The kernels with `attend_coop` laid out as `layout` (one of
     /// [`CoopLayout::fitting`]).
     #[cfg(feature = "internals")]
     pub fn with_coop_layout(gpu: &Gpu, layout: CoopLayout) -> Self {
-        Attention { coop: Some(layout).filter(|_| gpu.caps.cooperative_matrix) }
+        Attention { coop: Some(layout).filter(|_| gpu.caps.cooperative_matrix), lane_rows: None }
     }
 
     /// Key splits for one token with `n_keys` keys in view: enough
@@ -756,8 +777,7 @@ impl Attention {
             h.dim <= MAX_HEAD_DIM && h.group() <= MAX_GROUP && h.group() * h.dim <= MAX_GROUP_WIDTH
         );
         let splits = &paged.splits;
-        let lanes =
-            LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format).filter(|_| splits.max_splits > 1);
+        let lanes = self.lane_layout(gpu, shape).filter(|_| splits.max_splits > 1);
         // Prompt rows on cooperative matrices where the chunk's attention
         // would run there, and the decode rows (which split) run apart.
         let coop = self.coop.filter(|_| self.coop_fits(shape) && lanes.is_some());
@@ -865,8 +885,7 @@ impl Attention {
     ) -> Result<DecodeAttention> {
         let h = shape.heads;
         let params = ParamsBuffer::new(gpu, "attention.params", &Self::params(shape, b, 1, None));
-        let layout = LaneLayout::choose(gpu, h, shape.rotary_dim, shape.kv_format);
-        let (entry, row_blocks) = match layout {
+        let (entry, row_blocks) = match self.lane_layout(gpu, shape) {
             Some(layout) => {
                 (Entry::LanesAttend { layout, paged: false }, h.group().div_ceil(layout.block_rows))
             }
