@@ -487,6 +487,89 @@ fn prompts_with_images_run_beside_text() {
     });
 }
 
+/// Random schedules of everything at once: requests joining at random
+/// steps, half of them sharing a system prompt (prefix reuse), a pool too
+/// small for all (pre-emption), stop ids, and cancels at random steps.
+/// Every sequence that is not cancelled gets its lone greedy ids (cut at
+/// its stop id), a cancelled one a beginning of them, and the pool ends
+/// with no block held.
+#[test]
+fn random_schedules_keep_every_sequences_ids() {
+    on_each_backend(|gpu| {
+        for name in ["llama_untied", "qwen3_moe_norm"] {
+            let model = Model::load(fixture_dir(name), gpu).unwrap();
+            let vocab = model.config.vocab;
+            let system = prompt(vocab, 9, 150);
+            let mut preempted = 0;
+            for schedule in 0..3u64 {
+                let mut rng = common::Rng::new(160 + schedule);
+                let options = BatchOptions { kv_blocks: Some(10), max_sequences: 5, ..batch_options() };
+                let mut engine = BatchEngine::new(&model, &options).unwrap();
+                // (joins at step, request, its lone ids, cancelled at step)
+                let mut plan = Vec::new();
+                for i in 0..8u64 {
+                    let own = prompt(vocab, 1 + rng.below(12) as usize, 170 + 10 * schedule + i);
+                    let shared = rng.below(2) == 0;
+                    let text = if shared { [system.clone(), own].concat() } else { own };
+                    let max_tokens = 4 + rng.below(9) as usize;
+                    let lone = lone_greedy(&model, &text, max_tokens).0;
+                    // A stop id from the lone reply for a third of them.
+                    let stop_tokens = if rng.below(3) == 0 {
+                        vec![lone[rng.below(lone.len() as u32) as usize]]
+                    } else {
+                        vec![]
+                    };
+                    let request = Request { max_tokens, stop_tokens, ..Request::new(text) };
+                    let at = rng.below(10) as usize;
+                    let cancel_at = (rng.below(4) == 0).then(|| at + rng.below(8) as usize);
+                    plan.push((at, request, lone, cancel_at));
+                }
+                let what = format!("{name} on {:?}, schedule {schedule}", gpu.info.backend);
+                let mut ids: Vec<Option<SequenceId>> = vec![None; plan.len()];
+                let mut cancelled = vec![false; plan.len()];
+                let mut outputs: HashMap<SequenceId, Vec<Output>> = HashMap::new();
+                for step in 0.. {
+                    for (i, (at, request, _, cancel_at)) in plan.iter().enumerate() {
+                        if *at == step {
+                            ids[i] = Some(engine.add(request.clone()).unwrap());
+                        }
+                        if let (Some(id), Some(cancel)) = (ids[i], cancel_at) {
+                            if *cancel == step {
+                                cancelled[i] = engine.cancel(id).unwrap();
+                            }
+                        }
+                    }
+                    if engine.is_idle() && plan.iter().all(|p| p.0 <= step) {
+                        break;
+                    }
+                    for out in engine.step().unwrap() {
+                        outputs.entry(out.sequence).or_default().push(out);
+                    }
+                    assert!(step < 1_000, "{what}: the engine does not finish");
+                }
+                for (i, (_, request, lone, _)) in plan.iter().enumerate() {
+                    let got = tokens(outputs.get(&ids[i].unwrap()).map_or(&[][..], |o| o.as_slice()));
+                    let cut = request
+                        .stop_tokens
+                        .first()
+                        .map_or(lone.len(), |s| lone.iter().position(|t| t == s).unwrap() + 1);
+                    let want = &lone[..cut];
+                    match cancelled[i] {
+                        true => {
+                            assert!(want.starts_with(&got), "{what}, request {i}: {got:?} of {want:?}")
+                        }
+                        false => assert_eq!(got, want, "{what}, request {i}"),
+                    }
+                }
+                let stats = engine.stats();
+                assert_eq!((stats.running, stats.waiting, stats.blocks_used), (0, 0, 0), "{what}");
+                preempted += stats.preemptions;
+            }
+            assert!(preempted > 0, "{name}: a pool of 10 blocks of 4 pre-empts");
+        }
+    });
+}
+
 /// Steps in flight past a stop: a sequence that stops while later steps
 /// already run for it ends on its stop id (the tokens computed past it are
 /// dropped), and the sequence beside it goes on unchanged; cancelling

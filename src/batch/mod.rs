@@ -944,13 +944,18 @@ impl<'m> BatchEngine<'m> {
         // Then new sequences while there is room.
         while rows.len() < budget && self.running.len() < self.options.max_sequences {
             let Some(mut seq) = self.waiting.pop_front() else { break };
+            let cached_before = seq.cached_tokens;
             self.reuse_prefix(&mut seq);
             let first = (seq.tokens.len() - seq.computed).min(budget - rows.len());
             if self.pool.available()
                 < (seq.computed + first).div_ceil(self.pool.block_size()) - seq.blocks.len()
             {
-                // No room yet: it waits at the head of the queue.
+                // No room yet: it waits at the head of the queue, holding
+                // nothing, to look for its prefix again when it is admitted
+                // (the blocks it found may be evicted before then).
                 self.release_blocks(&mut seq);
+                (seq.computed, seq.cached_tokens) = (0, cached_before);
+                seq.kept.clear();
                 self.waiting.push_front(seq);
                 break;
             }
