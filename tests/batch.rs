@@ -489,10 +489,12 @@ fn prompts_with_images_run_beside_text() {
 
 /// Random schedules of everything at once: requests joining at random
 /// steps, half of them sharing a system prompt (prefix reuse), a pool too
-/// small for all (pre-emption), stop ids, and cancels at random steps.
-/// Every sequence that is not cancelled gets its lone greedy ids (cut at
-/// its stop id), a cancelled one a beginning of them, and the pool ends
-/// with no block held.
+/// small for all (pre-emption), greedy and seeded sampling, stop ids,
+/// cancels at random steps, blocks of 2 to 8 positions, and 0 to 3 steps
+/// in flight. Every sequence that is not cancelled gets its lone
+/// session's ids (cut at its stop id), a cancelled one (or one the
+/// context cut short) a beginning of them, and the pool ends with no
+/// block held.
 #[test]
 fn random_schedules_keep_every_sequences_ids() {
     on_each_backend(|gpu| {
@@ -503,7 +505,17 @@ fn random_schedules_keep_every_sequences_ids() {
             let mut preempted = 0;
             for schedule in 0..3u64 {
                 let mut rng = common::Rng::new(160 + schedule);
-                let options = BatchOptions { kv_blocks: Some(10), max_sequences: 5, ..batch_options() };
+                // (pool blocks, block size, rows a step, sequences at once, steps in flight)
+                let (kv_blocks, block_size, step_tokens, max_sequences, in_flight) =
+                    [(10, 4, 12, 5, 0), (14, 2, 5, 4, 1), (8, 8, 9, 6, 3)][schedule as usize];
+                let options = BatchOptions {
+                    kv_blocks: Some(kv_blocks),
+                    block_size,
+                    step_tokens,
+                    max_sequences,
+                    in_flight,
+                    ..batch_options()
+                };
                 let mut engine = BatchEngine::new(&model, &options).unwrap();
                 // (joins at step, request, its lone ids, cancelled at step)
                 let mut plan = Vec::new();
@@ -512,14 +524,22 @@ fn random_schedules_keep_every_sequences_ids() {
                     let shared = rng.below(2) == 0;
                     let text = if shared { [system.clone(), own].concat() } else { own };
                     let max_tokens = 4 + rng.below(9) as usize;
-                    let lone = lone_greedy(&model, &text, max_tokens).0;
+                    let sampling = match rng.below(3) {
+                        0 => Sampling::Random { temperature: 0.8, top_k: Some(30), top_p: None },
+                        _ => Sampling::Greedy,
+                    };
+                    let seed = 180 + i;
+                    let mut session = model.session(&lone_options()).unwrap();
+                    let lone_run = GenerateOptions { sampling, seed, max_tokens, ..Default::default() };
+                    let lone: Vec<u32> =
+                        session.generate(&text, &lone_run).unwrap().map(|id| id.unwrap()).collect();
                     // A stop id from the lone reply for a third of them.
                     let stop_tokens = if rng.below(3) == 0 {
                         vec![lone[rng.below(lone.len() as u32) as usize]]
                     } else {
                         vec![]
                     };
-                    let request = Request { max_tokens, stop_tokens, ..Request::new(text) };
+                    let request = Request { max_tokens, stop_tokens, sampling, seed, ..Request::new(text) };
                     let at = rng.below(10) as usize;
                     let cancel_at = (rng.below(4) == 0).then(|| at + rng.below(8) as usize);
                     plan.push((at, request, lone, cancel_at));
@@ -531,7 +551,14 @@ fn random_schedules_keep_every_sequences_ids() {
                 for step in 0.. {
                     for (i, (at, request, _, cancel_at)) in plan.iter().enumerate() {
                         if *at == step {
-                            ids[i] = Some(engine.add(request.clone()).unwrap());
+                            // A prompt the context cannot hold is refused.
+                            match engine.add(request.clone()) {
+                                Ok(id) => ids[i] = Some(id),
+                                Err(wgspark::Error::ContextOverflow { .. }) => {
+                                    assert!(request.prompt.len() >= engine.context_len(), "{what}");
+                                }
+                                Err(e) => panic!("{what}: {e}"),
+                            }
                         }
                         if let (Some(id), Some(cancel)) = (ids[i], cancel_at) {
                             if *cancel == step {
@@ -548,13 +575,17 @@ fn random_schedules_keep_every_sequences_ids() {
                     assert!(step < 1_000, "{what}: the engine does not finish");
                 }
                 for (i, (_, request, lone, _)) in plan.iter().enumerate() {
-                    let got = tokens(outputs.get(&ids[i].unwrap()).map_or(&[][..], |o| o.as_slice()));
+                    let Some(id) = ids[i] else { continue };
+                    let outs = outputs.get(&id).map_or(&[][..], |o| o.as_slice());
+                    let got = tokens(outs);
+                    // Cut short by a cancel, or by the end of the context.
+                    let full = outs.last().is_some_and(|o| o.finish == Some(FinishReason::ContextFull));
                     let cut = request
                         .stop_tokens
                         .first()
                         .map_or(lone.len(), |s| lone.iter().position(|t| t == s).unwrap() + 1);
                     let want = &lone[..cut];
-                    match cancelled[i] {
+                    match cancelled[i] || full {
                         true => {
                             assert!(want.starts_with(&got), "{what}, request {i}: {got:?} of {want:?}")
                         }
