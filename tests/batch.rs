@@ -425,7 +425,8 @@ fn streamed_experts_run_in_the_batch() {
 
 /// Prompts with images (Qwen3-VL, dense and MoE, fixtures of
 /// tests/images.rs) beside text-only sequences: each gets the ids and
-/// logits of a lone session given the same parts.
+/// logits of a lone session given the same parts, also pre-empted and
+/// recomputed in a crowded pool.
 #[test]
 fn prompts_with_images_run_beside_text() {
     use wgspark::PromptPart;
@@ -465,6 +466,21 @@ fn prompts_with_images_run_beside_text() {
             });
             let mut engine = BatchEngine::new(&model, &batch_options()).unwrap();
             let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
+            // Twice over, joining at different steps, in a pool too small for
+            // all: pre-empted image prompts are recomputed with their images.
+            let twice: Vec<(usize, Request)> =
+                requests.iter().chain(&requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
+            let small = BatchOptions { kv_blocks: Some(12), ..batch_options() };
+            let mut crowded = BatchEngine::new(&model, &small).unwrap();
+            for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
+                assert_eq!(
+                    tokens(outputs),
+                    tokens(&results[i % requests.len()]),
+                    "{name}: request {i} crowded"
+                );
+            }
+            assert!(crowded.stats().preemptions > 0, "{name}: {:?}", crowded.stats());
+            assert_eq!(crowded.stats().blocks_used, 0);
             for (request, outputs) in requests.iter().zip(&results) {
                 let parts = PromptPart::split(&request.prompt, image_token, &request.images).unwrap();
                 let mut session = model.session(&lone_options()).unwrap();
