@@ -148,6 +148,14 @@ impl Running {
         line.rsplit(' ').next().unwrap().parse().unwrap()
     }
 
+    /// `wgspark_requests_total` of `route` answered with `status` (0 before
+    /// the first).
+    fn requests(&self, route: &str, status: u16) -> f64 {
+        let series = format!("wgspark_requests_total{{route=\"{route}\",status=\"{status}\"}} ");
+        let text = self.get("/metrics", None).body;
+        text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0.0, |v| v.parse().unwrap())
+    }
+
     /// Reads `/metrics` until `done` holds of it, at most 10 000 times.
     fn until(&self, what: &str, done: impl Fn(&Running) -> bool) {
         let polls = (0..10_000).position(|_| done(self));
@@ -481,6 +489,10 @@ fn a_disconnect_frees_the_sequence() {
     });
     assert_eq!(server.metric("wgspark_sequences_running"), 0.0);
     assert!(server.metric("wgspark_generated_tokens_total") < 1000.0, "cancelled long before its end");
+    // Both counted as logged, 499, though the running one's status line
+    // went out as 200.
+    server.until("both counted", |s| s.requests("/v1/completions", 499) == 2.0);
+    assert_eq!(server.requests("/v1/completions", 200), 0.0);
 }
 
 /// Past `parallel` + `queue` requests, a 503 with `Retry-After`.

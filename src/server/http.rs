@@ -15,7 +15,7 @@ use axum::extract::rejection::{BytesRejection, FailedToBufferBody};
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{Next, from_fn, from_fn_with_state};
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::FutureExt;
@@ -131,9 +131,9 @@ pub(super) fn router(app: App) -> Router {
         .with_state(app)
 }
 
-/// Counts the request by route and status, and logs it (a stream logs
-/// itself once it ends; a request whose client went away before its
-/// answer, as status 499).
+/// Counts the request by route and status, and logs it (a stream counts
+/// and logs itself once it ends; a request whose client went away before
+/// its answer, as status 499).
 async fn observe(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let route = request.extensions().get::<MatchedPath>().map_or("other", |m| m.as_str()).to_string();
     let mut pending = Pending {
@@ -146,9 +146,9 @@ async fn observe(State(app): State<Arc<App>>, request: Request, next: Next) -> R
     };
     let response = next.run(request).await;
     pending.answered = true;
-    let status = response.status().as_u16();
-    app.shared.metrics.count_request(&pending.route, status);
     if response.extensions().get::<Streamed>().is_none() {
+        let status = response.status().as_u16();
+        app.shared.metrics.count_request(&pending.route, status);
         let tokens = response.extensions().get::<TokenCounts>().copied().unwrap_or_default();
         app.log(&pending.method, &pending.path, status, tokens, pending.started);
     }
@@ -176,6 +176,9 @@ impl Drop for Pending<'_> {
 
 /// The status logged for a request whose client went away (nginx's).
 const CLIENT_GONE: u16 = 499;
+
+/// Longest a stream goes without writing: then a comment line.
+const STREAM_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// With an API key set, every route but `/health` wants it as a bearer token.
 async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
@@ -419,12 +422,18 @@ impl Reply {
                     (e.status.as_u16(), 0)
                 }
             };
+            app.shared.metrics.count_request(path, status);
             app.log("POST", path, status, TokenCounts { prompt, generated }, arrived);
         });
         let body = futures_util::stream::unfold(received, |mut received| async move {
             received.recv().await.map(|event| (Ok::<_, std::convert::Infallible>(event), received))
         });
-        let mut response = Sse::new(body).into_response();
+        // A comment line whenever no chunk went out for a while (a request
+        // waiting for room, a long prompt): a client that left is noticed
+        // at the next write, and its sequence cancelled, rather than when
+        // its first token is due.
+        let keep_alive = KeepAlive::new().interval(STREAM_KEEP_ALIVE).text("waiting");
+        let mut response = Sse::new(body).keep_alive(keep_alive).into_response();
         response.extensions_mut().insert(Streamed);
         response
     }
