@@ -328,8 +328,8 @@ fn cancel_frees_blocks_and_bad_requests_are_refused() {
 /// Sequences steered differently (a control vector at two strengths, one
 /// limited to a layer range) and one unsteered run in the same steps: each
 /// gets the ids and logits of a lone session steered the same way (or not
-/// at all). A steered sequence's blocks are never shared through the
-/// prefix cache.
+/// at all), also pre-empted and recomputed in a crowded pool. A steered
+/// sequence's blocks are never shared through the prefix cache.
 #[test]
 fn each_sequence_is_steered_its_own_way() {
     use wgspark::{ControlVector, Steering};
@@ -384,6 +384,21 @@ fn each_sequence_is_steered_its_own_way() {
             let stats = engine.stats();
             assert_eq!(stats.blocks_used, 0);
             assert_eq!(stats.prefix_hits, 0, "the unsteered sequence shares no steered block");
+            // Twice over, joining at different steps, in a pool too small for
+            // all: a pre-empted sequence is steered its own way again.
+            let twice: Vec<(usize, Request)> =
+                requests.iter().chain(&requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
+            let small = BatchOptions { kv_blocks: Some(8), ..batch_options() };
+            let mut crowded = BatchEngine::new(&model, &small).unwrap();
+            for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
+                assert_eq!(
+                    tokens(outputs),
+                    tokens(&results[i % requests.len()]),
+                    "{name}: request {i} crowded"
+                );
+            }
+            assert!(crowded.stats().preemptions > 0, "{name}: {:?}", crowded.stats());
+            assert_eq!(crowded.stats().blocks_used, 0);
         }
         // Steering made for another model is refused when the request is added.
         let model = Model::load(fixture_dir("llama_untied"), gpu).unwrap();
