@@ -414,7 +414,8 @@ fn each_sequence_is_steered_its_own_way() {
 
 /// A MoE model whose experts stream from host memory (GPU slots for the
 /// top-k only) runs the batched steps too: each sequence gets the ids of a
-/// lone session on the resident model.
+/// lone session on the resident model, also pre-empted and recomputed in a
+/// crowded pool.
 #[test]
 fn streamed_experts_run_in_the_batch() {
     use wgspark::LoadOptions;
@@ -433,6 +434,18 @@ fn streamed_experts_run_in_the_batch() {
         for (request, outputs) in requests.iter().zip(&results) {
             assert_eq!(tokens(outputs), lone_greedy(&resident, &request.prompt, 6).0, "{case}");
         }
+        // Twice over in a pool too small for all (pre-emption), joining at
+        // different steps, with the prefix cache sharing the repeats.
+        let twice: Vec<(usize, Request)> =
+            requests.iter().chain(&requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
+        let small = BatchOptions { kv_blocks: Some(12), ..batch_options() };
+        let mut crowded = BatchEngine::new(&streamed, &small).unwrap();
+        for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
+            assert_eq!(tokens(outputs), tokens(&results[i % requests.len()]), "{case}: request {i} crowded");
+        }
+        let stats = crowded.stats();
+        assert!(stats.preemptions > 0 && stats.prefix_hits > 0, "{case}: {stats:?}");
+        assert_eq!(stats.blocks_used, 0);
         let device = BatchOptions { routing: wgspark::RoutingMode::DeviceResident, ..batch_options() };
         assert!(matches!(BatchEngine::new(&streamed, &device), Err(wgspark::Error::Unsupported { .. })));
     }
