@@ -251,3 +251,80 @@ pub(crate) fn chunk_choice(job: &Job, info: &ModelInfo, piece: Piece, opening: b
     }
     choice
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reply of `pieces` as generation checks it: after each piece, if
+    /// a stop string occurs in the text so far, the text before the first
+    /// one, and the reply ends there.
+    fn cut_at_stops(pieces: &[String], stops: &[String]) -> (String, bool) {
+        let mut text = String::new();
+        for piece in pieces {
+            text += piece;
+            if let Some(at) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+                return (text[..at].to_string(), true);
+            }
+        }
+        (text, false)
+    }
+
+    /// A xorshift generator: numbers below `n`.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+
+        /// `len` characters, multibyte ones among them.
+        fn text(&mut self, len: usize) -> String {
+            let alphabet: Vec<char> = "ab é€\n".chars().collect();
+            (0..len).map(|_| alphabet[self.below(alphabet.len())]).collect()
+        }
+    }
+
+    /// Random texts pushed in random pieces: what is sent is the text up
+    /// to the first stop string found, or all of it where none occurs
+    /// (nothing lost, no part of a stop string sent).
+    #[test]
+    fn pieces_send_the_text_before_the_first_stop_string() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        for _ in 0..5000 {
+            let len = rng.below(24);
+            let text = rng.text(len);
+            let stops: Vec<String> = (0..1 + rng.below(3))
+                .map(|_| {
+                    let len = 1 + rng.below(4);
+                    rng.text(len)
+                })
+                .collect();
+            let chars: Vec<char> = text.chars().collect();
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            while at < chars.len() {
+                let end = (at + 1 + rng.below(4)).min(chars.len());
+                pieces.push(chars[at..end].iter().collect::<String>());
+                at = end;
+            }
+            let mut matcher = StopMatcher::new(stops.clone());
+            let (mut sent, mut stopped) = (String::new(), false);
+            for piece in &pieces {
+                let (sendable, found) = matcher.push(piece);
+                sent += &sendable;
+                stopped = found;
+                if found {
+                    break;
+                }
+            }
+            if !stopped {
+                sent += &matcher.finish();
+            }
+            assert_eq!((sent, stopped), cut_at_stops(&pieces, &stops), "{pieces:?} with {stops:?}");
+        }
+    }
+}
