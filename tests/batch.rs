@@ -536,9 +536,9 @@ fn prompts_with_images_run_beside_text() {
 /// small for all (pre-emption), greedy and seeded sampling, stop ids,
 /// cancels at random steps, blocks of 2 to 8 positions, and 0 to 3 steps
 /// in flight. Every sequence that is not cancelled gets its lone
-/// session's ids (cut at its stop id), a cancelled one (or one the
-/// context cut short) a beginning of them, and the pool ends with no
-/// block held.
+/// session's ids (cut at its stop id; a greedy one, its logits within
+/// 1e-4), a cancelled one (or one the context cut short) a beginning of
+/// them, and the pool ends with no block held.
 #[test]
 fn random_schedules_keep_every_sequences_ids() {
     on_each_backend(|gpu| {
@@ -573,20 +573,33 @@ fn random_schedules_keep_every_sequences_ids() {
                         _ => Sampling::Greedy,
                     };
                     let seed = 180 + i;
-                    let mut session = model.session(&lone_options()).unwrap();
-                    let lone_run = GenerateOptions { sampling, seed, max_tokens, ..Default::default() };
-                    let lone: Vec<u32> =
-                        session.generate(&text, &lone_run).unwrap().map(|id| id.unwrap()).collect();
+                    // Greedy replies come with their logits, the lone session's.
+                    let (lone, lone_logits) = match sampling {
+                        Sampling::Greedy => lone_greedy(&model, &text, max_tokens),
+                        _ => {
+                            let mut session = model.session(&lone_options()).unwrap();
+                            let run = GenerateOptions { sampling, seed, max_tokens, ..Default::default() };
+                            (session.generate(&text, &run).unwrap().map(|id| id.unwrap()).collect(), vec![])
+                        }
+                    };
+                    let return_logits = !lone_logits.is_empty();
                     // A stop id from the lone reply for a third of them.
                     let stop_tokens = if rng.below(3) == 0 {
                         vec![lone[rng.below(lone.len() as u32) as usize]]
                     } else {
                         vec![]
                     };
-                    let request = Request { max_tokens, stop_tokens, sampling, seed, ..Request::new(text) };
+                    let request = Request {
+                        max_tokens,
+                        stop_tokens,
+                        sampling,
+                        seed,
+                        return_logits,
+                        ..Request::new(text)
+                    };
                     let at = rng.below(10) as usize;
                     let cancel_at = (rng.below(4) == 0).then(|| at + rng.below(8) as usize);
-                    plan.push((at, request, lone, cancel_at));
+                    plan.push((at, request, (lone, lone_logits), cancel_at));
                 }
                 let what = format!("{name} on {:?}, schedule {schedule}", gpu.info.backend);
                 let mut ids: Vec<Option<SequenceId>> = vec![None; plan.len()];
@@ -618,7 +631,7 @@ fn random_schedules_keep_every_sequences_ids() {
                     }
                     assert!(step < 1_000, "{what}: the engine does not finish");
                 }
-                for (i, (_, request, lone, _)) in plan.iter().enumerate() {
+                for (i, (_, request, (lone, lone_logits), _)) in plan.iter().enumerate() {
                     let Some(id) = ids[i] else { continue };
                     let outs = outputs.get(&id).map_or(&[][..], |o| o.as_slice());
                     let got = tokens(outs);
@@ -634,6 +647,10 @@ fn random_schedules_keep_every_sequences_ids() {
                             assert!(want.starts_with(&got), "{what}, request {i}: {got:?} of {want:?}")
                         }
                         false => assert_eq!(got, want, "{what}, request {i}"),
+                    }
+                    for (k, (out, row)) in outs.iter().zip(lone_logits).enumerate() {
+                        let err = max_abs_diff(out.logits.as_ref().unwrap(), row);
+                        assert!(err <= 1e-4, "{what}, request {i}: token {k} logits {err}");
                     }
                 }
                 let stats = engine.stats();
