@@ -667,6 +667,30 @@ fn a_field_of_the_wrong_type_is_refused() {
     assert_refused(s, answer, 400, "temperature", Some("temperature"));
     let answer = s.post("/v1/completions", &json!({"prompt": 12}));
     assert_refused(s, answer, 400, "prompt", Some("prompt"));
+    // What a field that takes several forms takes, named.
+    for prompt in [json!([-1]), json!([4_294_967_296u64]), json!([1.5]), json!([null])] {
+        let answer = s.post("/v1/completions", &json!({ "prompt": prompt }));
+        assert_refused(s, answer, 400, "a list of token ids", Some("prompt"));
+    }
+    let answer = s.post("/v1/completions", &json!({"prompt": "Hi", "stop": [1]}));
+    assert_refused(s, answer, 400, "a string or a list of strings", Some("stop"));
+    let part = json!({"messages": [{"role": "user", "content": [{"type": "audio", "data": "x"}]}]});
+    let answer = s.post("/v1/chat/completions", &part);
+    assert_refused(s, answer, 400, "a list of parts", Some("messages[0].content"));
+}
+
+#[test]
+fn a_system_or_user_message_without_content_is_refused() {
+    let s = refusing_server();
+    for content in [None, Some(Value::Null)] {
+        let mut message = json!({"role": "user"});
+        if let Some(c) = content {
+            message["content"] = c;
+        }
+        let body = json!({"messages": [{"role": "system", "content": "Be brief."}, message]});
+        let answer = s.post("/v1/chat/completions", &body);
+        assert_refused(s, answer, 400, "needs content", Some("messages[1].content"));
+    }
 }
 
 #[test]
@@ -732,6 +756,11 @@ fn temperature_and_top_p_out_of_range_are_refused() {
     assert_refused(s, answer, 400, "temperature", Some("temperature"));
     let answer = s.post("/v1/chat/completions", &chat_with(json!({"temperature": 1, "top_p": 0})));
     assert_refused(s, answer, 400, "top_p", Some("top_p"));
+    // Checked as sent, not as f32 rounds them.
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"temperature": 2.0000001})));
+    assert_refused(s, answer, 400, "2.0000001", Some("temperature"));
+    let answer = s.post("/v1/chat/completions", &chat_with(json!({"top_p": 1.00000001})));
+    assert_refused(s, answer, 400, "1.00000001", Some("top_p"));
     let answer = s.post("/v1/chat/completions", &chat_with(json!({"logprobs": true, "top_logprobs": 21})));
     assert_refused(s, answer, 400, "top_logprobs", Some("top_logprobs"));
 }
@@ -766,10 +795,20 @@ fn fields_the_server_cannot_honour_are_refused() {
         ("logit_bias", json!({"50": 10})),
         ("modalities", json!(["text", "audio"])),
         ("audio", json!({"voice": "alloy", "format": "wav"})),
+        ("response_format", json!({"type": "text", "json_schema": {"type": "object"}})),
+        ("suffix", json!("end")),
+        ("best_of", json!(2)),
+        ("echo", json!(true)),
     ] {
-        let answer = s.post("/v1/chat/completions", &chat_with(json!({ field: value })));
+        // On both endpoints: each is OpenAI's on one of them.
+        let answer = s.post("/v1/chat/completions", &chat_with(json!({ field: value.clone() })));
+        assert_refused(s, answer, 400, field, Some(field));
+        let answer = s.post("/v1/completions", &json!({"prompt": "Hi", field: value}));
         assert_refused(s, answer, 400, field, Some(field));
     }
+    // Chat's alternatives field on a completion, which asks with logprobs: N.
+    let answer = s.post("/v1/completions", &json!({"prompt": "Hi", "top_logprobs": 5}));
+    assert_refused(s, answer, 400, "logprobs: N", Some("top_logprobs"));
     let call = json!([{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
     let body = json!({"messages": [
         {"role": "user", "content": "Hi"},
@@ -816,7 +855,8 @@ fn fields_the_server_cannot_honour_are_refused() {
     assert_eq!(answer.status, 200, "{}", answer.body);
     let answer = server.post(
         "/v1/completions",
-        &json!({"prompt": "Hi", "max_tokens": 2, "suffix": "", "best_of": 1, "logit_bias": null}),
+        &json!({"prompt": "Hi", "max_tokens": 2, "suffix": "", "best_of": 1, "logit_bias": null,
+            "tools": [], "response_format": {"type": "text"}, "echo": false, "top_logprobs": null}),
     );
     assert_eq!(answer.status, 200, "{}", answer.body);
     let neutral = json!({"min_p": 0.0, "typical_p": 1, "tfs_z": 1.0, "top_a": 0, "repetition_penalty": 1.0,

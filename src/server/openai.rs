@@ -132,7 +132,7 @@ pub(crate) fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 enum Stop {
     One(String),
     Many(Vec<String>),
@@ -163,14 +163,14 @@ struct CommonFields {
     stream_options: Option<StreamOptions>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
     top_k: Option<i64>,
     seed: Option<i64>,
     stop: Option<Stop>,
     n: Option<u64>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
     return_token_ids: Option<bool>,
     ignore_eos: Option<bool>,
     control_vectors: Option<Vec<ControlVectorUse>>,
@@ -204,7 +204,10 @@ impl Role {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, or a list of parts {\"type\": \"text\", \"text\": ...} and {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}"
+)]
 enum Content {
     Text(String),
     Parts(Vec<Part>),
@@ -231,7 +234,10 @@ struct ChatFields {
 
 /// A completion's prompt: text, token ids, or a list of one of them.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of token ids (integers from 0 to 4294967295), or a list of one of them"
+)]
 enum Prompt {
     Text(String),
     Ids(Vec<u32>),
@@ -364,7 +370,9 @@ pub(crate) fn completion_job(body: &Value, info: &ModelInfo) -> Result<Job, ApiE
 /// and ignored, as `model` is.
 type Unhonoured = (&'static str, &'static str, fn(&Value) -> bool);
 
-const UNHONOURED_CHAT: &[Unhonoured] = &[
+/// Refused on both endpoints: each is OpenAI's on one of them, and means
+/// the same on the other.
+const UNHONOURED: &[Unhonoured] = &[
     ("tools", "tool calling is not supported", empty_list),
     ("functions", "tool calling is not supported", empty_list),
     ("tool_choice", "tool calling is not supported", no_tool_call),
@@ -373,13 +381,17 @@ const UNHONOURED_CHAT: &[Unhonoured] = &[
     ("logit_bias", "biased logits are not supported", empty_map),
     ("modalities", "only text output is supported", text_only),
     ("audio", "only text output is supported", |_| false),
-];
-
-const UNHONOURED_COMPLETION: &[Unhonoured] = &[
-    ("logit_bias", "biased logits are not supported", empty_map),
     ("suffix", "suffix (text after the insertion) is not supported", |v| v == ""),
     ("best_of", "best_of must be 1 (one candidate per request)", |v| v == 1),
+    ("echo", "echo is not supported: it must be false", |v| v == false),
 ];
+
+/// Refused on `/v1/completions` alone: chat's form of a field it has too.
+const UNHONOURED_COMPLETION: &[Unhonoured] = &[(
+    "top_logprobs",
+    "top_logprobs is chat's field: a completion asks for its alternatives with logprobs: N",
+    |_| false,
+)];
 
 /// Other servers' sampling and constrained-output extensions (llama-server's,
 /// vLLM's), refused on both endpoints where they would change the reply:
@@ -424,7 +436,7 @@ fn no_tool_call(v: &Value) -> bool {
 }
 
 fn text_format(v: &Value) -> bool {
-    v.get("type").is_some_and(|t| t == "text")
+    v.as_object().is_some_and(|format| format.len() == 1 && format.get("type").is_some_and(|t| t == "text"))
 }
 
 fn text_only(v: &Value) -> bool {
@@ -434,11 +446,11 @@ fn text_only(v: &Value) -> bool {
 /// A 400 for the first field of `body` the endpoint cannot honour (see
 /// [`Unhonoured`]), and for a chat message carrying tool calls.
 fn refuse_unhonoured(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
-    let table = match endpoint {
-        Endpoint::Chat => UNHONOURED_CHAT,
+    let own = match endpoint {
+        Endpoint::Chat => &[][..],
         Endpoint::Completion => UNHONOURED_COMPLETION,
     };
-    for &(field, why, asks_nothing) in table.iter().chain(UNHONOURED_EXTENSIONS) {
+    for &(field, why, asks_nothing) in UNHONOURED.iter().chain(own).chain(UNHONOURED_EXTENSIONS) {
         match body.get(field) {
             Some(value) if !value.is_null() && !asks_nothing(value) => {
                 return Err(ApiError::invalid(field, format!("{field}: {why}")));
@@ -470,7 +482,13 @@ fn message_content(
     info: &ModelInfo,
 ) -> Result<(String, Vec<RgbImage>), ApiError> {
     let parts = match &message.content {
-        None => return Ok((String::new(), Vec::new())),
+        // An assistant turn may have no text; a system or user one says something.
+        None if matches!(message.role, Role::Assistant) => return Ok((String::new(), Vec::new())),
+        None => {
+            let param = format!("messages[{i}].content");
+            let role = message.role.name();
+            return Err(ApiError::invalid(param.clone(), format!("{param}: a {role} message needs content")));
+        }
         Some(Content::Text(text)) => return Ok((text.clone(), Vec::new())),
         Some(Content::Parts(parts)) => parts,
     };
@@ -602,7 +620,10 @@ fn prompt_positions(prompt: &[u32], images: &[RgbImage], info: &ModelInfo) -> Re
 /// OpenAI's sampling fields: temperature 0 is greedy (top_p and top_k
 /// then have nothing to cut); `top_k` 0 or below is no cut (as llama.cpp
 /// and vLLM read it). Without a temperature, 1, as OpenAI's default.
-fn sampling(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<i64>) -> Result<Sampling, ApiError> {
+/// Ranges are checked on the values as sent, before the sampler's f32: a
+/// temperature too small for f32 is greedy, a top_p too small keeps the
+/// likeliest token alone.
+fn sampling(temperature: Option<f64>, top_p: Option<f64>, top_k: Option<i64>) -> Result<Sampling, ApiError> {
     let temperature = temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
@@ -613,10 +634,12 @@ fn sampling(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<i64>) ->
     if let Some(p) = top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
         return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {p}")));
     }
+    let temperature = temperature as f32;
     if temperature == 0.0 {
         return Ok(Sampling::Greedy);
     }
     let top_k = top_k.filter(|&k| k > 0).map(|k| k as usize);
+    let top_p = top_p.map(|p| (p as f32).max(f32::MIN_POSITIVE));
     Ok(Sampling::Random { temperature, top_k, top_p })
 }
 
