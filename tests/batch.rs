@@ -93,6 +93,28 @@ fn tokens(outputs: &[Output]) -> Vec<u32> {
     outputs.iter().map(|o| o.token).collect()
 }
 
+/// `requests` twice over, joining at steps 0 to 2 in turn, in a pool of
+/// `kv_blocks` blocks: each gets the ids of its run in `results` and the
+/// pool ends with no block held; returns the engine's stats.
+fn run_crowded(
+    model: &Model,
+    requests: &[Request],
+    results: &[Vec<Output>],
+    kv_blocks: usize,
+    what: &str,
+) -> wgspark::batch::BatchStats {
+    let twice: Vec<(usize, Request)> =
+        requests.iter().chain(requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
+    let small = BatchOptions { kv_blocks: Some(kv_blocks), ..batch_options() };
+    let mut crowded = BatchEngine::new(model, &small).unwrap();
+    for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
+        assert_eq!(tokens(outputs), tokens(&results[i % requests.len()]), "{what}: request {i} crowded");
+    }
+    let stats = crowded.stats();
+    assert_eq!(stats.blocks_used, 0, "{what}");
+    stats
+}
+
 fn check_against_lone(gpu: &Gpu, name: &str) {
     let model = Model::load(fixture_dir(name), gpu).unwrap();
     let vocab = model.config.vocab;
@@ -386,19 +408,8 @@ fn each_sequence_is_steered_its_own_way() {
             assert_eq!(stats.prefix_hits, 0, "the unsteered sequence shares no steered block");
             // Twice over, joining at different steps, in a pool too small for
             // all: a pre-empted sequence is steered its own way again.
-            let twice: Vec<(usize, Request)> =
-                requests.iter().chain(&requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
-            let small = BatchOptions { kv_blocks: Some(8), ..batch_options() };
-            let mut crowded = BatchEngine::new(&model, &small).unwrap();
-            for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
-                assert_eq!(
-                    tokens(outputs),
-                    tokens(&results[i % requests.len()]),
-                    "{name}: request {i} crowded"
-                );
-            }
-            assert!(crowded.stats().preemptions > 0, "{name}: {:?}", crowded.stats());
-            assert_eq!(crowded.stats().blocks_used, 0);
+            let stats = run_crowded(&model, &requests, &results, 8, name);
+            assert!(stats.preemptions > 0, "{name}: {stats:?}");
         }
         // Steering made for another model is refused when the request is added.
         let model = Model::load(fixture_dir("llama_untied"), gpu).unwrap();
@@ -436,16 +447,8 @@ fn streamed_experts_run_in_the_batch() {
         }
         // Twice over in a pool too small for all (pre-emption), joining at
         // different steps, with the prefix cache sharing the repeats.
-        let twice: Vec<(usize, Request)> =
-            requests.iter().chain(&requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
-        let small = BatchOptions { kv_blocks: Some(12), ..batch_options() };
-        let mut crowded = BatchEngine::new(&streamed, &small).unwrap();
-        for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
-            assert_eq!(tokens(outputs), tokens(&results[i % requests.len()]), "{case}: request {i} crowded");
-        }
-        let stats = crowded.stats();
+        let stats = run_crowded(&streamed, &requests, &results, 12, case);
         assert!(stats.preemptions > 0 && stats.prefix_hits > 0, "{case}: {stats:?}");
-        assert_eq!(stats.blocks_used, 0);
         let device = BatchOptions { routing: wgspark::RoutingMode::DeviceResident, ..batch_options() };
         assert!(matches!(BatchEngine::new(&streamed, &device), Err(wgspark::Error::Unsupported { .. })));
     }
@@ -496,19 +499,8 @@ fn prompts_with_images_run_beside_text() {
             let results = run(&mut engine, requests.iter().map(|r| (0, r.clone())).collect());
             // Twice over, joining at different steps, in a pool too small for
             // all: pre-empted image prompts are recomputed with their images.
-            let twice: Vec<(usize, Request)> =
-                requests.iter().chain(&requests).enumerate().map(|(i, r)| (i % 3, r.clone())).collect();
-            let small = BatchOptions { kv_blocks: Some(12), ..batch_options() };
-            let mut crowded = BatchEngine::new(&model, &small).unwrap();
-            for (i, outputs) in run(&mut crowded, twice).iter().enumerate() {
-                assert_eq!(
-                    tokens(outputs),
-                    tokens(&results[i % requests.len()]),
-                    "{name}: request {i} crowded"
-                );
-            }
-            assert!(crowded.stats().preemptions > 0, "{name}: {:?}", crowded.stats());
-            assert_eq!(crowded.stats().blocks_used, 0);
+            let stats = run_crowded(&model, &requests, &results, 12, name);
+            assert!(stats.preemptions > 0, "{name}: {stats:?}");
             for (request, outputs) in requests.iter().zip(&results) {
                 let parts = PromptPart::split(&request.prompt, image_token, &request.images).unwrap();
                 let mut session = model.session(&lone_options()).unwrap();
