@@ -960,6 +960,11 @@ fn attend_lanes(
     let second = cache_row(t, min(lo + slots + slot, hi - 1u)) * row_quads + head_quad;
     var k_after = k_cache[second];
     var v_after = v_cache[second];
+    // The cache row of the key that the next pass loads, its block table
+    // entry (PAGED) read a pass before that load: a load that waits on
+    // its own block table read made a 64-row batch step's decode 0.89x as
+    // fast on an NVIDIA H100.
+    var row_later = cache_row(t, min(lo + 2u * slots + slot, hi - 1u));
 
     // Whole-projection norms: the workgroup sums the token's q and k.
     var q_scale = 1.0;
@@ -1046,7 +1051,8 @@ fn attend_lanes(
             let v_quad = select(vec4<u32>(0u), select(v_next, v_own, own), in_row);
             k_next = k_after;
             v_next = v_after;
-            let after = cache_row(t, min(key + 2u * slots, hi - 1u)) * row_quads + head_quad;
+            let after = row_later * row_quads + head_quad;
+            row_later = cache_row(t, min(key + 3u * slots, hi - 1u));
             k_after = k_cache[after];
             v_after = v_cache[after];
             let valid = key < hi;
@@ -1086,6 +1092,7 @@ fn attend_lanes(
             let second = cache_row(t, min(lo + slots + slot, hi - 1u)) * row_quads + head_quad;
             k_after = k_cache[second];
             v_after = v_cache[second];
+            row_later = cache_row(t, min(lo + 2u * slots + slot, hi - 1u));
         }
 
         // The slots of a subgroup merge by shuffles ...
