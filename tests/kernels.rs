@@ -10,7 +10,7 @@ use wgspark::kernels::attention::{
     QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::bias_act::{Activation, BiasAct};
-use wgspark::kernels::gemm::{Epilogue, GroupedBuffers, PrefillPrecision};
+use wgspark::kernels::gemm::{Bias, Epilogue, GroupedBuffers, PrefillPrecision};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
 use wgspark::kernels::group_by_expert::GroupBuffers;
 use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
@@ -1321,6 +1321,40 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                         format!("gemm {tokens} x {rows} x {cols}, binding limit {limit:?}, {kernel:?}");
                     let tolerance = kernel.activation_rounding().max(1e-5) * (cols as f32).sqrt();
                     assert_close(&got, &want, tolerance, &what);
+
+                    // A linear layer's bias and activation, applied as the
+                    // outputs are written (GELU's slope is below 1.13).
+                    let bias = rng.vec(rows, 1.0);
+                    let bias_b = gpu.storage_buffer_init("bias", &bias);
+                    for activation in [Activation::None, Activation::GeluTanh, Activation::GeluErf] {
+                        let biased = Bias { buffer: &bias_b, activation };
+                        let plan = gemm.plan_biased(&gpu, &weight, biased, tokens, &step, (&xb, None), &yb);
+                        run(&gpu, &plan.unwrap(), tokens as u32);
+                        let activated: Vec<f32> = want
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &v)| {
+                                let v = v + bias[i % rows];
+                                match activation {
+                                    Activation::None => v,
+                                    Activation::GeluTanh => reference::gelu(v, true),
+                                    Activation::GeluErf => reference::gelu(v, false),
+                                }
+                            })
+                            .collect();
+                        let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
+                        assert_close(
+                            &got,
+                            &activated,
+                            1.2 * tolerance + 1e-6,
+                            &format!("{what} {activation:?}"),
+                        );
+                    }
+                    // A bias shorter than the rows is refused.
+                    let short = gpu.storage_buffer_init("bias", &bias[..rows / 2]);
+                    let short = Bias { buffer: &short, activation: Activation::None };
+                    let refused = gemm.plan_biased(&gpu, &weight, short, tokens, &step, (&xb, None), &yb);
+                    assert!(matches!(refused, Err(wgspark::Error::Unsupported { .. })), "{what}");
 
                     // The rows as gate/up pairs (parts holding whole pairs, as
                     // the loader allocates them), gated in the epilogue; odd

@@ -16,6 +16,37 @@ fn bf16x4_hi(w: vec4<u32>) -> vec4<f32> {
 // The SwiGLU gate of a gate and an up projection: silu(gate) * up,
 // silu(g) = g * sigmoid(g).
 fn swiglu(gate: f32, up: f32) -> f32 { return gate / (1.0 + exp(-gate)) * up; }
+// The activation after a linear layer's bias (bias_act, and the GEMMs'
+// BIAS epilogue): none; GELU_TANH: 0.5 v (1 + tanh(sqrt(2 / pi) (v +
+// 0.044715 v^3))) (torch's gelu approximate="tanh"); GELU_ERF: 0.5 v (1 +
+// erf(v / sqrt 2)) (the exact GELU), with erf from Numerical Recipes'
+// Chebyshev fit of erfc (fractional error below 1.2e-7 everywhere), odd
+// extension for v < 0.
+#if GELU_ERF
+fn erf(x: f32) -> f32 {
+    let z = abs(x);
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 +
+        t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 +
+        t * (-0.82215223 + t * 0.17087277))))))));
+    let erfc = t * exp(poly);
+    return select(erfc - 1.0, 1.0 - erfc, x >= 0.0);
+}
+#endif
+fn activate(v: f32) -> f32 {
+#if GELU_TANH
+    // Clamped: tanh is 1 in f32 well before 10, and some backends compute
+    // it as a ratio of exponentials that overflows to NaN.
+    let inner = clamp(0.7978845608028654 * (v + 0.044715 * v * v * v), -10.0, 10.0);
+    return 0.5 * v * (1.0 + tanh(inner));
+#else
+#if GELU_ERF
+    return 0.5 * v * (1.0 + erf(v * 0.7071067811865476));
+#else
+    return v;
+#endif
+#endif
+}
 // An f16 (the low 16 bits of h) widened in integer arithmetic, exactly,
 // subnormals, inf and NaN included: for adapters whose shaders lack
 // unpack2x16float.

@@ -3,6 +3,7 @@
 // or with SWIGLU, W's rows gate and up interleaved (n even a gate, n + 1
 // its up), half as many columns:
 //   Y[yrow(m), col(n) / 2] = swiglu(Y'[m, n], Y'[m, n + 1])
+// or with BIAS (dense) Y[m, col(n)] = activate(Y'[m, n] + bias[col(n)]).
 // W: [rows, cols] (one part of a possibly split tensor): bf16 (cols even),
 // or with WEIGHT_FORMAT any format of weights.wgsl (cols a multiple of 4),
 // decoded as it is staged into workgroup memory;
@@ -48,6 +49,11 @@ override W_WORDS: u32 = 8u / W_THREADS;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
 @group(0) @binding(5) var<storage, read> groups: array<u32>;
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
+#if BIAS
+// A dense product's bias, per output column (BIAS: y = activate(W x +
+// bias), activate of common.wgsl).
+@group(0) @binding(7) var<storage, read> bias: array<f32>;
+#endif
 
 // xs[kk * TILE_M / 4 + q]: tokens 4q..4q+3 of the tile at k step kk.
 // ws[kk * TILE_N / 4 + r]: weight rows 4r..4r+3 of the tile at k step kk.
@@ -248,7 +254,11 @@ fn main(
 #if SWIGLU
                 y[yrow * p.y_stride + col / 2u] = swiglu(v, acc[8u * (i / 4u) + j + 1u][i % 4u]);
 #else
+#if BIAS
+                y[yrow * p.y_stride + col] = activate(v + bias[col]);
+#else
                 y[yrow * p.y_stride + col] = v;
+#endif
 #endif
             }
         }

@@ -31,6 +31,7 @@ enable wgpu_cooperative_matrix;
 // same kernel runs far slower (kernels::gemm_coop::Tile::reads_f16).
 // Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
 // product after it to read with X_F16.
+// BIAS (dense, whole k): gemm.wgsl's bias and activation epilogue.
 // K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
 // summing one of K_SPLITS consecutive ranges of k, and write their partial
 // sums side by side, y packed [tokens, K_SPLITS, y_stride], for the
@@ -117,6 +118,10 @@ override K_SPLITS: u32 = 2u;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
 @group(0) @binding(5) var<storage, read> groups: array<u32>;
 @group(0) @binding(6) var<storage, read> pairs: array<u32>;
+#if BIAS
+// gemm.wgsl's BIAS (never with Y_F16, whose binding it shares).
+@group(0) @binding(7) var<storage, read> bias: array<f32>;
+#endif
 
 // xs[m * ROW + k / 4]: token m of the tile at k (row-major A);
 // ws[n * ROW + k / 4]: weight row n at k (column-major B).
@@ -506,7 +511,11 @@ fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) 
 #if K_SPLIT
             y[(yrow * K_SPLITS + t.split) * p.y_stride + col] = v;
 #else
+#if BIAS
+            y[yrow * p.y_stride + col] = activate(v + bias[col]);
+#else
             y[yrow * p.y_stride + col] = v;
+#endif
 #endif
 #endif
         }

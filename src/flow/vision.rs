@@ -1,14 +1,16 @@
 //! The vision tower's forward pass over one image's patches (Qwen3-VL),
 //! all on the GPU, one submission:
 //! ```text
-//! x  = patches @ patch_embed + b + interp(pos_embed)    GEMM, bias; embed, weighted residual
+//! x  = patches @ patch_embed + b + interp(pos_embed)    GEMM + bias; embed, weighted residual
 //! per block:
-//!   x += proj(attend(rope2d(qkv(ln1 x))))               layer norm, GEMM, bias, bidirectional attention
-//!   x += fc2(gelu(fc1(ln2 x)))                          layer norm, GEMM, bias + GELU, GEMM, bias
+//!   x += proj(attend(rope2d(qkv(ln1 x))))               layer norm, GEMM + bias, bidirectional attention
+//!   x += fc2(gelu(fc1(ln2 x)))                          layer norm, GEMM + bias + GELU, GEMM + bias
 //!   after a deepstack block j:
 //!     deep_j = fc2(gelu(fc1(ln(x as merge blocks))))    the block's patches side by side, normed together
 //! merged = fc2(gelu(fc1(ln(x) as merge blocks)))        each patch normed, then side by side
 //! ```
+//! A GEMM adds its layer's bias and activation as it writes its outputs
+//! (the GEMV, where there is no GEMM, leaves them to `bias_act`).
 //! Patches come in merge-block order (the processor's), so a merge block's
 //! rows are consecutive and a `[n, h]` buffer is `[n / m^2, m^2 h]` as it is.
 //! The learned `side x side` positions are interpolated bilinearly (corners
@@ -20,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Dispatch, Gpu};
 use crate::kernels::attention::{AttentionBindings, AttentionShape};
 use crate::kernels::bias_act::Activation;
-use crate::kernels::gemm::{Epilogue, Gemm, PrefillPrecision};
+use crate::kernels::gemm::{Bias, Gemm, PrefillPrecision};
 use crate::kernels::gemv::GemvSpec;
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows;
@@ -146,12 +148,16 @@ impl Pass<'_> {
         activation: Activation,
     ) -> Result<()> {
         let (gpu, k) = (self.gpu, self.kernels);
-        let product = if let Some(gemm) = self.gemm {
-            gemm.plan(gpu, &l.weight, Epilogue::Plain, tokens, step, x, y)?
-        } else {
-            k.gemv.plan(gpu, &GemvSpec::plain(&l.weight, x, y))?
-        };
-        for d in product {
+        // The GEMM adds the bias and activates as it writes its outputs;
+        // after the GEMV, a kernel of their own does.
+        if let Some(gemm) = self.gemm {
+            let bias = Bias { buffer: &l.bias, activation };
+            for d in gemm.plan_biased(gpu, &l.weight, bias, tokens, step, (x, None), y)? {
+                self.push(d, tokens);
+            }
+            return Ok(());
+        }
+        for d in k.gemv.plan(gpu, &GemvSpec::plain(&l.weight, x, y))? {
             self.push(d, tokens);
         }
         let bias = k.bias_act.plan(gpu, activation, l.weight.rows, tokens, &l.bias, y)?;

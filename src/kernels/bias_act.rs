@@ -35,7 +35,7 @@ impl Activation {
         }
     }
 
-    fn flags(self) -> &'static [&'static str] {
+    pub(crate) fn flags(self) -> &'static [&'static str] {
         match self {
             Activation::None => &[],
             Activation::GeluTanh => &["GELU_TANH"],

@@ -3,6 +3,7 @@
 //! matrices (`wgsl/gemm_coop.wgsl`, same parameters and bindings) where the
 //! device was opened with them.
 
+use super::bias_act::Activation;
 use super::gemm_coop;
 use crate::error::Result;
 use crate::format::WeightFormat;
@@ -141,7 +142,7 @@ impl<'b> Build<'b> {
     fn alu(
         gpu: &Gpu,
         format: WeightFormat,
-        epilogue: Epilogue,
+        (epilogue, extra_flags): (Epilogue, &[&'static str]),
         tiling: Tiling,
         shape: &Shape,
     ) -> Result<Self> {
@@ -156,6 +157,7 @@ impl<'b> Build<'b> {
         if epilogue == Epilogue::Swiglu {
             flags.push(SWIGLU);
         }
+        flags.extend(extra_flags);
         let constants = [("TILE_M", tile as f64), ("TILE_N", tile as f64)];
         let pipeline = super::pipeline(gpu, "gemm", "main", &flags, &constants)?;
         Ok(Build { pipeline, tile_tokens: tile, tile_rows: tile, x16: None, extra: vec![] })
@@ -168,7 +170,7 @@ impl<'b> Build<'b> {
     fn cooperative(
         gpu: &Gpu,
         (weight, part): (&GpuTensor, &TensorPart),
-        epilogue: Epilogue,
+        (epilogue, extra_flags): (Epilogue, &[&'static str]),
         (split, tile): (bool, Option<gemm_coop::Tile>),
         shape: &Shape,
         half: HalfCopies<'b>,
@@ -178,6 +180,7 @@ impl<'b> Build<'b> {
         if epilogue == Epilogue::Swiglu {
             flags.push(SWIGLU);
         }
+        flags.extend(extra_flags);
         // A dense product over few tokens runs in its own tile (which
         // reads the f32 rows: its staging takes two rounds).
         let few = (shape.experts == 0 && max_tokens <= gemm_coop::FEW_TOKENS)
@@ -231,16 +234,40 @@ pub enum Epilogue {
 /// The flag of builds with [`Epilogue::Swiglu`].
 pub const SWIGLU: &str = "SWIGLU";
 
+/// The flag of builds that add a bias to each output and then activate it
+/// ([`Gemm::plan_biased`]).
+pub const BIAS: &str = "BIAS";
+
+/// A linear layer's bias (one f32 per weight row) and the activation after
+/// it, which a plain dense product applies as it writes its outputs.
+#[derive(Debug, Clone, Copy)]
+pub struct Bias<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    pub activation: Activation,
+}
+
+impl Bias<'_> {
+    fn flags(activation: Activation) -> Vec<&'static str> {
+        [&[BIAS], activation.flags()].concat()
+    }
+}
+
 /// Every flag set of `gemm.wgsl` builds.
 #[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     with_epilogues(super::weight_flag_sets())
 }
 
-/// Each of `sets` plain and with [`SWIGLU`].
+/// Each of `sets` plain, with [`SWIGLU`] and with [`BIAS`] (and an
+/// activation).
 #[cfg(feature = "internals")]
 pub(crate) fn with_epilogues(sets: Vec<Vec<&'static str>>) -> Vec<Vec<&'static str>> {
-    sets.into_iter().flat_map(|flags| [flags.clone(), [flags, vec![SWIGLU]].concat()]).collect()
+    let biased = Bias::flags(Activation::GeluErf);
+    sets.into_iter()
+        .flat_map(|flags| {
+            [flags.clone(), [flags.clone(), vec![SWIGLU]].concat(), [flags, biased.clone()].concat()]
+        })
+        .collect()
 }
 
 /// The kernel that computes the products.
@@ -365,9 +392,16 @@ impl Gemm {
         params: GemmParams,
         shape: Shape,
         b: [&wgpu::Buffer; 5],
-        half: HalfCopies<'_>,
+        (half, bias): (HalfCopies<'_>, Option<Bias<'_>>),
     ) -> Result<Dispatch> {
         check_product(weight, part, epilogue, &shape)?;
+        if bias.is_some() && (epilogue != Epilogue::Plain || shape.experts > 0 || shape.k_splits > 1) {
+            return Err(crate::Error::Unsupported {
+                what: "a bias in a GEMM other than a plain dense product over all of k",
+                value: format!("{}: {epilogue:?}, {} ranges of k", weight.name, shape.k_splits),
+            });
+        }
+        let extra_flags = bias.map_or_else(Vec::new, |b| Bias::flags(b.activation));
         let kernel = match self.kernel {
             GemmKernel::Cooperative { .. } if !on_matrix_units(part, weight.cols) => {
                 GemmKernel::Alu(Tiling::Auto)
@@ -382,15 +416,26 @@ impl Gemm {
         }
         let [step, x, y, groups, pairs] = b;
         let build = match kernel {
-            GemmKernel::Alu(tiling) => Build::alu(gpu, part.format, epilogue, tiling, &shape)?,
-            GemmKernel::Cooperative { split, tile } => {
-                Build::cooperative(gpu, (weight, part), epilogue, (split, tile), &shape, half)?
+            GemmKernel::Alu(tiling) => {
+                Build::alu(gpu, part.format, (epilogue, &extra_flags), tiling, &shape)?
             }
+            GemmKernel::Cooperative { split, tile } => Build::cooperative(
+                gpu,
+                (weight, part),
+                (epilogue, &extra_flags),
+                (split, tile),
+                &shape,
+                half,
+            )?,
         };
         let params = ParamsBuffer::new(gpu, "gemm.params", &params);
         let x = build.x16.unwrap_or(x);
+        // The bias takes the binding after the common ones (which an f16
+        // copy of SwiGLU outputs takes in the builds without a bias).
+        let bias = bias.map(|b| b.buffer);
         let buffers =
-            [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &build.extra].concat();
+            [[&params.0, step, &part.buffer, x, y, groups, pairs].as_slice(), &build.extra, bias.as_slice()]
+                .concat();
         Ok(Dispatch {
             label: "gemm",
             bind_group: super::bind_reading(gpu, "gemm", &build.pipeline, part.format, &in_order(&buffers)),
@@ -450,6 +495,48 @@ impl Gemm {
         (y, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
         half: HalfCopies<'_>,
     ) -> Result<Vec<Dispatch>> {
+        let extent = (max_tokens, k_splits);
+        self.plan_parts(gpu, weight, epilogue, extent, step, x, (y, apart), (half, None))
+    }
+
+    /// `y[t] = activate(W x[t] + bias)` as [`Self::plan`] writes `W x[t]`
+    /// (its rows reading f16 copies of `x` where `x16` holds them and the
+    /// tile reads them): a linear layer with a bias, and its activation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_biased(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        bias: Bias<'_>,
+        max_tokens: usize,
+        step: &wgpu::Buffer,
+        (x, x16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+        y: &wgpu::Buffer,
+    ) -> Result<Vec<Dispatch>> {
+        let needed = 4 * weight.rows as u64;
+        if bias.buffer.size() < needed {
+            return Err(crate::Error::Unsupported {
+                what: "a GEMM bias shorter than the weight's rows",
+                value: format!("{}: {} bytes for {} rows", weight.name, bias.buffer.size(), weight.rows),
+            });
+        }
+        let half = HalfCopies { x: x16, y: None };
+        self.plan_parts(gpu, weight, Epilogue::Plain, (max_tokens, 1), step, x, (y, None), (half, Some(bias)))
+    }
+
+    /// [`Self::plan_dense`], adding `bias` where given.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_parts(
+        &self,
+        gpu: &Gpu,
+        weight: &GpuTensor,
+        epilogue: Epilogue,
+        (max_tokens, k_splits): (usize, usize),
+        step: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        (y, apart): (&wgpu::Buffer, Option<(usize, &wgpu::Buffer)>),
+        (half, bias): (HalfCopies<'_>, Option<Bias<'_>>),
+    ) -> Result<Vec<Dispatch>> {
         if half.y.is_some() && apart.is_some() {
             return Err(crate::Error::Unsupported {
                 what: "f16 copy of a GEMM's outputs written apart",
@@ -488,7 +575,7 @@ impl Gemm {
                 };
                 let g = &self.no_groups;
                 let shape = Shape { rows: part.rows, tokens: max_tokens, experts: 0, k_splits };
-                self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g], half)
+                self.dispatch(gpu, (weight, part), epilogue, params, shape, [step, x, y, g, g], (half, bias))
             })
             .collect()
     }
@@ -582,7 +669,7 @@ impl Gemm {
                 let shape =
                     Shape { rows: expert_rows, tokens: tokens_per_expert, experts: end - first, k_splits: 1 };
                 let b = [step, b.x, b.y, b.groups, b.pairs];
-                self.dispatch(gpu, (weight, part), epilogue, params, shape, b, HalfCopies::default())
+                self.dispatch(gpu, (weight, part), epilogue, params, shape, b, (HalfCopies::default(), None))
             })
             .collect()
     }
