@@ -922,10 +922,23 @@ fn layer_norm_matches_cpu() {
                 let xb = gpu.storage_buffer_init("x", &x);
                 let out = if in_place { xb.clone() } else { gpu.storage_buffer("out", n * tokens).unwrap() };
                 let rows = Rows { heads: tokens, head_stride: n, ..Rows::vector(n) };
-                run(gpu, &[norm.plan_layer_norm(gpu, &wb, &bb, 1e-6, &xb, &out, rows).unwrap()], 1);
+                // Out of place, an f16 copy of the rows too where the device has f16.
+                let out16 = (!in_place && has_f16(gpu)).then(|| {
+                    gpu.storage_buffer_bytes("out16", (n * tokens * 2).next_multiple_of(4) as u64).unwrap()
+                });
+                let d = norm.plan_layer_norm(gpu, &wb, &bb, 1e-6, &xb, (&out, out16.as_ref()), rows);
+                run(gpu, &[d.unwrap()], 1);
                 let what =
                     format!("layer norm of {tokens} rows of {n} (offset {offset}), in place {in_place}");
-                assert_close(&gpu.read_buffer(&out, n * tokens).unwrap(), &want, 2e-5, &what);
+                let got = gpu.read_buffer(&out, n * tokens).unwrap();
+                assert_close(&got, &want, 2e-5, &what);
+                if let Some(out16) = &out16 {
+                    assert_eq!(
+                        common::read_f16(gpu, out16, got.len()),
+                        common::f16_bits(&got),
+                        "{what}: f16 copy"
+                    );
+                }
             }
         }
     });
@@ -1376,6 +1389,51 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     assert_close(&got, &want, gate_tolerance, &format!("{what} swiglu"));
                 }
             }
+        }
+    }
+}
+
+/// A product large enough for the tile that reads f16 copies of its
+/// activations (the vision tower's layers), with a bias and GELU: equal to
+/// the CPU's over the f16-rounded activations (the f32 rows beside them
+/// hold NaNs). Runs where a GEMM keeps such copies (cooperative matrices in
+/// f16; CPU rasterisers have none).
+#[test]
+fn biased_gemm_reads_the_f16_copies_of_its_activations() {
+    use wgspark::kernels::gemm_coop::Tile;
+    for backend in common::backends() {
+        let gpu = Gpu::new(&GpuOptions { backend, ..Default::default() }).unwrap();
+        for kernel in Gemm::kernels(&gpu) {
+            let gemm = Gemm::with_kernel(&gpu, kernel).unwrap();
+            if !gemm.keeps_half_copies() {
+                continue;
+            }
+            let mut rng = Rng::new(31);
+            let (tokens, rows, cols) = (1024, 3072, 256);
+            let tile = Tile::reads_f16(rows, cols, tokens, &[], gpu.caps.multiprocessors);
+            assert!(tile.is_some(), "{rows} x {cols} over {tokens} tokens reads f16 copies");
+            let w = bf16_round(&rng.vec(rows * cols, 1.0));
+            let x: Vec<f32> =
+                rng.vec(tokens * cols, 1.0).iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+            let bias = rng.vec(rows, 1.0);
+            let weight = upload(&gpu, "w", rows, cols, &w);
+            let x16_bits = common::f16_bits(&x);
+            let x16_words: Vec<u32> = x16_bits.chunks(2).map(|p| p[0] as u32 | (p[1] as u32) << 16).collect();
+            let x16 = gpu.storage_buffer_init("x16", &x16_words);
+            let garbage = gpu.storage_buffer_init("x", &vec![f32::NAN; tokens * cols]);
+            let bias_b = gpu.storage_buffer_init("bias", &bias);
+            let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
+            let step = step_buffer(&gpu, 0, tokens, 1);
+            let biased = Bias { buffer: &bias_b, activation: Activation::GeluErf };
+            let plan = gemm.plan_biased(&gpu, &weight, biased, tokens, &step, (&garbage, Some(&x16)), &yb);
+            run(&gpu, &plan.unwrap(), tokens as u32);
+            let want: Vec<f32> = (0..tokens)
+                .flat_map(|t| reference::gemv(&w, rows, cols, &x[t * cols..(t + 1) * cols]))
+                .enumerate()
+                .map(|(i, v)| reference::gelu(v + bias[i % rows], false))
+                .collect();
+            let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
+            assert_close(&got, &want, 1e-4 * (cols as f32).sqrt(), &format!("{kernel:?}"));
         }
     }
 }

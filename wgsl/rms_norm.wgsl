@@ -14,8 +14,8 @@
 // output, common.wgsl), so that the add and the next projection's norm are
 // one dispatch; y holds the product, or ADD_PARTS partial sums of it over
 // k side by side ([tokens, ADD_PARTS, n]: the GEMM's K_SPLIT).
-// OUT_F16 (RMSNorm): each value of out also goes to out16 as f16, for the
-// products on cooperative matrices that read their activations so.
+// OUT_F16: each value of out also goes to out16 as f16, for the products
+// on cooperative matrices that read their activations so.
 // w (and b): f32 [n]. One workgroup per row; WG must be a power of two.
 #if OUT_F16
 enable f16;
@@ -65,7 +65,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     }
     let scale = inverseSqrt(workgroup_sum(squares, lid.x) / n + p.eps);
     for (var i = lid.x; i < p.n; i += WG) {
-        out[row + i] = (x[row + i] - mean) * scale * w[i] + b[i];
+        let v = (x[row + i] - mean) * scale * w[i] + b[i];
+        out[row + i] = v;
+#if OUT_F16
+        out16[row + i] = f16(v);
+#endif
     }
 #else
     var squares = 0.0;

@@ -137,13 +137,14 @@ impl Pass<'_> {
         self.dispatches.push((d, tokens as u32));
     }
 
-    /// `y = x W^T + b` for `tokens` rows, then `activation`.
+    /// `y = x W^T + b` for `tokens` rows, then `activation` (the GEMM
+    /// reading `x`'s f16 copy where given and its tile reads it).
     fn linear(
         &mut self,
         l: &Linear,
         step: &wgpu::Buffer,
         tokens: usize,
-        x: &wgpu::Buffer,
+        (x, x16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         y: &wgpu::Buffer,
         activation: Activation,
     ) -> Result<()> {
@@ -152,7 +153,7 @@ impl Pass<'_> {
         // after the GEMV, a kernel of their own does.
         if let Some(gemm) = self.gemm {
             let bias = Bias { buffer: &l.bias, activation };
-            for d in gemm.plan_biased(gpu, &l.weight, bias, tokens, step, (x, None), y)? {
+            for d in gemm.plan_biased(gpu, &l.weight, bias, tokens, step, (x, x16), y)? {
                 self.push(d, tokens);
             }
             return Ok(());
@@ -165,14 +166,14 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// LayerNorm of `count` rows of `n`.
+    /// LayerNorm of `count` rows of `n` (also as f16 into `out16` where given).
     fn layer_norm(
         &mut self,
         norm: &LayerNorm,
         n: usize,
         count: usize,
         x: &wgpu::Buffer,
-        out: &wgpu::Buffer,
+        out: (&wgpu::Buffer, Option<&wgpu::Buffer>),
     ) -> Result<()> {
         let rows = Rows { heads: count, head_stride: n, ..Rows::vector(n) };
         let d = self.kernels.rms_norm.plan_layer_norm(
@@ -211,12 +212,12 @@ impl Pass<'_> {
         let tokens = n / (v.merge_size * v.merge_size);
         let [normed, hidden] = scratch;
         if side_by_side {
-            self.layer_norm(&m.norm, v.merged_width(), tokens, x, normed)?;
+            self.layer_norm(&m.norm, v.merged_width(), tokens, x, (normed, None))?;
         } else {
-            self.layer_norm(&m.norm, v.hidden, n, x, normed)?;
+            self.layer_norm(&m.norm, v.hidden, n, x, (normed, None))?;
         }
-        self.linear(&m.fc1, step, tokens, normed, hidden, Activation::GeluErf)?;
-        self.linear(&m.fc2, step, tokens, hidden, out, Activation::None)
+        self.linear(&m.fc1, step, tokens, (normed, None), hidden, Activation::GeluErf)?;
+        self.linear(&m.fc2, step, tokens, (hidden, None), out, Activation::None)
     }
 }
 
@@ -309,15 +310,21 @@ fn plan_image(
         .collect::<Result<_>>()?;
     let (step, merged_step) = (step_buffer(gpu, n), step_buffer(gpu, tokens));
 
+    // f16 copies of the blocks' normed and attended rows, for GEMMs that
+    // read their activations so (where the attention writes them too).
+    let shape = attention_shape(v, gemm, kernels);
+    let copies = gemm.is_some_and(|g| g.keeps_half_copies()) && kernels.attention.chunk_writes_f16(&shape);
+    let half = |label: &str| copies.then(|| gpu.storage_buffer_bytes(label, (n * h * 2) as u64)).transpose();
+    let (normed16, attended16) = (half("vision.normed16")?, half("vision.attended16")?);
+
     let mut pass = Pass { gpu, kernels, gemm, dispatches: Vec::new() };
-    pass.linear(&w.patch_embed, &step, n, &pixels, &x, Activation::None)?;
+    pass.linear(&w.patch_embed, &step, n, (&pixels, None), &x, Activation::None)?;
     for d in kernels.embed.plan(gpu, &w.pos_embed, &ids, &taps)? {
         pass.push(d, 4 * n);
     }
     let sum = kernels.residual.plan_weighted(gpu, h, 4, &weights, &taps, &x, &LayerOutput::default())?;
     pass.push(sum, n);
 
-    let shape = attention_shape(v, gemm, kernels);
     let bindings = AttentionBindings {
         step: &step,
         qkv: &qkv,
@@ -326,19 +333,19 @@ fn plan_image(
         v_cache: &v_cache,
         out: &attended,
         values: None,
-        out16: None,
+        out16: attended16.as_ref(),
     };
     for (b, block) in w.blocks.iter().enumerate() {
-        pass.layer_norm(&block.norm1, h, n, &x, &normed)?;
-        pass.linear(&block.qkv, &step, n, &normed, &qkv, Activation::None)?;
+        pass.layer_norm(&block.norm1, h, n, &x, (&normed, normed16.as_ref()))?;
+        pass.linear(&block.qkv, &step, n, (&normed, normed16.as_ref()), &qkv, Activation::None)?;
         for d in kernels.attention.plan_bidirectional(gpu, &shape, &bindings)? {
             pass.push(d, n);
         }
-        pass.linear(&block.proj, &step, n, &attended, &out, Activation::None)?;
+        pass.linear(&block.proj, &step, n, (&attended, attended16.as_ref()), &out, Activation::None)?;
         pass.add(h, n, &out, &x)?;
-        pass.layer_norm(&block.norm2, h, n, &x, &normed)?;
-        pass.linear(&block.fc1, &step, n, &normed, &ffn, v.activation)?;
-        pass.linear(&block.fc2, &step, n, &ffn, &out, Activation::None)?;
+        pass.layer_norm(&block.norm2, h, n, &x, (&normed, normed16.as_ref()))?;
+        pass.linear(&block.fc1, &step, n, (&normed, normed16.as_ref()), &ffn, v.activation)?;
+        pass.linear(&block.fc2, &step, n, (&ffn, None), &out, Activation::None)?;
         pass.add(h, n, &out, &x)?;
         if let Some(j) = v.deepstack_layers.iter().position(|&l| l == b) {
             pass.merger(&w.deepstack[j], v, n, true, &merged_step, &x, [&normed, &attended], &deepstack[j])?;

@@ -329,8 +329,9 @@ const COPY_TILE_FIXED_ROWS: u32 = 300;
 pub const MIN_WORKGROUPS: usize = 96;
 
 /// Every flag set the flow may build: each weight format, with and
-/// without splits, plain and with SwiGLU; unsplit, also reading f16
-/// copies (plain, also split over k; with SwiGLU writing them).
+/// without splits, plain, with SwiGLU and with a bias; unsplit, also
+/// reading f16 copies (plain, also split over k; with a bias; with SwiGLU
+/// writing them).
 #[cfg(feature = "internals")]
 pub fn flag_sets() -> Vec<Vec<&'static str>> {
     let mut out = super::gemm::with_epilogues(precision_flag_sets());
@@ -338,6 +339,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
         bind_as_words(&mut flags);
         out.push([flags.clone(), vec![X_F16]].concat());
         out.push([flags.clone(), vec![X_F16, K_SPLIT]].concat());
+        out.push([flags.clone(), vec![X_F16, super::gemm::BIAS, "GELU_ERF"]].concat());
         out.push([flags.clone(), vec![X_F16, super::gemm::SWIGLU, Y_F16]].concat());
         out.push([flags, vec![super::gemm::SWIGLU, Y_F16]].concat());
     }

@@ -203,7 +203,8 @@ impl RmsNorm {
     }
 
     /// LayerNorm per row, `out = (x - mean) * rsqrt(var + eps) * w + b`
-    /// (biased variance, as torch's), f32 weight and bias of `rows.n`.
+    /// (biased variance, as torch's), f32 weight and bias of `rows.n`; each
+    /// value also to `out16` as f16 where given.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_layer_norm(
         &self,
@@ -212,14 +213,23 @@ impl RmsNorm {
         bias: &wgpu::Buffer,
         eps: f32,
         x: &wgpu::Buffer,
-        out: &wgpu::Buffer,
+        (out, out16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         rows: Rows,
     ) -> Result<Dispatch> {
-        let pipeline = super::pipeline(gpu, "rms_norm", "main", &[LAYER_NORM], &[("WG", self.wg)])?;
         let params = Self::params(gpu, eps, rows);
+        let mut flags = vec![LAYER_NORM];
+        let mut buffers = vec![
+            (0, params.0.as_entire_buffer_binding()),
+            (1, weight.as_entire_buffer_binding()),
+            (2, x.as_entire_buffer_binding()),
+            (3, out.as_entire_buffer_binding()),
+            (4, bias.as_entire_buffer_binding()),
+        ];
+        with_copy(gpu, &mut flags, &mut buffers, out16)?;
+        let pipeline = super::pipeline(gpu, "rms_norm", "main", &flags, &[("WG", self.wg)])?;
         Ok(Dispatch {
             label: "layer_norm",
-            bind_group: gpu.bind("layer_norm", &pipeline, &[&params.0, weight, x, out, bias]),
+            bind_group: gpu.bind_ranges("layer_norm", &pipeline, &buffers),
             pipeline,
             workgroups: [rows.heads as u32, 1, 1],
             tokens_per_workgroup: 1,
