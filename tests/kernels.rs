@@ -10,7 +10,7 @@ use wgspark::kernels::attention::{
     QkNormWeights, SplitScratch,
 };
 use wgspark::kernels::bias_act::{Activation, BiasAct};
-use wgspark::kernels::gemm::{Bias, Epilogue, GroupedBuffers, PrefillPrecision};
+use wgspark::kernels::gemm::{AfterBias, Bias, Epilogue, GroupedBuffers, PrefillPrecision};
 use wgspark::kernels::gemv::{GemvShape, GemvSpec, Input, Output, Rows as GemvRows};
 use wgspark::kernels::group_by_expert::GroupBuffers;
 use wgspark::kernels::residual::{CaptureTarget, LayerOutput};
@@ -1336,36 +1336,37 @@ fn gemm_matches_cpu_on_ragged_tiles_and_split_parts() {
                     assert_close(&got, &want, tolerance, &what);
 
                     // A linear layer's bias and activation, applied as the
-                    // outputs are written (GELU's slope is below 1.13).
+                    // outputs are written (GELU's slope is below 1.13) ...
                     let bias = rng.vec(rows, 1.0);
                     let bias_b = gpu.storage_buffer_init("bias", &bias);
-                    for activation in [Activation::None, Activation::GeluTanh, Activation::GeluErf] {
-                        let biased = Bias { buffer: &bias_b, activation };
+                    // Or added, with the bias, to what the outputs hold (a residual add).
+                    let held = rng.vec(tokens * rows, 1.0);
+                    let activations = [Activation::None, Activation::GeluTanh, Activation::GeluErf];
+                    let thens = activations.map(AfterBias::Activate).into_iter().chain([AfterBias::AddTo]);
+                    for then in thens {
+                        let yb = gpu.storage_buffer_init("y", &held);
+                        let biased = Bias { buffer: &bias_b, then };
                         let plan = gemm.plan_biased(&gpu, &weight, biased, tokens, &step, (&xb, None), &yb);
                         run(&gpu, &plan.unwrap(), tokens as u32);
-                        let activated: Vec<f32> = want
+                        let after: Vec<f32> = want
                             .iter()
                             .enumerate()
                             .map(|(i, &v)| {
                                 let v = v + bias[i % rows];
-                                match activation {
-                                    Activation::None => v,
-                                    Activation::GeluTanh => reference::gelu(v, true),
-                                    Activation::GeluErf => reference::gelu(v, false),
+                                match then {
+                                    AfterBias::Activate(Activation::None) => v,
+                                    AfterBias::Activate(Activation::GeluTanh) => reference::gelu(v, true),
+                                    AfterBias::Activate(Activation::GeluErf) => reference::gelu(v, false),
+                                    AfterBias::AddTo => held[i] + v,
                                 }
                             })
                             .collect();
                         let got: Vec<f32> = gpu.read_buffer(&yb, want.len()).unwrap();
-                        assert_close(
-                            &got,
-                            &activated,
-                            1.2 * tolerance + 1e-6,
-                            &format!("{what} {activation:?}"),
-                        );
+                        assert_close(&got, &after, 1.2 * tolerance + 1e-6, &format!("{what} {then:?}"));
                     }
                     // A bias shorter than the rows is refused.
                     let short = gpu.storage_buffer_init("bias", &bias[..rows / 2]);
-                    let short = Bias { buffer: &short, activation: Activation::None };
+                    let short = Bias { buffer: &short, then: AfterBias::Activate(Activation::None) };
                     let refused = gemm.plan_biased(&gpu, &weight, short, tokens, &step, (&xb, None), &yb);
                     assert!(matches!(refused, Err(wgspark::Error::Unsupported { .. })), "{what}");
 
@@ -1424,7 +1425,7 @@ fn biased_gemm_reads_the_f16_copies_of_its_activations() {
             let bias_b = gpu.storage_buffer_init("bias", &bias);
             let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
             let step = step_buffer(&gpu, 0, tokens, 1);
-            let biased = Bias { buffer: &bias_b, activation: Activation::GeluErf };
+            let biased = Bias { buffer: &bias_b, then: AfterBias::Activate(Activation::GeluErf) };
             let plan = gemm.plan_biased(&gpu, &weight, biased, tokens, &step, (&garbage, Some(&x16)), &yb);
             run(&gpu, &plan.unwrap(), tokens as u32);
             let want: Vec<f32> = (0..tokens)

@@ -3,7 +3,8 @@
 // or with SWIGLU, W's rows gate and up interleaved (n even a gate, n + 1
 // its up), half as many columns:
 //   Y[yrow(m), col(n) / 2] = swiglu(Y'[m, n], Y'[m, n + 1])
-// or with BIAS (dense) Y[m, col(n)] = activate(Y'[m, n] + bias[col(n)]).
+// or with BIAS (dense) Y[m, col(n)] = activate(Y'[m, n] + bias[col(n)]),
+// and with BIAS_ADD Y[m, col(n)] += Y'[m, n] + bias[col(n)] (a residual add).
 // W: [rows, cols] (one part of a possibly split tensor): bf16 (cols even),
 // or with WEIGHT_FORMAT any format of weights.wgsl (cols a multiple of 4),
 // decoded as it is staged into workgroup memory;
@@ -255,7 +256,11 @@ fn main(
                 y[yrow * p.y_stride + col / 2u] = swiglu(v, acc[8u * (i / 4u) + j + 1u][i % 4u]);
 #else
 #if BIAS
+#if BIAS_ADD
+                y[yrow * p.y_stride + col] += v + bias[col];
+#else
                 y[yrow * p.y_stride + col] = activate(v + bias[col]);
+#endif
 #else
                 y[yrow * p.y_stride + col] = v;
 #endif

@@ -31,7 +31,7 @@ enable wgpu_cooperative_matrix;
 // same kernel runs far slower (kernels::gemm_coop::Tile::reads_f16).
 // Y_F16 (with SWIGLU): the gated outputs also go to y16 as f16, for the
 // product after it to read with X_F16.
-// BIAS (dense, whole k): gemm.wgsl's bias and activation epilogue.
+// BIAS (dense, whole k), BIAS_ADD: gemm.wgsl's bias epilogues.
 // K_SPLIT (dense, plain outputs): K_SPLITS workgroups share each tile, each
 // summing one of K_SPLITS consecutive ranges of k, and write their partial
 // sums side by side, y packed [tokens, K_SPLITS, y_stride], for the
@@ -512,7 +512,11 @@ fn write_out(c: Acc, t: Tile, warp: u32, lane: u32, m_first: u32, n_first: u32) 
             y[(yrow * K_SPLITS + t.split) * p.y_stride + col] = v;
 #else
 #if BIAS
+#if BIAS_ADD
+            y[yrow * p.y_stride + col] += v + bias[col];
+#else
             y[yrow * p.y_stride + col] = activate(v + bias[col]);
+#endif
 #else
             y[yrow * p.y_stride + col] = v;
 #endif

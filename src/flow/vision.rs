@@ -9,8 +9,9 @@
 //!     deep_j = fc2(gelu(fc1(ln(x as merge blocks))))    the block's patches side by side, normed together
 //! merged = fc2(gelu(fc1(ln(x) as merge blocks)))        each patch normed, then side by side
 //! ```
-//! A GEMM adds its layer's bias and activation as it writes its outputs
-//! (the GEMV, where there is no GEMM, leaves them to `bias_act`).
+//! A GEMM adds its layer's bias and activation, or (proj, fc2) adds its
+//! outputs into x, as it writes them; after the GEMV, where there is no
+//! GEMM, `bias_act` and the residual add do.
 //! Patches come in merge-block order (the processor's), so a merge block's
 //! rows are consecutive and a `[n, h]` buffer is `[n / m^2, m^2 h]` as it is.
 //! The learned `side x side` positions are interpolated bilinearly (corners
@@ -22,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Dispatch, Gpu};
 use crate::kernels::attention::{AttentionBindings, AttentionShape};
 use crate::kernels::bias_act::Activation;
-use crate::kernels::gemm::{Bias, Gemm, PrefillPrecision};
+use crate::kernels::gemm::{AfterBias, Bias, Gemm, PrefillPrecision};
 use crate::kernels::gemv::GemvSpec;
 use crate::kernels::residual::LayerOutput;
 use crate::kernels::rms_norm::Rows;
@@ -148,16 +149,67 @@ impl Pass<'_> {
         y: &wgpu::Buffer,
         activation: Activation,
     ) -> Result<()> {
-        let (gpu, k) = (self.gpu, self.kernels);
         // The GEMM adds the bias and activates as it writes its outputs;
         // after the GEMV, a kernel of their own does.
         if let Some(gemm) = self.gemm {
-            let bias = Bias { buffer: &l.bias, activation };
-            for d in gemm.plan_biased(gpu, &l.weight, bias, tokens, step, (x, x16), y)? {
-                self.push(d, tokens);
-            }
-            return Ok(());
+            let bias = Bias { buffer: &l.bias, then: AfterBias::Activate(activation) };
+            return self.biased_gemm(gemm, l, bias, step, tokens, (x, x16), y);
         }
+        self.gemv_then_bias(l, tokens, x, y, activation)
+    }
+
+    /// `residual += x W^T + b` for `tokens` rows of `l.weight.rows`: in the
+    /// GEMM's outputs, or after the GEMV through `scratch`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_into_residual(
+        &mut self,
+        l: &Linear,
+        step: &wgpu::Buffer,
+        tokens: usize,
+        (x, x16): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+        residual: &wgpu::Buffer,
+        scratch: Option<&wgpu::Buffer>,
+    ) -> Result<()> {
+        if let Some(gemm) = self.gemm {
+            let bias = Bias { buffer: &l.bias, then: AfterBias::AddTo };
+            return self.biased_gemm(gemm, l, bias, step, tokens, (x, x16), residual);
+        }
+        let scratch = scratch.expect("the GEMV's outputs have a buffer where there is no GEMM");
+        self.gemv_then_bias(l, tokens, x, scratch, Activation::None)?;
+        let n = l.weight.rows;
+        let add =
+            self.kernels.residual.plan(self.gpu, n, 1.0, (scratch, 1), residual, &LayerOutput::default())?;
+        self.push(add, tokens);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn biased_gemm(
+        &mut self,
+        gemm: &Gemm,
+        l: &Linear,
+        bias: Bias<'_>,
+        step: &wgpu::Buffer,
+        tokens: usize,
+        x: (&wgpu::Buffer, Option<&wgpu::Buffer>),
+        y: &wgpu::Buffer,
+    ) -> Result<()> {
+        for d in gemm.plan_biased(self.gpu, &l.weight, bias, tokens, step, x, y)? {
+            self.push(d, tokens);
+        }
+        Ok(())
+    }
+
+    /// The GEMV's `y = x W^T` for each of `tokens` rows, then `bias_act`.
+    fn gemv_then_bias(
+        &mut self,
+        l: &Linear,
+        tokens: usize,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        activation: Activation,
+    ) -> Result<()> {
+        let (gpu, k) = (self.gpu, self.kernels);
         for d in k.gemv.plan(gpu, &GemvSpec::plain(&l.weight, x, y))? {
             self.push(d, tokens);
         }
@@ -186,12 +238,6 @@ impl Pass<'_> {
             rows,
         )?;
         self.push(d, 1);
-        Ok(())
-    }
-
-    fn add(&mut self, n: usize, tokens: usize, y: &wgpu::Buffer, x: &wgpu::Buffer) -> Result<()> {
-        let d = self.kernels.residual.plan(self.gpu, n, 1.0, (y, 1), x, &LayerOutput::default())?;
-        self.push(d, tokens);
         Ok(())
     }
 
@@ -297,7 +343,8 @@ fn plan_image(
     let normed = buffer("vision.normed", n * h)?;
     let qkv = buffer("vision.qkv", n * 3 * h)?;
     let attended = buffer("vision.attended", n * h)?;
-    let out = buffer("vision.out", n * h.max(v.out_hidden))?;
+    // The GEMV's outputs before their residual add (the GEMM adds its own).
+    let gemv_out = gemm.is_none().then(|| buffer("vision.out", n * h)).transpose()?;
     let ffn = buffer("vision.ffn", n * v.intermediate)?;
     let (k_cache, v_cache) = (buffer("vision.k", n * h)?, buffer("vision.v", n * h)?);
     let taps = buffer("vision.taps", 4 * n * h)?;
@@ -341,12 +388,17 @@ fn plan_image(
         for d in kernels.attention.plan_bidirectional(gpu, &shape, &bindings)? {
             pass.push(d, n);
         }
-        pass.linear(&block.proj, &step, n, (&attended, attended16.as_ref()), &out, Activation::None)?;
-        pass.add(h, n, &out, &x)?;
+        pass.linear_into_residual(
+            &block.proj,
+            &step,
+            n,
+            (&attended, attended16.as_ref()),
+            &x,
+            gemv_out.as_ref(),
+        )?;
         pass.layer_norm(&block.norm2, h, n, &x, (&normed, normed16.as_ref()))?;
         pass.linear(&block.fc1, &step, n, (&normed, normed16.as_ref()), &ffn, v.activation)?;
-        pass.linear(&block.fc2, &step, n, (&ffn, None), &out, Activation::None)?;
-        pass.add(h, n, &out, &x)?;
+        pass.linear_into_residual(&block.fc2, &step, n, (&ffn, None), &x, gemv_out.as_ref())?;
         if let Some(j) = v.deepstack_layers.iter().position(|&l| l == b) {
             pass.merger(&w.deepstack[j], v, n, true, &merged_step, &x, [&normed, &attended], &deepstack[j])?;
         }

@@ -237,18 +237,32 @@ pub const SWIGLU: &str = "SWIGLU";
 /// The flag of builds that add a bias to each output and then activate it
 /// ([`Gemm::plan_biased`]).
 pub const BIAS: &str = "BIAS";
+/// With [`BIAS`]: the biased outputs are added to what the output rows hold.
+pub const BIAS_ADD: &str = "BIAS_ADD";
 
-/// A linear layer's bias (one f32 per weight row) and the activation after
-/// it, which a plain dense product applies as it writes its outputs.
+/// A linear layer's bias (one f32 per weight row) and what follows it,
+/// which a plain dense product applies as it writes its outputs.
 #[derive(Debug, Clone, Copy)]
 pub struct Bias<'a> {
     pub buffer: &'a wgpu::Buffer,
-    pub activation: Activation,
+    pub then: AfterBias,
+}
+
+/// What becomes of a biased output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterBias {
+    /// `y = activation(W x + b)`.
+    Activate(Activation),
+    /// `y += W x + b`: a residual add.
+    AddTo,
 }
 
 impl Bias<'_> {
-    fn flags(activation: Activation) -> Vec<&'static str> {
-        [&[BIAS], activation.flags()].concat()
+    fn flags(then: AfterBias) -> Vec<&'static str> {
+        match then {
+            AfterBias::Activate(activation) => [&[BIAS], activation.flags()].concat(),
+            AfterBias::AddTo => vec![BIAS, BIAS_ADD],
+        }
     }
 }
 
@@ -258,14 +272,20 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
     with_epilogues(super::weight_flag_sets())
 }
 
-/// Each of `sets` plain, with [`SWIGLU`] and with [`BIAS`] (and an
-/// activation).
+/// Each of `sets` plain, with [`SWIGLU`], and with [`BIAS`] (and an
+/// activation, or [`BIAS_ADD`]).
 #[cfg(feature = "internals")]
 pub(crate) fn with_epilogues(sets: Vec<Vec<&'static str>>) -> Vec<Vec<&'static str>> {
-    let biased = Bias::flags(Activation::GeluErf);
+    let (activated, added) =
+        (Bias::flags(AfterBias::Activate(Activation::GeluErf)), Bias::flags(AfterBias::AddTo));
     sets.into_iter()
         .flat_map(|flags| {
-            [flags.clone(), [flags.clone(), vec![SWIGLU]].concat(), [flags, biased.clone()].concat()]
+            [
+                flags.clone(),
+                [flags.clone(), vec![SWIGLU]].concat(),
+                [flags.clone(), activated.clone()].concat(),
+                [flags, added.clone()].concat(),
+            ]
         })
         .collect()
 }
@@ -401,7 +421,7 @@ impl Gemm {
                 value: format!("{}: {epilogue:?}, {} ranges of k", weight.name, shape.k_splits),
             });
         }
-        let extra_flags = bias.map_or_else(Vec::new, |b| Bias::flags(b.activation));
+        let extra_flags = bias.map_or_else(Vec::new, |b| Bias::flags(b.then));
         let kernel = match self.kernel {
             GemmKernel::Cooperative { .. } if !on_matrix_units(part, weight.cols) => {
                 GemmKernel::Alu(Tiling::Auto)
@@ -499,9 +519,10 @@ impl Gemm {
         self.plan_parts(gpu, weight, epilogue, extent, step, x, (y, apart), (half, None))
     }
 
-    /// `y[t] = activate(W x[t] + bias)` as [`Self::plan`] writes `W x[t]`
-    /// (its rows reading f16 copies of `x` where `x16` holds them and the
-    /// tile reads them): a linear layer with a bias, and its activation.
+    /// `y[t] = activation(W x[t] + bias)`, or `y[t] += W x[t] + bias`
+    /// ([`AfterBias`]), as [`Self::plan`] writes `W x[t]` (its rows reading
+    /// f16 copies of `x` where `x16` holds them and the tile reads them): a
+    /// linear layer with a bias, and its activation or residual add.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_biased(
         &self,

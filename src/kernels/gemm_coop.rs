@@ -340,6 +340,7 @@ pub fn flag_sets() -> Vec<Vec<&'static str>> {
         out.push([flags.clone(), vec![X_F16]].concat());
         out.push([flags.clone(), vec![X_F16, K_SPLIT]].concat());
         out.push([flags.clone(), vec![X_F16, super::gemm::BIAS, "GELU_ERF"]].concat());
+        out.push([flags.clone(), vec![X_F16, super::gemm::BIAS, super::gemm::BIAS_ADD]].concat());
         out.push([flags.clone(), vec![X_F16, super::gemm::SWIGLU, Y_F16]].concat());
         out.push([flags, vec![super::gemm::SWIGLU, Y_F16]].concat());
     }
