@@ -1418,9 +1418,7 @@ fn biased_gemm_reads_the_f16_copies_of_its_activations() {
                 rng.vec(tokens * cols, 1.0).iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
             let bias = rng.vec(rows, 1.0);
             let weight = upload(&gpu, "w", rows, cols, &w);
-            let x16_bits = common::f16_bits(&x);
-            let x16_words: Vec<u32> = x16_bits.chunks(2).map(|p| p[0] as u32 | (p[1] as u32) << 16).collect();
-            let x16 = gpu.storage_buffer_init("x16", &x16_words);
+            let x16 = gpu.storage_buffer_init("x16", &common::f16_bits(&x));
             let garbage = gpu.storage_buffer_init("x", &vec![f32::NAN; tokens * cols]);
             let bias_b = gpu.storage_buffer_init("bias", &bias);
             let yb = gpu.storage_buffer("y", tokens * rows).unwrap();
